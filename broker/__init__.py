@@ -1,0 +1,1 @@
+"""Corral broker: reliable request-reply over ZeroMQ, and the wire protocol."""

@@ -1,0 +1,331 @@
+"""The Corral wire protocol: message kinds, framing and the msgpack codec.
+
+This module is the leaf shared by all three processes. It depends on msgpack
+and the standard library only, and never on the rest of Corral.
+
+Framing (after any ROUTER identity frame, which the socket layer strips)::
+
+    frame 0: b"CORRAL/1"          protocol name and version
+    frame 1: one byte              the message kind (``Kind``)
+    frame 2: msgpack map           routing metadata, small, always decoded
+    frame 3: bytes (optional)      the opaque application payload
+
+The broker decodes frames 0-2 only; the payload is forwarded untouched, which
+keeps its cost independent of the payload and lets the limit on a message be
+checked before anything is parsed.
+
+Invariants:
+- ``decode`` never raises anything but ``ProtocolError`` subclasses, whatever
+  the input; it never asserts.
+- ``decode(encode(m)) == m`` for every message ``m`` (property-tested).
+- Times on the wire are budgets in seconds (``budget_s``), never timestamps:
+  clocks do not cross hosts.
+
+Exception tree::
+
+    ProtocolError                 frames that are not a valid Corral message
+    ├── VersionMismatch           a peer speaks another protocol or version
+    ├── Oversized                 a message larger than the configured limit
+    ├── UnknownKind               a kind byte this version does not know
+    └── MalformedMessage          missing frames, bad msgpack, bad fields
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Final, TypeAlias
+
+import msgpack
+
+PROTOCOL_NAME: Final = "CORRAL"
+PROTOCOL_VERSION: Final = 1
+HEADER: Final = f"{PROTOCOL_NAME}/{PROTOCOL_VERSION}".encode()
+DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+# Metadata maps are small by construction; a large one is an attack or a bug.
+MAX_META_BYTES: Final = 64 * 1024
+MAX_ID_CHARS: Final = 256
+MAX_TEXT_CHARS: Final = 8192
+
+
+class ProtocolError(Exception):
+    """Frames that do not form a valid Corral message."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol, or another version of ours."""
+
+
+class Oversized(ProtocolError):
+    """The message is larger than the receiver's configured limit."""
+
+
+class UnknownKind(ProtocolError):
+    """The kind byte is not one this protocol version defines."""
+
+
+class MalformedMessage(ProtocolError):
+    """Frames are missing, the metadata does not decode, or a field is wrong."""
+
+
+class Kind(IntEnum):
+    """Message kinds. Direction is noted as sender → receiver."""
+
+    READY = 1  # worker → broker: register services and capacity
+    HEARTBEAT = 2  # both ways, every peer
+    DISCONNECT = 3  # worker/client → broker: leaving; broker → worker: re-register
+    REQUEST = 4  # client → broker → worker
+    CANCEL = 5  # client → broker → worker
+    PARTIAL = 6  # worker → broker → client: a streamed chunk, in order
+    REPLY = 7  # worker → broker → client: the final answer
+    FAILURE = 8  # worker/broker → client: the final answer, as a failure
+    STATUS = 9  # client → broker; answered with REPLY carrying the status map
+
+
+class FailureKind:
+    """Well-known failure kinds. Applications may add their own strings."""
+
+    TIMEOUT = "timeout"  # the request's budget ran out
+    WORKER_LOST = "worker_lost"  # the worker died, hung or the broker restarted
+    CANCELLED = "cancelled"  # the client cancelled
+    OVERLOADED = "overloaded"  # the service's queue is full
+    BAD_REQUEST = "bad_request"  # the payload was rejected by the handler
+    PROTOCOL = "protocol"  # the peer speaks another protocol version
+    INTERNAL = "internal"  # a handler crashed; details stay in its local log
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    services: tuple[str, ...]
+    capacity: int = 1
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    # The sender's instance id. A broker that restarts gets a new one, which is
+    # how clients and workers notice a restart faster than by silence.
+    peer_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    request_id: str
+    service: str
+    budget_s: float
+    body: bytes = b""
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    request_id: str
+    seq: int
+    body: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    request_id: str
+    body: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failure sent as data. Tracebacks never travel; they stay in local logs."""
+
+    request_id: str
+    kind: str
+    message: str
+    retryable: bool
+    body: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    request_id: str
+
+
+Message: TypeAlias = (
+    Ready | Heartbeat | Disconnect | Request | Cancel | Partial | Reply | Failure | Status
+)
+
+
+def pack(obj: Any) -> bytes:
+    """Encode an application payload (a msgpack-friendly object)."""
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+    """Decode an application payload; raises ``MalformedMessage`` on bad bytes."""
+    if len(data) > max_bytes:
+        raise Oversized(f"payload of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises a zoo of types; translate them here
+        raise MalformedMessage(f"payload is not valid msgpack: {type(exc).__name__}") from exc
+
+
+def _kind_byte(kind: Kind) -> bytes:
+    return bytes((kind,))
+
+
+_KIND_FRAMES: Final = {k: _kind_byte(k) for k in Kind}
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Encode a message as frames (without any routing identity)."""
+    match msg:
+        case Request(request_id, service, budget_s, body, attempt):
+            return [
+                HEADER,
+                _KIND_FRAMES[Kind.REQUEST],
+                pack({"id": request_id, "svc": service, "b": budget_s, "a": attempt}),
+                body,
+            ]
+        case Partial(request_id, seq, body):
+            return [HEADER, _KIND_FRAMES[Kind.PARTIAL], pack({"id": request_id, "n": seq}), body]
+        case Reply(request_id, body):
+            return [HEADER, _KIND_FRAMES[Kind.REPLY], pack({"id": request_id}), body]
+        case Failure(request_id, kind, message, retryable, body):
+            meta = {"id": request_id, "k": kind, "m": message, "r": retryable}
+            return [HEADER, _KIND_FRAMES[Kind.FAILURE], pack(meta), body]
+        case Heartbeat(peer_id):
+            return [HEADER, _KIND_FRAMES[Kind.HEARTBEAT], pack({"p": peer_id})]
+        case Cancel(request_id):
+            return [HEADER, _KIND_FRAMES[Kind.CANCEL], pack({"id": request_id})]
+        case Ready(services, capacity, info):
+            meta = {"s": list(services), "c": capacity, "i": info}
+            return [HEADER, _KIND_FRAMES[Kind.READY], pack(meta)]
+        case Disconnect(reason):
+            return [HEADER, _KIND_FRAMES[Kind.DISCONNECT], pack({"r": reason})]
+        case Status(request_id):
+            return [HEADER, _KIND_FRAMES[Kind.STATUS], pack({"id": request_id})]
+    raise TypeError(f"not a protocol message: {type(msg).__name__}")  # pragma: no cover
+
+
+def check_header(frame: bytes) -> None:
+    """Raise ``VersionMismatch`` with a readable reason unless ``frame`` is ours."""
+    if frame == HEADER:
+        return
+    name, _, version = bytes(frame[:64]).partition(b"/")
+    if name == PROTOCOL_NAME.encode():
+        raise VersionMismatch(
+            f"peer speaks {PROTOCOL_NAME} version {version.decode(errors='replace')!r}, "
+            f"this side speaks version {PROTOCOL_VERSION}"
+        )
+    raise VersionMismatch(
+        f"not a {PROTOCOL_NAME} peer: header {bytes(frame[:16])!r} (expected {HEADER!r})"
+    )
+
+
+def decode(
+    frames: list[bytes], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> Message:
+    """Decode frames (without routing identity) into a message.
+
+    Raises only ``ProtocolError`` subclasses, for any input.
+    """
+    if len(frames) < 3 or len(frames) > 4:
+        raise MalformedMessage(f"expected 3 or 4 frames, got {len(frames)}")
+    total = sum(len(f) for f in frames)
+    if total > max_bytes:
+        raise Oversized(f"message of {total} bytes exceeds the limit of {max_bytes}")
+    check_header(frames[0])
+    kind_frame = frames[1]
+    if len(kind_frame) != 1:
+        raise MalformedMessage("kind frame must be exactly one byte")
+    try:
+        kind = Kind(kind_frame[0])
+    except ValueError:
+        raise UnknownKind(f"unknown message kind {kind_frame[0]}") from None
+    if len(frames[2]) > MAX_META_BYTES:
+        raise Oversized(f"metadata of {len(frames[2])} bytes exceeds {MAX_META_BYTES}")
+    try:
+        meta = msgpack.unpackb(frames[2], raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise MalformedMessage(f"metadata is not valid msgpack: {type(exc).__name__}") from exc
+    if not isinstance(meta, dict):
+        raise MalformedMessage("metadata must be a map")
+    body = bytes(frames[3]) if len(frames) == 4 else b""
+    return _build(kind, meta, body)
+
+
+def _str(meta: dict[str, Any], key: str, *, limit: int = MAX_ID_CHARS, empty: bool = False) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or len(value) > limit or (not value and not empty):
+        raise MalformedMessage(f"field {key!r} must be a string of 1..{limit} characters")
+    return value
+
+
+def _int(meta: dict[str, Any], key: str, *, low: int, high: int) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise MalformedMessage(f"field {key!r} must be an integer in [{low}, {high}]")
+    return value
+
+
+def _build(kind: Kind, meta: dict[str, Any], body: bytes) -> Message:
+    if kind is Kind.REQUEST:
+        budget = meta.get("b")
+        if (
+            not isinstance(budget, int | float)
+            or isinstance(budget, bool)
+            or not math.isfinite(budget)
+            or budget < 0
+        ):
+            raise MalformedMessage("field 'b' (budget_s) must be a finite number >= 0")
+        return Request(
+            _str(meta, "id"),
+            _str(meta, "svc"),
+            float(budget),
+            body,
+            _int(meta, "a", low=1, high=1_000_000),
+        )
+    if kind is Kind.PARTIAL:
+        return Partial(_str(meta, "id"), _int(meta, "n", low=0, high=2**62), body)
+    if kind is Kind.REPLY:
+        return Reply(_str(meta, "id"), body)
+    if kind is Kind.FAILURE:
+        retryable = meta.get("r")
+        if not isinstance(retryable, bool):
+            raise MalformedMessage("field 'r' (retryable) must be a boolean")
+        return Failure(
+            _str(meta, "id"),
+            _str(meta, "k", limit=64),
+            _str(meta, "m", limit=MAX_TEXT_CHARS, empty=True),
+            retryable,
+            body,
+        )
+    if kind is Kind.HEARTBEAT:
+        return Heartbeat(_str(meta, "p", empty=True))
+    if kind is Kind.CANCEL:
+        return Cancel(_str(meta, "id"))
+    if kind is Kind.READY:
+        services = meta.get("s")
+        if (
+            not isinstance(services, list)
+            or not 1 <= len(services) <= 64
+            or not all(isinstance(s, str) and 0 < len(s) <= 64 for s in services)
+        ):
+            raise MalformedMessage("field 's' (services) must list 1..64 service names")
+        info = meta.get("i", {})
+        if not isinstance(info, dict):
+            raise MalformedMessage("field 'i' (info) must be a map")
+        return Ready(tuple(services), _int(meta, "c", low=1, high=4096), info)
+    if kind is Kind.DISCONNECT:
+        return Disconnect(_str(meta, "r", limit=MAX_TEXT_CHARS, empty=True))
+    if kind is Kind.STATUS:
+        return Status(_str(meta, "id"))
+    raise UnknownKind(f"unknown message kind {kind}")  # pragma: no cover

@@ -1,0 +1,1 @@
+"""Corral sandbox worker: model calls and sandboxed tool execution."""

@@ -1,0 +1,241 @@
+"""Public payload schemas of the worker services: ``tool`` and ``model``.
+
+This is the one module of ``sandbox_worker`` that the supervisor may import.
+It holds plain msgpack-friendly ``TypedDict`` shapes and constants, nothing
+that runs. Payloads travel as the opaque body of broker REQUEST, PARTIAL and
+REPLY messages (``broker.protocol.pack``).
+
+Conversation items are Responses-style dicts (the supervisor's neutral form):
+
+- ``{"type": "message", "role": "user"|"assistant"|"system"|"developer",
+  "content": [ContentPart, ...]}``
+- ``{"type": "function_call", "call_id", "name", "arguments": <json string>}``
+- ``{"type": "function_call_output", "call_id", "output": str, "is_error"?: bool}``
+- ``{"type": "reasoning", "text": str}``
+- ``{"type": "compaction", "summary"?: str, "encrypted_content"?: str}``
+
+Any item may carry ``"corral": {...}`` metadata (for example
+``{"kind": "pre_tool_hook"}`` or ``{"cache_breakpoint": true}``); adapters use
+what they understand and never send the ``corral`` key to a provider.
+
+Invariants:
+- API keys never appear in any shape here. A route names a credential
+  (an environment variable name on the worker), never its value.
+- Every size that can grow (output, items, arguments) is bounded by the
+  worker and reported (``truncated``) rather than silently cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal, NotRequired, TypeAlias, TypedDict
+
+SERVICE_TOOL: Final = "tool"
+SERVICE_MODEL: Final = "model"
+
+# --------------------------------------------------------------------------
+# Tool service
+# --------------------------------------------------------------------------
+
+TOOL_NAMES: Final = ("shell", "read_file", "write_file", "edit_file", "list_dir")
+# Tools whose effect may be repeated safely; only these are retried after a
+# worker is lost mid-call. Everything else becomes outcome "unknown".
+IDEMPOTENT_TOOLS: Final = frozenset({"read_file", "list_dir"})
+# Tools that cannot change the workspace; approval policies may allow them by default.
+READ_ONLY_TOOLS: Final = frozenset({"read_file", "list_dir"})
+
+Tier: TypeAlias = Literal["T0", "T1", "T2-", "T2"]
+TIER_ORDER: Final[dict[str, int]] = {"T0": 0, "T1": 1, "T2-": 2, "T2": 3}
+
+
+class ToolLimits(TypedDict, total=False):
+    wall_s: float  # wall-clock time of the call
+    cpu_s: int  # RLIMIT_CPU
+    address_space_bytes: int  # RLIMIT_AS
+    processes: int  # RLIMIT_NPROC (per sandbox uid)
+    file_size_bytes: int  # RLIMIT_FSIZE
+    open_files: int  # RLIMIT_NOFILE
+    output_bytes: int  # cap per stream (stdout, stderr); the call is killed at the cap
+    tmpfs_bytes: int  # size of the private /tmp
+
+
+class ToolPolicy(TypedDict, total=False):
+    network: bool  # a grant: the call runs without a network namespace
+    tier_min: Tier  # refuse below this tier
+    allow_unsandboxed: bool  # operator opt-in to T0; recorded on every result
+    limits: ToolLimits
+
+
+class ToolCallRequest(TypedDict):
+    """Body of a ``tool`` REQUEST."""
+
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    session_id: str
+    workspace: str  # absolute path on the worker host
+    policy: NotRequired[ToolPolicy]
+
+
+class ToolOutputChunk(TypedDict):
+    """Body of a ``tool`` PARTIAL: output while the command runs."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+class IsolationRecord(TypedDict):
+    """What isolation a call really ran under. Attached to every result."""
+
+    tier: Tier
+    filesystem: str  # e.g. "ro-system+rw-workspace", "workspace-openat2", "host"
+    network: Literal["none", "granted", "host"]
+    pid_namespace: bool
+    seccomp: bool
+    uid: int
+    limits: ToolLimits
+    degraded: list[str]  # human-readable reasons, empty when nothing is degraded
+    unsandboxed_opt_in: bool
+
+
+ToolOutcome: TypeAlias = Literal["ok", "error", "timeout", "cancelled"]
+
+
+class ToolCallResult(TypedDict):
+    """Body of a ``tool`` REPLY. Tool errors are results, not broker failures."""
+
+    call_id: str
+    tool: str
+    outcome: ToolOutcome
+    is_error: bool
+    output: str  # what the model reads
+    exit_code: int | None
+    signal: int | None
+    duration_s: float
+    stdout_bytes: int
+    stderr_bytes: int
+    truncated: bool
+    isolation: IsolationRecord
+    error_kind: NotRequired[str]  # e.g. "bad_arguments", "unknown_tool", "outside_workspace"
+
+
+class ToolSchema(TypedDict):
+    """A tool as published to the model (JSON schema of its arguments)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    idempotent: bool
+    read_only: bool
+
+
+# --------------------------------------------------------------------------
+# Model service
+# --------------------------------------------------------------------------
+
+Provider: TypeAlias = Literal["openai-responses", "openai-chat", "anthropic"]
+PROVIDERS: Final = ("openai-responses", "openai-chat", "anthropic")
+Item: TypeAlias = dict[str, Any]
+
+
+class ModelRoute(TypedDict):
+    """A resolved model route. Carries a credential *name*, never a key."""
+
+    name: str  # the route's name in the config, e.g. "main" or "alternate"
+    provider: Provider
+    model: str
+    base_url: str
+    credential_env: NotRequired[str]  # env var on the worker holding the key
+    native_compaction: NotRequired[bool]  # the provider has a compaction endpoint
+    context_window: NotRequired[int]
+    max_output_tokens: NotRequired[int]
+    connect_timeout_s: NotRequired[float]
+    read_timeout_s: NotRequired[float]
+    max_retries: NotRequired[int]
+
+
+class ModelCallRequest(TypedDict):
+    """Body of a ``model`` REQUEST."""
+
+    op: Literal["respond", "compact"]
+    route: ModelRoute
+    instructions: str  # the system prompt
+    items: list[Item]
+    tools: list[ToolSchema]
+    stream: bool
+    session_id: str
+    prompt_cache_key: NotRequired[str]
+
+
+class Usage(TypedDict):
+    input: int
+    cached_input: int
+    cache_write_input: int
+    output: int
+    reasoning_output: int
+    total: int
+
+
+def empty_usage() -> Usage:
+    return Usage(
+        input=0, cached_input=0, cache_write_input=0, output=0, reasoning_output=0, total=0
+    )
+
+
+def add_usage(a: Usage, b: Usage) -> Usage:
+    return Usage(
+        input=a["input"] + b["input"],
+        cached_input=a["cached_input"] + b["cached_input"],
+        cache_write_input=a["cache_write_input"] + b["cache_write_input"],
+        output=a["output"] + b["output"],
+        reasoning_output=a["reasoning_output"] + b["reasoning_output"],
+        total=a["total"] + b["total"],
+    )
+
+
+ModelDeltaType: TypeAlias = Literal[
+    "text_delta",  # {"text"}
+    "reasoning_delta",  # {"text"}
+    "tool_call_delta",  # {"index", "call_id"?, "name"?, "arguments_delta"}
+    "retry",  # {"attempt", "kind", "message", "delay_s", "discard_partial": bool}
+]
+
+
+class ModelDelta(TypedDict):
+    """Body of a ``model`` PARTIAL. ``retry`` with ``discard_partial`` tells the
+    supervisor to drop the deltas relayed so far for this request."""
+
+    type: ModelDeltaType
+    text: NotRequired[str]
+    index: NotRequired[int]
+    call_id: NotRequired[str]
+    name: NotRequired[str]
+    arguments_delta: NotRequired[str]
+    attempt: NotRequired[int]
+    kind: NotRequired[str]
+    message: NotRequired[str]
+    delay_s: NotRequired[float]
+    discard_partial: NotRequired[bool]
+
+
+StopReason: TypeAlias = Literal["end_turn", "tool_calls", "max_tokens", "content_filter", "other"]
+
+
+class ModelCallResult(TypedDict):
+    """Body of a ``model`` REPLY: one provider-neutral output."""
+
+    items: list[Item]  # assistant messages, reasoning, function calls, or a compaction item
+    stop_reason: StopReason
+    usage: Usage
+    provider: Provider
+    model: str
+    retries: int
+
+
+# Failure kinds of the model service (sent as broker FAILURE kind strings).
+MODEL_FAILURE_AUTH: Final = "auth"  # not retryable
+MODEL_FAILURE_BAD_REQUEST: Final = "bad_request"  # not retryable
+MODEL_FAILURE_RATE_LIMITED: Final = "rate_limited"  # retryable
+MODEL_FAILURE_SERVER: Final = "server_error"  # retryable
+MODEL_FAILURE_CONNECT: Final = "connect_error"  # retryable
+MODEL_FAILURE_TIMEOUT: Final = "timeout"  # retryable
+MODEL_FAILURE_STREAM: Final = "stream_error"  # retryable: malformed or truncated stream

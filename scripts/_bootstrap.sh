@@ -1,0 +1,37 @@
+# Sourced by scripts/demo, scripts/test and scripts/bench: makes .venv and the
+# system packages ready on a fresh machine. Idempotent and quiet when done.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$REPO/.venv"
+PY="${PYTHON:-python3}"
+
+need_apt=()
+command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+command -v setpriv >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
+[ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] || [ -e /usr/lib/aarch64-linux-gnu/libseccomp.so.2 ] \
+  || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_apt+=(libseccomp2)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing system packages: ${need_apt[*]}" >&2
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "bootstrap: missing system packages (${need_apt[*]}); install them, for example:" >&2
+    echo "  sudo apt-get install -y ${need_apt[*]}" >&2
+    echo "bootstrap: continuing; the sandbox will report a lower tier." >&2
+  fi
+fi
+
+stamp="$VENV/.corral-installed"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "bootstrap: creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+if [ ! -f "$stamp" ] || [ "$REPO/pyproject.toml" -nt "$stamp" ]; then
+  echo "bootstrap: installing corral (editable) with its test extra" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[test]"
+  touch "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"

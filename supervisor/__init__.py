@@ -1,0 +1,1 @@
+"""Corral supervisor: owns every session, their turns and their durable state."""
