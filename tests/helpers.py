@@ -8,6 +8,7 @@ kills whatever is left, by process group and by pid, and reaps it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -95,10 +96,8 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
                 os.kill(target, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def wait_until(
