@@ -73,10 +73,8 @@ class Procs:
         for proc in self.started:
             kill_tree(proc.pid)
         for proc in self.started:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - reported below
-                pass
         leaked = [p.pid for p in self.started if p.poll() is None]
         if leaked:
             raise RuntimeError(f"test processes survived cleanup: {leaked}")
