@@ -1,0 +1,153 @@
+"""The sandbox worker process: registers the ``tool`` and ``model`` services
+with the broker and serves them until told to stop.
+
+Invariants:
+- This process never runs tool code itself: the tool service starts every
+  call as a sandboxed child process tree.
+- Heartbeats are the broker worker's own task; handlers never block the loop.
+- Readiness is a handshake: one JSON line on stdout once registered
+  (``{"event": "ready", ...}``), nothing else is written to stdout.
+- SIGTERM drains: no new work, in-flight requests finish or fail within
+  ``--drain-s``, then the worker disconnects and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from broker.worker import BrokerWorker, RequestContext
+from sandbox_worker.api import SERVICE_MODEL, SERVICE_TOOL
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def handle(self, ctx: RequestContext) -> bytes: ...
+    def info(self) -> dict[str, Any]: ...
+    async def aclose(self) -> None: ...
+
+
+def _tool_module() -> Any:
+    from sandbox_worker.tools import service
+
+    return service
+
+
+def _model_module() -> Any:
+    from sandbox_worker.model import service
+
+    return service
+
+
+# Service name → module providing add_arguments, config_from_args and the class.
+SERVICE_MODULES: dict[str, tuple[Callable[[], Any], str]] = {
+    SERVICE_TOOL: (_tool_module, "ToolService"),
+    SERVICE_MODEL: (_model_module, "ModelService"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sandbox_worker",
+        description="Corral sandbox worker: serves model calls and sandboxed tool calls "
+        "for a broker. Prints one JSON ready line on stdout once registered.",
+    )
+    parser.add_argument("--broker", required=True, help="broker backend endpoint, e.g. "
+                        "ipc:///run/corral/backend or tcp://10.0.0.1:5556")
+    parser.add_argument("--services", default="tool,model",
+                        help="comma-separated services to serve (default: tool,model)")
+    parser.add_argument("--capacity", type=int, default=4,
+                        help="requests served at once by this worker (default: 4)")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.25)
+    parser.add_argument("--liveness", type=int, default=4,
+                        help="missed heartbeats before the broker counts as gone")
+    parser.add_argument("--drain-s", type=float, default=5.0,
+                        help="on SIGTERM, seconds to let in-flight work finish")
+    parser.add_argument("--log-level", default="INFO")
+    for load, _cls in SERVICE_MODULES.values():
+        with contextlib.suppress(ImportError):
+            load().add_arguments(parser)
+    return parser
+
+
+async def serve(ns: argparse.Namespace) -> int:
+    names = [s.strip() for s in ns.services.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SERVICE_MODULES]
+    if unknown or not names:
+        print(f"error: unknown service(s) {unknown}; choose from {sorted(SERVICE_MODULES)}",
+              file=sys.stderr)
+        return 2
+    services: dict[str, Service] = {}
+    for name in names:
+        load, cls_name = SERVICE_MODULES[name]
+        module = load()
+        services[name] = getattr(module, cls_name)(module.config_from_args(ns))
+    try:
+        for svc in services.values():
+            await svc.start()
+    except Exception as exc:
+        # A start-up refusal (e.g. sandbox tier below the minimum) is the
+        # operator's to fix: say what and exit non-zero, without a traceback.
+        print(f"error: {exc}", file=sys.stderr)
+        for svc in services.values():
+            await svc.aclose()
+        return 3
+    info: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    for name, svc in services.items():
+        info[name] = svc.info()
+    handlers: dict[str, Callable[[RequestContext], Awaitable[bytes]]] = {
+        name: svc.handle for name, svc in services.items()
+    }
+    worker = BrokerWorker(
+        ns.broker, handlers, capacity=ns.capacity, info=info,
+        heartbeat_interval_s=ns.heartbeat_interval_s, liveness=ns.liveness,
+    )
+
+    def ready() -> None:
+        line = {"event": "ready", "pid": os.getpid(), "services": names, "broker": ns.broker,
+                "info": info}
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            run_task = tg.create_task(worker.run(on_ready=ready))
+
+            async def stop_on_signal() -> None:
+                await stopping.wait()
+                log.info("draining for up to %.1fs", ns.drain_s)
+                await worker.stop(drain_s=ns.drain_s)
+                run_task.cancel()
+
+            stopper = tg.create_task(stop_on_signal())
+            with contextlib.suppress(asyncio.CancelledError):
+                await run_task
+            stopper.cancel()
+    finally:
+        for svc in services.values():
+            await svc.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    return asyncio.run(serve(ns))
