@@ -1,0 +1,1 @@
+"""Durable session store (SQLite via aiosqlite). See docs/storage.md."""
