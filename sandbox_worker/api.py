@@ -151,6 +151,7 @@ class ModelRoute(TypedDict):
     connect_timeout_s: NotRequired[float]
     read_timeout_s: NotRequired[float]
     max_retries: NotRequired[int]
+    script: NotRequired[str]  # a scripted provider: path of its script (see docs/models.md)
 
 
 class ModelCallRequest(TypedDict):
@@ -239,3 +240,55 @@ MODEL_FAILURE_SERVER: Final = "server_error"  # retryable
 MODEL_FAILURE_CONNECT: Final = "connect_error"  # retryable
 MODEL_FAILURE_TIMEOUT: Final = "timeout"  # retryable
 MODEL_FAILURE_STREAM: Final = "stream_error"  # retryable: malformed or truncated stream
+
+
+# --------------------------------------------------------------------------
+# Route parsing (pure: the supervisor and the CLI use it)
+# --------------------------------------------------------------------------
+
+DEFAULT_BASE_URLS: Final[dict[str, str]] = {
+    "openai-responses": "https://api.openai.com/v1",
+    "openai-chat": "https://api.openai.com/v1",
+    "anthropic": "https://api.anthropic.com",
+}
+SCRIPT_PREFIX: Final = "script:"
+
+
+def parse_route(spec: str, base_url: str | None = None, *, name: str = "main") -> ModelRoute:
+    """Parse ``PROVIDER:MODEL`` or ``script:[PROVIDER:]PATH`` into a route.
+
+    ``PROVIDER`` is one of ``PROVIDERS``. A ``script:`` route names a scripted
+    provider; its ``base_url`` is left empty unless given, because whoever starts
+    the scripted server (``sandbox_worker.fakellm.launch``) learns the URL.
+    Raises ``ValueError`` with a readable message on a bad spec.
+    """
+    spec = spec.strip()
+    if spec.startswith(SCRIPT_PREFIX):
+        rest = spec[len(SCRIPT_PREFIX):]
+        provider: str = "openai-responses"
+        head, sep, tail = rest.partition(":")
+        if sep and head in PROVIDERS:
+            provider, rest = head, tail
+        if not rest:
+            raise ValueError(f"route {spec!r}: script: needs a path")
+        route = ModelRoute(
+            name=name, provider=provider, model="scripted",  # type: ignore[typeddict-item]
+            base_url=base_url or "", script=rest,
+        )
+        if provider == "openai-responses":
+            route["native_compaction"] = True
+        return route
+    provider, sep, model = spec.partition(":")
+    if not sep or provider not in PROVIDERS or not model:
+        raise ValueError(
+            f"route {spec!r}: expected PROVIDER:MODEL with PROVIDER one of "
+            f"{', '.join(PROVIDERS)}, or script:PATH"
+        )
+    route = ModelRoute(
+        name=name, provider=provider, model=model,  # type: ignore[typeddict-item]
+        base_url=(base_url or DEFAULT_BASE_URLS[provider]).rstrip("/"),
+    )
+    # OpenAI's own Responses API has /responses/compact; compatible servers may not.
+    if provider == "openai-responses" and route["base_url"] == DEFAULT_BASE_URLS[provider]:
+        route["native_compaction"] = True
+    return route
