@@ -1,0 +1,279 @@
+"""The public asyncio client of the supervisor (used by the ``corral`` CLI).
+
+Example::
+
+    async with SupervisorClient("ipc:///home/me/.corral/supervisor.sock") as sv:
+        sid = await sv.create_session(route="main", workspace="/work/proj")
+        await sv.submit(sid, {"type": "user_input", "text": "list the files"})
+        async for event in sv.events(sid):
+            print(event["type"])
+            if event["type"] in ("turn_complete", "turn_aborted"):
+                break
+
+Invariants:
+- Every call has a deadline (``timeout_s``); a silent supervisor raises
+  ``SupervisorUnavailable`` instead of hanging the caller.
+- ``events`` never shows a sequence twice and never skips one: after a
+  supervisor restart or a dropped subscription it resubscribes from the last
+  sequence it delivered. Events without a sequence are live-only extras
+  (streamed deltas) and are passed through as they come.
+
+Exception tree::
+
+    SupervisorError(kind, message)     the supervisor answered with an error
+    └── SupervisorUnavailable          no answer within the deadline
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from supervisor import wire
+
+log = logging.getLogger(__name__)
+
+_EVENT_QUEUE_BOUND = 10_000
+
+
+class SupervisorError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+class SupervisorUnavailable(SupervisorError):
+    def __init__(self, message: str) -> None:
+        super().__init__(wire.ErrorKind.UNAVAILABLE, message)
+
+
+class _Subscription:
+    def __init__(self, session_id: str, after_sequence: int) -> None:
+        self.session_id = session_id
+        self.last_sequence = after_sequence
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(_EVENT_QUEUE_BOUND)
+        self.sub_id: int | None = None
+
+
+class SupervisorClient:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 10.0,
+        liveness_s: float = 3.0,
+        curve: dict[str, bytes] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.liveness_s = liveness_s
+        self._curve = curve
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._subs: dict[int, _Subscription] = {}
+        self._server_id: str | None = None
+        self._last_heard = time.monotonic()
+        self._last_ping = 0.0
+        self._tg: asyncio.TaskGroup | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> SupervisorClient:
+        self._connect()
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        self._reader = self._tg.create_task(self._read_loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._tg is not None:
+            await self._tg.__aexit__(None, None, None)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(SupervisorUnavailable("client closed"))
+
+    def _connect(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, os.urandom(8))
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
+        if self._curve is not None:
+            sock.curve_secretkey = self._curve["secret"]
+            sock.curve_publickey = self._curve["public"]
+            sock.curve_serverkey = self._curve["server"]
+        sock.connect(self.endpoint)
+        self._sock = sock
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        if self._sock is None:
+            raise SupervisorUnavailable("not connected")
+        await self._sock.send_multipart(wire.encode(msg))
+
+    async def call(self, name: str, timeout_s: float | None = None, **args: Any) -> Any:
+        """Make one call; raises ``SupervisorError`` or ``SupervisorUnavailable``."""
+        call_id = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = fut
+        try:
+            await self._send({"id": call_id, "call": name, "args": args})
+            async with asyncio.timeout(timeout_s or self.timeout_s):
+                return await fut
+        except TimeoutError:
+            raise SupervisorUnavailable(
+                f"no answer from the supervisor at {self.endpoint} within "
+                f"{timeout_s or self.timeout_s:.1f}s; is the farm up? (corral status)"
+            ) from None
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        poll_s = min(0.5, self.liveness_s / 3)
+        while True:
+            sock = self._sock
+            if await sock.poll(int(poll_s * 1000)):
+                while True:
+                    try:
+                        frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._last_heard = time.monotonic()
+                    try:
+                        msg = wire.decode(frames)
+                    except wire.WireError as exc:
+                        log.warning("dropped a bad message from the supervisor: %s", exc)
+                        continue
+                    await self._dispatch(msg)
+            elif time.monotonic() - self._last_heard > self.liveness_s:
+                await self._on_supervisor_lost("silent")
+                self._last_heard = time.monotonic()
+            now = time.monotonic()
+            if now - self._last_ping >= poll_s:
+                # Our liveness for the server: it drops the subscriptions of
+                # clients it has not heard from.
+                self._last_ping = now
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._send({"id": 0, "call": "ping", "args": {}})
+
+    async def _dispatch(self, msg: dict[str, Any]) -> None:
+        if "hb" in msg:
+            server_id = str(msg["hb"])
+            if self._server_id is not None and server_id != self._server_id:
+                await self._on_supervisor_lost("restarted")
+            self._server_id = server_id
+            return
+        if "sub" in msg:
+            sub = self._subs.get(msg["sub"])
+            if sub is None:
+                return
+            if "event" in msg:
+                event = msg["event"]
+                seq = event.get("sequence")
+                if isinstance(seq, int):
+                    if seq <= sub.last_sequence:
+                        return  # already delivered (resubscribe overlap)
+                    sub.last_sequence = seq
+                await sub.queue.put(event)
+            elif "end" in msg:
+                self._subs.pop(msg["sub"], None)
+                await sub.queue.put({"type": "__end__", **msg["end"]})
+            return
+        fut = self._pending.get(msg.get("id", -1))
+        if fut is None or fut.done():
+            return
+        if msg.get("ok"):
+            fut.set_result(msg.get("result"))
+        else:
+            err = msg.get("error") or {}
+            fut.set_exception(SupervisorError(str(err.get("kind", "internal")),
+                                              str(err.get("message", ""))))
+
+    async def _on_supervisor_lost(self, why: str) -> None:
+        log.info("supervisor %s; resubscribing %d subscription(s)", why, len(self._subs))
+        subs = list(self._subs.values())
+        self._subs.clear()
+        for sub in subs:
+            # Tell the iterator to resubscribe from its last sequence.
+            await sub.queue.put({"type": "__end__", "kind": "resubscribe", "message": why})
+
+    # -- convenience calls -------------------------------------------------
+
+    async def create_session(self, **spec: Any) -> str:
+        return str(await self.call("create_session", spec=spec))
+
+    async def submit(self, session_id: str, op: dict[str, Any]) -> str:
+        return str(await self.call("submit", session_id=session_id, op=op))
+
+    async def list_sessions(self, **kw: Any) -> Any:
+        return await self.call("list_sessions", **kw)
+
+    async def describe(self, session_id: str) -> Any:
+        return await self.call("describe", session_id=session_id)
+
+    async def status(self) -> Any:
+        return await self.call("status")
+
+    async def history(self, session_id: str, *, after_sequence: int = 0,
+                      limit: int = 500) -> Any:
+        return await self.call("history", session_id=session_id,
+                               after_sequence=after_sequence, limit=limit)
+
+    async def _subscribe(self, sub: _Subscription, reconnect_timeout_s: float) -> int:
+        deadline = time.monotonic() + reconnect_timeout_s
+        delay_s = 0.05
+        while True:
+            try:
+                return int(await self.call(
+                    "subscribe", timeout_s=min(self.timeout_s, 2.0),
+                    session_id=sub.session_id, after_sequence=sub.last_sequence))
+            except SupervisorUnavailable:
+                if time.monotonic() + delay_s > deadline:
+                    raise
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+
+    async def events(
+        self, session_id: str, *, after_sequence: int = 0, reconnect_timeout_s: float = 60.0
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Durable history after ``after_sequence``, then live events, forever.
+
+        Survives supervisor restarts and dropped subscriptions by resubscribing
+        from the last delivered sequence.
+        """
+        sub = _Subscription(session_id, after_sequence)
+        try:
+            while True:
+                if sub.sub_id is None:
+                    sub_id = await self._subscribe(sub, reconnect_timeout_s)
+                    sub.sub_id = sub_id
+                    self._subs[sub_id] = sub
+                event = await sub.queue.get()
+                if event.get("type") == "__end__":
+                    kind = event.get("kind")
+                    if kind in ("resubscribe", wire.ErrorKind.SLOW_CONSUMER):
+                        sub.sub_id = None
+                        continue
+                    raise SupervisorError(str(kind), str(event.get("message", "")))
+                yield event
+        finally:
+            if sub.sub_id is not None:
+                self._subs.pop(sub.sub_id, None)
+                with contextlib.suppress(SupervisorError):
+                    await self.call("unsubscribe", timeout_s=1.0, sub=sub.sub_id)

@@ -1,0 +1,301 @@
+"""The supervisor's client endpoint: serves ``supervisor.wire`` calls on a
+ZeroMQ ROUTER socket on top of a ``SessionManager``.
+
+Invariants:
+- One bad frame or call never affects other clients: every message is
+  handled inside a catch-all at this boundary, answered with a typed error.
+- Sends never block: ROUTER_MANDATORY with NOBLOCK; a client that cannot
+  keep up (high-water mark reached) loses its subscription with
+  ``slow_consumer`` and resubscribes from its last sequence.
+- Every subscription is a task owned by this server's TaskGroup and bounded
+  in number per client; a client silent for ``client_liveness_s`` has all of
+  its subscriptions cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from supervisor import wire
+from supervisor.wire import ErrorKind
+
+log = logging.getLogger(__name__)
+
+MAX_SUBSCRIPTIONS_PER_CLIENT = 256
+MAX_CLIENTS = 10_000
+
+
+class CallError(Exception):
+    """A call failed in a way the client should see, with a kind."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class Backend(Protocol):
+    """What the server needs from the supervisor (a facade over the engine)."""
+
+    async def create_session(self, spec: dict[str, Any], tenant: str | None) -> str: ...
+    async def submit(self, session_id: str, op: dict[str, Any], tenant: str | None) -> str: ...
+    def subscribe(self, session_id: str, after_sequence: int,
+                  tenant: str | None) -> Any: ...  # AsyncIterator[dict]
+    async def list_sessions(self, args: dict[str, Any], tenant: str | None) -> Any: ...
+    async def describe(self, session_id: str, tenant: str | None) -> Any: ...
+    async def history(self, session_id: str, after_sequence: int, limit: int,
+                      tenant: str | None) -> Any: ...
+    async def status(self) -> Any: ...
+
+
+@dataclasses.dataclass
+class _Client:
+    identity: bytes
+    tenant: str | None
+    last_seen: float
+    subs: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
+
+
+class ClientServer:
+    def __init__(
+        self,
+        backend: Backend,
+        endpoint: str,
+        *,
+        heartbeat_interval_s: float = 0.5,
+        client_liveness_s: float = 10.0,
+        tenant_of: Callable[[bytes], str | None] | None = None,
+        configure_socket: Callable[[zmq.Socket[Any]], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.endpoint = endpoint
+        self.bound_endpoint: str | None = None
+        self.instance_id = uuid.uuid4().hex
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.client_liveness_s = client_liveness_s
+        self._tenant_of = tenant_of
+        self._configure_socket = configure_socket
+        self._clients: dict[bytes, _Client] = {}
+        self._sub_ids = 0
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self.counters: dict[str, int] = {"calls": 0, "bad_frames": 0, "errors": 0,
+                                         "slow_consumers": 0, "expired_clients": 0}
+
+    def bind(self) -> str:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
+        if self._configure_socket is not None:
+            self._configure_socket(sock)
+        sock.bind(self.endpoint)
+        self._sock = sock
+        self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.bound_endpoint
+
+    async def run(self) -> None:
+        if self._sock is None:
+            self.bind()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(self._heartbeat_loop())
+                await self._read_loop()
+        finally:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+
+    # -- sending ----------------------------------------------------------
+
+    def _send(self, identity: bytes, msg: dict[str, Any]) -> bool:
+        """Send without blocking; False when the client is gone or saturated."""
+        if self._sock is None:
+            return False
+        try:
+            self._sock.send_multipart([identity, *wire.encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    # -- loops ------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            now = time.monotonic()
+            for client in list(self._clients.values()):
+                if now - client.last_seen > self.client_liveness_s:
+                    self._drop_client(client, "silent")
+                else:
+                    self._send(client.identity, {"hb": self.instance_id})
+
+    def _drop_client(self, client: _Client, why: str) -> None:
+        log.info("client %s %s; cancelling %d subscription(s)", client.identity.hex(), why,
+                 len(client.subs))
+        self.counters["expired_clients"] += 1
+        for task in client.subs.values():
+            task.cancel()
+        self._clients.pop(client.identity, None)
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        while True:
+            await sock.poll()
+            while True:
+                try:
+                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                await self._on_frames(frames)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.counters["bad_frames"] += 1
+            return
+        identity, rest = frames[0], frames[1:]
+        client = self._clients.get(identity)
+        if client is None:
+            if len(self._clients) >= MAX_CLIENTS:
+                self.counters["bad_frames"] += 1
+                return
+            tenant = self._tenant_of(identity) if self._tenant_of else None
+            client = _Client(identity, tenant, time.monotonic())
+            self._clients[identity] = client
+        client.last_seen = time.monotonic()
+        try:
+            msg = wire.decode(rest)
+        except wire.WireError as exc:
+            self.counters["bad_frames"] += 1
+            log.warning("bad frame from client %s: %s", identity.hex()[:16], exc)
+            return
+        try:
+            call_id, call, args = wire.parse_call(msg)
+        except wire.WireError as exc:
+            self.counters["bad_frames"] += 1
+            raw_id = msg.get("id")
+            if isinstance(raw_id, int) and not isinstance(raw_id, bool):
+                self._answer_error(identity, raw_id, ErrorKind.BAD_REQUEST, str(exc))
+            return
+        self.counters["calls"] += 1
+        if call == "ping":
+            if call_id:
+                self._send(identity, {"id": call_id, "ok": True, "result": "pong"})
+            return
+        assert self._tg is not None
+        # Calls run as tasks so a slow call never stalls the read loop.
+        self._tg.create_task(self._run_call(client, call_id, call, args))
+
+    def _answer_error(self, identity: bytes, call_id: int, kind: str, message: str) -> None:
+        self._send(identity, {"id": call_id, "ok": False,
+                              "error": {"kind": kind, "message": message}})
+
+    async def _run_call(self, client: _Client, call_id: int, call: str,
+                        args: dict[str, Any]) -> None:
+        try:
+            result = await self._dispatch(client, call, args)
+        except asyncio.CancelledError:
+            raise
+        except CallError as exc:
+            self._answer_error(client.identity, call_id, exc.kind, exc.message)
+            return
+        except Exception as exc:  # message boundary: one bad call never kills the server
+            self.counters["errors"] += 1
+            kind = getattr(exc, "kind", None)
+            if isinstance(kind, str):
+                self._answer_error(client.identity, call_id, kind, str(exc))
+            else:
+                log.exception("call %s failed", call)
+                self._answer_error(client.identity, call_id, ErrorKind.INTERNAL,
+                                   f"{type(exc).__name__}: see the supervisor log")
+            return
+        self._send(client.identity, {"id": call_id, "ok": True, "result": result})
+
+    @staticmethod
+    def _arg(args: dict[str, Any], name: str, typ: type, default: Any = ...) -> Any:
+        value = args.get(name, default)
+        if value is ... or not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
+            raise CallError(ErrorKind.BAD_REQUEST, f"argument {name!r} must be a {typ.__name__}")
+        return value
+
+    async def _dispatch(self, client: _Client, call: str, args: dict[str, Any]) -> Any:
+        b, tenant = self.backend, client.tenant
+        if call == "hello":
+            return {"instance_id": self.instance_id, "tenant": tenant}
+        if call == "create_session":
+            return await b.create_session(self._arg(args, "spec", dict), tenant)
+        if call == "submit":
+            return await b.submit(self._arg(args, "session_id", str),
+                                  self._arg(args, "op", dict), tenant)
+        if call == "subscribe":
+            return self._subscribe(client, self._arg(args, "session_id", str),
+                                   self._arg(args, "after_sequence", int, 0))
+        if call == "unsubscribe":
+            task = client.subs.pop(self._arg(args, "sub", int), None)
+            if task is not None:
+                task.cancel()
+            return True
+        if call == "list_sessions":
+            return await b.list_sessions(args, tenant)
+        if call == "describe":
+            return await b.describe(self._arg(args, "session_id", str), tenant)
+        if call == "history":
+            return await b.history(self._arg(args, "session_id", str),
+                                   self._arg(args, "after_sequence", int, 0),
+                                   min(self._arg(args, "limit", int, 500), 5000), tenant)
+        if call == "status":
+            status = await b.status()
+            status["client_endpoint"] = {"clients": len(self._clients), **self.counters}
+            return status
+        raise CallError(ErrorKind.BAD_REQUEST, f"unknown call {call!r}")  # pragma: no cover
+
+    def _subscribe(self, client: _Client, session_id: str, after_sequence: int) -> int:
+        if len(client.subs) >= MAX_SUBSCRIPTIONS_PER_CLIENT:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"at most {MAX_SUBSCRIPTIONS_PER_CLIENT} subscriptions per client")
+        # Validate eagerly so an unknown session is an error answer, not an end.
+        iterator = self.backend.subscribe(session_id, after_sequence, client.tenant)
+        self._sub_ids += 1
+        sub_id = self._sub_ids
+        assert self._tg is not None
+        client.subs[sub_id] = self._tg.create_task(self._pump(client, sub_id, iterator))
+        return sub_id
+
+    async def _pump(self, client: _Client, sub_id: int, iterator: Any) -> None:
+        end: dict[str, Any] | None = None
+        try:
+            async for event in iterator:
+                if not self._send(client.identity, {"sub": sub_id, "event": event}):
+                    self.counters["slow_consumers"] += 1
+                    end = {"kind": ErrorKind.SLOW_CONSUMER,
+                           "message": "client could not keep up; resubscribe from the last "
+                                      "sequence you saw"}
+                    return
+            end = {"kind": "closed", "message": "session closed"}
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # boundary: report to this subscriber only
+            kind = getattr(exc, "kind", ErrorKind.INTERNAL)
+            end = {"kind": str(kind), "message": str(exc)}
+        finally:
+            client.subs.pop(sub_id, None)
+            with contextlib.suppress(Exception):
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            if end is not None:
+                self._send(client.identity, {"sub": sub_id, "end": end})

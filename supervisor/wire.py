@@ -1,0 +1,88 @@
+"""The supervisor's client protocol: framing and message shapes.
+
+Clients (``supervisor.client``, the ``corral`` CLI) talk to the supervisor
+over one ZeroMQ DEALER → ROUTER connection. Each message is two frames::
+
+    frame 0: b"CORRAL-SESSIONS/1"   protocol name and version
+    frame 1: msgpack map            the message
+
+Client → supervisor: ``{"id": int, "call": str, "args": {...}}``. Calls:
+``hello``, ``ping``, ``create_session``, ``submit``, ``subscribe``,
+``unsubscribe``, ``list_sessions``, ``describe``, ``status``, ``history``.
+
+Supervisor → client:
+- a call's answer: ``{"id": int, "ok": true, "result": ...}`` or
+  ``{"id": int, "ok": false, "error": {"kind", "message"}}``;
+- a pushed event: ``{"sub": int, "event": {...EventRecord fields...}}``;
+- a subscription's end: ``{"sub": int, "end": {"kind", "message"}}``;
+- a heartbeat: ``{"hb": instance_id}``.
+
+Invariants:
+- ``decode`` raises only ``WireError`` for any input, and never asserts.
+- Error answers carry a kind from ``ErrorKind`` and a message that says what
+  to do next; tracebacks stay in the supervisor's log.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgpack
+
+HEADER: Final = b"CORRAL-SESSIONS/1"
+MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
+CALLS: Final = frozenset({
+    "hello", "ping", "create_session", "submit", "subscribe", "unsubscribe",
+    "list_sessions", "describe", "status", "history",
+})
+
+
+class ErrorKind:
+    BAD_REQUEST = "bad_request"  # malformed call or arguments
+    UNKNOWN_SESSION = "unknown_session"
+    BAD_OP = "bad_op"  # an op the session cannot take
+    FORBIDDEN = "forbidden"  # another tenant's session
+    SLOW_CONSUMER = "slow_consumer"  # subscription dropped; resubscribe from last sequence
+    UNAVAILABLE = "unavailable"  # supervisor shutting down or not ready
+    INTERNAL = "internal"
+
+
+class WireError(Exception):
+    """Frames that are not a valid client-protocol message."""
+
+
+def encode(msg: dict[str, Any]) -> list[bytes]:
+    return [HEADER, msgpack.packb(msg, use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> dict[str, Any]:
+    if len(frames) != 2:
+        raise WireError(f"expected 2 frames, got {len(frames)}")
+    if frames[0] != HEADER:
+        raise WireError(
+            f"not a {HEADER.decode()} peer (header {bytes(frames[0][:32])!r}); "
+            "check that client and supervisor are the same Corral version"
+        )
+    if len(frames[1]) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(frames[1])} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(frames[1], raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types; translate at this boundary
+        raise WireError(f"message is not valid msgpack: {type(exc).__name__}") from exc
+    if not isinstance(msg, dict):
+        raise WireError("message must be a map")
+    return msg
+
+
+def parse_call(msg: dict[str, Any]) -> tuple[int, str, dict[str, Any]]:
+    """Validate a client call; raises ``WireError`` saying what is wrong."""
+    call_id = msg.get("id")
+    if not isinstance(call_id, int) or isinstance(call_id, bool) or not 0 <= call_id < 2**62:
+        raise WireError("field 'id' must be a non-negative integer")
+    call = msg.get("call")
+    if not isinstance(call, str) or call not in CALLS:
+        raise WireError(f"unknown call {call!r}; expected one of {sorted(CALLS)}")
+    args = msg.get("args", {})
+    if not isinstance(args, dict):
+        raise WireError("field 'args' must be a map")
+    return call_id, call, args
