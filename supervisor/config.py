@@ -150,8 +150,8 @@ def parse_route(path: Path, name: str, table: dict[str, Any]) -> ModelRoute:
     for key in ("model", "base_url"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise _fail(path, f"routes.{name}.{key}", "is required (a string)")
-    route: dict[str, Any] = {"name": name, **table}
-    return ModelRoute(**route)  # type: ignore[typeddict-item]
+    route: ModelRoute = {"name": name, **table}  # type: ignore[typeddict-item]
+    return route
 
 
 def load(home: Path) -> FarmConfig:

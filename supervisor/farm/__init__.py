@@ -1,0 +1,1 @@
+"""The farm: the root process that supervises broker, supervisor and workers."""

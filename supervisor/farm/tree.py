@@ -1,0 +1,323 @@
+"""The farm's root: supervises child processes the Erlang/OTP way.
+
+Each child has a ``ChildSpec``: its argv, a restart policy, a readiness
+timeout and a shutdown timeout. Children start in order; each must print one
+JSON line ``{"event": "ready", ...}`` on stdout before the next starts
+(readiness is a handshake, never a sleep). A child that exits is restarted
+according to its policy; more than ``max_restarts`` restarts within
+``within_s`` seconds escalates: the whole tree stops and ``run`` raises
+``Escalation`` naming the child, its exit status and its log file.
+Children stop in reverse order: SIGTERM to the child's process group, the
+shutdown timeout, SIGKILL, then always a wait until reaped.
+
+Invariants:
+- The parent learns of a child's death at once (it awaits the child's exit),
+  long before any heartbeat could tell.
+- Every child is its own process group (``start_new_session``), so stopping
+  it stops everything it started; psutil sweeps any escaped descendant.
+- Every wait has a deadline; ``stop`` always returns with no child left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+Restart = Literal["permanent", "transient", "temporary"]
+MAX_READY_LINE_BYTES = 64 * 1024
+
+
+class FarmError(Exception):
+    """Base of the farm's errors."""
+
+
+class ChildFailedToStart(FarmError):
+    pass
+
+
+class Escalation(FarmError):
+    """A child restarted too often; the tree was stopped."""
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str
+    argv: list[str]
+    restart: Restart = "permanent"  # permanent: always; transient: on abnormal exit
+    ready_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 5.0
+    env: dict[str, str] | None = None
+    # Called with the previous ready line before a restart; returns the argv to
+    # use (e.g. to pin a port learned at the first start).
+    restart_argv: Callable[[dict[str, Any]], list[str]] | None = None
+
+
+@dataclass
+class ChildState:
+    spec: ChildSpec
+    proc: asyncio.subprocess.Process | None = None
+    ready: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    started_at: float = 0.0
+    last_exit: int | None = None
+    state: str = "stopped"  # starting | running | restarting | stopped | failed
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+class SupervisionTree:
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        *,
+        log_dir: Path,
+        max_restarts: int = 10,
+        within_s: float = 60.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"child names must be unique: {names}")
+        self.children = {s.name: ChildState(s) for s in specs}
+        self.log_dir = log_dir
+        self.max_restarts = max_restarts
+        self.within_s = within_s
+        self._restart_times: deque[float] = deque()
+        self._on_change = on_change or (lambda: None)
+        self._stopping = False
+        self.restart_log: deque[dict[str, Any]] = deque(maxlen=100)
+
+    # -- starting ---------------------------------------------------------
+
+    async def _spawn(self, child: ChildState, argv: list[str]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{child.spec.name}.log"
+        # A local append-only log; opening it cannot block on anything remote.
+        err = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(child.spec.env or {})},
+                start_new_session=True,
+            )
+        finally:
+            os.close(err)
+        child.state = "starting"
+        child.started_at = time.monotonic()
+        assert child.proc.stdout is not None
+        try:
+            async with asyncio.timeout(child.spec.ready_timeout_s):
+                line = await child.proc.stdout.readline()
+        except TimeoutError:
+            await self._kill(child)
+            raise ChildFailedToStart(
+                f"{child.spec.name} did not report ready within {child.spec.ready_timeout_s}s; "
+                f"see {log_path}") from None
+        try:
+            ready = json.loads(line[:MAX_READY_LINE_BYTES]) if line else None
+        except json.JSONDecodeError:
+            ready = None
+        if not isinstance(ready, dict) or ready.get("event") != "ready":
+            await self._kill(child)
+            code = child.proc.returncode if child.proc else None
+            raise ChildFailedToStart(
+                f"{child.spec.name} exited or spoke before it was ready (exit {code}); "
+                f"see {log_path}")
+        child.ready = ready
+        child.state = "running"
+        self._on_change()
+
+    async def start(self) -> None:
+        """Start every child in order, each after the previous one is ready."""
+        started: list[ChildState] = []
+        try:
+            for child in self.children.values():
+                await self._spawn(child, child.spec.argv)
+                started.append(child)
+        except BaseException:
+            for child in reversed(started):
+                await self._stop_child(child)
+            raise
+
+    # -- running ----------------------------------------------------------
+
+    async def run(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Start, then supervise until cancelled (stops the tree) or escalation."""
+        await self.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for child in self.children.values():
+                    tg.create_task(self._watch(child))
+        finally:
+            await self.stop()
+
+    async def _watch(self, child: ChildState) -> None:
+        while True:
+            proc = child.proc
+            if proc is None:
+                return
+            async with asyncio.TaskGroup() as tg:
+                # A child's stdout is only for the ready line; keep draining it
+                # so a chatty child can never block on a full pipe.
+                drain = tg.create_task(_drain(proc.stdout))
+                await _exited(proc.pid)
+                drain.cancel()
+            if self._stopping:
+                return
+            # Sweep whatever the dead child left in its process group. Only then
+            # can proc.wait() return: asyncio also waits for the stdout pipe,
+            # which a surviving grandchild would hold open.
+            _kill_group(proc.pid)
+            code: int | None = None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    code = await proc.wait()
+            child.last_exit = code
+            policy = child.spec.restart
+            if policy == "temporary" or (policy == "transient" and code == 0):
+                child.state = "stopped"
+                self._on_change()
+                return
+            await self._restart(child, _describe(code))
+
+    async def _restart(self, child: ChildState, why: str) -> None:
+        while True:
+            now = time.monotonic()
+            self._restart_times.append(now)
+            while self._restart_times and now - self._restart_times[0] > self.within_s:
+                self._restart_times.popleft()
+            if len(self._restart_times) > self.max_restarts:
+                child.state = "failed"
+                raise Escalation(
+                    f"{child.spec.name} failed ({why}) and the farm has restarted children "
+                    f"more than {self.max_restarts} times in {self.within_s:.0f}s; stopping "
+                    f"everything. See {self.log_dir / (child.spec.name + '.log')}")
+            child.restarts += 1
+            child.state = "restarting"
+            self.restart_log.append({"child": child.spec.name, "why": why,
+                                     "at": time.time(), "restarts": child.restarts})
+            log.warning("%s failed (%s); restarting (%d so far)", child.spec.name, why,
+                        child.restarts)
+            argv = (child.spec.restart_argv(child.ready) if child.spec.restart_argv
+                    else child.spec.argv)
+            try:
+                await self._spawn(child, argv)
+                return
+            except ChildFailedToStart as exc:
+                why = str(exc)
+
+    # -- stopping ---------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Stop every child in reverse start order; always returns with none left."""
+        self._stopping = True
+        for child in reversed(list(self.children.values())):
+            await self._stop_child(child)
+
+    async def _stop_child(self, child: ChildState) -> None:
+        proc = child.proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(child.spec.shutdown_timeout_s):
+                    await proc.wait()
+            except TimeoutError:
+                log.warning("%s did not stop within %.1fs; killing", child.spec.name,
+                            child.spec.shutdown_timeout_s)
+        await self._kill(child)
+        child.state = "stopped"
+        self._on_change()
+
+    async def _kill(self, child: ChildState) -> None:
+        proc = child.proc
+        if proc is None:
+            return
+        _kill_group(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await proc.wait()
+
+    def status(self) -> list[dict[str, Any]]:
+        return [
+            {"name": c.spec.name, "pid": c.pid, "state": c.state, "restarts": c.restarts,
+             "uptime_s": round(time.monotonic() - c.started_at, 1) if c.pid else None,
+             "last_exit": c.last_exit, "ready": c.ready}
+            for c in self.children.values()
+        ]
+
+
+async def _exited(pid: int) -> None:
+    """Return as soon as process ``pid`` has exited (a pidfd: no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+async def _drain(stream: asyncio.StreamReader | None) -> None:
+    if stream is None:
+        return
+    while await stream.read(65536):
+        pass
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL a process group and any descendant that left it (psutil backstop)."""
+    victims: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):
+        victims = psutil.Process(pgid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    for p in victims:
+        with contextlib.suppress(psutil.Error):
+            p.kill()

@@ -1,0 +1,115 @@
+"""The farm's supervision tree with real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor.farm.tree import ChildFailedToStart, ChildSpec, Escalation, SupervisionTree
+from tests.helpers import eventually
+
+CHILD = textwrap.dedent("""
+    import json, os, signal, subprocess, sys, time
+    name, order_file = sys.argv[1], sys.argv[2]
+    def term(*_):
+        with open(order_file, "a") as f:
+            f.write(name + "\\n")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, term)
+    if len(sys.argv) > 3 and sys.argv[3] == "grandchild":
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(json.dumps({"event": "ready", "name": name, "pid": os.getpid()}), flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def spec(tmp_path: Path, name: str, *extra: str, **kw: object) -> ChildSpec:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    return ChildSpec(name, [sys.executable, str(script), name, str(tmp_path / "order"), *extra],
+                     shutdown_timeout_s=3.0, **kw)  # type: ignore[arg-type]
+
+
+async def test_children_start_in_order_and_stop_in_reverse(tmp_path: Path) -> None:
+    tree = SupervisionTree([spec(tmp_path, n) for n in ("broker", "supervisor", "worker")],
+                           log_dir=tmp_path / "logs")
+    await tree.start()
+    pids = [c.pid for c in tree.children.values()]
+    assert all(p and psutil.pid_exists(p) for p in pids)
+    assert [c.ready["name"] for c in tree.children.values()] == ["broker", "supervisor",
+                                                                 "worker"]
+    await tree.stop()
+    assert (tmp_path / "order").read_text().split() == ["worker", "supervisor", "broker"]
+    assert not any(p and psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                   for p in pids)
+
+
+async def test_a_killed_child_is_restarted_and_grandchildren_swept(tmp_path: Path) -> None:
+    tree = SupervisionTree([spec(tmp_path, "a"), spec(tmp_path, "b", "grandchild")],
+                           log_dir=tmp_path / "logs")
+    ready = asyncio.Event()
+    task = asyncio.create_task(tree.run(on_ready=ready.set))
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        b = tree.children["b"]
+        old_pid = b.pid
+        assert old_pid is not None
+        grandchildren = psutil.Process(old_pid).children()
+        assert grandchildren
+        os.kill(old_pid, signal.SIGKILL)
+
+        async def restarted() -> bool:
+            return b.pid != old_pid and b.state == "running"
+
+        await eventually(restarted, timeout_s=20, what="child b restarted")
+        assert b.restarts == 1
+        await eventually(lambda: _gone(grandchildren[0].pid), timeout_s=10,
+                         what="the dead child's grandchild swept")
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert all(c.state == "stopped" for c in tree.children.values())
+
+
+async def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_restart_intensity_escalates_and_stops_everything(tmp_path: Path) -> None:
+    crashing = ChildSpec("crashy", [sys.executable, "-c",
+                                    "import json; print(json.dumps({'event': 'ready'}), "
+                                    "flush=True); raise SystemExit(3)"])
+    tree = SupervisionTree([spec(tmp_path, "steady"), crashing], log_dir=tmp_path / "logs",
+                           max_restarts=3, within_s=60)
+    with pytest.raises(ExceptionGroup) as info:
+        await asyncio.wait_for(tree.run(), 60)
+    escalations = info.value.subgroup(Escalation)
+    assert escalations is not None
+    message = str(escalations.exceptions[0])
+    assert "crashy" in message
+    assert "exit code 3" in message
+    steady = tree.children["steady"]
+    assert steady.proc is not None
+    assert steady.proc.returncode is not None
+
+
+async def test_a_child_that_never_gets_ready_fails_the_start_cleanly(tmp_path: Path) -> None:
+    silent = ChildSpec("silent", [sys.executable, "-c", "import time; time.sleep(600)"],
+                       ready_timeout_s=1.0)
+    tree = SupervisionTree([spec(tmp_path, "first"), silent], log_dir=tmp_path / "logs")
+    with pytest.raises(ChildFailedToStart, match="silent did not report ready"):
+        await tree.start()
+    for child in tree.children.values():
+        assert child.proc is None or child.proc.returncode is not None
