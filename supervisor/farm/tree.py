@@ -61,9 +61,13 @@ class ChildSpec:
     ready_timeout_s: float = 30.0
     shutdown_timeout_s: float = 5.0
     env: dict[str, str] | None = None
-    # Called with the previous ready line before a restart; returns the argv to
-    # use (e.g. to pin a port learned at the first start).
-    restart_argv: Callable[[dict[str, Any]], list[str]] | None = None
+    # Called before each start with the ready lines of every child started so
+    # far (its own previous one included, on a restart); returns the argv to use,
+    # e.g. to pass an URL learned from an earlier child or to pin a port.
+    dynamic_argv: Callable[[dict[str, dict[str, Any]]], list[str]] | None = None
+
+    def argv_for(self, ready: dict[str, dict[str, Any]]) -> list[str]:
+        return self.dynamic_argv(ready) if self.dynamic_argv else self.argv
 
 
 @dataclass
@@ -151,7 +155,7 @@ class SupervisionTree:
         started: list[ChildState] = []
         try:
             for child in self.children.values():
-                await self._spawn(child, child.spec.argv)
+                await self._spawn(child, child.spec.argv_for(self.ready_lines()))
                 started.append(child)
         except BaseException:
             for child in reversed(started):
@@ -219,8 +223,7 @@ class SupervisionTree:
                                      "at": time.time(), "restarts": child.restarts})
             log.warning("%s failed (%s); restarting (%d so far)", child.spec.name, why,
                         child.restarts)
-            argv = (child.spec.restart_argv(child.ready) if child.spec.restart_argv
-                    else child.spec.argv)
+            argv = child.spec.argv_for(self.ready_lines())
             try:
                 await self._spawn(child, argv)
                 return
@@ -262,6 +265,9 @@ class SupervisionTree:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(10):
                 await proc.wait()
+
+    def ready_lines(self) -> dict[str, dict[str, Any]]:
+        return {name: c.ready for name, c in self.children.items() if c.ready}
 
     def status(self) -> list[dict[str, Any]]:
         return [

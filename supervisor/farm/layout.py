@@ -1,0 +1,167 @@
+"""Where a farm keeps its files, and the child specs that make it up.
+
+A farm lives in a home directory::
+
+    HOME/corral.toml      configuration (a commented default on first run)
+    HOME/corral.db        the supervisor's SQLite store (WAL)
+    HOME/farm.json        endpoints, pids and versions of the running farm
+    HOME/logs/NAME.log    one log per child process
+    HOME/exports/         the default export sink
+    RUN/                  ipc sockets (HOME/run, or a short /tmp path when
+                          HOME is too deep for a unix socket path)
+
+Invariants:
+- Endpoints are fixed per home (ipc paths), so a restarted child binds the
+  same address and its peers reconnect without being told.
+- The scripted provider's port is learned at its first start and pinned for
+  its restarts, for the same reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import FarmConfig
+from supervisor.farm.tree import ChildSpec
+
+MAX_IPC_PATH = 90  # sun_path is 108 bytes; leave room for the socket names
+
+
+@dataclass(frozen=True)
+class FarmPaths:
+    home: Path
+    run: Path
+
+    @classmethod
+    def of(cls, home: Path) -> FarmPaths:
+        home = home.resolve()
+        run = home / "run"
+        if len(str(run)) > MAX_IPC_PATH - 20:
+            digest = hashlib.sha256(str(home).encode()).hexdigest()[:12]
+            run = Path("/tmp") / f"corral-{digest}"
+        return cls(home, run)
+
+    @property
+    def config(self) -> Path:
+        return self.home / "corral.toml"
+
+    @property
+    def db(self) -> Path:
+        return self.home / "corral.db"
+
+    @property
+    def farm_json(self) -> Path:
+        return self.home / "farm.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def exports(self) -> Path:
+        return self.home / "exports"
+
+    @property
+    def broker_frontend(self) -> str:
+        return f"ipc://{self.run}/broker-front.sock"
+
+    @property
+    def broker_backend(self) -> str:
+        return f"ipc://{self.run}/broker-back.sock"
+
+    @property
+    def supervisor_endpoint(self) -> str:
+        return f"ipc://{self.run}/supervisor.sock"
+
+    def prepare(self) -> None:
+        for d in (self.home, self.run, self.logs, self.exports):
+            d.mkdir(parents=True, exist_ok=True)
+        # ipc sockets are plain: only the farm's user may reach them.
+        os.chmod(self.run, 0o700)
+
+
+def default_workers() -> int:
+    return max(2, os.cpu_count() or 2)
+
+
+def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None,
+                log_level: str = "INFO", broker_faults: str | None = None) -> list[ChildSpec]:
+    """The farm's children in start order: scripted providers, broker, workers,
+    supervisor (stopped in reverse: the supervisor checkpoints first, workers
+    drain, the broker goes last)."""
+    py = sys.executable
+    hb = ["--heartbeat-interval-s", str(cfg.heartbeat_interval_s),
+          "--liveness", str(cfg.liveness)]
+    specs: list[ChildSpec] = []
+    route_urls: list[str] = []
+    for name, route in sorted(cfg.routes.items()):
+        script = route.get("script")
+        if not script:
+            continue
+        argv = [py, "-m", "sandbox_worker.fakellm", "--script", str(script),
+                "--host", "127.0.0.1", "--port", "0"]
+        specs.append(ChildSpec(f"fakellm-{name}", argv,
+                               dynamic_argv=_pin_port(f"fakellm-{name}", argv)))
+        route_urls.append(name)
+    broker_argv = [py, "-m", "broker", "--frontend", paths.broker_frontend,
+                   "--backend", paths.broker_backend, *hb, "--log-level", log_level]
+    if broker_faults:
+        broker_argv += ["--faults", broker_faults]
+    specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0))
+    n = workers or cfg.workers or default_workers()
+    for i in range(1, n + 1):
+        argv = [py, "-m", "sandbox_worker", "--broker", paths.broker_backend, *hb,
+                "--tier-min", cfg.tier_min, "--log-level", log_level]
+        if cfg.allow_unsandboxed:
+            argv.append("--allow-unsandboxed")
+        specs.append(ChildSpec(f"worker-{i}", argv, shutdown_timeout_s=8.0))
+    sup_argv = [py, "-m", "supervisor", "--home", str(paths.home),
+                "--broker", paths.broker_frontend, "--listen", paths.supervisor_endpoint,
+                *hb, "--log-level", log_level]
+
+    def supervisor_argv(ready: dict[str, dict[str, Any]]) -> list[str]:
+        urls = []
+        for name in route_urls:
+            url = ready.get(f"fakellm-{name}", {}).get("url")
+            if isinstance(url, str):
+                urls += ["--route-url", f"{name}={url}"]
+        return [*sup_argv, *urls]
+
+    specs.append(ChildSpec("supervisor", sup_argv, shutdown_timeout_s=10.0,
+                           dynamic_argv=supervisor_argv))
+    return specs
+
+
+def _pin_port(name: str, argv: list[str]) -> Callable[[dict[str, dict[str, Any]]], list[str]]:
+    """Restart a scripted provider on the port it got at its first start."""
+
+    def argv_fn(ready: dict[str, dict[str, Any]]) -> list[str]:
+        port = ready.get(name, {}).get("port")
+        if not isinstance(port, int):
+            return argv
+        out = list(argv)
+        out[out.index("--port") + 1] = str(port)
+        return out
+
+    return argv_fn
+
+
+def write_farm_json(paths: FarmPaths, info: dict[str, Any]) -> None:
+    tmp = paths.farm_json.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
+    os.replace(tmp, paths.farm_json)
+
+
+def read_farm_json(paths: FarmPaths) -> dict[str, Any] | None:
+    try:
+        data = json.loads(paths.farm_json.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,170 @@
+"""Running a farm: the root process (``corral up``), detaching, and stopping.
+
+``Farm`` wraps a ``SupervisionTree`` of the farm's children and keeps
+``HOME/farm.json`` true while it runs: endpoints, the root's pid, every
+child's pid and restart count, and versions. The file appears only once
+every child has reported ready (``state: "serving"``), which is what
+``corral up --detach`` and an ephemeral ``corral run`` wait for.
+
+Invariants:
+- ``farm.json`` is replaced atomically and removed when the farm stops.
+- Stopping the farm stops every child in reverse start order and reaps them;
+  ``stop_detached`` then checks by pid that none is left and kills stragglers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from supervisor import config as config_mod
+from supervisor.farm.layout import FarmPaths, child_specs, read_farm_json, write_farm_json
+from supervisor.farm.tree import SupervisionTree
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class Farm:
+    def __init__(self, home: Path, *, workers: int | None = None, log_level: str = "INFO",
+                 broker_faults: str | None = None, max_restarts: int = 20,
+                 within_s: float = 60.0) -> None:
+        self.paths = FarmPaths.of(home)
+        self.paths.prepare()
+        config_mod.write_default(self.paths.home)
+        self.config = config_mod.load(self.paths.home)
+        self.specs = child_specs(self.config, self.paths, workers=workers, log_level=log_level,
+                                 broker_faults=broker_faults)
+        self.tree = SupervisionTree(self.specs, log_dir=self.paths.logs,
+                                    max_restarts=max_restarts, within_s=within_s,
+                                    on_change=self._write_state)
+        self.serving = False
+        self.started_at = time.time()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "state": "serving" if self.serving else "starting",
+            "root_pid": os.getpid(),
+            "home": str(self.paths.home),
+            "version": VERSION,
+            "python": sys.version.split()[0],
+            "started_at": self.started_at,
+            "endpoints": {
+                "broker_frontend": self.paths.broker_frontend,
+                "broker_backend": self.paths.broker_backend,
+                "supervisor": self.paths.supervisor_endpoint,
+            },
+            "children": self.tree.status(),
+            "restarts": list(self.tree.restart_log),
+        }
+
+    def _write_state(self) -> None:
+        if self.serving:
+            write_farm_json(self.paths, self.info())
+
+    def _ready(self) -> None:
+        self.serving = True
+        self._write_state()
+
+    async def run(self) -> None:
+        """Run until cancelled; the tree is stopped and farm.json removed on exit."""
+        try:
+            await self.tree.run(on_ready=self._ready)
+        finally:
+            self.serving = False
+            with contextlib.suppress(FileNotFoundError):
+                self.paths.farm_json.unlink()
+
+
+async def serve_forever(farm: Farm) -> int:
+    """The root process's main: run until SIGTERM/SIGINT, then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await farm.run()
+    except asyncio.CancelledError:
+        log.info("farm stopped")
+        return 0
+    except BaseExceptionGroup as group:
+        for exc in group.exceptions:
+            print(f"corral: farm failed: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # start-up failure: say what and where to look
+        print(f"corral: farm failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def running_farm(home: Path) -> dict[str, Any] | None:
+    """The farm serving ``home``, if its root process is alive."""
+    info = read_farm_json(FarmPaths.of(home))
+    if not info or info.get("state") != "serving":
+        return None
+    pid = info.get("root_pid")
+    if not isinstance(pid, int) or not psutil.pid_exists(pid):
+        return None
+    return info
+
+
+def start_detached(home: Path, *, workers: int | None, timeout_s: float = 90.0,
+                   log_level: str = "INFO") -> dict[str, Any]:
+    """Start the root process in the background; return once the farm serves."""
+    paths = FarmPaths.of(home)
+    paths.prepare()
+    argv = [sys.executable, "-m", "supervisor.farm", "--home", str(paths.home),
+            "--log-level", log_level]
+    if workers:
+        argv += ["--workers", str(workers)]
+    with contextlib.suppress(FileNotFoundError):
+        paths.farm_json.unlink()
+    with open(paths.logs / "farm.log", "ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = running_farm(home)
+        if info is not None:
+            return info
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the farm exited during start-up (exit {proc.returncode}); "
+                f"see {paths.logs / 'farm.log'}")
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the farm did not serve within {timeout_s:.0f}s; "
+                       f"see {paths.logs / 'farm.log'}")
+
+
+def stop_detached(home: Path, *, timeout_s: float = 60.0) -> list[int]:
+    """Stop a detached farm; return the pids that had to be killed (none if clean)."""
+    info = read_farm_json(FarmPaths.of(home))
+    if not info:
+        return []
+    pids = [c["pid"] for c in info.get("children", []) if isinstance(c.get("pid"), int)]
+    root = info.get("root_pid")
+    if isinstance(root, int) and psutil.pid_exists(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(root, signal.SIGTERM)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(root).wait(timeout_s)
+    killed = []
+    for pid in [*pids, *([root] if isinstance(root, int) else [])]:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                p.kill()
+                killed.append(pid)
+    return killed
