@@ -1,0 +1,125 @@
+"""Encoding of store payloads: canonical compact JSON, size bounds, secret redaction.
+
+Items, payloads, configs and state rows are stored as compact UTF-8 JSON text (not
+compressed, not msgpack): a secret scan of the raw database bytes
+(``scan_db_bytes``) must be able to see anything that reached the disk, and JSON
+keeps the file readable with the ``sqlite3`` shell.
+
+Invariants:
+- Every encoded value is bounded (``Limits``); an oversize value raises
+  ``RecordTooLarge`` before anything is written.
+- Any mapping key that names a credential (``SECRET_KEYS``, compared case-insensitively
+  with ``-`` read as ``_``) has its value replaced by ``REDACTED`` before encoding, at
+  any depth, in items, event payloads, session configs and state. The key itself stays,
+  so the shape of the record is unchanged. The store redacts rather than refuses: a
+  refusal would turn a defensive check into a failed turn, and the value never reaches
+  the disk either way. Each redaction is logged (key path only, never the value).
+- Values must be JSON-compatible (no bytes, no NaN); otherwise ``InvalidRequest``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.store.errors import InvalidRequest, RecordTooLarge
+
+log = logging.getLogger(__name__)
+
+REDACTED = "[redacted]"
+SECRET_KEYS = frozenset(
+    {
+        "api_key",
+        "apikey",
+        "x_api_key",
+        "authorization",
+        "proxy_authorization",
+        "access_token",
+        "refresh_token",
+        "client_secret",
+        "secret_key",
+        "password",
+        "bearer_token",
+    }
+)
+# Lower-cased JSON key spellings to look for before walking a value (fast path).
+_NEEDLES = tuple(
+    sorted({f'"{k}"' for k in SECRET_KEYS} | {f'"{k.replace("_", "-")}"' for k in SECRET_KEYS})
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Upper bounds of what one write may carry, in bytes of encoded JSON."""
+
+    max_item_bytes: int = 1 << 20  # one transcript item
+    max_batch_bytes: int = 8 << 20  # one transcript batch
+    max_payload_bytes: int = 1 << 20  # one event payload
+    max_state_bytes: int = 1 << 20  # the checkpoint state row (no context in it)
+    max_config_bytes: int = 256 << 10  # a session config
+    max_rewrite_bytes: int = 64 << 20  # a whole rewritten context
+    max_events_per_step: int = 10_000
+
+
+def _is_secret_key(key: str) -> bool:
+    return key.lower().replace("-", "_") in SECRET_KEYS
+
+
+def _redact(value: Any, path: str, hits: list[str]) -> Any:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if isinstance(k, str) and _is_secret_key(k) and v not in (None, "", REDACTED):
+                out[k] = REDACTED
+                hits.append(f"{path}.{k}")
+            else:
+                out[k] = _redact(v, f"{path}.{k}", hits)
+        return out
+    if isinstance(value, list):
+        return [_redact(v, f"{path}[{i}]", hits) for i, v in enumerate(value)]
+    return value
+
+
+def _dumps(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{what} is not JSON-compatible: {exc}") from exc
+
+
+def encode(value: Any, *, what: str, limit: int) -> str:
+    """Compact JSON of ``value`` with secrets redacted; ``RecordTooLarge`` above ``limit``."""
+    text = _dumps(value, what)
+    lowered = text.lower()
+    if any(n in lowered for n in _NEEDLES):
+        hits: list[str] = []
+        value = _redact(value, what, hits)
+        if hits:
+            log.warning("store redacted credential-named fields: %s", ", ".join(hits[:10]))
+            text = _dumps(value, what)
+    size = len(text.encode())
+    if size > limit:
+        raise RecordTooLarge(f"{what} is {size} bytes, above its bound of {limit} bytes")
+    return text
+
+
+def encode_items(items: list[dict[str, Any]], *, what: str, limits: Limits,
+                 total_limit: int) -> str:
+    """Encode a list of items, bounding each item and the whole list."""
+    if not isinstance(items, list):
+        raise InvalidRequest(f"{what} must be a list of items")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"{what}[{i}] must be an object, not {type(item).__name__}")
+    text = encode(items, what=what, limit=total_limit)
+    # The per-item bound can only be exceeded when the whole list is above it.
+    if len(text.encode()) > limits.max_item_bytes:
+        for i, item in enumerate(items):
+            encode(item, what=f"{what}[{i}]", limit=limits.max_item_bytes)
+    return text
+
+
+def decode(text: str | bytes) -> Any:
+    return json.loads(text)

@@ -1,0 +1,111 @@
+"""Errors of the durable store. sqlite3 exceptions never leak past the store.
+
+Exception tree::
+
+    StoreError                  every store failure (has .retryable)
+    ├── SchemaTooNew            the database was written by a newer Corral (not retryable)
+    ├── StoreBusy               another connection held the write lock past the deadline
+    │                           (retryable)
+    ├── StoreFull               disk (or max_page_count) full; the transaction was rolled
+    │                           back whole, nothing partial is on disk (retryable later)
+    ├── StoreClosed             the store was closed
+    ├── SessionNotFound         no session with that id
+    ├── SessionExists           create_session or fork onto an existing id
+    ├── RecordTooLarge          an item, payload or state row above its bound
+    ├── SequenceConflict        a sequence gap, or a (session, sequence) already holding
+    │                           different content (an engine bug, never retried)
+    ├── InvalidRequest          bad arguments (unknown status, fork past the last batch, ...)
+    └── StoreCorrupt            the database failed to open or an integrity check
+
+``translate_sqlite_error`` is the one boundary where ``sqlite3.Error`` becomes one
+of these (``raise ... from exc``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+
+class StoreError(Exception):
+    """Base of every store error."""
+
+    retryable: bool = False
+
+    @property
+    def kind(self) -> str:
+        """A stable snake_case name for sending the failure as data."""
+        name = type(self).__name__
+        return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+class SchemaTooNew(StoreError):
+    def __init__(self, found: int, supported: int) -> None:
+        super().__init__(
+            f"database schema version {found} is newer than this Corral supports "
+            f"(up to {supported}); upgrade Corral or use a different database file"
+        )
+        self.found = found
+        self.supported = supported
+
+
+class StoreBusy(StoreError):
+    retryable = True
+
+
+class StoreFull(StoreError):
+    retryable = True
+
+
+class StoreClosed(StoreError):
+    pass
+
+
+class SessionNotFound(StoreError):
+    pass
+
+
+class SessionExists(StoreError):
+    pass
+
+
+class RecordTooLarge(StoreError):
+    pass
+
+
+class SequenceConflict(StoreError):
+    pass
+
+
+class InvalidRequest(StoreError):
+    pass
+
+
+class StoreCorrupt(StoreError):
+    pass
+
+
+def is_busy(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def is_full(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return (code & 0xFF) == sqlite3.SQLITE_FULL
+    return "full" in str(exc)
+
+
+def translate_sqlite_error(exc: sqlite3.Error, what: str) -> StoreError:
+    """Map a sqlite3 error to a store error (the caller raises it ``from exc``)."""
+    name = getattr(exc, "sqlite_errorname", type(exc).__name__)
+    if is_busy(exc):
+        return StoreBusy(f"{what}: database is busy ({name})")
+    if is_full(exc):
+        return StoreFull(f"{what}: database or disk is full ({name}); nothing was written")
+    code = getattr(exc, "sqlite_errorcode", 0)
+    if isinstance(code, int) and (code & 0xFF) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+        return StoreCorrupt(f"{what}: database is corrupt or not a database ({name})")
+    return StoreError(f"{what}: {name}: {exc}")
