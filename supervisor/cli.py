@@ -1,0 +1,162 @@
+"""The ``corral`` command line: one parser, one small module per command group.
+
+Every command has ``--help``; long work shows progress; ``--json`` gives one
+JSON document (or one JSON event per line for streams) for scripts; errors
+say what to do next and exit non-zero. Exit codes: 0 ok, 1 the work failed
+(a turn aborted, a check failed), 2 usage or configuration error, 3 the farm
+is unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("CORRAL_HOME", Path.home() / ".corral"))
+
+
+def _home(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--home", type=Path, default=default_home(),
+                   help="the farm's home directory (default: $CORRAL_HOME or ~/.corral)")
+
+
+def _json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="corral",
+        description="Corral: LLM agent sessions with sandboxed tools that survive crashes.",
+        epilog="Start with 'corral up --detach', then 'corral run \"PROMPT\"'. "
+               "'corral COMMAND --help' explains each command.")
+    parser.add_argument("--log-level", default="WARNING", help="log level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("up", help="start a farm (broker, supervisor, sandbox workers)",
+                       description="Start a farm. In the foreground it supervises its "
+                       "children until Ctrl-C; with --detach it returns once the farm serves "
+                       "and writes HOME/farm.json.")
+    _home(p)
+    p.add_argument("--workers", type=int, default=None,
+                   help="sandbox workers (default: config, else one per core, at least 2)")
+    p.add_argument("--detach", action="store_true", help="run in the background")
+    _json(p)
+
+    p = sub.add_parser("down", help="stop the farm gracefully",
+                       description="Stop a detached farm: sessions checkpointed, workers "
+                       "drained, no process left behind.")
+    _home(p)
+    _json(p)
+
+    p = sub.add_parser("status", help="show processes, workers, sessions and queues")
+    _home(p)
+    _json(p)
+
+    p = sub.add_parser("run", help="submit one user turn and stream its events",
+                       description="Submit PROMPT as one user turn and stream the events. "
+                       "Without a running farm at HOME an ephemeral one is started for the "
+                       "run; its store stays in HOME so --session ID continues later. "
+                       "Exits 0 on turn_complete, 1 on abort or failure.")
+    _home(p)
+    p.add_argument("prompt", help="the user's message")
+    p.add_argument("--session", default=None, help="continue this session")
+    p.add_argument("--model", default=None,
+                   help="route name from corral.toml, PROVIDER:MODEL (openai-responses, "
+                   "openai-chat, anthropic) or script:PATH")
+    p.add_argument("--base-url", default=None, help="base URL for a PROVIDER:MODEL route")
+    p.add_argument("--workspace", type=Path, default=None,
+                   help="the directory tools work in (default: the current directory)")
+    p.add_argument("--approval", default=None, choices=["ask", "allow", "deny"],
+                   help="approval policy for tool calls (default: from corral.toml)")
+    p.add_argument("--workers", type=int, default=None, help="workers of an ephemeral farm")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+    _json(p)
+
+    p = sub.add_parser("approve", help="answer a pending approval request")
+    _home(p)
+    p.add_argument("session")
+    p.add_argument("id", help="the approval request id (from exec_approval_request)")
+    p.add_argument("--decision", required=True,
+                   choices=["approved", "approved_for_session", "denied", "abort"])
+    _json(p)
+
+    p = sub.add_parser("interrupt", help="interrupt a session's active turn")
+    _home(p)
+    p.add_argument("session")
+    _json(p)
+
+    p = sub.add_parser("sessions", help="list sessions")
+    _home(p)
+    p.add_argument("--limit", type=int, default=100)
+    _json(p)
+
+    p = sub.add_parser("show", help="show a session's history, replayed from the store")
+    _home(p)
+    p.add_argument("session")
+    _json(p)
+
+    p = sub.add_parser("export", help="write a session's latest portable checkpoint")
+    _home(p)
+    p.add_argument("session")
+    p.add_argument("--out", type=Path, required=True, help="the file to write")
+    _json(p)
+
+    p = sub.add_parser("verify", help="check a checkpoint file's digests and consistency",
+                       description="Exits 0 when the checkpoint verifies, 1 on any tampering "
+                       "or inconsistency (each problem is listed).")
+    p.add_argument("file", type=Path)
+    _json(p)
+
+    p = sub.add_parser("import", help="resume an exported session in this farm's store")
+    _home(p)
+    p.add_argument("file", type=Path)
+    p.add_argument("--session", default=None, help="the new session id (default: same)")
+    _json(p)
+
+    p = sub.add_parser("fake-llm", help="run the scripted provider (a real HTTP server)",
+                       description="Serve a script of model responses in the OpenAI "
+                       "Responses, Chat Completions and Anthropic Messages wire formats. "
+                       "Prints its URL.")
+    p.add_argument("--script", type=Path, required=True)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+
+    p = sub.add_parser("chaos", help="run a farm under injected faults and check invariants")
+    _home(p)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of faults")
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--faults", default="all", help="comma list, or 'all'")
+    _json(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from supervisor import cli_commands
+
+    handler = getattr(cli_commands, "cmd_" + ns.command.replace("-", "_"))
+    try:
+        code: int = handler(ns)
+    except KeyboardInterrupt:
+        print("corral: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

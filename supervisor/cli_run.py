@@ -1,0 +1,217 @@
+"""``corral run``: submit one user turn and stream its events; and ``corral import``.
+
+Without a farm at HOME, ``run`` starts an ephemeral one inside this process
+(the embedded default), whose store stays in HOME so ``--session ID`` can
+continue the session later. A ``script:PATH`` model route gets a scripted
+provider started for the run.
+
+Approval requests are answered at the terminal when stdin is one; otherwise
+the command to answer them is printed and the run keeps waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from argparse import Namespace
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from sandbox_worker.api import parse_route
+from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from supervisor.cli_render import Renderer
+from supervisor.client import SupervisorClient, SupervisorError
+from supervisor.config import ConfigError
+from supervisor.farm.layout import FarmPaths
+from supervisor.farm.root import Farm, running_farm
+from supervisor.farm.tree import ChildSpec, SupervisionTree
+
+TERMINAL = ("turn_complete", "turn_aborted")
+
+
+@contextlib.asynccontextmanager
+async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[str]:
+    """Yield the supervisor endpoint of the farm at ``home``, starting an
+    ephemeral one for the duration when none runs."""
+    if running_farm(home) is not None:
+        yield FarmPaths.of(home).supervisor_endpoint
+        return
+    farm = Farm(home, workers=workers or 2)
+    say(f"no farm at {home}; starting an ephemeral one ({len(farm.specs)} processes)")
+    ready = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(farm.tree.run(on_ready=ready.set))
+        waiter = tg.create_task(ready.wait())
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            waiter.cancel()
+            task.result()  # raises the start-up failure
+        try:
+            yield farm.paths.supervisor_endpoint
+        finally:
+            say("stopping the ephemeral farm")
+            task.cancel()
+
+
+@contextlib.asynccontextmanager
+async def scripted_provider(script: Path, home: Path) -> AsyncIterator[str]:
+    """Run a scripted provider for the duration; yields its URL."""
+    spec = ChildSpec("fakellm-run", [sys.executable, "-m", "sandbox_worker.fakellm",
+                                     "--script", str(script), "--port", "0"],
+                     restart="temporary")
+    tree = SupervisionTree([spec], log_dir=FarmPaths.of(home).logs)
+    await tree.start()
+    try:
+        yield str(tree.children["fakellm-run"].ready["url"])
+    finally:
+        await tree.stop()
+
+
+def run_turn(ns: Namespace) -> int:
+    try:
+        return asyncio.run(_run(ns))
+    except ConfigError as exc:
+        print(f"corral: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SupervisorError as exc:
+        _fail(ns, exc.kind, exc.message)
+        return EXIT_UNAVAILABLE if exc.kind == "unavailable" else EXIT_FAILED
+    except TimeoutError:
+        _fail(ns, "timeout", f"the turn did not end within {ns.timeout_s:.0f}s; it goes on in "
+              f"the farm: corral show {ns.session or 'SESSION'}")
+        return EXIT_FAILED
+
+
+def _fail(ns: Namespace, kind: str, message: str) -> None:
+    if ns.json:
+        sys.stdout.write(json.dumps({"type": "cli_error", "kind": kind,
+                                     "message": message}) + "\n")
+    else:
+        print(f"corral: {message} ({kind})", file=sys.stderr)
+
+
+async def _run(ns: Namespace) -> int:
+    def say(msg: str) -> None:
+        if not ns.json:
+            print(f"corral: {msg}", file=sys.stderr)
+
+    route_spec: dict[str, Any] | None = None
+    model = ns.model
+    async with contextlib.AsyncExitStack() as stack:
+        if model and ":" in model:
+            try:
+                route = parse_route(model, ns.base_url, name=model)
+            except ValueError as exc:
+                print(f"corral: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+            if route.get("script"):
+                script = await asyncio.to_thread(Path(str(route["script"])).resolve)
+                if not await asyncio.to_thread(script.is_file):
+                    print(f"corral: script {script} does not exist", file=sys.stderr)
+                    return EXIT_USAGE
+                route["script"] = str(script)
+                route["base_url"] = await stack.enter_async_context(
+                    scripted_provider(script, ns.home))
+            route_spec = dict(route)
+        endpoint = await stack.enter_async_context(farm_for(ns.home, ns.workers, say))
+        sv = await stack.enter_async_context(SupervisorClient(endpoint))
+        async with asyncio.timeout(ns.timeout_s):
+            return await _drive(ns, sv, model, route_spec, say)
+    return EXIT_FAILED  # pragma: no cover - the stack re-raises
+
+
+async def _drive(ns: Namespace, sv: SupervisorClient, model: str | None,
+                 route_spec: dict[str, Any] | None, say: Any) -> int:
+    session = ns.session
+    if session is None:
+        spec: dict[str, Any] = {"workspace": str((ns.workspace or Path.cwd()).resolve())}
+        if route_spec is not None:
+            spec["route_spec"] = route_spec
+        elif model:
+            spec["route"] = model
+        if ns.approval:
+            spec["approval"] = ns.approval
+        session = await sv.create_session(**spec)
+        say(f"session {session}")
+        after = 0
+    else:
+        described = await sv.describe(session)
+        after = int(described.get("last_sequence", 0))
+        if route_spec is not None or model:
+            await sv.submit(session, {"type": "set_model",
+                                      "route": model, **({"route_spec": route_spec}
+                                                         if route_spec else {})})
+    submission = await sv.submit(session, {"type": "user_input", "text": ns.prompt})
+    renderer = None if ns.json else Renderer(sys.stdout)
+    interactive = sys.stdin.isatty() and not ns.json
+    async for event in sv.events(session, after_sequence=after):
+        if ns.json:
+            sys.stdout.write(json.dumps(event, sort_keys=True, default=str) + "\n")
+            sys.stdout.flush()
+        elif renderer is not None:
+            renderer.render(event)
+        if event.get("submission_id") != submission:
+            continue
+        etype = event.get("type")
+        payload = event.get("payload", {})
+        if etype == "exec_approval_request":
+            if interactive:
+                decision = await _ask(payload)
+                await sv.submit(session, {"type": "exec_approval", "id": payload.get("id"),
+                                          "decision": decision})
+            elif not ns.json:
+                say(f"answer with: corral approve {session} {payload.get('id')} "
+                    f"--decision approved|approved_for_session|denied|abort")
+        if etype in TERMINAL:
+            return EXIT_OK if etype == "turn_complete" else EXIT_FAILED
+    return EXIT_FAILED
+
+
+async def _ask(payload: dict[str, Any]) -> str:
+    choices = {"y": "approved", "a": "approved_for_session", "n": "denied", "x": "abort"}
+    prompt = "approve? [y]es / [a]lways this session / [n]o / abort turn [x]: "
+    while True:
+        answer = (await asyncio.to_thread(input, prompt)).strip().lower()[:1]
+        if answer in choices:
+            return choices[answer]
+
+
+def import_checkpoint(ns: Namespace) -> int:
+    from supervisor.export import import_checkpoint as do_import
+    from supervisor.store import Store
+
+    try:
+        doc = json.loads(ns.file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"corral: cannot read {ns.file}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if running_farm(ns.home) is not None:
+        print("corral: stop the farm first (corral down): the supervisor is the store's only "
+              "writer", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def go() -> str:
+        paths = FarmPaths.of(ns.home)
+        paths.prepare()
+        store = await Store.open(paths.db)
+        try:
+            return str(await do_import(store, doc, new_session_id=ns.session))
+        finally:
+            await store.close()
+
+    try:
+        session = asyncio.run(go())
+    except Exception as exc:  # the import's typed refusals carry the reason
+        print(f"corral: import refused: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if ns.json:
+        sys.stdout.write(json.dumps({"ok": True, "session_id": session}) + "\n")
+    else:
+        print(f"imported as session {session}; continue with: corral run --session {session} "
+              "PROMPT")
+    os.sync()
+    return EXIT_OK
