@@ -1,0 +1,277 @@
+"""Run one sandboxed argv chain: stream its output, bound it, time it, and
+kill its whole process tree when it must end early.
+
+The process started here is the head of the chain (``setpriv`` → ``prlimit``
+→ ``bwrap`` or the T1 launcher); every program in the chain ``exec``s in
+place, so ``proc.pid`` is bwrap's monitor (T2) or the launcher (T1/T0), and
+every process of the call is a descendant of it (the pid namespace at T2, the
+launcher's subreaper at T1/T0).
+
+Invariants:
+- Output kept per stream is at most ``output_bytes``; once a stream reaches
+  the cap the call is killed (a flood never runs on).
+- PARTIAL chunks are coalesced: at most one per stream per ``coalesce_s``,
+  each at most ``MAX_CHUNK_BYTES``; the total streamed equals what is kept.
+- ``run`` never returns or raises while a process of the call is alive:
+  SIGTERM to every descendant, ``grace_s``, SIGKILL to the head and every
+  descendant (psutil snapshot taken before the head dies), then reap.
+  Cancellation runs the same clean-up to completion, then re-raises.
+- The event loop is never blocked: pipes are asyncio streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+StreamName = Literal["stdout", "stderr"]
+OnChunk = Callable[[StreamName, bytes], Awaitable[None]]
+MAX_CHUNK_BYTES: Final = 256 * 1024
+READ_BYTES: Final = 64 * 1024
+DRAIN_AFTER_EXIT_S: Final = 1.0
+
+
+@dataclass
+class RunSpec:
+    argv: list[str]
+    env: dict[str, str]
+    wall_s: float
+    output_bytes: int
+    pass_fds: Sequence[int] = ()
+    cwd: str | None = None
+    grace_s: float = 2.0
+    coalesce_s: float = 0.05
+
+
+@dataclass
+class RunOutcome:
+    exit_code: int | None
+    signal: int | None
+    stdout: bytes
+    stderr: bytes
+    stdout_bytes: int
+    stderr_bytes: int
+    truncated: bool
+    timed_out: bool
+    flooded: bool
+    duration_s: float
+    leftover_killed: int = 0
+
+
+@dataclass
+class _Stream:
+    name: StreamName
+    kept: bytearray = field(default_factory=bytearray)
+    pending: bytearray = field(default_factory=bytearray)
+    truncated: bool = False
+
+
+class _Output:
+    """Per-stream bounded buffers and the coalescing PARTIAL flusher."""
+
+    def __init__(self, cap: int, on_chunk: OnChunk | None, coalesce_s: float) -> None:
+        self.cap = cap
+        self.on_chunk = on_chunk
+        self.coalesce_s = coalesce_s
+        self.streams = {"stdout": _Stream("stdout"), "stderr": _Stream("stderr")}
+        self.flood = asyncio.Event()
+        self.data = asyncio.Event()
+
+    def add(self, name: StreamName, data: bytes) -> None:
+        st = self.streams[name]
+        room = self.cap - len(st.kept)
+        if len(data) > room:
+            data = data[:room]
+            st.truncated = True
+            self.flood.set()
+        st.kept += data
+        if self.on_chunk is not None and data:
+            st.pending += data
+            self.data.set()
+
+    async def flush(self) -> None:
+        if self.on_chunk is None:
+            return
+        for st in self.streams.values():
+            while st.pending:
+                chunk = bytes(st.pending[:MAX_CHUNK_BYTES])
+                del st.pending[:MAX_CHUNK_BYTES]
+                await self.on_chunk(st.name, chunk)
+
+    async def flusher(self) -> None:
+        while True:
+            await self.data.wait()
+            # Coalesce: whatever arrives in the window goes out as one chunk.
+            await asyncio.sleep(self.coalesce_s)
+            self.data.clear()
+            await self.flush()
+
+    async def reader(self, name: StreamName, stream: asyncio.StreamReader | None) -> None:
+        if stream is None:
+            return
+        st = self.streams[name]
+        while True:
+            data = await stream.read(READ_BYTES)
+            if not data:
+                return
+            if st.truncated:
+                continue  # keep draining so the writer is not blocked, keep nothing
+            self.add(name, data)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return []
+
+
+def _signal_all(procs: Sequence[psutil.Process], sig: int) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+async def kill_tree(proc: asyncio.subprocess.Process, grace_s: float) -> int:
+    """SIGTERM the call's processes, wait ``grace_s``, SIGKILL the rest, reap.
+
+    Returns how many descendants were still alive at the SIGKILL step.
+    """
+    snapshot = descendants(proc.pid)
+    # The head (bwrap's monitor, or the launcher) is spared the SIGTERM so the
+    # command gets its grace period; the launcher forwards SIGTERM itself.
+    _signal_all(snapshot, signal.SIGTERM)
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            if not snapshot:
+                proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(grace_s):
+            await proc.wait()
+    survivors = [p for p in [*snapshot, *descendants(proc.pid)] if _alive(p)]
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    _signal_all(survivors, signal.SIGKILL)
+    await proc.wait()
+    # Backstop: anything of the snapshot still alive (an orphan that escaped
+    # the head) is killed and waited for, bounded.
+    leftover = [p for p in survivors if _alive(p)]
+    if leftover:
+        _signal_all(leftover, signal.SIGKILL)
+        await asyncio.to_thread(psutil.wait_procs, leftover, 2.0)
+    return len(survivors)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+async def run_to_completion(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run bounded clean-up to the end even if cancelled meanwhile; then re-raise."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
+
+
+async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
+    """Run ``spec.argv`` to its end, a timeout, or an output flood."""
+    out = _Output(spec.output_bytes, on_chunk, spec.coalesce_s)
+    start = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *spec.argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=spec.env,
+        cwd=spec.cwd,
+        pass_fds=tuple(spec.pass_fds),
+        start_new_session=True,
+        close_fds=True,
+    )
+    timed_out = False
+    killed = 0
+    try:
+        async with asyncio.TaskGroup() as tg:
+            readers = [tg.create_task(out.reader("stdout", proc.stdout)),
+                       tg.create_task(out.reader("stderr", proc.stderr))]
+            flusher = tg.create_task(out.flusher())
+            flood_wait = tg.create_task(out.flood.wait())
+            exit_wait = tg.create_task(proc.wait())
+            done, _ = await asyncio.wait({flood_wait, exit_wait}, timeout=spec.wall_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                timed_out = True
+            if proc.returncode is None:
+                killed = await run_to_completion(kill_tree(proc, spec.grace_s))
+            flood_wait.cancel()
+            await exit_wait
+            # Output written just before exit is still in the pipes; drain it,
+            # bounded (a leftover holding the pipe open must not hang the call).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DRAIN_AFTER_EXIT_S):
+                    await asyncio.gather(*readers)
+            for r in readers:
+                r.cancel()
+            flusher.cancel()
+        await out.flush()
+    finally:
+        if proc.returncode is None:
+            await run_to_completion(kill_tree(proc, 0.0))
+    rc = proc.returncode
+    so, se = out.streams["stdout"], out.streams["stderr"]
+    return RunOutcome(
+        exit_code=rc if rc is not None and rc >= 0 else None,
+        signal=-rc if rc is not None and rc < 0 else None,
+        stdout=bytes(so.kept),
+        stderr=bytes(se.kept),
+        stdout_bytes=len(so.kept),
+        stderr_bytes=len(se.kept),
+        truncated=so.truncated or se.truncated,
+        timed_out=timed_out,
+        flooded=out.flood.is_set(),
+        duration_s=time.monotonic() - start,
+        leftover_killed=killed,
+    )
+
+
+def minimal_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the chain's head: nothing of the worker's (no API keys)."""
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "LANG": "C.UTF-8"}
+    if extra:
+        env.update(extra)
+    return env
+
+
+def os_pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,228 @@
+"""Giving a user's workspace to the sandbox uid with POSIX ACLs.
+
+A workspace is typically owned by its user (root included), mode 0755, so
+the non-root sandbox uid could not write to it. Instead of running tools as
+the owner or chowning files, the worker (root) adds ACL entries, once per
+workspace per worker process:
+
+- on every directory: ``user:<sandbox>:rwx`` and a *default* ACL with
+  ``user:<sandbox>:rwx`` and ``user:<owner>:rwx``, so files created later by
+  either side stay usable by both (new files are owned by the sandbox uid and
+  the owner reaches them through the default ACL entry);
+- on every regular file with one link: ``user:<sandbox>:rw`` (plus x when
+  the file is executable by anyone).
+
+ACLs are written as the ``system.posix_acl_*`` xattrs on file descriptors
+opened with ``O_PATH | O_NOFOLLOW`` during an fd-relative walk, so a symlink
+or a swapped entry is never followed out of the workspace. Regular files
+with more than one link are skipped: a hardlink may point outside the
+workspace and must not gain a grant. The walk is bounded (``MAX_ENTRIES``).
+
+Invariants:
+- Nothing outside the workspace is ever modified; the owner's own
+  permissions are unchanged (only named entries and the mask are added).
+- ``check_reachable`` refuses a workspace whose parents the sandbox uid
+  cannot search, naming the directory and the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from sandbox_worker.sandbox.errors import WorkspaceUnusable
+
+log = logging.getLogger(__name__)
+
+ACL_VERSION: Final = 2
+ACL_USER_OBJ: Final = 0x01
+ACL_USER: Final = 0x02
+ACL_GROUP_OBJ: Final = 0x04
+ACL_GROUP: Final = 0x08
+ACL_MASK: Final = 0x10
+ACL_OTHER: Final = 0x20
+UNDEFINED_ID: Final = 0xFFFFFFFF
+XATTR_ACCESS: Final = "system.posix_acl_access"
+XATTR_DEFAULT: Final = "system.posix_acl_default"
+MAX_ENTRIES: Final = 200_000
+FORBIDDEN_ROOTS: Final = ("/proc", "/sys", "/dev", "/etc", "/usr", "/boot", "/bin", "/sbin",
+                          "/lib", "/lib64", "/run")
+
+Entries = dict[tuple[int, int], int]  # (tag, id) -> perm bits (rwx = 7)
+
+
+def decode_acl(raw: bytes) -> Entries:
+    if len(raw) < 4 or struct.unpack_from("<I", raw)[0] != ACL_VERSION or (len(raw) - 4) % 8:
+        raise ValueError("not a POSIX ACL xattr")
+    out: Entries = {}
+    for off in range(4, len(raw), 8):
+        tag, perm, ident = struct.unpack_from("<HHI", raw, off)
+        out[(tag, ident)] = perm
+    return out
+
+
+def encode_acl(entries: Entries) -> bytes:
+    body = b"".join(struct.pack("<HHI", tag, entries[(tag, ident)], ident)
+                    for tag, ident in sorted(entries))
+    return struct.pack("<I", ACL_VERSION) + body
+
+
+def _from_mode(mode: int) -> Entries:
+    return {(ACL_USER_OBJ, UNDEFINED_ID): (mode >> 6) & 7,
+            (ACL_GROUP_OBJ, UNDEFINED_ID): (mode >> 3) & 7,
+            (ACL_OTHER, UNDEFINED_ID): mode & 7}
+
+
+def _with_users(entries: Entries, users: dict[int, int]) -> Entries:
+    out = dict(entries)
+    for uid, perm in users.items():
+        out[(ACL_USER, uid)] = out.get((ACL_USER, uid), 0) | perm
+    # The mask bounds every group-class entry; recompute it as their union,
+    # as setfacl does, so the named entries are effective.
+    mask = 0
+    for (tag, _), perm in out.items():
+        if tag in (ACL_USER, ACL_GROUP, ACL_GROUP_OBJ):
+            mask |= perm
+    out[(ACL_MASK, UNDEFINED_ID)] = mask
+    return out
+
+
+def _read_acl(path: str, name: str, mode: int) -> Entries | None:
+    try:
+        return decode_acl(os.getxattr(path, name))
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP):
+            return _from_mode(mode) if name == XATTR_ACCESS else None
+        raise
+
+
+def grant_entry(fd: int, st: os.stat_result, sandbox_uid: int, owner_uid: int) -> bool:
+    """Add the sandbox (and owner default) entries to one O_PATH fd; True if changed."""
+    path = f"/proc/self/fd/{fd}"
+    if stat.S_ISDIR(st.st_mode):
+        users = {sandbox_uid: 7}
+    elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        users = {sandbox_uid: 6 | (1 if st.st_mode & 0o111 else 0)}
+    else:
+        return False
+    access = _read_acl(path, XATTR_ACCESS, st.st_mode)
+    if access is None:
+        return False
+    new = _with_users(access, users)
+    changed = False
+    if new != access:
+        os.setxattr(path, XATTR_ACCESS, encode_acl(new))
+        changed = True
+    if stat.S_ISDIR(st.st_mode):
+        default = _read_acl(path, XATTR_DEFAULT, st.st_mode) or _from_mode(0o755)
+        dusers = {sandbox_uid: 7}
+        if owner_uid != 0:
+            dusers[owner_uid] = 7
+        dnew = _with_users(default, dusers)
+        if dnew != default:
+            os.setxattr(path, XATTR_DEFAULT, encode_acl(dnew))
+            changed = True
+    return changed
+
+
+@dataclass
+class GrantReport:
+    entries: int = 0
+    changed: int = 0
+    skipped_links: int = 0
+    complete: bool = True
+
+
+def grant_tree(root: str, sandbox_uid: int) -> GrantReport:
+    """Grant the sandbox uid the workspace tree (see the module docstring). Blocking."""
+    report = GrantReport()
+    try:
+        root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WorkspaceUnusable(f"workspace {root} cannot be opened: {exc.strerror}") from exc
+    try:
+        owner = os.fstat(root_fd).st_uid
+        stack = [os.dup(root_fd)]
+        while stack:
+            dfd = stack.pop()
+            try:
+                st = os.fstat(dfd)
+                report.entries += 1
+                report.changed += grant_entry(dfd, st, sandbox_uid, owner)
+                # O_PATH fds cannot list; reopen this very directory for reading.
+                rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    names = os.listdir(rfd)
+                finally:
+                    os.close(rfd)
+                for name in names:
+                    if report.entries >= MAX_ENTRIES:
+                        report.complete = False
+                        break
+                    try:
+                        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                    except OSError:
+                        continue
+                    cst = os.fstat(fd)
+                    if stat.S_ISDIR(cst.st_mode):
+                        stack.append(fd)
+                        continue
+                    try:
+                        report.entries += 1
+                        if stat.S_ISREG(cst.st_mode) and cst.st_nlink > 1:
+                            report.skipped_links += 1
+                        else:
+                            report.changed += grant_entry(fd, cst, sandbox_uid, owner)
+                    finally:
+                        os.close(fd)
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(root_fd)
+    if not report.complete:
+        log.warning("workspace %s has more than %d entries; granted only the first ones",
+                    root, MAX_ENTRIES)
+    return report
+
+
+def validate_workspace(path: object, workspace_root: str | None) -> str:
+    """An absolute, existing, non-system directory; returns its real path."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise WorkspaceUnusable(f"workspace must be an absolute path, got {path!r}")
+    real = os.path.realpath(path)
+    if real == "/" or any(real == r or real.startswith(r + "/") for r in FORBIDDEN_ROOTS):
+        raise WorkspaceUnusable(f"workspace {real} is a system directory; refusing")
+    if workspace_root is not None:
+        base = os.path.realpath(workspace_root)
+        if real != base and not real.startswith(base.rstrip("/") + "/"):
+            raise WorkspaceUnusable(f"workspace {real} is not under the worker's "
+                                    f"workspace root {base}")
+    if not os.path.isdir(real):
+        raise WorkspaceUnusable(f"workspace {real} does not exist or is not a directory")
+    return real
+
+
+def check_reachable(real: str) -> None:
+    """Refuse a workspace whose parent directories others cannot search."""
+    parts = real.strip("/").split("/")
+    for i in range(len(parts) - 1):
+        parent = "/" + "/".join(parts[: i + 1])
+        mode = os.stat(parent).st_mode
+        if not mode & stat.S_IXOTH:
+            has_acl = True
+            try:
+                os.getxattr(parent, XATTR_ACCESS)
+            except OSError:
+                has_acl = False
+            if not has_acl:
+                raise WorkspaceUnusable(
+                    f"workspace {real} is not reachable by the sandbox user: {parent} is "
+                    f"mode {stat.S_IMODE(mode):04o}",
+                    hint=f"let it pass through: chmod o+x {parent} (or choose a workspace "
+                    "under a searchable directory)",
+                )
