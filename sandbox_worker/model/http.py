@@ -1,0 +1,158 @@
+"""One HTTP attempt of a model call over the worker's shared httpx client.
+
+Builds the URL, headers and body for the route's provider, sends it, and
+decodes the reply (streamed SSE or JSON) into neutral deltas and a result.
+Every httpx exception and error status is translated here (``errors``).
+
+URLs (``base_url`` without a trailing slash):
+
+- openai-responses: ``{base_url}/responses``; compaction ``{base_url}/responses/compact``
+- openai-chat: ``{base_url}/chat/completions``
+- anthropic: ``{base_url}/v1/messages``; a ``base_url`` that already ends in
+  ``/v1`` is accepted and not doubled.
+
+Invariants:
+- Connect, read, write and pool timeouts are always set (httpx.Timeout).
+- Bytes read from a provider are bounded: error bodies by
+  ``MAX_ERROR_BODY_BYTES``, JSON replies by ``max_response_bytes``, each SSE
+  event by the parser's limit.
+- The stream is closed when this coroutine exits for any reason, including
+  cancellation (``async with client.stream``), so a CANCEL closes the HTTP
+  connection at once.
+- The API key is placed in one header and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import httpx
+
+from sandbox_worker.api import ModelCallRequest, ModelDelta
+from sandbox_worker.model import items as wire
+from sandbox_worker.model.errors import ModelError, StreamError, from_httpx, from_status
+from sandbox_worker.model.sse import SSEError, SSEParser
+from sandbox_worker.model.streams import Decoded, decoder_for, responses_output_items
+from sandbox_worker.model.streams import responses_usage as _responses_usage
+
+ANTHROPIC_VERSION: Final = "2023-06-01"
+ATTEMPT_HEADER: Final = "x-corral-attempt"
+MAX_ERROR_BODY_BYTES: Final = 64 * 1024
+
+OnDeltas = Callable[[list[ModelDelta]], Awaitable[None]]
+
+
+def url_for(req: ModelCallRequest) -> str:
+    route = req["route"]
+    base = route["base_url"].rstrip("/")
+    provider = route["provider"]
+    if req["op"] == "compact":
+        return f"{base}/responses/compact"
+    if provider == "openai-responses":
+        return f"{base}/responses"
+    if provider == "openai-chat":
+        return f"{base}/chat/completions"
+    base = base.removesuffix("/v1")
+    return f"{base}/v1/messages"
+
+
+def headers_for(req: ModelCallRequest, api_key: str | None, attempt: int,
+                stream: bool) -> dict[str, str]:
+    headers = {"content-type": "application/json",
+               "accept": "text/event-stream" if stream else "application/json",
+               ATTEMPT_HEADER: str(attempt)}
+    if req["route"]["provider"] == "anthropic":
+        headers["anthropic-version"] = ANTHROPIC_VERSION
+        if api_key:
+            headers["x-api-key"] = api_key
+    elif api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def body_for(req: ModelCallRequest, stream: bool) -> dict[str, Any]:
+    provider = req["route"]["provider"]
+    if req["op"] == "compact":
+        return wire.compact_body(req)
+    if provider == "openai-responses":
+        return wire.responses_body(req, stream=stream)
+    if provider == "openai-chat":
+        return wire.chat_body(req, stream=stream)
+    return wire.anthropic_body(req, stream=stream)
+
+
+async def _read_bounded(resp: httpx.Response, limit: int) -> bytes:
+    buf = bytearray()
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        if len(buf) > limit:
+            break
+    return bytes(buf[:limit])
+
+
+def _decode_compact(body: dict[str, Any]) -> Decoded:
+    items = responses_output_items(body.get("output") or [])
+    return items, "end_turn", _responses_usage(body.get("usage") or {})
+
+
+async def attempt(
+    client: httpx.AsyncClient,
+    req: ModelCallRequest,
+    *,
+    api_key: str | None,
+    attempt_no: int,
+    http_timeout: httpx.Timeout,
+    on_deltas: OnDeltas,
+    max_response_bytes: int,
+) -> Decoded:
+    """Make one attempt; raise a ``ModelError`` on any failure."""
+    provider = req["route"]["provider"]
+    stream = req["stream"] and req["op"] == "respond"
+    what = f"{provider} {req['route']['model']}"
+    content = json.dumps(body_for(req, stream), separators=(",", ":")).encode()
+    started = False
+    try:
+        async with client.stream("POST", url_for(req), content=content,
+                                 headers=headers_for(req, api_key, attempt_no, stream),
+                                 timeout=http_timeout) as resp:
+            if resp.status_code >= 400:
+                raise from_status(resp.status_code,
+                                  await _read_bounded(resp, MAX_ERROR_BODY_BYTES),
+                                  resp.headers, what)
+            started = True
+            ctype = resp.headers.get("content-type", "")
+            if stream and ctype.startswith("text/event-stream"):
+                return await _read_stream(resp, provider, what, on_deltas)
+            raw = await _read_bounded(resp, max_response_bytes + 1)
+            if len(raw) > max_response_bytes:
+                raise StreamError(f"{what}: reply larger than {max_response_bytes} bytes")
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise StreamError(f"{what}: reply is not JSON") from exc
+            if not isinstance(body, dict):
+                raise StreamError(f"{what}: reply is not a JSON object")
+            if req["op"] == "compact":
+                return _decode_compact(body)
+            return decoder_for(provider).from_json(body)
+    except ModelError:
+        raise
+    except httpx.HTTPError as exc:
+        raise from_httpx(exc, what, streaming=started) from exc
+    except SSEError as exc:
+        raise StreamError(f"{what}: malformed event stream ({exc})") from exc
+
+
+async def _read_stream(resp: httpx.Response, provider: str, what: str,
+                       on_deltas: OnDeltas) -> Decoded:
+    parser = SSEParser()
+    decoder = decoder_for(provider)
+    async for chunk in resp.aiter_bytes():
+        deltas: list[ModelDelta] = []
+        for event in parser.feed(chunk):
+            deltas.extend(decoder.feed(event))
+        if deltas:
+            await on_deltas(deltas)
+    return decoder.finish()
