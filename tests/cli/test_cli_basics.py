@@ -1,0 +1,67 @@
+"""The corral CLI's surface: --help everywhere, clear errors that say what to do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.cli import build_parser
+
+COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+
+
+def corral(
+    *args: str, home: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "supervisor.cli", *args]
+    if home is not None:
+        argv += ["--home", str(home)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_command_has_help() -> None:
+    assert {"up", "down", "status", "run", "approve", "interrupt", "sessions", "show",
+            "export", "verify", "import", "fake-llm", "chaos"} <= set(COMMANDS)
+    top = corral("--help")
+    assert top.returncode == 0
+    for command in COMMANDS:
+        assert command in top.stdout
+    for command in COMMANDS:
+        result = corral(command, "--help")
+        assert result.returncode == 0, (command, result.stderr)
+        assert "usage: corral " + command in result.stdout
+
+
+@pytest.mark.parametrize("command", ["status", "down", "sessions"])
+def test_commands_without_a_farm_say_how_to_start_one(tmp_path: Path, command: str) -> None:
+    result = corral(command, home=tmp_path / "nofarm")
+    assert result.returncode == 3
+    assert "corral up" in result.stderr
+
+
+def test_json_errors_are_json(tmp_path: Path) -> None:
+    result = corral("status", "--json", home=tmp_path / "nofarm")
+    assert result.returncode == 3
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False
+    assert doc["error"]["kind"] == "unavailable"
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = corral("frobnicate")
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
+
+
+def test_a_bad_config_is_named_with_the_fix(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "corral.toml").write_text("[sandbox]\ntier_minimum = 'T2'\n")
+    result = corral("up", home=home)
+    assert result.returncode == 2
+    assert "tier_minimum" in result.stderr
+    assert "allowed" in result.stderr

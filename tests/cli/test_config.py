@@ -1,0 +1,53 @@
+"""corral.toml parsing: defaults, validation with readable errors, routes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import ConfigError, load, write_default
+
+
+def test_the_default_file_loads_to_the_defaults(tmp_path: Path) -> None:
+    write_default(tmp_path)
+    cfg = load(tmp_path)
+    assert cfg.tier_min == "T2"
+    assert cfg.approval == "ask"
+    assert cfg.limits["output_bytes"] == 1048576
+    assert cfg.routes == {}
+    assert not cfg.allow_unsandboxed
+
+
+def test_a_missing_file_means_defaults(tmp_path: Path) -> None:
+    cfg = load(tmp_path)
+    assert cfg.heartbeat_interval_s == 0.25
+    assert cfg.liveness == 4
+
+
+def test_routes_provider_and_script(tmp_path: Path) -> None:
+    (tmp_path / "s.json").write_text('{"responses": []}')
+    (tmp_path / "corral.toml").write_text(
+        '[routes.main]\nprovider = "openai-chat"\nmodel = "qwen"\n'
+        'base_url = "http://127.0.0.1:8000/v1"\n'
+        '[routes.offline]\nscript = "s.json"\n')
+    cfg = load(tmp_path)
+    assert cfg.routes["main"]["provider"] == "openai-chat"
+    assert cfg.routes["main"]["name"] == "main"
+    assert cfg.routes["offline"]["script"] == str(tmp_path / "s.json")
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("[farm]\nworkerz = 2\n", "workerz"),
+    ("[sandbox]\ntier_min = 'T9'\n", "tier_min"),
+    ("[session]\napproval = 'maybe'\n", "approval"),
+    ("[routes.x]\nprovider = 'nope'\nmodel = 'm'\nbase_url = 'http://x'\n", "provider"),
+    ("[routes.x]\nprovider = 'anthropic'\n", "model"),
+    ("[farm]\nworkers = 'two'\n", "workers"),
+    ("not toml at all [", "not valid TOML"),
+    ("[[export.sinks]]\ntype = 's3'\n", "export.sinks"),
+])
+def test_invalid_configs_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    (tmp_path / "corral.toml").write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load(tmp_path)
