@@ -1,0 +1,193 @@
+"""Compaction: shrinking the context at a token threshold or on the compact op.
+
+Lifecycle (one live notice, capability ``compaction``)::
+
+    pre_compact hooks ── stop ──▶ warning, turn completes, nothing compacted
+          │
+    frontend_render pending "Context compacting" (block id B)
+          │
+    compaction call: the route's native op "compact", or a summary through a
+    normal model call; new context = compaction/summary item + the most recent
+    messages verbatim
+          │  (failure / interrupt ──▶ render B complete "Context compaction
+          │   failed" / "... cancelled"; counts unchanged)
+    post_compact hooks, session_start(source=compact) hooks ── stop ──▶ settle,
+          │                                                    warning, complete
+    PROVISIONAL: held in memory while the later preparation hooks (pre_model,
+    model_request) run against it
+          │
+    settle: ONE commit = ContextRewrite(epoch+1, reasons [compaction]) +
+    compaction_count+1 + usage (after the usage observer) + last_usage unset +
+    cache breakpoint reset + token_count + context_compacted + render B
+    complete "Context compacted"
+
+Invariants:
+- ``context_epoch`` and ``compaction_count`` change only when a compaction
+  settles successfully; the notice completes exactly once, under the same
+  block id, before the turn's terminal event.
+- Exactly one ``context_compacted`` event per successful compaction (durable,
+  so replay shows exactly one).
+- The usage of a compaction that does not settle is not committed (it never
+  passed the usage observer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage
+from supervisor.engine import events as ev
+from supervisor.engine.calls import CallFailure, stream_call
+from supervisor.engine.errors import ModelCallFailed
+from supervisor.engine.hooks import HookEvent
+from supervisor.engine.ops import UserInput
+from supervisor.engine.phases import TurnPhase
+
+if TYPE_CHECKING:
+    from supervisor.engine.turn import Turn
+
+SUMMARY_INSTRUCTIONS = (
+    "Summarize the conversation so far for your own later use: the user's goals, what was "
+    "done, what was found, and what remains. Be complete but concise.")
+
+
+@dataclass(slots=True)
+class Provisional:
+    context: list[dict[str, Any]]
+    usage: Usage
+    block_id: str
+
+
+def estimate_tokens(context: list[dict[str, Any]]) -> int:
+    """A cheap, conservative token estimate (about 4 characters per token)."""
+    return sum(len(json.dumps(item, default=str)) for item in context) // 4 + 1
+
+
+def _due(turn: Turn) -> bool:
+    s = turn.session
+    st = s.state
+    threshold = s.spec.compaction_threshold_tokens or s.config.compaction_threshold_tokens
+    if threshold is None or not s.context:
+        return False
+    if st.last_rewrite is not None and st.next_batch_sequence - 1 <= int(
+            st.last_rewrite.get("at_batch", 0)):
+        return False  # nothing was added since the last rewrite
+    return estimate_tokens(s.context) >= threshold
+
+
+async def maybe_compact(turn: Turn) -> None:
+    from supervisor.engine.turn import TurnStopped
+
+    s = turn.session
+    forced = turn.force_compact
+    if not forced and not _due(turn):
+        return
+    turn.force_compact = False
+    if not s.context:
+        await s.warn("nothing to compact: the context is empty", turn.submission_id)
+        return
+    pre = await s.hooks.run(HookEvent.PRE_COMPACT, s.sid, turn.turn_id, {
+        "trigger": "op" if forced else "threshold", "tokens": estimate_tokens(s.context)})
+    if pre.stop is not None:
+        raise TurnStopped(pre.stop)
+    block = ev.new_id("block")
+    turn.open_block = block
+    await s.commit([(ev.FRONTEND_RENDER, ev.render_block(block, ev.COMPACTING_TITLE,
+                                                         complete=False), turn.submission_id)],
+                   mutate=turn.moving_to(TurnPhase.COMPACTING))
+    route = s.manager.route(s.route_name)
+    native = bool(route.get("native_compaction"))
+    items = list(s.context)
+    if not native:
+        items.append({"type": "message", "role": "developer",
+                      "content": [{"type": "input_text", "text": SUMMARY_INSTRUCTIONS}]})
+    request = {"op": "compact" if native else "respond", "route": route,
+               "instructions": s.spec.instructions or s.config.instructions, "items": items,
+               "tools": [], "stream": False, "session_id": s.sid, "prompt_cache_key": s.sid}
+    try:
+        result = await stream_call(s.manager.broker, SERVICE_MODEL, request,
+                                   budget_s=s.config.model_call_budget_s,
+                                   cancel_grace_s=s.config.cancel_grace_s)
+    except CallFailure as f:
+        raise ModelCallFailed(f"compaction failed: {f.kind}: {f.message}", kind=f.kind,
+                              retryable=f.retryable) from f
+    from supervisor.engine.turn import _check_model_result, _message_text
+
+    _check_model_result(result)
+    if native:
+        head = [i for i in result["items"] if i.get("type") == "compaction"] or result["items"]
+    else:
+        text = "".join(_message_text(i) for i in result["items"] if i.get("type") == "message")
+        head = [{"type": "compaction", "summary": text}]
+    keep = s.config.compaction_keep_recent
+    recent = [i for i in s.context if i.get("type") == "message"
+              and i.get("role") in ("user", "assistant")
+              and not (i.get("corral") or {}).get("kind")][-keep:] if keep else []
+    turn.provisional = Provisional([*head, *recent], result["usage"], block)
+    post = await s.hooks.run(HookEvent.POST_COMPACT, s.sid, turn.turn_id,
+                             {"items": len(turn.provisional.context)})
+    if post.stop is not None:
+        await settle(turn, "success")
+        raise TurnStopped(post.stop)
+    again = await s.hooks.run(HookEvent.SESSION_START, s.sid, turn.turn_id, {"source": "compact"})
+    if again.push_inputs:
+        def push(st: Any) -> None:
+            for text in again.push_inputs:
+                st.queued_input.append({"submission_id": None,
+                                        "op": UserInput(text).to_json()})
+        await s.commit(mutate=push)
+    if again.stop is not None:
+        await settle(turn, "success")
+        raise TurnStopped(again.stop)
+    await s.commit(mutate=turn.moving_to(TurnPhase.PREPARING))
+
+
+async def settle(turn: Turn, outcome: str) -> None:
+    """Make a provisional compaction durable (``outcome == "success"``)."""
+    s = turn.session
+    p = turn.provisional
+    if p is None or outcome != "success":
+        await close_notice(turn, outcome)
+        return
+    await s.manager.observe_usage(s.route_name, p.usage)
+    turn.usage = add_usage(turn.usage, p.usage)
+    total = dict(add_usage(s.state.total_usage, p.usage))  # type: ignore[arg-type]
+    route = s.manager.route(s.route_name)
+
+    def mutate(st: Any) -> None:
+        st.compaction_count += 1
+        st.total_usage = dict(add_usage(st.total_usage, p.usage))
+        st.last_usage = None
+        st.last_rewrite = {"epoch": st.context_epoch + 1, "reasons": ["compaction"],
+                           "at_batch": st.next_batch_sequence - 1, "reported": False}
+        st.cache_breakpoint = len(p.context) - 1 if p.context else None
+        if st.active_turn is not None:
+            st.active_turn = turn._active_turn(TurnPhase(st.active_turn["phase"]))
+    epoch = s.state.context_epoch + 1
+    await s.commit([
+        (ev.TOKEN_COUNT, {"turn_id": turn.turn_id, "last": dict(p.usage), "total": total,
+                          "context_window": route.get("context_window")}, turn.submission_id),
+        (ev.CONTEXT_COMPACTED, {"turn_id": turn.turn_id, "epoch": epoch,
+                                "reasons": ["compaction"], "items": len(p.context)},
+         turn.submission_id),
+        (ev.FRONTEND_RENDER, ev.render_block(p.block_id, ev.COMPACTED_TITLE, complete=True),
+         turn.submission_id),
+    ], rewrite=(p.context, ["compaction"]), execution=turn.execution("running"), mutate=mutate)
+    turn.provisional = None
+    turn.open_block = None
+
+
+async def close_notice(turn: Turn, outcome: str) -> None:
+    """Close an open notice as failed or cancelled; the compaction is discarded."""
+    s = turn.session
+    block = turn.open_block
+    turn.provisional = None
+    turn.open_block = None
+    if block is None:
+        return
+    title = ev.COMPACTION_CANCELLED_TITLE if outcome == "cancelled" \
+        else ev.COMPACTION_FAILED_TITLE
+    await s.commit([(ev.FRONTEND_RENDER, ev.render_block(block, title, complete=True),
+                     turn.submission_id)])

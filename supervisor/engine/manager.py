@@ -1,0 +1,322 @@
+"""``SessionManager``: owns every session of one supervisor.
+
+All session work runs as tasks in the manager's one ``TaskGroup`` (``run``);
+a session has a task only while it has work, so an idle session is a plain
+object. ``run`` first resumes every active session from the store (crash
+resume): a pending approval is answerable again, a turn caught mid model call
+re-issues its step, a turn caught mid tool call resolves each call from its
+durable state; then the turn continues.
+
+Invariants:
+- ``submit`` validates before anything changes (``BadOp``, ``UnknownSession``,
+  ``SessionClosed`` to the caller); an accepted ``user_input`` is durable
+  (``CheckpointState.queued_input``) before ``submit`` returns; input arriving
+  during a turn is queued, never dropped.
+- Bad input aimed at a live session (stale approval id, stale turn id) becomes
+  a durable ``warning`` event; it never kills the session.
+- No session, worker or hook can wedge another: each session's work is its own
+  task, and the session driver is the catch-all boundary for its bugs.
+- Store errors are translated here (``StoreFailed``) at one boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
+
+from sandbox_worker.api import ModelRoute, Usage
+from supervisor.engine import events as ev
+from supervisor.engine.calls import Broker
+from supervisor.engine.command_hooks import command_hooks
+from supervisor.engine.config import EngineConfig, SessionSpec
+from supervisor.engine.errors import (
+    BadOp,
+    EngineNotRunning,
+    SessionClosed,
+    TurnError,
+    UnknownSession,
+    UsageObserverFailed,
+)
+from supervisor.engine.hooks import HookEvent, HookRunner, Middleware
+from supervisor.engine.ops import (
+    Compact,
+    ExecApproval,
+    Interrupt,
+    SetModel,
+    Shutdown,
+    UserInput,
+    parse_op,
+)
+from supervisor.engine.session import Session, Work
+from supervisor.store import SessionExists, Store, StoreBusy, StoreError
+from supervisor.store.records import (
+    CheckpointState,
+    EventRecord,
+    SessionId,
+    SessionRecord,
+    StepWrite,
+    SubmissionId,
+)
+
+log = logging.getLogger(__name__)
+
+UsageObserver = Callable[[str, Usage], Any]
+MiddlewareFactory = Callable[[SessionSpec], Sequence[Middleware]]
+
+
+class StoreFailed(TurnError):
+    """The durable store refused a step; the turn cannot continue."""
+
+    kind = "store_failed"
+
+
+class SessionManager:
+    def __init__(self, *, store: Store, broker: Broker, config: EngineConfig,
+                 middleware_factory: MiddlewareFactory | None = None,
+                 usage_observer: UsageObserver | None = None,
+                 export_sinks: Sequence[Any] = ()) -> None:
+        if config.default_route not in config.routes:
+            raise ValueError(f"default route {config.default_route!r} is not in routes")
+        self.store = store
+        self.broker = broker
+        self.config = config
+        self.middleware_factory = middleware_factory
+        self.usage_observer = usage_observer
+        self.export_sinks = tuple(export_sinks)
+        self.sessions: dict[SessionId, Session] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self._started = asyncio.Event()
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> None:
+        """Own every session task; resume active sessions first; run until cancelled."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                for sid in await self.store.active_sessions():
+                    try:
+                        await self._resume(sid)
+                    except StoreError:
+                        log.exception("session %s: could not be resumed", sid)
+                self._started.set()
+                await asyncio.Future()  # until cancelled
+        finally:
+            self._tg = None
+            self._started.clear()
+
+    async def started(self) -> None:
+        """Wait until ``run`` has resumed the stored sessions and takes ops."""
+        await self._started.wait()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
+        if self._tg is None:
+            coro.close()
+            raise EngineNotRunning("SessionManager.run is not running")
+        return self._tg.create_task(coro, name=name)
+
+    def _middlewares(self, spec: SessionSpec) -> HookRunner:
+        mws: list[Middleware] = list(self.middleware_factory(spec)) \
+            if self.middleware_factory is not None else []
+        mws.extend(command_hooks(self, spec))
+        return HookRunner(mws, timeout_s=self.config.hook_timeout_s)
+
+    async def _resume(self, sid: SessionId) -> None:
+        loaded = await self.store.load(sid)
+        if loaded is None:
+            return
+        spec = SessionSpec.from_config(loaded.record.config, session_id=sid)
+        session = Session(self, loaded.record, loaded.state, list(loaded.context),
+                          self._middlewares(spec))
+        self.sessions[sid] = session
+        session.work.append(Work("session_start", source="resume"))
+        if loaded.state.active_turn is not None:
+            session.work.append(Work("resume"))
+        session.kick()
+
+    # --------------------------------------------------------------- public
+
+    async def create_session(self, spec: SessionSpec) -> SessionId:
+        if self._tg is None:
+            raise EngineNotRunning("SessionManager.run is not running")
+        spec.validate(self.config)
+        sid = SessionId(spec.session_id or ev.new_id("sess"))
+        if sid in self.sessions:
+            raise BadOp(f"session {sid} already exists")
+        if spec.parent_session_id is not None and spec.route is None:
+            parent = self.sessions.get(SessionId(spec.parent_session_id))
+            if parent is not None and parent.spec.child_route is not None:
+                spec.route = parent.spec.child_route
+        record = SessionRecord(sid, time.time(), spec.to_config(),
+                               parent_session_id=SessionId(spec.parent_session_id)
+                               if spec.parent_session_id else None)
+        state = CheckpointState(route=spec.route)
+        first = ev.durable(sid, 1, ev.SESSION_CONFIGURED, {
+            "route": spec.route or self.config.default_route, "workspace": spec.workspace,
+            "parent_session_id": spec.parent_session_id, "tools": spec.tools}, None)
+        state.next_event_sequence = 2
+        try:
+            await self.store.create_session(record, StepWrite(sid, [first], state=state))
+        except StoreError as exc:
+            if isinstance(exc, SessionExists):
+                raise BadOp(f"session {sid} already exists") from exc
+            raise StoreFailed(f"could not create the session: {exc}") from exc
+        session = Session(self, record, CheckpointState.from_json(state.to_json()), [],
+                          self._middlewares(spec))
+        self.sessions[sid] = session
+        session.kick(Work("session_start", source="startup"))
+        return sid
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(SessionId(session_id))
+        if session is None:
+            raise UnknownSession(f"no session {session_id!r}")
+        return session
+
+    async def submit(self, session_id: SessionId, op: dict[str, Any]) -> SubmissionId:
+        if self._tg is None:
+            raise EngineNotRunning("SessionManager.run is not running")
+        session = self._session(session_id)
+        parsed = parse_op(op)
+        if session.closed:
+            raise SessionClosed(f"session {session_id} is shut down")
+        sub = SubmissionId(ev.new_id("sub"))
+        if isinstance(parsed, UserInput):
+            entry = {"submission_id": sub, "op": parsed.to_json()}
+            # Durable before accepted; the driver is kicked after the commit.
+            await session.commit(mutate=lambda st: st.queued_input.append(entry))
+            session.kick()
+        elif isinstance(parsed, Interrupt):
+            turn = session.turn
+            if turn is None:
+                await session.warn(ev.NO_ACTIVE_TURN, sub, turn_id=parsed.turn_id)
+            elif turn.turn_id != parsed.turn_id:
+                await session.warn(ev.STALE_INTERRUPT, sub, turn_id=parsed.turn_id,
+                                   active_turn_id=turn.turn_id)
+            else:
+                turn.interrupt()
+        elif isinstance(parsed, ExecApproval):
+            waiter = session.approval
+            if waiter is None or waiter.approval_id != parsed.id or waiter.future.done():
+                await session.warn(ev.STALE_APPROVAL, sub, approval_id=parsed.id)
+            else:
+                waiter.future.set_result(parsed.decision)
+        elif isinstance(parsed, SetModel):
+            if parsed.route not in self.config.routes:
+                raise BadOp(f"unknown route {parsed.route!r}; known: {sorted(self.config.routes)}")
+
+            def set_route(st: CheckpointState) -> None:
+                st.route = parsed.route
+            await session.commit([(ev.SESSION_CONFIGURED, {"route": parsed.route}, sub)],
+                                 mutate=set_route)
+        elif isinstance(parsed, Compact):
+            if session.turn is not None:
+                session.turn.force_compact = True
+            else:
+                session.kick(Work("compact", submission_id=sub))
+        elif isinstance(parsed, Shutdown):
+            if session.turn is not None:
+                session.turn.interrupt()
+            session.kick(Work("shutdown", submission_id=sub))
+        return sub
+
+    async def close_session(self, session: Session, submission_id: SubmissionId | None) -> None:
+        try:
+            await session.hooks.run(HookEvent.SESSION_END, session.sid, None,
+                                    {"reason": "shutdown"})
+        except TurnError as exc:
+            await session.warn(f"session_end hook failed: {exc}", submission_id)
+        await session.commit([(ev.SESSION_CONFIGURED, {"status": "closed"}, submission_id)])
+        session.closed = True
+        await self.store.set_status(session.sid, "closed")
+
+    def subscribe(self, session_id: SessionId, *,
+                  after_sequence: int = 0) -> AsyncIterator[EventRecord]:
+        session = self.sessions.get(SessionId(session_id))
+        if session is None:
+            return self._replay_only(session_id, after_sequence)
+        return session.subscribe(after_sequence)
+
+    async def _replay_only(self, session_id: str,
+                           after_sequence: int) -> AsyncIterator[EventRecord]:
+        if await self.store.get_session(SessionId(session_id)) is None:
+            raise UnknownSession(f"no session {session_id!r}")
+        async for record in self.replay_from(SessionId(session_id), after_sequence):
+            yield record
+
+    async def replay_from(self, sid: SessionId, after_sequence: int) -> AsyncIterator[EventRecord]:
+        last = after_sequence
+        while True:
+            page = await self.store.events_page(sid, after_sequence=last, limit=500)
+            for record in page.items:
+                yield record
+                last = record.sequence
+            if page.next_cursor is None or not page.items:
+                return
+
+    async def list_sessions(self, *, after: str | None = None, limit: int = 100) -> Any:
+        return await self.store.list_sessions(after=after, limit=limit)
+
+    async def describe(self, session_id: SessionId) -> dict[str, Any]:
+        session = self.sessions.get(SessionId(session_id))
+        if session is not None:
+            return session.describe()
+        record = await self.store.get_session(SessionId(session_id))
+        if record is None:
+            raise UnknownSession(f"no session {session_id!r}")
+        return {"session_id": record.session_id, "status": record.status,
+                "parent_session_id": record.parent_session_id}
+
+    def stats(self) -> dict[str, Any]:
+        busy = sum(1 for s in self.sessions.values() if s.driver is not None)
+        closed = sum(1 for s in self.sessions.values() if s.closed)
+        return {
+            "sessions": len(self.sessions),
+            "sessions_active": busy,
+            "sessions_idle": len(self.sessions) - busy - closed,
+            "sessions_closed": closed,
+            "turns_running": sum(1 for s in self.sessions.values() if s.turn is not None),
+            "pending_approvals": sum(1 for s in self.sessions.values()
+                                     if s.state.pending_approval is not None),
+            "queued_inputs": sum(len(s.state.queued_input) for s in self.sessions.values()),
+        }
+
+    # -------------------------------------------------------- engine helpers
+
+    def route(self, name: str) -> ModelRoute:
+        route = self.config.routes.get(name)
+        if route is None:
+            raise TurnError(f"unknown route {name!r}", kind="bad_route")
+        return route
+
+    async def observe_usage(self, route: str, usage: Usage) -> None:
+        if self.usage_observer is None:
+            return
+        try:
+            result = self.usage_observer(route, usage)
+            if inspect.isawaitable(result):
+                await result
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # foreign code: translate at this boundary
+            raise UsageObserverFailed(f"the usage observer failed: {exc}") from exc
+
+    async def store_commit(self, step: StepWrite) -> None:
+        """Commit one step; a busy store is retried for ``store_retry_s``."""
+        deadline = time.monotonic() + self.config.store_retry_s
+        while True:
+            try:
+                await self.store.commit(step)
+                return
+            except StoreBusy as exc:
+                if time.monotonic() >= deadline:
+                    raise StoreFailed(f"the store stayed busy: {exc}",
+                                      retryable=True) from exc
+                await asyncio.sleep(0.05)
+            except StoreError as exc:
+                raise StoreFailed(f"the store refused a step: {exc}",
+                                  retryable=exc.retryable) from exc

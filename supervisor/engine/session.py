@@ -1,0 +1,289 @@
+"""One session: its durable state, its in-memory context, commit-then-publish,
+subscribers, and the driver that runs its work one item at a time.
+
+A session is cheap while idle: a plain object (record, checkpoint state,
+context, subscriber set) and **no task**. The driver task exists only while
+there is work (a turn, a hook run, a compaction); it is created in the
+manager's TaskGroup by ``kick`` and ends when the work queue is empty.
+
+Invariants:
+- Commit before visible: ``commit`` assigns the next event/batch sequences,
+  awaits ``Store.commit`` of one ``StepWrite`` and only then publishes the
+  events; a failed commit rolls the sequence counters back.
+- ``commit`` calls are serialized by one lock per session, so parallel tool
+  calls of a step enter the transcript in completion order.
+- Every subscriber queue is bounded; an overflowing subscriber is dropped
+  (``SubscriberDropped``), never the session and never another subscriber.
+- The driver never raises: it is the catch-all boundary of a session's work
+  (a bug in one session's turn fails that turn, not the manager).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from supervisor.engine import events as ev
+from supervisor.engine.approvals import ApprovalPolicy, parse_policy
+from supervisor.engine.config import EngineConfig, SessionSpec
+from supervisor.engine.errors import SubscriberDropped
+from supervisor.engine.hooks import HookRunner
+from supervisor.store.records import (
+    CheckpointState,
+    ContextRewrite,
+    EventRecord,
+    ExecutionRecord,
+    SessionId,
+    SessionRecord,
+    StepWrite,
+    SubmissionId,
+    TranscriptBatch,
+)
+
+if TYPE_CHECKING:
+    from supervisor.engine.manager import SessionManager
+    from supervisor.engine.turn import Turn
+
+log = logging.getLogger(__name__)
+
+EventSpec = tuple[str, dict[str, Any], SubmissionId | None]
+
+
+@dataclass(slots=True)
+class Subscriber:
+    queue: asyncio.Queue[EventRecord]
+    dropped: bool = False
+
+
+@dataclass(slots=True)
+class Work:
+    """One unit of driver work: a turn, a compaction, a session_start run."""
+
+    kind: str  # "turn" | "compact" | "session_start" | "resume" | "shutdown"
+    source: str = ""  # session_start source
+    submission_id: SubmissionId | None = None
+
+
+@dataclass(slots=True)
+class PendingApproval:
+    approval_id: str
+    turn_id: str
+    future: asyncio.Future[str] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Session:
+    def __init__(self, manager: SessionManager, record: SessionRecord, state: CheckpointState,
+                 context: list[dict[str, Any]], hooks: HookRunner) -> None:
+        self.manager = manager
+        self.record = record
+        self.sid: SessionId = record.session_id
+        self.spec = SessionSpec.from_config(record.config, session_id=record.session_id,
+                                            parent_session_id=record.parent_session_id)
+        self.policy: ApprovalPolicy = parse_policy(self.spec.approval)
+        self.state = state
+        self.context = context
+        self.hooks = hooks
+        self.subscribers: set[Subscriber] = set()
+        self.work: collections.deque[Work] = collections.deque()
+        self.driver: asyncio.Task[None] | None = None
+        self.turn: Turn | None = None
+        self.turn_task: asyncio.Task[None] | None = None
+        self.approval: PendingApproval | None = None
+        self.closed = record.status != "active"
+        self._lock = asyncio.Lock()
+        self._last_published = state.next_event_sequence - 1
+        self._delta_index = 0
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.manager.config
+
+    @property
+    def route_name(self) -> str:
+        return self.state.route or self.spec.route or self.config.default_route
+
+    # ------------------------------------------------------------------ commit
+
+    async def commit(
+        self, events: Sequence[EventSpec] = (),
+        *, items: list[dict[str, Any]] | None = None,
+        rewrite: tuple[list[dict[str, Any]], list[str]] | None = None,
+        execution: ExecutionRecord | None = None,
+        mutate: Callable[[CheckpointState], None] | None = None,
+    ) -> list[EventRecord]:
+        """Commit one step (events, a transcript batch, a rewrite, the state)."""
+        async with self._lock:
+            st = self.state
+            saved = (st.next_event_sequence, st.next_batch_sequence, st.context_epoch,
+                     st.to_json())
+            if mutate is not None:
+                mutate(st)
+            records = []
+            for type_, payload, sub in events:
+                records.append(ev.durable(self.sid, st.next_event_sequence, type_, payload, sub))
+                st.next_event_sequence += 1
+            rw = None
+            if rewrite is not None:
+                new_items, reasons = rewrite
+                st.context_epoch += 1
+                rw = ContextRewrite(st.context_epoch, new_items, reasons,
+                                    at_batch=st.next_batch_sequence - 1)
+            batch = None
+            if items:
+                batch = TranscriptBatch(self.sid, st.next_batch_sequence, st.context_epoch,
+                                        items, time.time())
+                st.next_batch_sequence += 1
+            step = StepWrite(self.sid, records, batch, rw,
+                             CheckpointState.from_json(_copy_json(st.to_json())), execution)
+            try:
+                await self.manager.store_commit(step)
+            except BaseException:
+                restored = CheckpointState.from_json(saved[3])
+                for name in CheckpointState.__dataclass_fields__:
+                    setattr(st, name, getattr(restored, name))
+                raise
+            if rw is not None:
+                self.context = list(rw.items)
+            if batch is not None:
+                self.context.extend(batch.items)
+            for record in records:
+                self._publish(record)
+            return records
+
+    def publish_live(self, type_: str, payload: dict[str, Any],
+                     submission_id: SubmissionId | None) -> None:
+        """Publish a live-only delta (never journaled; see ``events``)."""
+        if not self.subscribers:
+            return
+        self._delta_index += 1
+        self._publish(ev.live(self.sid, self._last_published, self._delta_index, type_,
+                              payload, submission_id))
+
+    def _publish(self, record: EventRecord) -> None:
+        if record.sequence:
+            self._last_published = record.sequence
+            self._delta_index = 0
+        for sub in list(self.subscribers):
+            try:
+                sub.queue.put_nowait(record)
+            except asyncio.QueueFull:
+                sub.dropped = True
+                self.subscribers.discard(sub)
+                log.warning("session %s: dropped a slow subscriber", self.sid)
+
+    async def warn(self, message: str, submission_id: SubmissionId | None = None,
+                   **extra: Any) -> None:
+        await self.commit([(ev.WARNING, ev.warning(message, **extra), submission_id)])
+
+    # ------------------------------------------------------------- subscribe
+
+    async def subscribe(self, after_sequence: int) -> AsyncIterator[EventRecord]:
+        sub = Subscriber(asyncio.Queue(self.config.subscriber_queue))
+        self.subscribers.add(sub)  # before the replay: nothing published can slip by
+        last = after_sequence
+        try:
+            async for record in self.manager.replay_from(self.sid, after_sequence):
+                yield record
+                last = record.sequence
+            while True:
+                if sub.dropped and sub.queue.empty():
+                    raise SubscriberDropped(
+                        f"subscriber of session {self.sid} fell more than "
+                        f"{self.config.subscriber_queue} events behind; resubscribe from "
+                        f"sequence {last}", last_sequence=last)
+                record = await sub.queue.get()
+                if record.sequence == 0:
+                    if record.payload.get("after_sequence", 0) >= last:
+                        yield record
+                elif record.sequence > last:
+                    yield record
+                    last = record.sequence
+        finally:
+            self.subscribers.discard(sub)
+
+    # ---------------------------------------------------------------- driver
+
+    def kick(self, work: Work | None = None) -> None:
+        """Queue work and make sure a driver task runs it (no await: no race)."""
+        if work is not None:
+            self.work.append(work)
+        if self.driver is None and not self.closed and (self.work or self.state.queued_input):
+            self.driver = self.manager.spawn(self._drive(), name=f"session-{self.sid}")
+
+    async def _drive(self) -> None:
+        from supervisor.engine.turn import Turn, run_session_start
+
+        try:
+            while not self.closed:
+                if self.work:
+                    work = self.work.popleft()
+                elif self.state.queued_input:
+                    work = Work("turn")
+                else:
+                    break
+                try:
+                    if work.kind == "session_start":
+                        await run_session_start(self, work.source)
+                    elif work.kind in ("turn", "compact", "resume"):
+                        turn = Turn.for_work(self, work)
+                        if turn is None:
+                            continue
+                        await turn.drive()
+                    elif work.kind == "shutdown":
+                        await self.manager.close_session(self, work.submission_id)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # the session's catch-all boundary
+                    log.exception("session %s: work %s failed", self.sid, work.kind)
+                    await self._report_internal_error(work)
+        finally:
+            self.driver = None
+            self.turn = None
+            self.turn_task = None
+        # New work may have arrived between the last check and here: kick again.
+        if not self.closed and (self.work or self.state.queued_input):
+            self.kick()
+
+    async def _report_internal_error(self, work: Work) -> None:
+        try:
+            await self.commit([(ev.ERROR, ev.error("internal", f"{work.kind} failed "
+                                                   "inside the supervisor; see its log", False),
+                                work.submission_id)])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("session %s: could not even record the failure", self.sid)
+
+    def describe(self) -> dict[str, Any]:
+        st = self.state
+        return {
+            "session_id": self.sid,
+            "status": "closed" if self.closed else ("busy" if self.driver else "idle"),
+            "route": self.route_name,
+            "workspace": self.spec.workspace,
+            "parent_session_id": self.record.parent_session_id,
+            "active_turn": st.active_turn,
+            "pending_approval": st.pending_approval,
+            "queued_input": len(st.queued_input),
+            "context_items": len(self.context),
+            "context_epoch": st.context_epoch,
+            "compaction_count": st.compaction_count,
+            "total_usage": st.total_usage,
+            "last_event_sequence": st.next_event_sequence - 1,
+            "subscribers": len(self.subscribers),
+        }
+
+
+def _copy_json(d: Any) -> Any:
+    """Deep-copy a JSON-like value (cheaper than copy.deepcopy for our shapes)."""
+    if isinstance(d, dict):
+        return {k: _copy_json(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_copy_json(v) for v in d]
+    return d

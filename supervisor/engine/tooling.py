@@ -1,0 +1,50 @@
+"""The tools a session offers to the model, as ``ToolSchema`` shapes.
+
+The argument names follow the tool service (``sandbox_worker`` tools):
+``shell {command}``, ``read_file {path}``, ``write_file {path, content}``,
+``edit_file {path, old, new}``, ``list_dir {path}``.
+
+Invariants:
+- Only names in ``sandbox_worker.api.TOOL_NAMES`` can be offered; a call to
+  any other name is answered locally with an error output (never dispatched).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sandbox_worker.api import IDEMPOTENT_TOOLS, READ_ONLY_TOOLS, TOOL_NAMES, ToolSchema
+
+
+def _obj(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}
+
+
+_STR: Final = {"type": "string"}
+_DESCRIPTIONS: Final[dict[str, tuple[str, dict[str, Any]]]] = {
+    "shell": ("Run a shell command in the workspace (sandboxed, no network unless granted).",
+              _obj({"command": _STR, "timeout_s": {"type": "number"}}, ["command"])),
+    "read_file": ("Read a text file of the workspace.", _obj({"path": _STR}, ["path"])),
+    "write_file": ("Write a text file of the workspace (creates or replaces it).",
+                   _obj({"path": _STR, "content": _STR}, ["path", "content"])),
+    "edit_file": ("Replace one exact occurrence of a string in a workspace file.",
+                  _obj({"path": _STR, "old": _STR, "new": _STR}, ["path", "old", "new"])),
+    "list_dir": ("List a directory of the workspace.", _obj({"path": _STR}, ["path"])),
+}
+
+
+def tool_schemas(names: list[str]) -> list[ToolSchema]:
+    out: list[ToolSchema] = []
+    for name in names:
+        if name not in TOOL_NAMES or name not in _DESCRIPTIONS:
+            continue
+        description, parameters = _DESCRIPTIONS[name]
+        out.append(ToolSchema(name=name, description=description, parameters=parameters,
+                              idempotent=name in IDEMPOTENT_TOOLS,
+                              read_only=name in READ_ONLY_TOOLS))
+    return out
+
+
+def offered(names: list[str], tool: str) -> bool:
+    return tool in TOOL_NAMES and tool in names

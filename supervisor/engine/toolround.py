@@ -1,0 +1,335 @@
+"""One tool round: the function calls of one model step, from ``requested``
+to an output each, through approvals and parallel dispatch.
+
+Order of what enters the context (the möbius ordering the tests pin):
+``[assistant items..., pre_tool contexts..., function_call...]`` in the model
+step's commit, then each call's ``function_call_output`` — followed directly by
+its ``post_tool`` context when (and only when) the call really executed — in
+completion order, one commit per completed call.
+
+Worker-loss rules:
+- A call whose worker is lost is never re-run silently: outcome ``unknown``,
+  and the model reads that the worker was lost and the effect is unknown.
+  Only ``IDEMPOTENT_TOOLS`` are re-dispatched (bounded attempts).
+- On resume, a call found ``dispatched``/``started`` is resolved the same way.
+- A name the session does not offer gets an error output and is never sent.
+
+Invariants:
+- Every function_call in the context gets exactly one function_call_output
+  (``close_open_calls`` closes what an interrupt or failure left open).
+- The pending approval is durable (``CheckpointState.pending_approval``) before
+  ``exec_approval_request`` is visible, and survives a supervisor restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from sandbox_worker.api import IDEMPOTENT_TOOLS, SERVICE_TOOL, TIER_ORDER, ToolCallRequest
+from supervisor.engine import events as ev
+from supervisor.engine.approvals import Decision, call_key
+from supervisor.engine.calls import CallFailure, stream_call
+from supervisor.engine.hooks import HookEvent, context_item
+from supervisor.engine.phases import CallState, TurnPhase, advance_call
+from supervisor.engine.session import PendingApproval
+from supervisor.engine.tooling import offered
+
+if TYPE_CHECKING:
+    from supervisor.engine.turn import Turn
+
+LOST_OUTPUT = ("The worker running this tool call was lost before it reported a result. "
+               "Whether the call had any effect is unknown; check before repeating it.")
+RESTART_OUTPUT = ("The supervisor restarted while this tool call was running. Whether the "
+                  "call had any effect is unknown; check before repeating it.")
+
+
+def _parse_arguments(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
+    if isinstance(raw, dict):
+        return raw, None
+    if not isinstance(raw, str):
+        return None, "arguments must be a JSON object"
+    try:
+        value = json.loads(raw or "{}")
+    except ValueError as exc:
+        return None, f"arguments are not valid JSON: {exc}"
+    if not isinstance(value, dict):
+        return None, "arguments must be a JSON object"
+    return value, None
+
+
+async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str, Any]]) -> None:
+    """Run pre_tool hooks, then commit the model step with its calls ``requested``."""
+    s = turn.session
+    pcs: list[dict[str, Any]] = []
+    contexts: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
+    for raw in calls:
+        call_id = raw.get("call_id") if isinstance(raw.get("call_id"), str) else None
+        call_id = call_id or ev.new_id("call")
+        name = str(raw["name"]) if isinstance(raw.get("name"), str) else ""
+        item = {"type": "function_call", "call_id": call_id, "name": name,
+                "arguments": raw.get("arguments") if isinstance(raw.get("arguments"), str)
+                else json.dumps(raw.get("arguments", {}))}
+        items.append(item)
+        args, problem = _parse_arguments(raw.get("arguments"))
+        pc: dict[str, Any] = {"call_id": call_id, "name": name, "arguments": args or {},
+                              "state": str(CallState.REQUESTED), "attempt": 0,
+                              "verdict": None, "reason": None}
+        if problem is not None:
+            pc["verdict"], pc["reason"] = "bad", problem
+        elif not offered(s.spec.tools, name):
+            pc["verdict"], pc["reason"] = "missing", (
+                f"unknown tool {name!r}; available tools: {', '.join(s.spec.tools)}")
+        else:
+            folded = await s.hooks.run(HookEvent.PRE_TOOL, s.sid, turn.turn_id,
+                                       {"call_id": call_id, "name": name, "arguments": args})
+            contexts.extend(context_item("pre_tool_hook", c) for c in folded.contexts)
+            if folded.arguments is not None:
+                pc["arguments"] = folded.arguments
+            if folded.deny is not None:
+                pc["verdict"], pc["reason"] = "deny", f"denied by a pre_tool hook: {folded.deny}"
+        pcs.append(pc)
+    result = {**result, "items": [i for i in result["items"]
+                                  if i.get("type") != "function_call"]}
+
+    def mutate(st: Any) -> None:
+        st.pending_tool_calls = pcs
+        st.active_turn["phase"] = str(TurnPhase.TOOLS)  # requested, not yet decided
+    await turn._commit_model_result(result, items, extra_items=contexts, mutate_more=mutate)
+
+
+async def tool_round(turn: Turn) -> None:
+    s = turn.session
+    st = s.state
+    pcs = st.pending_tool_calls
+    if st.pending_approval is None and any(pc.get("verdict") is None for pc in pcs
+                                           if pc["state"] == CallState.REQUESTED):
+        await _decide(turn, pcs)
+    if s.state.pending_approval is not None:
+        await _await_approval(turn)
+    pcs = s.state.pending_tool_calls
+    await s.commit(mutate=turn.moving_to(TurnPhase.TOOLS))
+    for pc in pcs:
+        if not CallState(pc["state"]).terminal and pc.get("verdict") in ("deny", "missing", "bad"):
+            await _finish_call(turn, pc, CallState.FAILED, pc["verdict"],
+                               f"Tool call not run: {pc['reason']}", True, None, executed=False)
+    resumed = [pc for pc in pcs if pc["state"] in (CallState.DISPATCHED, CallState.STARTED)]
+    for pc in resumed:
+        if pc["name"] not in IDEMPOTENT_TOOLS:
+            await _finish_call(turn, pc, CallState.UNKNOWN, "unknown", RESTART_OUTPUT, True,
+                               None, executed=False)
+    runnable = [pc for pc in pcs if not CallState(pc["state"]).terminal
+                and pc.get("verdict") == "allow"]
+    async with asyncio.TaskGroup() as tg:
+        for pc in runnable:
+            tg.create_task(_run_call(turn, pc))
+
+    def done(st: Any) -> None:
+        st.pending_tool_calls = []
+        turn.moving_to(TurnPhase.PREPARING)(st)
+    await s.commit(mutate=done)
+    from supervisor.engine.exporting import export_boundary
+    await export_boundary(turn)
+
+
+async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
+    s = turn.session
+    approved = frozenset(s.state.approved_for_session)
+    ask: list[tuple[dict[str, Any], str]] = []
+    for pc in pcs:
+        if pc.get("verdict") is not None or pc["state"] != CallState.REQUESTED:
+            continue
+        decision, reason = s.policy.decide(pc["name"], pc["arguments"], approved)
+        if decision is Decision.ALLOW:
+            pc["verdict"], pc["reason"] = "allow", reason
+        elif decision is Decision.DENY:
+            pc["verdict"], pc["reason"] = "deny", reason
+        else:
+            ask.append((pc, reason))
+    if ask:
+        summary = [{"call_id": pc["call_id"], "name": pc["name"], "arguments": pc["arguments"]}
+                   for pc, _ in ask]
+        folded = await s.hooks.run(HookEvent.PERMISSION_REQUEST, s.sid, turn.turn_id,
+                                   {"calls": summary, "reason": "; ".join(r for _, r in ask)})
+        if folded.deny is not None:  # any deny wins; no later allow can weaken it
+            for pc, _ in ask:
+                pc["verdict"], pc["reason"] = "deny", f"denied by a permission hook: {folded.deny}"
+            ask = []
+        elif folded.allow:
+            for pc, _ in ask:
+                pc["verdict"], pc["reason"] = "allow", "allowed by a permission hook"
+            ask = []
+    if not ask:
+        await s.commit(mutate=turn.moving_to(TurnPhase.TOOLS))
+        return
+    for pc, reason in ask:
+        pc["verdict"], pc["reason"] = "ask", reason
+    approval = {"id": ev.new_id("approval"), "turn_id": turn.turn_id,
+                "calls": [{"call_id": pc["call_id"], "name": pc["name"],
+                           "arguments": pc["arguments"]} for pc, _ in ask],
+                "reason": "; ".join(r for _, r in ask)}
+
+    def mutate(st: Any) -> None:
+        st.pending_approval = approval
+        turn.moving_to(TurnPhase.AWAITING_APPROVAL)(st)
+    await s.commit([(ev.EXEC_APPROVAL_REQUEST, dict(approval), turn.submission_id)],
+                    mutate=mutate)
+
+
+async def _await_approval(turn: Turn) -> None:
+    from supervisor.engine.turn import TurnRejected
+
+    s = turn.session
+    pending = s.state.pending_approval
+    assert_pending = pending is not None and pending.get("turn_id") == turn.turn_id
+    if not assert_pending or pending is None:
+        return
+    waiter = PendingApproval(pending["id"], turn.turn_id)
+    s.approval = waiter
+    try:
+        decision = await waiter.future
+    finally:
+        s.approval = None
+    asked = {c["call_id"] for c in pending["calls"]}
+    if decision == "abort":
+        raise TurnRejected("the user aborted the turn at the approval request")
+
+    def mutate(st: Any) -> None:
+        for pc in st.pending_tool_calls:
+            if pc["call_id"] not in asked:
+                continue
+            if decision in ("approved", "approved_for_session"):
+                pc["verdict"], pc["reason"] = "allow", f"{decision} by the user"
+                key = call_key(pc["name"], pc["arguments"])
+                if decision == "approved_for_session" and key not in st.approved_for_session:
+                    st.approved_for_session.append(key)
+            else:
+                pc["verdict"], pc["reason"] = "deny", "denied by the user"
+        st.pending_approval = None
+        turn.moving_to(TurnPhase.TOOLS)(st)
+    await s.commit(mutate=mutate)
+
+
+async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
+    s = turn.session
+    cfg = s.config
+    name = pc["name"]
+    while True:
+        attempt = int(pc.get("attempt", 0)) + 1
+
+        def dispatch(st: Any, attempt: int = attempt) -> None:
+            pc["state"] = str(advance_call(CallState(pc["state"]), CallState.DISPATCHED))
+            pc["attempt"] = attempt
+        await s.commit([(ev.TOOL_CALL_BEGIN, {"turn_id": turn.turn_id, "call_id": pc["call_id"],
+                                              "name": name, "arguments": pc["arguments"],
+                                              "attempt": attempt}, turn.submission_id)],
+                       mutate=dispatch)
+        started = False
+
+        async def on_partial(chunk: Any) -> None:
+            nonlocal started
+            if not started:
+                started = True
+
+                def start(st: Any) -> None:
+                    pc["state"] = str(advance_call(CallState(pc["state"]), CallState.STARTED))
+                await s.commit(mutate=start)
+            if isinstance(chunk, dict):
+                data = chunk.get("data", b"")
+                text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+                s.publish_live(ev.TOOL_CALL_OUTPUT_DELTA, {
+                    "turn_id": turn.turn_id, "call_id": pc["call_id"],
+                    "stream": chunk.get("stream", "stdout"), "text": text[:65536]},
+                    turn.submission_id)
+
+        request = ToolCallRequest(call_id=pc["call_id"], tool=name, arguments=pc["arguments"],
+                                  session_id=s.sid, workspace=s.spec.workspace,
+                                  policy=s.spec.tool_policy)
+        try:
+            result = await stream_call(s.manager.broker, SERVICE_TOOL, dict(request),
+                                       budget_s=cfg.tool_call_budget_s, attempt=attempt,
+                                       on_partial=on_partial, cancel_grace_s=cfg.cancel_grace_s)
+        except CallFailure as f:
+            if f.worker_lost and name in IDEMPOTENT_TOOLS \
+                    and attempt < cfg.idempotent_tool_attempts:
+                continue
+            if f.worker_lost:
+                await _finish_call(turn, pc, CallState.UNKNOWN, "unknown", LOST_OUTPUT, True,
+                                   None, executed=False, error=f)
+            else:
+                await _finish_call(turn, pc, CallState.FAILED, "failed",
+                                   f"Tool call failed ({f.kind}): {f.message}", True, None,
+                                   executed=False, error=f)
+            return
+        if not isinstance(result, dict) or not isinstance(result.get("output"), str):
+            await _finish_call(turn, pc, CallState.FAILED, "failed",
+                               "Tool call failed: the tool service answered with a malformed "
+                               "result", True, None, executed=False)
+            return
+        is_error = bool(result.get("is_error"))
+        await _finish_call(turn, pc, CallState.FAILED if is_error else CallState.OK,
+                           str(result.get("outcome", "error" if is_error else "ok")),
+                           result["output"], is_error, result, executed=True)
+        return
+
+
+async def _finish_call(turn: Turn, pc: dict[str, Any], state: CallState, outcome: str,
+                       output: str, is_error: bool, result: dict[str, Any] | None, *,
+                       executed: bool, error: CallFailure | None = None) -> None:
+    s = turn.session
+    contexts: list[dict[str, Any]] = []
+    if executed:  # post_tool runs only after a real execution
+        folded = await s.hooks.run(HookEvent.POST_TOOL, s.sid, turn.turn_id, {
+            "call_id": pc["call_id"], "name": pc["name"], "arguments": pc["arguments"],
+            "output": output, "is_error": is_error})
+        if folded.output is not None:
+            output = folded.output
+        contexts = [context_item("post_tool_hook", c) for c in folded.contexts]
+    isolation = result.get("isolation") if result else None
+    if isinstance(isolation, dict) and isinstance(isolation.get("tier"), str):
+        tier = isolation["tier"]
+        if turn.sandbox_tier is None or TIER_ORDER.get(tier, 0) < TIER_ORDER.get(
+                turn.sandbox_tier, 0):
+            turn.sandbox_tier = tier
+    turn.tool_calls += 1
+    if state is not CallState.OK:
+        turn.failed_tool_calls += 1
+    item: dict[str, Any] = {"type": "function_call_output", "call_id": pc["call_id"],
+                            "output": output}
+    if is_error:
+        item["is_error"] = True
+    payload: dict[str, Any] = {
+        "turn_id": turn.turn_id, "call_id": pc["call_id"], "name": pc["name"],
+        "output": ev.clip(output), "is_error": is_error, "outcome": outcome,
+        "state": str(state), "isolation": isolation, "attempt": pc.get("attempt", 0)}
+    if result is not None:
+        for key in ("exit_code", "signal", "duration_s", "truncated", "error_kind"):
+            if key in result:
+                payload[key] = result[key]
+    if error is not None:
+        payload["error"] = ev.error(error.kind, error.message, error.retryable)
+
+    def mutate(st: Any) -> None:
+        pc["state"] = str(advance_call(CallState(pc["state"]), state))
+        pc["outcome"] = outcome
+        if st.active_turn is not None:
+            st.active_turn = turn._active_turn(TurnPhase(st.active_turn["phase"]))
+    await s.commit([(ev.TOOL_CALL_END, payload, turn.submission_id)],
+                   items=[item, *contexts], execution=turn.execution("running"), mutate=mutate)
+
+
+def close_open_calls(turn: Turn, message: str) -> list[dict[str, Any]]:
+    """Outputs for every call an abort left open (the context stays well-formed)."""
+    items = []
+    for pc in turn.session.state.pending_tool_calls:
+        if CallState(pc["state"]).terminal:
+            continue
+        was_running = pc["state"] in (CallState.DISPATCHED, CallState.STARTED)
+        text = f"Tool call not completed: {message}."
+        if was_running:
+            text += " It was cancelled while running; its effect may be partial."
+        items.append({"type": "function_call_output", "call_id": pc["call_id"],
+                      "output": text, "is_error": True})
+    return items

@@ -1,0 +1,566 @@
+"""The turn loop: one user input (or a compact op) taken to a terminal event.
+
+``Turn.drive`` runs the body in a child task so that an interrupt can cancel
+it at any await (model stream, tool calls, approval wait, a slow hook) and
+still finish the turn cleanly: partial output is kept, open tool calls get an
+output, an open compaction notice is closed, then ``turn_aborted(interrupted)``.
+
+Body (re-entrant from the persisted phase, which is how crash resume works)::
+
+    STARTING   user_prompt_submit hooks; reject -> turn_aborted(rejected), nothing
+               of the prompt persisted; else user message committed
+    loop:
+      PREPARING  compaction (threshold or compact op), pre_model, model_request
+      MODEL_CALL model step (bounded retries on worker loss / retryable failures),
+                 usage observer, pre_tool hooks; commit items + requested calls
+      TOOLS      approvals (AWAITING_APPROVAL), parallel dispatch, outputs in
+                 completion order; then export at the tool boundary
+      STOPPING   stop hooks may ask for one bounded continuation
+    COMPLETED | ABORTED | FAILED
+
+Invariants:
+- Every step commits (``Session.commit``) before its events are visible; the
+  phase, model step count and tool-call states in ``CheckpointState`` are
+  updated in the same commit as the events that reflect them.
+- A ``TurnError`` fails the turn with an ``error`` event, an execution record
+  (outcome failed) and ``turn_aborted(failed)``; the session stays usable.
+- Usage reaches the checkpoint only after the usage observer accepted it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage, empty_usage
+from supervisor.engine import events as ev
+from supervisor.engine.calls import CallFailure, stream_call
+from supervisor.engine.errors import (
+    HookFailed,
+    ModelCallFailed,
+    TurnError,
+    TurnLimitExceeded,
+)
+from supervisor.engine.hooks import HookEvent, context_item
+from supervisor.engine.ops import user_input_from_json
+from supervisor.engine.phases import TurnPhase, advance_phase
+from supervisor.engine.tooling import tool_schemas
+from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
+
+if TYPE_CHECKING:
+    from supervisor.engine.compaction import Provisional
+    from supervisor.engine.session import Session, Work
+
+log = logging.getLogger(__name__)
+
+
+class TurnRejected(Exception):
+    """Internal: the turn ends with turn_aborted(rejected) (prompt hook, approval abort)."""
+
+
+class TurnStopped(Exception):
+    """Internal: a hook stopped the turn; a warning, then turn_complete."""
+
+
+class Turn:
+    def __init__(self, session: Session, turn_id: str, submission_id: SubmissionId | None,
+                 kind: str, *, resumed: bool = False) -> None:
+        self.session = session
+        self.turn_id = TurnId(turn_id)
+        self.submission_id = submission_id
+        self.kind = kind  # "turn" | "compact"
+        self.resumed = resumed
+        self.started_at = time.time()
+        self.started_mono = time.monotonic()
+        self.model_steps = 0
+        self.model_calls = 0
+        self.tool_calls = 0
+        self.failed_tool_calls = 0
+        self.usage: Usage = empty_usage()
+        self.sandbox_tier: str | None = None
+        self.partial_text = ""
+        self.continuations = 0
+        self.force_compact = kind == "compact"
+        self.provisional: Provisional | None = None
+        self.open_block: str | None = None  # compaction notice awaiting its completion
+        self.interrupt_requested = False
+        self.finishing = False
+        self.last_message = ""
+        self.pending_rewrite_reasons: list[str] = []
+
+    # ---------------------------------------------------------------- setup
+
+    @classmethod
+    def for_work(cls, session: Session, work: Work) -> Turn | None:
+        st = session.state
+        if work.kind == "resume":
+            at = st.active_turn
+            if at is None:
+                return None
+            turn = cls(session, at["turn_id"], at.get("submission_id"), at.get("kind", "turn"),
+                       resumed=True)
+            turn.model_steps = int(at.get("model_steps", 0))
+            turn.model_calls = int(at.get("model_calls", 0))
+            turn.tool_calls = int(at.get("tool_calls", 0))
+            turn.failed_tool_calls = int(at.get("failed_tool_calls", 0))
+            turn.usage = at.get("usage") or empty_usage()
+            turn.started_at = float(at.get("started_at", time.time()))
+            return turn
+        if work.kind == "compact":
+            return cls(session, ev.new_id("turn"), work.submission_id, "compact")
+        if not st.queued_input:
+            return None
+        sub = st.queued_input[0].get("submission_id")
+        return cls(session, ev.new_id("turn"), sub, "turn")
+
+    @property
+    def phase(self) -> TurnPhase:
+        at = self.session.state.active_turn
+        return TurnPhase(at["phase"]) if at else TurnPhase.STARTING
+
+    def moving_to(self, target: TurnPhase) -> Any:
+        """A ``mutate`` callback for ``Session.commit`` that advances the phase."""
+        def mutate(st: Any) -> None:
+            if st.active_turn is None:
+                st.active_turn = self._active_turn(TurnPhase.STARTING)
+            current = TurnPhase(st.active_turn["phase"])
+            if current is not target:
+                advance_phase(current, target)
+            st.active_turn = self._active_turn(target)
+        return mutate
+
+    def _active_turn(self, phase: TurnPhase) -> dict[str, Any]:
+        return {"turn_id": self.turn_id, "submission_id": self.submission_id, "kind": self.kind,
+                "phase": str(phase), "model_steps": self.model_steps,
+                "model_calls": self.model_calls, "tool_calls": self.tool_calls,
+                "failed_tool_calls": self.failed_tool_calls, "usage": _usage_dict(self.usage),
+                "started_at": self.started_at}
+
+    def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord:
+        ended = outcome != "running"
+        return ExecutionRecord(
+            self.session.sid, self.turn_id, outcome, self.model_calls, self.tool_calls,
+            self.failed_tool_calls, _usage_dict(self.usage), self.started_at,
+            time.time() if ended else None,
+            time.monotonic() - self.started_mono if ended else None,
+            self.sandbox_tier, reason)
+
+    # ---------------------------------------------------------------- drive
+
+    async def drive(self) -> None:
+        s = self.session
+        s.turn = self
+        try:
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(self._run(), name=f"turn-{self.turn_id}")
+                s.turn_task = task
+            if task.cancelled():
+                await self._finish_aborted(ev.ABORT_INTERRUPTED, "interrupted by the user")
+        finally:
+            s.turn = None
+            s.turn_task = None
+
+    def interrupt(self) -> None:
+        if self.finishing or self.session.turn_task is None:
+            return
+        self.interrupt_requested = True
+        self.session.turn_task.cancel()
+
+    async def _run(self) -> None:
+        try:
+            async with asyncio.timeout(self.session.config.max_turn_s):
+                await self._body()
+        except TurnRejected as exc:
+            await self._finish_aborted(ev.ABORT_REJECTED, str(exc))
+        except TurnStopped as exc:
+            await self.session.warn(str(exc), self.submission_id)
+            await self._finish_completed()
+        except TurnError as exc:
+            await self._finish_aborted(ev.ABORT_FAILED, str(exc), error=exc)
+        except TimeoutError:
+            exc2 = TurnLimitExceeded(
+                f"the turn ran longer than {self.session.config.max_turn_s}s")
+            await self._finish_aborted(ev.ABORT_FAILED, str(exc2), error=exc2)
+
+    async def _body(self) -> None:
+        from supervisor.engine.toolround import tool_round
+
+        if not self.resumed:
+            if self.kind == "compact":
+                await self.session.commit(
+                    [(ev.TURN_STARTED, {"turn_id": self.turn_id, "kind": "compact"},
+                      self.submission_id)],
+                    execution=self.execution("running"),
+                    mutate=self.moving_to(TurnPhase.STARTING))
+                await self.session.commit(mutate=self.moving_to(TurnPhase.PREPARING))
+            else:
+                await self._start_with_input()
+        elif self.phase is TurnPhase.STARTING:
+            await self._start_with_input(resuming=True)
+        if self.phase in (TurnPhase.AWAITING_APPROVAL, TurnPhase.TOOLS):
+            await tool_round(self)
+        elif self.phase is not TurnPhase.PREPARING:
+            # mid model call / compaction / stop hooks: re-issue the step
+            await self.session.commit(mutate=self._force_phase(TurnPhase.PREPARING))
+        while not await self._step():
+            pass
+        await self._finish_completed()
+
+    def _force_phase(self, phase: TurnPhase) -> Any:
+        def mutate(st: Any) -> None:
+            st.active_turn = self._active_turn(phase)
+        return mutate
+
+    async def _start_with_input(self, resuming: bool = False) -> None:
+        s = self.session
+        queued = s.state.queued_input[0]
+        if not resuming:
+            def take(st: Any) -> None:
+                st.queued_input[0] = {**st.queued_input[0], "turn_id": self.turn_id}
+                self.moving_to(TurnPhase.STARTING)(st)
+            await s.commit([(ev.TURN_STARTED, {"turn_id": self.turn_id}, self.submission_id)],
+                           execution=self.execution("running"), mutate=take)
+        op = user_input_from_json(queued["op"])
+        folded = await s.hooks.run(HookEvent.USER_PROMPT_SUBMIT, s.sid, self.turn_id,
+                                   {"text": op.text,
+                                    "attachments": [a.to_json() for a in op.attachments]})
+        if folded.reject is not None:
+            def drop(st: Any) -> None:
+                st.queued_input = [q for q in st.queued_input if q.get("turn_id") != self.turn_id]
+            await s.commit(mutate=drop)
+            raise TurnRejected(f"prompt rejected by a user_prompt_submit hook: {folded.reject}")
+        text = folded.text if folded.text is not None else op.text
+        attachments = [a.to_json() for a in op.attachments]
+        content = [{"type": "input_text", "text": text}]
+        for a in attachments:
+            content.append({"type": "input_text", "text": (
+                f"[attachment {a['name']} ({a['media_type']}, {a['size']} bytes), "
+                f"id {a['id']}]")})
+        item: dict[str, Any] = {"type": "message", "role": "user", "content": content}
+        if attachments:
+            item["corral"] = {"attachments": attachments}
+        items = [item, *(context_item("user_prompt_hook", c) for c in folded.contexts)]
+
+        def accept(st: Any) -> None:
+            st.queued_input = [q for q in st.queued_input if q.get("turn_id") != self.turn_id]
+            self.moving_to(TurnPhase.PREPARING)(st)
+        await s.commit([(ev.USER_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text),
+                                           "attachments": attachments}, self.submission_id)],
+                       items=items, mutate=accept)
+
+    # ----------------------------------------------------------------- step
+
+    async def _step(self) -> bool:
+        """One model step; True when the turn is done."""
+        from supervisor.engine.compaction import maybe_compact, settle
+        from supervisor.engine.toolround import prepare_calls, tool_round
+
+        s = self.session
+        cfg = s.config
+        if self.model_steps >= cfg.max_model_steps:
+            raise TurnLimitExceeded(f"the turn reached its limit of {cfg.max_model_steps} "
+                                    "model steps")
+        await maybe_compact(self)
+        if self.kind == "compact":
+            if self.provisional is not None:
+                await settle(self, "success")
+            return True
+        context = self.provisional.context if self.provisional else s.context
+        pre = await s.hooks.run(HookEvent.PRE_MODEL, s.sid, self.turn_id,
+                                {"context": context, "step": self.model_steps + 1})
+        if pre.rewrite_items is not None or pre.append_items or pre.contexts:
+            extra = [*pre.append_items, *(context_item("pre_model_hook", c)
+                                          for c in pre.contexts)]
+            if self.provisional is not None:
+                if pre.rewrite_items is not None:
+                    self.provisional.context = list(pre.rewrite_items)
+                self.provisional.context.extend(extra)
+            elif pre.rewrite_items is not None:
+                self.pending_rewrite_reasons.append("pre_model_hook")
+                await s.commit(rewrite=(list(pre.rewrite_items) + extra, ["pre_model_hook"]),
+                               mutate=self._note_rewrite(["pre_model_hook"]))
+            else:
+                await s.commit(items=extra)
+            context = self.provisional.context if self.provisional else s.context
+        request = self._request(context)
+        decorated = await s.hooks.run(HookEvent.MODEL_REQUEST, s.sid, self.turn_id,
+                                      {"request": request})
+        if decorated.request is not None:
+            request = decorated.request
+        if self.provisional is not None:
+            await settle(self, "success")
+            request["items"] = self._request(s.context)["items"]
+        result = await self._model_call(request)
+        calls = [i for i in result["items"] if i.get("type") == "function_call"]
+        if calls:
+            await prepare_calls(self, result, calls)
+            await tool_round(self)
+            return False
+        await self._commit_model_result(result, [])
+        await s.commit(mutate=self.moving_to(TurnPhase.STOPPING))
+        stop = await s.hooks.run(HookEvent.STOP, s.sid, self.turn_id,
+                                 {"last_message": self.last_message,
+                                  "continuations": self.continuations})
+        if stop.continue_with and self.continuations < cfg.stop_continuations:
+            self.continuations += 1
+            await s.commit(items=[context_item("stop_hook", stop.continue_with)],
+                           mutate=self.moving_to(TurnPhase.PREPARING))
+            return False
+        return True
+
+    def _note_rewrite(self, reasons: list[str]) -> Any:
+        def mutate(st: Any) -> None:
+            st.last_rewrite = {"epoch": st.context_epoch + 1, "reasons": reasons,
+                               "at_batch": st.next_batch_sequence - 1, "reported": False}
+            st.cache_breakpoint = None
+        return mutate
+
+    def _request(self, context: list[dict[str, Any]]) -> dict[str, Any]:
+        s = self.session
+        items = list(context)
+        bp = s.state.cache_breakpoint
+        if bp is None or bp >= len(items):
+            bp = len(items) - 1
+        if bp >= 0:
+            marked = dict(items[bp])
+            marked["corral"] = {**marked.get("corral", {}), "cache_breakpoint": True}
+            items[bp] = marked
+        return {"op": "respond", "route": s.manager.route(s.route_name),
+                "instructions": s.spec.instructions or s.config.instructions,
+                "items": items, "tools": tool_schemas(s.spec.tools), "stream": s.spec.stream,
+                "session_id": s.sid, "prompt_cache_key": s.sid}
+
+    # ----------------------------------------------------------- model call
+
+    async def _model_call(self, request: dict[str, Any]) -> dict[str, Any]:
+        s = self.session
+        cfg = s.config
+        attempt = 1
+        self.model_steps += 1
+        self.model_calls += 1
+        step = self.model_steps
+        while True:
+            self.partial_text = ""
+            await s.commit([(ev.MODEL_STEP_STARTED,
+                             {"turn_id": self.turn_id, "step": step, "attempt": attempt,
+                              "route": s.route_name}, self.submission_id)],
+                           execution=self.execution("running"),
+                           mutate=self.moving_to(TurnPhase.MODEL_CALL))
+            try:
+                result = await stream_call(
+                    s.manager.broker, SERVICE_MODEL, request, budget_s=cfg.model_call_budget_s,
+                    attempt=attempt, on_partial=self._on_model_delta,
+                    cancel_grace_s=cfg.cancel_grace_s)
+                _check_model_result(result)
+                return result  # type: ignore[no-any-return]
+            except CallFailure as f:
+                again = (f.retryable or f.worker_lost) and attempt < cfg.model_attempts
+                outcome = ev.STEP_RETRYING if again else ev.STEP_FAILED
+                await s.commit([(ev.MODEL_STEP_COMPLETED, {
+                    "turn_id": self.turn_id, "step": step, "attempt": attempt,
+                    "outcome": outcome, "diagnostics": {
+                        "error": ev.error(f.kind, f.message, f.retryable),
+                        "prompt_cache": self._cache_diagnostics(s.state)}},
+                    self.submission_id)])
+                if not again:
+                    raise ModelCallFailed(f"model call failed: {f.kind}: {f.message}",
+                                          kind=f.kind, retryable=f.retryable) from f
+                attempt += 1
+                await asyncio.sleep(cfg.model_retry_delay_s * attempt)
+
+    async def _on_model_delta(self, delta: Any) -> None:
+        if not isinstance(delta, dict):
+            return
+        s = self.session
+        kind = delta.get("type")
+        if kind == "text_delta" and isinstance(delta.get("text"), str):
+            self.partial_text += delta["text"]
+            s.publish_live(ev.AGENT_MESSAGE_DELTA, {"turn_id": self.turn_id,
+                                                    "text": delta["text"]}, self.submission_id)
+        elif kind == "reasoning_delta" and isinstance(delta.get("text"), str):
+            s.publish_live(ev.AGENT_REASONING_DELTA, {"turn_id": self.turn_id,
+                                                      "text": delta["text"]},
+                           self.submission_id)
+        elif kind == "retry":
+            if delta.get("discard_partial"):
+                self.partial_text = ""
+            await s.commit([(ev.MODEL_STEP_COMPLETED, {
+                "turn_id": self.turn_id, "step": self.model_steps,
+                "outcome": ev.STEP_RETRYING, "diagnostics": {
+                    "provider_retry": {k: delta.get(k) for k in
+                                       ("attempt", "kind", "message", "delay_s",
+                                        "discard_partial")}}}, self.submission_id)])
+
+    def _cache_diagnostics(self, st: Any) -> dict[str, Any]:
+        rw = st.last_rewrite
+        if rw is not None and not rw.get("reported", True):
+            return {"context_epoch": st.context_epoch, "outcome": "context_rewrite",
+                    "rewrite_reasons": list(rw.get("reasons", []))}
+        return {"context_epoch": st.context_epoch,
+                "outcome": "prefix_reuse" if st.cache_breakpoint is not None else "cold",
+                "rewrite_reasons": []}
+
+    async def _commit_model_result(self, result: dict[str, Any],
+                                   call_items: list[dict[str, Any]],
+                                   extra_items: list[dict[str, Any]] | None = None,
+                                   mutate_more: Any = None) -> None:
+        """Commit a model step: observer first (it may veto), then items + usage."""
+        s = self.session
+        usage: Usage = result["usage"]
+        await s.manager.observe_usage(s.route_name, usage)
+        self.usage = add_usage(self.usage, usage)
+        items = [i for i in result["items"] if i.get("type") != "function_call"]
+        text = "".join(_message_text(i) for i in items
+                       if i.get("type") == "message" and i.get("role") == "assistant")
+        if text:
+            self.last_message = text
+        diagnostics = {"prompt_cache": self._cache_diagnostics(s.state),
+                       "stop_reason": result.get("stop_reason"),
+                       "retries": result.get("retries", 0), "model": result.get("model")}
+        events: list[tuple[str, dict[str, Any], SubmissionId | None]] = []
+        if text:
+            events.append((ev.AGENT_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text)},
+                           self.submission_id))
+        events.append((ev.MODEL_STEP_COMPLETED, {
+            "turn_id": self.turn_id, "step": self.model_steps, "outcome": ev.STEP_COMPLETED,
+            "diagnostics": diagnostics}, self.submission_id))
+        all_items = [*items, *(extra_items or []), *call_items]
+
+        def mutate(st: Any) -> None:
+            st.total_usage = dict(add_usage(st.total_usage, usage))
+            st.last_usage = dict(usage)
+            if st.last_rewrite is not None:
+                st.last_rewrite = {**st.last_rewrite, "reported": True}
+            # the stable prefix for the next request ends with this step's last item
+            st.cache_breakpoint = len(s.context) + len(all_items) - 1
+            if mutate_more is not None:
+                mutate_more(st)
+            st.active_turn = self._active_turn(TurnPhase(st.active_turn["phase"]))
+        route = s.manager.route(s.route_name)
+        events.append((ev.TOKEN_COUNT, {
+            "turn_id": self.turn_id, "last": dict(usage),
+            "total": dict(add_usage(s.state.total_usage, usage)),  # type: ignore[arg-type]
+            "context_window": route.get("context_window")}, self.submission_id))
+        self.partial_text = ""
+        await s.commit(events, items=all_items or None, execution=self.execution("running"),
+                       mutate=mutate)
+
+    # ---------------------------------------------------------------- finish
+
+    async def _finish_completed(self) -> None:
+        s = self.session
+        self.finishing = True
+        await self._run_turn_end("completed")
+
+        def mutate(st: Any) -> None:
+            st.active_turn = None
+            st.pending_tool_calls = []
+            st.pending_approval = None
+            st.export_loop_checkpoint = None
+        await s.commit([(ev.TURN_COMPLETE, {"turn_id": self.turn_id,
+                                            "last_agent_message": ev.clip(self.last_message)},
+                         self.submission_id)],
+                       execution=self.execution("completed"), mutate=mutate)
+
+    async def _finish_aborted(self, reason: str, message: str,
+                              error: TurnError | None = None) -> None:
+        from supervisor.engine.compaction import close_notice
+        from supervisor.engine.toolround import close_open_calls
+
+        s = self.session
+        self.finishing = True
+        outcome = "failed" if reason == ev.ABORT_FAILED else "aborted"
+        if self.open_block is not None:
+            await close_notice(self, "cancelled" if reason == ev.ABORT_INTERRUPTED else "failed")
+        items: list[dict[str, Any]] = []
+        events: list[tuple[str, dict[str, Any], SubmissionId | None]] = []
+        if self.partial_text:
+            items.append({"type": "message", "role": "assistant",
+                          "content": [{"type": "output_text", "text": self.partial_text}],
+                          "corral": {"partial": True}})
+            events.append((ev.AGENT_MESSAGE, {"turn_id": self.turn_id, "partial": True,
+                                              "text": ev.clip(self.partial_text)},
+                           self.submission_id))
+        if s.state.active_turn and s.state.active_turn.get("phase") == "model_call":
+            events.append((ev.MODEL_STEP_COMPLETED, {
+                "turn_id": self.turn_id, "step": self.model_steps,
+                "outcome": ev.STEP_INTERRUPTED if reason == ev.ABORT_INTERRUPTED
+                else ev.STEP_FAILED, "diagnostics": {}}, self.submission_id))
+        items.extend(close_open_calls(self, message))
+        if error is not None:
+            events.append((ev.ERROR, error.as_data(), self.submission_id))
+        events.append((ev.TURN_ABORTED, {"turn_id": self.turn_id, "reason": reason,
+                                         "message": ev.clip(message, 4096)},
+                       self.submission_id))
+
+        def mutate(st: Any) -> None:
+            st.active_turn = None
+            st.pending_tool_calls = []
+            st.pending_approval = None
+            st.export_loop_checkpoint = None
+            st.queued_input = [q for q in st.queued_input if q.get("turn_id") != self.turn_id]
+        await s.commit(events, items=items or None,
+                       execution=self.execution(outcome, f"{reason}: {message}"[:1000]),
+                       mutate=mutate)
+        self.partial_text = ""
+        try:
+            await self._run_turn_end(outcome)
+        except TurnError as exc:
+            log.warning("session %s: turn_end hook failed after abort: %s", s.sid, exc)
+
+    async def _run_turn_end(self, outcome: str) -> None:
+        s = self.session
+        await s.hooks.run(HookEvent.TURN_END, s.sid, self.turn_id,
+                          {"outcome": outcome, "last_message": self.last_message})
+
+
+def _usage_dict(usage: Usage) -> dict[str, int]:
+    return {k: int(v) for k, v in usage.items()}  # type: ignore[call-overload]
+
+
+def _message_text(item: dict[str, Any]) -> str:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(p.get("text", "") for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def _check_model_result(result: Any) -> None:
+    if not isinstance(result, dict) or not isinstance(result.get("items"), list) \
+            or not all(isinstance(i, dict) for i in result["items"]) \
+            or not isinstance(result.get("usage"), dict):
+        raise CallFailure("protocol", "the model service answered with a malformed result",
+                          False)
+    usage = result["usage"]
+    base = empty_usage()
+    for k in base:
+        v = usage.get(k, 0)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise CallFailure("protocol", f"model usage field {k!r} is not an integer", False)
+    result["usage"] = {k: int(usage.get(k, 0)) for k in base}
+
+
+async def run_session_start(session: Session, source: str) -> None:
+    """session_start outside a turn (startup, resume): may stop or push input."""
+    from supervisor.engine.ops import UserInput
+
+    try:
+        folded = await session.hooks.run(HookEvent.SESSION_START, session.sid, None,
+                                         {"source": source})
+    except HookFailed as exc:
+        await session.commit([(ev.ERROR, exc.as_data(), None)])
+        return
+    if folded.stop is not None:
+        # Nothing is running: the stop ends the hook run only; it never eats a prompt.
+        await session.warn(folded.stop, None, hook="session_start", source=source)
+    if folded.push_inputs:
+        def push(st: Any) -> None:
+            for text in folded.push_inputs:
+                st.queued_input.append({"submission_id": None,
+                                        "op": UserInput(text).to_json()})
+        await session.commit(mutate=push)
