@@ -186,7 +186,7 @@ class SupervisorClient:
             if "event" in msg:
                 event = msg["event"]
                 seq = event.get("sequence")
-                if isinstance(seq, int):
+                if isinstance(seq, int) and seq > 0:  # 0: a live-only delta
                     if seq <= sub.last_sequence:
                         return  # already delivered (resubscribe overlap)
                     sub.last_sequence = seq
