@@ -1,0 +1,89 @@
+"""Entry point of the broker process: ``python -m broker --frontend EP --backend EP``.
+
+Parses argv, configures logging (the only place in the package that does),
+binds, prints one readiness JSON line on stdout, serves until SIGTERM/SIGINT,
+then answers every open request (worker_lost, retryable), disconnects the
+workers and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+from broker import protocol
+from broker.server import Broker, BrokerConfig
+from broker.state import Limits
+
+_DEFAULTS = Limits()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m broker",
+        description="Corral's ZeroMQ broker: reliable request-reply between clients "
+        "(frontend) and workers (backend). Prints one JSON readiness line on stdout: "
+        '{"event": "ready", "frontend", "backend", "pid", "broker_id"}.',
+    )
+    parser.add_argument("--frontend", required=True,
+                        help="endpoint for clients, e.g. ipc:///tmp/f.sock or tcp://127.0.0.1:0")
+    parser.add_argument("--backend", required=True, help="endpoint for workers")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.25,
+                        help="seconds between heartbeats (default 0.25)")
+    parser.add_argument("--liveness", type=int, default=4,
+                        help="missed heartbeats before a peer is declared dead (default 4)")
+    parser.add_argument("--max-message-bytes", type=int,
+                        default=protocol.DEFAULT_MAX_MESSAGE_BYTES,
+                        help="largest accepted message (default 16 MiB)")
+    parser.add_argument("--queue-limit", type=int, default=_DEFAULTS.queue_limit,
+                        help="queued requests per service before FAILURE overloaded")
+    parser.add_argument("--max-workers", type=int, default=_DEFAULTS.max_workers)
+    parser.add_argument("--max-clients", type=int, default=_DEFAULTS.max_clients)
+    parser.add_argument("--max-requests", type=int, default=_DEFAULTS.max_requests,
+                        help="requests tracked at once (queued + in flight)")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    if args.heartbeat_interval_s <= 0 or args.liveness < 1:
+        parser.error("--heartbeat-interval-s must be > 0 and --liveness >= 1")
+    if min(args.max_message_bytes, args.queue_limit, args.max_workers, args.max_clients,
+           args.max_requests) < 1:
+        parser.error("limits must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = Limits(
+        heartbeat_interval_s=args.heartbeat_interval_s, liveness=args.liveness,
+        queue_limit=args.queue_limit, max_workers=args.max_workers,
+        max_clients=args.max_clients, max_requests=args.max_requests,
+    )
+    broker = Broker(BrokerConfig(args.frontend, args.backend, limits, args.max_message_bytes))
+    frontend, backend = broker.bind()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        broker.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ready = {"event": "ready", "frontend": frontend, "backend": backend,
+             "pid": os.getpid(), "broker_id": broker.broker_id}
+    sys.stdout.write(json.dumps(ready) + "\n")
+    sys.stdout.flush()
+    try:
+        broker.run()
+    finally:
+        broker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,590 @@
+"""The broker's dispatch state machine: pure bookkeeping, no sockets, no clocks.
+
+``Dispatcher`` takes decoded messages and the current time (``now``, from
+``time.monotonic()`` in the caller) and returns the list of ``Send`` actions to
+perform. ``broker.server`` is the socket loop around it; tests drive it
+directly, including a Hypothesis ``RuleBasedStateMachine``.
+
+One source of truth (no parallel lists that can disagree):
+
+- ``_requests`` (keyed by the broker's own request id) holds every request the
+  broker still has to care about. Each one is either *queued* (``worker is
+  None``, present in exactly one service queue) or *held* by exactly one live,
+  registered worker (``worker`` set, present in that worker's ``in_flight``).
+- ``closed`` says whether the client already got its final answer (or left).
+  A held request that is closed still occupies its worker's slot until the
+  worker answers it (the late answer is dropped and counted) or expires.
+  A queued request is never closed: closing it removes it.
+- The client's ``pending`` map indexes exactly the requests that are not closed.
+  Every request gets exactly one final answer (REPLY or FAILURE) unless its
+  client went away.
+- Idle sets list exactly the registered workers with a free slot, per service,
+  least recently used first.
+
+Bounds: per-service queue length, number of distinct queued services,
+workers, clients and tracked requests (all in ``Limits``). Over a bound a
+request is answered FAILURE(overloaded, retryable) and other input is dropped
+and counted in ``dropped[reason]``.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from broker import protocol
+from broker.protocol import FailureKind
+
+MAX_STATUS_CLIENTS: Final = 256
+
+
+class Side(enum.Enum):
+    CLIENT = "client"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Action: send ``msg`` to the peer ``identity`` on the ``side`` socket."""
+
+    side: Side
+    identity: bytes
+    msg: protocol.Message
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    heartbeat_interval_s: float = 0.25
+    liveness: int = 4
+    queue_limit: int = 10_000  # queued requests per service
+    max_queued_services: int = 1024  # distinct services with a non-empty queue
+    max_workers: int = 4096
+    max_clients: int = 4096
+    max_requests: int = 200_000  # queued + held, over all clients
+
+    @property
+    def window_s(self) -> float:
+        """A peer silent for this long is declared dead."""
+        return self.heartbeat_interval_s * self.liveness
+
+
+class _Req:
+    __slots__ = (
+        "attempt", "body", "client", "client_rid", "closed", "deadline", "rid", "seq",
+        "service", "worker",
+    )
+
+    def __init__(
+        self, rid: str, seq: int, client: bytes, client_rid: str, service: str,
+        body: bytes, attempt: int, deadline: float,
+    ) -> None:
+        self.rid = rid
+        self.seq = seq
+        self.client = client
+        self.client_rid = client_rid
+        self.service = service
+        self.body = body
+        self.attempt = attempt
+        self.deadline = deadline
+        self.worker: bytes | None = None
+        self.closed = False
+
+
+class _Worker:
+    __slots__ = ("capacity", "identity", "in_flight", "info", "last_seen", "services")
+
+    def __init__(
+        self, identity: bytes, services: tuple[str, ...], capacity: int,
+        info: dict[str, Any], now: float,
+    ) -> None:
+        self.identity = identity
+        self.services = services
+        self.capacity = capacity
+        self.info = info
+        self.last_seen = now
+        self.in_flight: dict[str, _Req] = {}
+
+
+class _Client:
+    __slots__ = ("identity", "last_seen", "pending")
+
+    def __init__(self, identity: bytes, now: float) -> None:
+        self.identity = identity
+        self.last_seen = now
+        self.pending: dict[str, _Req] = {}  # client request id -> request, not closed
+
+
+def _peer_name(identity: bytes) -> str:
+    return identity.decode("utf-8", "backslashreplace")
+
+
+class Dispatcher:
+    """Pure dispatch state machine. Every public method returns the actions to perform."""
+
+    def __init__(self, broker_id: str, limits: Limits, now: float) -> None:
+        self.broker_id = broker_id
+        self.limits = limits
+        self.started = now
+        self._workers: dict[bytes, _Worker] = {}
+        self._clients: dict[bytes, _Client] = {}
+        self._requests: dict[str, _Req] = {}
+        self._queues: dict[str, dict[str, _Req]] = {}
+        self._idle: dict[str, dict[bytes, None]] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._next_seq = 0
+        self._rid_prefix = broker_id[:8] + "."
+        self._heartbeat = protocol.Heartbeat(broker_id)
+        self._next_heartbeat = now + limits.heartbeat_interval_s
+        self._sweep_s = limits.heartbeat_interval_s / 4
+        self._next_sweep = now + self._sweep_s
+        self._disconnect_sent: dict[bytes, float] = {}
+        self.counters: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ input
+
+    def on_client(self, identity: bytes, msg: protocol.Message, now: float) -> list[Send]:
+        """A decoded message arrived on the frontend from client ``identity``."""
+        out: list[Send] = []
+        client = self._clients.get(identity)
+        if client is None:
+            if isinstance(msg, protocol.Disconnect):
+                return out
+            if len(self._clients) >= self.limits.max_clients:
+                self.dropped["too_many_clients"] += 1
+                if isinstance(msg, protocol.Request | protocol.Status):
+                    self._fail_direct(identity, msg.request_id, FailureKind.OVERLOADED,
+                                      "broker has too many clients", out)
+                return out
+            client = self._clients[identity] = _Client(identity, now)
+            # First contact: tell the client our id at once, so it notices a
+            # broker restart without waiting for the next heartbeat round.
+            out.append(Send(Side.CLIENT, identity, self._heartbeat))
+        client.last_seen = now
+        if isinstance(msg, protocol.Request):
+            self._on_request(client, msg, now, out)
+        elif isinstance(msg, protocol.Heartbeat):
+            pass
+        elif isinstance(msg, protocol.Cancel):
+            self._on_cancel(client, msg.request_id, now, out)
+        elif isinstance(msg, protocol.Status):
+            body = protocol.pack(self.status(now))
+            out.append(Send(Side.CLIENT, identity, protocol.Reply(msg.request_id, body)))
+        elif isinstance(msg, protocol.Disconnect):
+            self.counters["client_disconnects"] += 1
+            self._remove_client(client, out)
+        else:
+            self.dropped["wrong_direction"] += 1
+        return out
+
+    def on_worker(self, identity: bytes, msg: protocol.Message, now: float) -> list[Send]:
+        """A decoded message arrived on the backend from worker ``identity``."""
+        out: list[Send] = []
+        worker = self._workers.get(identity)
+        if isinstance(msg, protocol.Ready):
+            if worker is not None:
+                # A READY from a registered worker means it started afresh and
+                # dropped whatever it held: its old requests are lost.
+                self._remove_worker(worker, "re-registered", out)
+            self._register(identity, msg, now, out)
+            return out
+        if worker is None:
+            if isinstance(msg, protocol.Disconnect):
+                return out
+            self.dropped["unknown_worker"] += 1
+            self._ask_to_register(identity, now, out)
+            return out
+        worker.last_seen = now
+        if isinstance(msg, protocol.Reply | protocol.Failure):
+            self._on_answer(worker, msg, now, out)
+        elif isinstance(msg, protocol.Partial):
+            req = worker.in_flight.get(msg.request_id)
+            if req is None:
+                self.dropped["unknown_request"] += 1
+            elif req.closed:
+                self.dropped["late_partial"] += 1
+            else:
+                self.counters["partials"] += 1
+                out.append(Send(Side.CLIENT, req.client,
+                                protocol.Partial(req.client_rid, msg.seq, msg.body)))
+        elif isinstance(msg, protocol.Heartbeat):
+            pass
+        elif isinstance(msg, protocol.Disconnect):
+            self.counters["worker_disconnects"] += 1
+            self._remove_worker(worker, f"worker disconnected: {msg.reason}"[:200], out)
+        else:
+            self.dropped["wrong_direction"] += 1
+        return out
+
+    def drop(self, reason: str) -> None:
+        """Count a frame the socket layer dropped before it reached the state machine."""
+        self.dropped[reason] += 1
+
+    # ------------------------------------------------------------------ timers
+
+    def next_wakeup(self) -> float:
+        """The monotonic time at which ``tick`` next has work to do."""
+        wake = min(self._next_heartbeat, self._next_sweep)
+        if self._deadlines and self._deadlines[0][0] < wake:
+            wake = self._deadlines[0][0]
+        return wake
+
+    def tick(self, now: float) -> list[Send]:
+        """Run the timers: heartbeats out, peer expiry, request budgets."""
+        out: list[Send] = []
+        if now >= self._next_heartbeat:
+            hb = self._heartbeat
+            out.extend(Send(Side.WORKER, w, hb) for w in self._workers)
+            out.extend(Send(Side.CLIENT, c, hb) for c in self._clients)
+            self._next_heartbeat = now + self.limits.heartbeat_interval_s
+        if now >= self._next_sweep:
+            self._sweep(now, out)
+            self._next_sweep = now + self._sweep_s
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, rid = heapq.heappop(deadlines)
+            req = self._requests.get(rid)
+            if req is not None and not req.closed:
+                self._expire_request(req, out)
+        if len(deadlines) > 1024 and len(deadlines) > 2 * len(self._requests):
+            # Answered requests leave stale heap entries; rebuild to stay bounded.
+            self._deadlines = [(r.deadline, r.rid) for r in self._requests.values()
+                               if not r.closed]
+            heapq.heapify(self._deadlines)
+        return out
+
+    def shutdown(self, reason: str) -> list[Send]:
+        """Answer every open request and tell every worker to go; forget everything."""
+        out: list[Send] = []
+        for req in list(self._requests.values()):
+            if not req.closed:
+                self._answer_failure(req, FailureKind.WORKER_LOST, reason, True, out)
+        out.extend(Send(Side.WORKER, w, protocol.Disconnect(reason)) for w in self._workers)
+        self._requests.clear()
+        self._queues.clear()
+        self._idle.clear()
+        self._workers.clear()
+        self._clients.clear()
+        self._deadlines.clear()
+        return out
+
+    # ------------------------------------------------------------------ clients
+
+    def _on_request(self, client: _Client, msg: protocol.Request, now: float,
+                    out: list[Send]) -> None:
+        self.counters["requests"] += 1
+        cid = client.identity
+        if msg.request_id in client.pending:
+            self.dropped["duplicate_request_id"] += 1
+            return
+        if msg.budget_s <= 0:
+            self._fail_direct(cid, msg.request_id, FailureKind.TIMEOUT,
+                              "request arrived with no budget left", out)
+            return
+        if len(self._requests) >= self.limits.max_requests:
+            self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+                              "broker is tracking too many requests", out)
+            return
+        service = msg.service
+        queue = self._queues.get(service)
+        idle = self._idle.get(service)
+        if queue is None and idle:
+            req = self._new_request(client, msg, now)
+            self._dispatch(req, self._workers[next(iter(idle))], now, out)
+            return
+        if queue is None:
+            if len(self._queues) >= self.limits.max_queued_services:
+                self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+                                  "too many services with queued requests", out)
+                return
+            queue = self._queues[service] = {}
+        elif len(queue) >= self.limits.queue_limit:
+            self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+                              f"queue of service {service!r} is full", out)
+            return
+        req = self._new_request(client, msg, now)
+        queue[req.rid] = req
+
+    def _new_request(self, client: _Client, msg: protocol.Request, now: float) -> _Req:
+        self._next_seq += 1
+        seq = self._next_seq
+        rid = f"{self._rid_prefix}{seq:x}"
+        req = _Req(rid, seq, client.identity, msg.request_id, msg.service, msg.body,
+                   msg.attempt, now + msg.budget_s)
+        self._requests[rid] = req
+        client.pending[msg.request_id] = req
+        heapq.heappush(self._deadlines, (req.deadline, rid))
+        return req
+
+    def _on_cancel(self, client: _Client, client_rid: str, now: float,
+                   out: list[Send]) -> None:
+        req = client.pending.get(client_rid)
+        if req is None:
+            self.dropped["cancel_unknown_request"] += 1
+            return
+        self.counters["cancels"] += 1
+        self._answer_failure(req, FailureKind.CANCELLED, "cancelled by the client", False, out)
+
+    def _remove_client(self, client: _Client, out: list[Send]) -> None:
+        del self._clients[client.identity]
+        for req in list(client.pending.values()):
+            self._close(req, out)
+        client.pending.clear()
+
+    # ------------------------------------------------------------------ workers
+
+    def _register(self, identity: bytes, msg: protocol.Ready, now: float,
+                  out: list[Send]) -> None:
+        if len(self._workers) >= self.limits.max_workers:
+            self.dropped["too_many_workers"] += 1
+            return
+        worker = _Worker(identity, tuple(dict.fromkeys(msg.services)), msg.capacity,
+                         dict(msg.info), now)
+        self._workers[identity] = worker
+        self._disconnect_sent.pop(identity, None)
+        self.counters["registrations"] += 1
+        out.append(Send(Side.WORKER, identity, self._heartbeat))  # acknowledges READY
+        self._fill(worker, now, out)
+
+    def _ask_to_register(self, identity: bytes, now: float, out: list[Send]) -> None:
+        last = self._disconnect_sent.get(identity)
+        if last is not None and now - last < self.limits.heartbeat_interval_s:
+            return
+        if len(self._disconnect_sent) >= 4096:
+            self._disconnect_sent.clear()
+        self._disconnect_sent[identity] = now
+        out.append(Send(Side.WORKER, identity, protocol.Disconnect("unknown worker: send READY")))
+
+    def _on_answer(self, worker: _Worker, msg: protocol.Reply | protocol.Failure, now: float,
+                   out: list[Send]) -> None:
+        req = worker.in_flight.get(msg.request_id)
+        if req is None:
+            self.dropped["unknown_request"] += 1
+            return
+        if req.closed:
+            self.dropped["late_answer"] += 1
+        else:
+            client = self._clients.get(req.client)
+            if client is not None:
+                del client.pending[req.client_rid]
+            req.closed = True
+            if isinstance(msg, protocol.Reply):
+                self.counters["replies"] += 1
+                answer: protocol.Message = protocol.Reply(req.client_rid, msg.body)
+            else:
+                self.failures[msg.kind] += 1
+                answer = protocol.Failure(req.client_rid, msg.kind, msg.message,
+                                          msg.retryable, msg.body)
+            out.append(Send(Side.CLIENT, req.client, answer))
+        del worker.in_flight[req.rid]
+        del self._requests[req.rid]
+        self._fill(worker, now, out)
+
+    def _remove_worker(self, worker: _Worker, reason: str, out: list[Send]) -> None:
+        del self._workers[worker.identity]
+        for service in worker.services:
+            idle = self._idle.get(service)
+            if idle is not None:
+                idle.pop(worker.identity, None)
+                if not idle:
+                    del self._idle[service]
+        for req in worker.in_flight.values():
+            if not req.closed:
+                self._answer_failure(req, FailureKind.WORKER_LOST, reason, True, out)
+            del self._requests[req.rid]
+        worker.in_flight.clear()
+
+    def _dispatch(self, req: _Req, worker: _Worker, now: float, out: list[Send]) -> None:
+        """Give the queued-or-new ``req`` to ``worker``, which has a free slot."""
+        req.worker = worker.identity
+        worker.in_flight[req.rid] = req
+        full = len(worker.in_flight) >= worker.capacity
+        wid = worker.identity
+        for service in worker.services:
+            idle = self._idle.get(service)
+            if idle is None:
+                continue
+            idle.pop(wid, None)
+            if not full:
+                idle[wid] = None  # most recently used goes to the end
+            elif not idle:
+                del self._idle[service]
+        budget = req.deadline - now
+        out.append(Send(Side.WORKER, wid, protocol.Request(
+            req.rid, req.service, budget if budget > 0 else 0.0, req.body, req.attempt)))
+
+    def _fill(self, worker: _Worker, now: float, out: list[Send]) -> None:
+        """Hand queued work to ``worker`` while it has free slots; else mark it idle."""
+        while len(worker.in_flight) < worker.capacity:
+            best: dict[str, _Req] | None = None
+            best_req: _Req | None = None
+            for service in worker.services:
+                queue = self._queues.get(service)
+                if queue:
+                    head = next(iter(queue.values()))
+                    if best_req is None or head.seq < best_req.seq:
+                        best, best_req = queue, head
+            if best is None or best_req is None:
+                break
+            del best[best_req.rid]
+            if not best:
+                del self._queues[best_req.service]
+            self._dispatch(best_req, worker, now, out)
+        if len(worker.in_flight) < worker.capacity:
+            wid = worker.identity
+            for service in worker.services:
+                idle = self._idle.setdefault(service, {})
+                idle.pop(wid, None)
+                idle[wid] = None
+
+    # ------------------------------------------------------------------ answers
+
+    def _fail_direct(self, identity: bytes, client_rid: str, kind: str, message: str,
+                     out: list[Send]) -> None:
+        """Answer a request the broker never tracked."""
+        self.failures[kind] += 1
+        retryable = kind in (FailureKind.OVERLOADED, FailureKind.TIMEOUT)
+        out.append(Send(Side.CLIENT, identity,
+                        protocol.Failure(client_rid, kind, message, retryable)))
+
+    def _answer_failure(self, req: _Req, kind: str, message: str, retryable: bool,
+                        out: list[Send]) -> None:
+        """Send the final FAILURE for an open request and close it."""
+        self.failures[kind] += 1
+        out.append(Send(Side.CLIENT, req.client,
+                        protocol.Failure(req.client_rid, kind, message, retryable)))
+        client = self._clients.get(req.client)
+        if client is not None:
+            client.pending.pop(req.client_rid, None)
+        self._close(req, out)
+
+    def _close(self, req: _Req, out: list[Send]) -> None:
+        """No more messages go to the client. A held request keeps its slot and is
+        cancelled at its worker; a queued one is forgotten."""
+        req.closed = True
+        if req.worker is None:
+            queue = self._queues.get(req.service)
+            if queue is not None:
+                queue.pop(req.rid, None)
+                if not queue:
+                    del self._queues[req.service]
+            del self._requests[req.rid]
+        else:
+            out.append(Send(Side.WORKER, req.worker, protocol.Cancel(req.rid)))
+
+    def _expire_request(self, req: _Req, out: list[Send]) -> None:
+        where = "in the queue" if req.worker is None else "at the worker"
+        self._answer_failure(req, FailureKind.TIMEOUT, f"budget ran out {where}", True, out)
+
+    def _sweep(self, now: float, out: list[Send]) -> None:
+        cutoff = now - self.limits.window_s
+        for worker in [w for w in self._workers.values() if w.last_seen < cutoff]:
+            self.counters["worker_expiries"] += 1
+            silent = now - worker.last_seen
+            self._remove_worker(worker, f"worker silent for {silent:.2f}s", out)
+        for client in [c for c in self._clients.values() if c.last_seen < cutoff]:
+            self.counters["client_expiries"] += 1
+            self._remove_client(client, out)
+
+    # ------------------------------------------------------------------ views
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The STATUS answer (documented in docs/protocol.md)."""
+        per_service: dict[str, dict[str, Any]] = {}
+        for worker in self._workers.values():
+            busy = len(worker.in_flight) >= worker.capacity
+            entry = {
+                "identity": _peer_name(worker.identity),
+                "services": list(worker.services),
+                "capacity": worker.capacity,
+                "in_flight": len(worker.in_flight),
+                "last_seen_s": round(now - worker.last_seen, 4),
+                "info": worker.info,
+            }
+            for service in worker.services:
+                svc = per_service.setdefault(service, {"idle": 0, "busy": 0, "workers": []})
+                svc["busy" if busy else "idle"] += 1
+                svc["workers"].append(entry)
+        clients = [
+            {"identity": _peer_name(c.identity), "pending": len(c.pending),
+             "last_seen_s": round(now - c.last_seen, 4)}
+            for c in list(self._clients.values())[:MAX_STATUS_CLIENTS]
+        ]
+        return {
+            "broker_id": self.broker_id,
+            "uptime_s": round(now - self.started, 3),
+            "heartbeat_interval_s": self.limits.heartbeat_interval_s,
+            "liveness": self.limits.liveness,
+            "workers": per_service,
+            "worker_count": len(self._workers),
+            "queues": {s: len(q) for s, q in self._queues.items()},
+            "client_count": len(self._clients),
+            "clients": clients,
+            "requests_tracked": len(self._requests),
+            "counters": {
+                **{k: self.counters[k] for k in (
+                    "requests", "replies", "partials", "cancels", "registrations",
+                    "worker_expiries", "client_expiries", "worker_disconnects",
+                    "client_disconnects")},
+                "failures": dict(self.failures),
+                "dropped": dict(self.dropped),
+            },
+        }
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` if the bookkeeping is inconsistent (for tests)."""
+        def fail(why: str) -> None:
+            raise RuntimeError(f"dispatcher invariant broken: {why}")
+
+        held: set[str] = set()
+        for worker in self._workers.values():
+            if len(worker.in_flight) > worker.capacity:
+                fail(f"worker {worker.identity!r} over capacity")
+            for rid, req in worker.in_flight.items():
+                if req.worker != worker.identity or self._requests.get(rid) is not req:
+                    fail(f"held request {rid} not tracked consistently")
+                held.add(rid)
+            free = len(worker.in_flight) < worker.capacity
+            for service in worker.services:
+                if free != (worker.identity in self._idle.get(service, {})):
+                    fail(f"idle set of {service!r} wrong for {worker.identity!r}")
+        queued: set[str] = set()
+        for service, queue in self._queues.items():
+            if not queue:
+                fail(f"empty queue kept for {service!r}")
+            for rid, req in queue.items():
+                if req.worker is not None or req.closed or req.service != service:
+                    fail(f"queued request {rid} in a wrong state")
+                queued.add(rid)
+        if held & queued or held | queued != set(self._requests):
+            fail("requests are not exactly queued or held")
+        for service in self._queues:
+            if self._idle.get(service):
+                fail(f"requests of {service!r} queued while a worker is idle")
+        for service, idle in self._idle.items():
+            for wid in idle:
+                if wid not in self._workers:
+                    fail(f"dead worker {wid!r} idle for {service!r}")
+        for client in self._clients.values():
+            for crid, req in client.pending.items():
+                if req.closed or req.client_rid != crid or self._requests.get(req.rid) is not req:
+                    fail(f"pending request {crid} of a client is not open")
+        open_reqs = [r for r in self._requests.values() if not r.closed]
+        if sum(len(c.pending) for c in self._clients.values()) != len(open_reqs):
+            fail("open requests and client pending maps disagree")
+
+    def open_requests(self) -> Iterable[tuple[bytes, str]]:
+        """(client identity, client request id) of every request not yet answered."""
+        return [(r.client, r.client_rid) for r in self._requests.values() if not r.closed]
+
+
+def new_broker_id() -> str:
+    """A fresh instance id; a restarted broker gets a new one."""
+    return f"{uuid.uuid4().hex[:16]}-{int(time.time())}"

@@ -1,0 +1,104 @@
+"""Fixtures of the broker tests: real broker and echo-worker processes on real sockets.
+
+Endpoints are ipc:// paths in a short per-test directory (Unix socket paths
+are limited to ~107 bytes, and pytest's tmp_path can be longer), so tests are
+safe under xdist and a broker can be restarted on the same endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import Procs, read_line_with_deadline
+
+HB_S = 0.25  # heartbeat interval used by the tests
+LIVENESS = 3  # 0.75 s window: kill detection within 3 intervals + 0.5 s
+
+
+@dataclass
+class BrokerProc:
+    proc: subprocess.Popen[bytes]
+    ready: dict[str, Any]
+
+    @property
+    def frontend(self) -> str:
+        return str(self.ready["frontend"])
+
+    @property
+    def backend(self) -> str:
+        return str(self.ready["backend"])
+
+
+@dataclass
+class EchoProc:
+    proc: subprocess.Popen[bytes]
+    identity: str
+
+    def event(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The next JSON event line the worker printed (needs ``--events``)."""
+        line = read_line_with_deadline(self.proc, timeout_s)
+        return dict(json.loads(line))
+
+
+@pytest.fixture
+def ipc_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cb-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def start_broker(procs: Procs, frontend: str, backend: str, *extra: str,
+                 hb_s: float = HB_S, liveness: int = LIVENESS) -> BrokerProc:
+    proc = procs.python(
+        "broker", "--frontend", frontend, "--backend", backend,
+        "--heartbeat-interval-s", str(hb_s), "--liveness", str(liveness), *extra,
+        name="broker", stdout=subprocess.PIPE,
+    )
+    ready = json.loads(read_line_with_deadline(proc, 20.0))
+    if ready.get("event") != "ready":
+        raise AssertionError(f"unexpected readiness line {ready}")
+    return BrokerProc(proc, ready)
+
+
+def start_echo(procs: Procs, backend: str, *extra: str, capacity: int = 1,
+               hb_s: float = HB_S, liveness: int = LIVENESS) -> EchoProc:
+    proc = procs.python(
+        "broker.echo", "--backend", backend, "--capacity", str(capacity),
+        "--heartbeat-interval-s", str(hb_s), "--liveness", str(liveness), *extra,
+        name="echo", stdout=subprocess.PIPE,
+    )
+    ready = json.loads(read_line_with_deadline(proc, 20.0))
+    if ready.get("event") != "ready":
+        raise AssertionError(f"unexpected readiness line {ready}")
+    return EchoProc(proc, str(ready["identity"]))
+
+
+@pytest.fixture
+def broker(procs: Procs, ipc_dir: Path) -> BrokerProc:
+    return start_broker(procs, f"ipc://{ipc_dir}/front", f"ipc://{ipc_dir}/back")
+
+
+def stop_gracefully(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout_s)
+
+
+@pytest.fixture(autouse=True)
+def _close_pipes(procs: Procs) -> Iterator[None]:
+    """Close the stdout pipes of the processes a test started (readiness lines)."""
+    yield
+    for proc in procs.started:
+        if proc.stdout is not None:
+            proc.stdout.close()

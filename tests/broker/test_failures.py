@@ -1,0 +1,130 @@
+"""Killing things: workers SIGKILLed or SIGSTOPped mid-request, the broker SIGKILLed
+and restarted on the same endpoint, a client SIGKILLed while its request runs.
+
+All processes are real; the client runs in the test's event loop on real sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from broker import BrokerClient, RequestFailed, protocol
+from tests.broker.conftest import (
+    HB_S,
+    LIVENESS,
+    BrokerProc,
+    start_broker,
+    start_echo,
+)
+from tests.helpers import Procs, eventually, read_line_with_deadline
+
+DETECT_BOUND_S = 3 * HB_S + 0.5  # the acceptance bar: 3 heartbeat intervals + 0.5 s
+
+
+def client_for(broker: BrokerProc) -> BrokerClient:
+    return BrokerClient(broker.frontend, heartbeat_interval_s=HB_S, liveness=LIVENESS)
+
+
+async def busy_worker(client: BrokerClient) -> str | None:
+    status = await client.status()
+    for service in status["workers"].values():
+        for worker in service["workers"]:
+            if worker["in_flight"]:
+                return str(worker["identity"])
+    return None
+
+
+async def registered(client: BrokerClient, count: int) -> bool:
+    return int((await client.status())["worker_count"]) == count
+
+
+async def _lose_busy_worker(procs: Procs, broker: BrokerProc, sig: int) -> None:
+    workers = [start_echo(procs, broker.backend) for _ in range(2)]
+    async with client_for(broker) as client:
+        await eventually(lambda: registered(client, 2), what="both workers registered")
+        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "held"}), timeout_s=30)
+        holder = await eventually(lambda: busy_worker(client), what="request dispatched")
+        victim = next(w for w in workers if w.identity == holder)
+        survivor = next(w for w in workers if w.identity != holder)
+        os.kill(victim.proc.pid, sig)
+        killed_at = time.monotonic()
+        with pytest.raises(RequestFailed) as failed:
+            await call.result()
+        elapsed = time.monotonic() - killed_at
+        assert failed.value.kind == "worker_lost"
+        assert failed.value.retryable
+        assert elapsed <= DETECT_BOUND_S, f"worker loss noticed after {elapsed:.2f}s"
+        # The next request succeeds, on the surviving worker.
+        assert await client.request("echo", b"after", timeout_s=5) == b"after"
+        status = await client.status()
+        assert status["worker_count"] == 1
+        assert status["workers"]["echo"]["workers"][0]["identity"] == survivor.identity
+        assert status["counters"]["worker_expiries"] == 1
+    if sig == signal.SIGSTOP:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        victim.proc.kill()
+
+
+async def test_sigkilled_busy_worker_fails_request_fast(procs: Procs, broker: BrokerProc) -> None:
+    await _lose_busy_worker(procs, broker, signal.SIGKILL)
+
+
+async def test_sigstopped_worker_is_expired_like_a_dead_one(
+    procs: Procs, broker: BrokerProc
+) -> None:
+    await _lose_busy_worker(procs, broker, signal.SIGSTOP)
+
+
+async def test_broker_restart_on_same_endpoint(procs: Procs, ipc_dir: Path) -> None:
+    front, back = f"ipc://{ipc_dir}/front", f"ipc://{ipc_dir}/back"
+    first = start_broker(procs, front, back)
+    worker = start_echo(procs, back, "--events", capacity=2)
+    async with client_for(first) as client:
+        assert await client.request("echo", b"before", timeout_s=5) == b"before"
+        old_id = client.broker_id
+        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "held"}), timeout_s=30)
+        assert worker.event() == {"event": "start", "tag": "held"}
+        first.proc.kill()
+        first.proc.wait(timeout=10)
+        second = start_broker(procs, front, back)
+        assert second.ready["broker_id"] != old_id
+        with pytest.raises(RequestFailed) as failed:
+            await call.result()
+        assert failed.value.kind == "worker_lost"
+        assert failed.value.retryable
+        # The same worker process cancels the work it held for the dead broker ...
+        assert worker.event() == {"event": "cancelled", "tag": "held"}
+        # ... and re-registers: new requests succeed through the same processes.
+        await eventually(lambda: registered(client, 1), timeout_s=15,
+                         what="worker re-registered with the new broker")
+        assert await client.request("echo", b"after", timeout_s=5) == b"after"
+        assert client.broker_id == second.ready["broker_id"]
+        assert client.connected
+        assert worker.proc.poll() is None
+
+
+async def test_vanished_client_gets_its_request_cancelled(
+    procs: Procs, broker: BrokerProc
+) -> None:
+    worker = start_echo(procs, broker.backend, "--events")
+    client_proc = procs.python(
+        "tests.broker.client_proc", broker.frontend, "sleepy", name="client",
+        stdout=subprocess.PIPE,
+    )
+    assert read_line_with_deadline(client_proc, 20) == "started"
+    assert worker.event() == {"event": "start", "tag": "sleepy"}
+    client_proc.kill()
+    killed_at = time.monotonic()
+    assert worker.event(timeout_s=10) == {"event": "cancelled", "tag": "sleepy"}
+    elapsed = time.monotonic() - killed_at
+    assert elapsed <= HB_S * LIVENESS + 1.5, f"cancel reached the worker after {elapsed:.2f}s"
+    async with client_for(broker) as client:
+        status = await client.status()
+        assert status["counters"]["client_expiries"] == 1
+        assert await client.request("echo", b"free again", timeout_s=5) == b"free again"
