@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 EventSpec = tuple[str, dict[str, Any], SubmissionId | None]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Subscriber:
     queue: asyncio.Queue[EventRecord]
     dropped: bool = False

@@ -1,8 +1,9 @@
 """The tools a session offers to the model, as ``ToolSchema`` shapes.
 
 The argument names follow the tool service (``sandbox_worker`` tools):
-``shell {command}``, ``read_file {path}``, ``write_file {path, content}``,
-``edit_file {path, old, new}``, ``list_dir {path}``.
+``shell {command, workdir?, timeout_s?}``, ``read_file {path, offset?, limit?}``,
+``write_file {path, content}``, ``edit_file {path, old, new, count?}``,
+``list_dir {path?}`` (paths relative to the workspace).
 
 Invariants:
 - Only names in ``sandbox_worker.api.TOOL_NAMES`` can be offered; a call to
@@ -22,15 +23,21 @@ def _obj(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
 
 
 _STR: Final = {"type": "string"}
+_INT: Final = {"type": "integer", "minimum": 0}
 _DESCRIPTIONS: Final[dict[str, tuple[str, dict[str, Any]]]] = {
-    "shell": ("Run a shell command in the workspace (sandboxed, no network unless granted).",
-              _obj({"command": _STR, "timeout_s": {"type": "number"}}, ["command"])),
-    "read_file": ("Read a text file of the workspace.", _obj({"path": _STR}, ["path"])),
-    "write_file": ("Write a text file of the workspace (creates or replaces it).",
+    "shell": ("Run a bash command line in the sandboxed workspace (no network unless granted). "
+              "Output streams back; stdout and stderr are capped.",
+              _obj({"command": _STR, "workdir": _STR, "timeout_s": {"type": "number"}},
+                   ["command"])),
+    "read_file": ("Read a UTF-8 text file of the workspace, by lines.",
+                  _obj({"path": _STR, "offset": _INT, "limit": _INT}, ["path"])),
+    "write_file": ("Create or overwrite a file in the workspace (parents are created).",
                    _obj({"path": _STR, "content": _STR}, ["path", "content"])),
-    "edit_file": ("Replace one exact occurrence of a string in a workspace file.",
-                  _obj({"path": _STR, "old": _STR, "new": _STR}, ["path", "old", "new"])),
-    "list_dir": ("List a directory of the workspace.", _obj({"path": _STR}, ["path"])),
+    "edit_file": ("Replace exact text in a workspace file; fails if the text is missing, "
+                  "or ambiguous without 'count'.",
+                  _obj({"path": _STR, "old": _STR, "new": _STR, "count": _INT},
+                       ["path", "old", "new"])),
+    "list_dir": ("List a directory of the workspace.", _obj({"path": _STR}, [])),
 }
 
 
