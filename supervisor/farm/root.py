@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ VERSION = "0.1.0"
 class Farm:
     def __init__(self, home: Path, *, workers: int | None = None, log_level: str = "INFO",
                  broker_faults: str | None = None, max_restarts: int = 20,
-                 within_s: float = 60.0) -> None:
+                 within_s: float = 60.0, on_change: Callable[[], None] | None = None) -> None:
         self.paths = FarmPaths.of(home)
         self.paths.prepare()
         config_mod.write_default(self.paths.home)
@@ -50,6 +51,7 @@ class Farm:
                                     on_change=self._write_state)
         self.serving = False
         self.started_at = time.time()
+        self._extra_on_change = on_change
 
     def info(self) -> dict[str, Any]:
         return {
@@ -69,6 +71,8 @@ class Farm:
         }
 
     def _write_state(self) -> None:
+        if self._extra_on_change is not None:
+            self._extra_on_change()
         if self.serving:
             write_farm_json(self.paths, self.info())
 

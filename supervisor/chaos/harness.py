@@ -1,0 +1,391 @@
+"""``corral chaos``: a farm doing real sandboxed work under a seeded fault
+schedule, then a check of every invariant (``invariants.py``).
+
+The run: write a config and a workload script into HOME; start the farm
+in this process (the same supervision tree ``corral up`` uses); start the
+sessions, each driven turn after turn by its own task and watched by an event
+collector that records what a client sees live, with receive times; inject
+the scheduled faults; when the fault phase ends, let every session finish,
+then run one more turn per session (it must complete: nothing is wedged);
+stop the farm; open the store and check.
+
+Recovery is measured per fault from the fault to the next progress event
+(any durable event) of each session that had a turn running at that moment.
+
+Invariants:
+- Every wait has a deadline; a session that does not finish a turn within
+  ``turn_deadline_s`` is reported (``not_wedged``), never waited on forever.
+- The same seed gives the same fault schedule and the same workload script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.chaos import invariants as inv
+from supervisor.chaos.schedule import Fault, make_schedule, parse_faults
+from supervisor.chaos.workload import count_markers, write_script
+from supervisor.client import SupervisorClient, SupervisorError
+from supervisor.farm.root import Farm
+from supervisor.store.records import SessionId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChaosOptions:
+    seed: int = 1
+    duration_s: float = 60.0
+    sessions: int = 8
+    faults: str = "all"
+    workers: int = 3
+    turns: int = 1000  # upper bound; sessions keep working until the fault phase ends
+    steps: int = 3
+    home: Path | None = None
+    turn_deadline_s: float = 120.0
+    check_sandbox_uid: bool = False
+
+
+@dataclass
+class SessionRun:
+    session_id: str
+    workspace: Path
+    submissions: list[str] = field(default_factory=list)
+    live: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    turns_done: int = 0
+    final_ok: bool = False
+    busy: bool = False
+
+
+@dataclass
+class Report:
+    seed: int
+    schedule: list[Fault]
+    injected: list[dict[str, Any]] = field(default_factory=list)
+    sessions: list[SessionRun] = field(default_factory=list)
+    violations: list[inv.Violation] = field(default_factory=list)
+    exports: int = 0
+    recovery: dict[str, list[float]] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        rec = {}
+        for kind, times in sorted(self.recovery.items()):
+            rec[kind] = {"count": len(times),
+                         "p50_s": round(statistics.median(times), 3) if times else None,
+                         "p99_s": round(_p99(times), 3) if times else None}
+        tool_calls = sum(1 for s in self.sessions for _, e in s.live
+                         if e.get("type") == "tool_call_end")
+        return {
+            "seed": self.seed,
+            "violations": [v.as_dict() for v in self.violations],
+            "counts": {
+                "sessions": len(self.sessions),
+                "turns": sum(len(s.submissions) for s in self.sessions),
+                "tool_calls": tool_calls,
+                "faults_scheduled": len(self.schedule),
+                "faults_injected": len(self.injected),
+                "exports_verified": self.exports,
+                "sessions_final_turn_ok": sum(s.final_ok for s in self.sessions),
+            },
+            "faults": self.injected,
+            "recovery": rec,
+            "elapsed_s": round(self.elapsed_s, 1),
+        }
+
+
+def _p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+
+
+CONFIG = """\
+[farm]
+heartbeat_interval_s = 0.25
+liveness = 4
+
+[sandbox]
+tier_min = "{tier_min}"
+
+[session]
+default_route = "chaos"
+approval = "allow"
+turn_timeout_s = 300
+
+[routes.chaos]
+script = "{script}"
+read_timeout_s = 3.0
+connect_timeout_s = 2.0
+
+[[export.sinks]]
+type = "directory"
+path = "exports"
+"""
+
+
+class Harness:
+    def __init__(self, opts: ChaosOptions) -> None:
+        self.opts = opts
+        self.kinds = parse_faults(opts.faults)
+        self.home = opts.home or Path(tempfile.mkdtemp(prefix="corral-chaos-"))
+        self.schedule = make_schedule(opts.seed, opts.duration_s, self.kinds)
+        self.report = Report(opts.seed, self.schedule)
+        self.pids: set[int] = set()
+        self.farm: Farm | None = None
+        self.faults_over = asyncio.Event()
+        self._work: asyncio.TaskGroup | None = None
+
+    # -- set-up -------------------------------------------------------------
+
+    def prepare(self, tier_min: str = "T2") -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        script = write_script(self.home / "workload.json", self.opts.turns,
+                              self.opts.steps, self.opts.seed, self.kinds)
+        (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, script=script))
+
+    def _track_pids(self) -> None:
+        if self.farm is not None:
+            for c in self.farm.tree.children.values():
+                if c.pid:
+                    self.pids.add(c.pid)
+
+    # -- the run ------------------------------------------------------------
+
+    async def run(self) -> Report:
+        started = time.monotonic()
+        self.prepare()
+        frame = [k for k in self.kinds if k.startswith("frame_")]
+        self.farm = Farm(self.home, workers=self.opts.workers,
+                         broker_faults=",".join(frame) or None, log_level="INFO",
+                         on_change=self._track_pids)  # every pid the farm ever ran
+        ready = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            farm_task = tg.create_task(self.farm.tree.run(on_ready=ready.set))
+            async with asyncio.timeout(120):
+                await ready.wait()
+            self._track_pids()
+            endpoint = self.farm.paths.supervisor_endpoint
+            async with SupervisorClient(endpoint, timeout_s=15) as sv:
+                runs = [await self._create(sv, i) for i in range(self.opts.sessions)]
+                self.report.sessions = runs
+                async with asyncio.TaskGroup() as work:
+                    self._work = work
+                    collectors = [work.create_task(self._collect(sv, r)) for r in runs]
+                    drivers = [work.create_task(self._drive(sv, r)) for r in runs]
+                    await self._inject(t0=time.monotonic())
+                    self.faults_over.set()
+                    await asyncio.gather(*drivers)
+                    for r in runs:  # not wedged: one more turn each, which must complete
+                        r.final_ok = await self._turn(sv, r)
+                    await asyncio.sleep(0.5)  # let collectors see the last durable events
+                    for c in collectors:
+                        c.cancel()
+            farm_task.cancel()
+        await asyncio.sleep(0)
+        await self._check()
+        self.report.elapsed_s = time.monotonic() - started
+        return self.report
+
+    async def _create(self, sv: SupervisorClient, i: int) -> SessionRun:
+        ws = self.home / "ws" / f"s{i}"
+        ws.mkdir(parents=True, exist_ok=True)
+        os.chmod(ws, 0o755)
+        sid = await _retry(lambda: sv.create_session(workspace=str(ws)))
+        return SessionRun(str(sid), ws)
+
+    async def _collect(self, sv: SupervisorClient, run: SessionRun) -> None:
+        async for event in sv.events(run.session_id, reconnect_timeout_s=600):
+            run.live.append((time.monotonic(), event))
+
+    async def _turn(self, sv: SupervisorClient, run: SessionRun) -> bool:
+        """Submit one turn and wait (with a deadline) for its terminal event."""
+        seen = len(run.live)
+        run.busy = True
+        try:
+            sub = await _retry(lambda: sv.submit(run.session_id, {
+                "type": "user_input", "text": f"do the next step ({len(run.submissions)})"}))
+            run.submissions.append(str(sub))
+            deadline = time.monotonic() + self.opts.turn_deadline_s
+            while time.monotonic() < deadline:
+                for _, e in run.live[seen:]:
+                    if e.get("submission_id") == sub and e.get("type") in (
+                            "turn_complete", "turn_aborted"):
+                        run.turns_done += 1
+                        return bool(e["type"] == "turn_complete")
+                await asyncio.sleep(0.05)
+            return False
+        finally:
+            run.busy = False
+
+    async def _drive(self, sv: SupervisorClient, run: SessionRun) -> None:
+        while not self.faults_over.is_set() and run.turns_done < self.opts.turns - 2:
+            if not await self._turn(sv, run) and not self.faults_over.is_set():
+                await asyncio.sleep(0.2)
+
+    # -- faults -------------------------------------------------------------
+
+    async def _inject(self, t0: float) -> None:
+        for fault in self.schedule:
+            wait = t0 + fault.at_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            record = await self._fire(fault)
+            if record is not None:
+                record["at_s"] = round(time.monotonic() - t0, 3)
+                self.report.injected.append(record)
+                self._measure_recovery(fault.kind, time.monotonic())
+        rest = t0 + self.opts.duration_s - time.monotonic()
+        if rest > 0:
+            await asyncio.sleep(rest)
+
+    def _child(self, prefix: str, pick: int) -> Any:
+        assert self.farm is not None
+        live = [c for c in self.farm.tree.children.values()
+                if c.spec.name.startswith(prefix) and c.pid and c.state == "running"]
+        return live[pick % len(live)] if live else None
+
+    async def _fire(self, fault: Fault) -> dict[str, Any] | None:
+        kind = fault.kind
+        if kind.startswith("worker_") or kind in ("broker_kill", "supervisor_kill"):
+            prefix = "worker-" if kind.startswith("worker_") else kind.split("_")[0]
+            child = self._child(prefix, fault.pick)
+            if child is None:
+                return None
+            pid = child.pid
+            if kind == "worker_hang":
+                os.kill(pid, signal.SIGSTOP)
+                await asyncio.sleep(fault.duration_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return {"kind": kind, "target": child.spec.name, "pid": pid}
+        if kind == "store_busy":
+            await asyncio.to_thread(_hold_write_lock, self.home / "corral.db", fault.duration_s)
+            return {"kind": kind, "duration_s": fault.duration_s}
+        # frame_* faults are applied inside the broker (its --faults hook) and
+        # store_slow inside the store; both run for the whole fault phase.
+        return None
+
+    def _measure_recovery(self, kind: str, at: float) -> None:
+        group = kind.split("_")[0] if not kind.startswith("worker_") else "worker"
+        active = [r for r in self.report.sessions if r.busy]
+
+        async def measure() -> None:
+            times = []
+            deadline = at + 60
+            pending = {r.session_id: r for r in active}
+            while pending and time.monotonic() < deadline:
+                for sid, r in list(pending.items()):
+                    for t, e in reversed(r.live):
+                        if t < at:
+                            break
+                        if e.get("sequence", 0) > 0:
+                            times.append(t - at)
+                            del pending[sid]
+                            break
+                await asyncio.sleep(0.05)
+            if times:
+                self.report.recovery.setdefault(group, []).append(min(times))
+
+        assert self._work is not None
+        self._work.create_task(measure())
+
+    # -- checking -----------------------------------------------------------
+
+    async def _check(self) -> None:
+        from supervisor.store import Store
+
+        v = self.report.violations
+        v.extend(inv.no_orphans(self.pids, None if not self.opts.check_sandbox_uid else 0))
+        store = await Store.open(self.home / "corral.db")
+        try:
+            for r in self.report.sessions:
+                replay = [_wire(e) for e in await store.replay_events(SessionId(r.session_id))]
+                live = [e for _, e in r.live]
+                v.extend(inv.turn_ends_once(r.session_id, r.submissions, replay))
+                if not r.final_ok:
+                    v.append(inv.Violation("not_wedged", r.session_id, None,
+                                           "the turn after the faults did not complete"))
+                loaded = await store.load(SessionId(r.session_id))
+                if loaded is not None:
+                    v.extend(inv.one_output_per_call(r.session_id, loaded.context))
+                v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace)))
+                v.extend(inv.replay_equals_live(r.session_id, live, replay))
+        finally:
+            await store.close()
+        n, bad = inv.exports_verify(self.home / "exports")
+        self.report.exports = n
+        v.extend(bad)
+
+
+def _wire(e: Any) -> dict[str, Any]:
+    return {"sequence": e.sequence, "type": e.type, "payload": e.payload,
+            "submission_id": e.submission_id}
+
+
+def _hold_write_lock(db: Path, seconds: float) -> None:
+    """Hold SQLite's write lock from another connection (SQLITE_BUSY for the store)."""
+    import sqlite3
+
+    con = sqlite3.connect(db, timeout=5)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        time.sleep(seconds)
+        con.rollback()
+    finally:
+        con.close()
+
+
+async def _retry(make: Any, *, attempts: int = 60) -> Any:
+    for i in range(attempts):
+        try:
+            return await make()
+        except SupervisorError as exc:
+            if exc.kind != "unavailable" or i == attempts - 1:
+                raise
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"chaos seed {report['seed']}: {len(report['violations'])} violation(s), "
+             f"{report['elapsed_s']}s"]
+    for k, n in report["counts"].items():
+        lines.append(f"  {k:<24} {n}")
+    for group, r in report["recovery"].items():
+        lines.append(f"  recovery {group:<15} n={r['count']} p50={r['p50_s']}s p99={r['p99_s']}s")
+    for v in report["violations"][:10]:
+        lines.append(f"  VIOLATION {v['invariant']} session={v['session_id']} "
+                     f"seq={v['sequence']}: {v['detail']}")
+    return "\n".join(lines)
+
+
+def main(ns: Any) -> int:
+    opts = ChaosOptions(seed=ns.seed, duration_s=ns.duration, sessions=ns.sessions,
+                        faults=ns.faults, home=ns.home if ns.home != Path.home() / ".corral"
+                        else None)
+    try:
+        report = asyncio.run(Harness(opts).run()).as_dict()
+    except ValueError as exc:
+        print(f"corral: {exc}")
+        return 2
+    print(json.dumps(report, sort_keys=True) if ns.json else render(report))
+    if report["violations"]:
+        first = report["violations"][0]
+        print(f"seed {report['seed']}: first violation: {first['invariant']} in session "
+              f"{first['session_id']} at sequence {first['sequence']}: {first['detail']}")
+        return 1
+    return 0

@@ -1,0 +1,187 @@
+"""The chaos harness's invariants, checked after the farm is down.
+
+Each check returns ``Violation``s naming the invariant, the session and the
+event sequence where it first fails. Inputs are facts, never assumptions:
+the events clients saw live, the durable store (opened after the farm
+stopped), the marker files in each workspace, the export files and the pids
+of every process the farm ever ran.
+
+The invariants (issue 7):
+1. ``turn_ends_once``: every submitted turn ends exactly once, complete or
+   aborted with a reason.
+2. ``not_wedged``: each session accepted and completed a turn after the
+   faults stopped.
+3. ``one_output_per_call``: every function call in every context has exactly
+   one output, and no output lacks its call.
+4. ``effect_at_most_once``: no non-idempotent tool effect happened twice
+   (markers counted on disk); an ``ok`` call's effect happened exactly once.
+5. ``unknown_reported``: an effect on disk whose call did not end ``ok`` was
+   reported as ``unknown`` (or as a failure that may have run), never as
+   "not run"; an effect with no ``tool_call_end`` at all is a violation.
+6. ``replay_equals_live``: the durable events replayed from the store equal
+   what clients saw live, with no gap or duplicate in the sequences.
+7. ``exports_verify``: every exported checkpoint verifies.
+8. ``no_orphans``: no process outlives the farm's shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+MARKER_ARG_RE = re.compile(r"echo m-(\d+) >> effects\.log")
+MAY_HAVE_RUN = {"unknown", "timeout", "cancelled", "error", "failed"}
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    session_id: str
+    sequence: int | None
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"invariant": self.invariant, "session_id": self.session_id,
+                "sequence": self.sequence, "detail": self.detail}
+
+
+def turn_ends_once(sid: str, submissions: list[str],
+                   replay: list[dict[str, Any]]) -> list[Violation]:
+    out: list[Violation] = []
+    ends: Counter[str] = Counter()
+    first_seq: dict[str, int] = {}
+    for e in replay:
+        if e["type"] in ("turn_complete", "turn_aborted") and e.get("submission_id"):
+            ends[e["submission_id"]] += 1
+            first_seq.setdefault(e["submission_id"], e["sequence"])
+            if e["type"] == "turn_aborted" and not e["payload"].get("reason"):
+                out.append(Violation("turn_ends_once", sid, e["sequence"],
+                                     "turn_aborted without a reason"))
+    for sub in submissions:
+        if ends[sub] != 1:
+            out.append(Violation("turn_ends_once", sid, first_seq.get(sub),
+                                 f"submission {sub} ended {ends[sub]} times"))
+    return out
+
+
+def one_output_per_call(sid: str, items: list[dict[str, Any]]) -> list[Violation]:
+    calls = Counter(i["call_id"] for i in items if i.get("type") == "function_call")
+    outputs = Counter(i["call_id"] for i in items if i.get("type") == "function_call_output")
+    out = []
+    for call_id in sorted(set(calls) | set(outputs)):
+        if calls[call_id] != 1 or outputs[call_id] != 1:
+            out.append(Violation("one_output_per_call", sid, None,
+                                 f"call {call_id}: {calls[call_id]} call item(s), "
+                                 f"{outputs[call_id]} output item(s)"))
+    return out
+
+
+def effects(sid: str, replay: list[dict[str, Any]], markers: Counter[int]) -> list[Violation]:
+    """Invariants 4 and 5, from tool_call_begin/end events and the marker counts."""
+    out: list[Violation] = []
+    k_of_call: dict[str, int] = {}
+    begin_seq: dict[str, int] = {}
+    outcomes: dict[int, list[tuple[str, int]]] = {}
+    for e in replay:
+        p = e["payload"]
+        if e["type"] == "tool_call_begin" and p.get("name") == "shell":
+            m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
+            if m:
+                k_of_call[p["call_id"]] = int(m.group(1))
+                begin_seq[p["call_id"]] = e["sequence"]
+        elif e["type"] == "tool_call_end" and p.get("call_id") in k_of_call:
+            k = k_of_call[p["call_id"]]
+            outcomes.setdefault(k, []).append((str(p.get("outcome")), e["sequence"]))
+    for k, n in sorted(markers.items()):
+        if n > 1:
+            out.append(Violation("effect_at_most_once", sid, None,
+                                 f"shell effect m-{k} happened {n} times"))
+        if n >= 1 and k not in outcomes:
+            out.append(Violation("unknown_reported", sid, None,
+                                 f"shell effect m-{k} is on disk but no tool_call_end "
+                                 "reports its call"))
+    for k, ends in sorted(outcomes.items()):
+        for outcome, seq in ends:
+            if outcome == "ok" and markers[k] != 1:
+                out.append(Violation("effect_at_most_once", sid, seq,
+                                     f"call m-{k} ended ok but its effect happened "
+                                     f"{markers[k]} times"))
+            elif outcome not in ("ok", *MAY_HAVE_RUN):
+                out.append(Violation("unknown_reported", sid, seq,
+                                     f"call m-{k} ended with unexpected outcome {outcome!r}"))
+        oks = sum(1 for o, _ in ends if o == "ok")
+        if oks > 1:
+            out.append(Violation("effect_at_most_once", sid, ends[-1][1],
+                                 f"call m-{k} ended ok {oks} times"))
+    return out
+
+
+def replay_equals_live(sid: str, live: list[dict[str, Any]],
+                       replay: list[dict[str, Any]]) -> list[Violation]:
+    out: list[Violation] = []
+    seqs = [e["sequence"] for e in replay]
+    if seqs != list(range(1, len(seqs) + 1)):
+        gap = next((i + 1 for i, s in enumerate(seqs) if s != i + 1), None)
+        out.append(Violation("replay_equals_live", sid, gap,
+                             "the store's event sequences are not dense from 1"))
+        return out
+    durable_live = [e for e in live if e.get("sequence", 0) > 0]
+    live_seqs = [e["sequence"] for e in durable_live]
+    if live_seqs != list(range(1, len(live_seqs) + 1)):
+        first_bad = next((i + 1 for i, s in enumerate(live_seqs) if s != i + 1), None)
+        out.append(Violation("replay_equals_live", sid, first_bad,
+                             "clients saw a gap or a duplicate in the live sequences"))
+        return out
+    for e in durable_live:
+        stored = replay[e["sequence"] - 1] if e["sequence"] <= len(replay) else None
+        if stored is None:
+            out.append(Violation("replay_equals_live", sid, e["sequence"],
+                                 "clients saw an event the store does not have"))
+            break
+        if (stored["type"], stored["payload"], stored.get("submission_id")) != (
+                e["type"], e["payload"], e.get("submission_id")):
+            out.append(Violation("replay_equals_live", sid, e["sequence"],
+                                 f"live {e['type']} differs from the stored {stored['type']}"))
+            break
+    return out
+
+
+def exports_verify(export_dir: Path) -> tuple[int, list[Violation]]:
+    from supervisor.export import verify
+
+    files = sorted(export_dir.glob("*.json")) if export_dir.is_dir() else []
+    out = []
+    for f in files:
+        try:
+            problems = verify(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            problems = [str(exc)]
+        if problems:
+            out.append(Violation("exports_verify", "", None, f"{f.name}: {problems[0]}"))
+    return len(files), out
+
+
+def no_orphans(pids: set[int], sandbox_uid: int | None) -> list[Violation]:
+    out = []
+    for pid in sorted(pids):
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(Violation("no_orphans", "", None,
+                                     f"pid {pid} ({' '.join(p.cmdline()[:4])}) outlived the farm"))
+        except psutil.Error:
+            continue
+    if sandbox_uid is not None:
+        for p in psutil.process_iter(["uids", "pid", "name"]):
+            uids = p.info.get("uids")
+            if uids is not None and uids.real == sandbox_uid:
+                out.append(Violation("no_orphans", "", None,
+                                     f"sandbox process {p.info['pid']} ({p.info['name']}) "
+                                     "outlived the farm"))
+    return out

@@ -1,0 +1,105 @@
+"""The chaos harness's fault schedule: pure and seeded.
+
+``make_schedule(seed, duration_s, faults)`` returns the same list of
+``Fault`` for the same arguments, on any machine: the seed fixes the kinds,
+the times (offsets in seconds from the start of the fault phase) and the
+target choices (as indices resolved against the live farm when the fault
+fires). Provider faults are not scheduled in time: they are written into
+the scripted provider's script (``provider_faults``), keyed by the script
+entry they hit, so they too are a pure function of the seed.
+
+Invariants:
+- Faults are spaced by at least ``min_gap_s`` so each recovery can be
+  measured on its own; at most ``max_faults`` are scheduled.
+- Only kinds named in ``faults`` appear.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Final
+
+PROCESS_FAULTS: Final = (
+    "worker_kill_model",  # SIGKILL a worker while it streams a model answer
+    "worker_kill_tool",  # SIGKILL a worker while it runs a tool
+    "worker_kill_idle",  # SIGKILL a worker with nothing in flight
+    "worker_hang",  # SIGSTOP a worker (the broker must expire it); SIGCONT later
+    "broker_kill",  # SIGKILL the broker (the farm restarts it)
+    "supervisor_kill",  # SIGKILL the supervisor (the farm restarts it)
+)
+FRAME_FAULTS: Final = ("frame_drop", "frame_delay", "frame_duplicate")
+PROVIDER_FAULTS: Final = ("provider_429", "provider_500", "provider_hang", "provider_cut")
+STORE_FAULTS: Final = ("store_busy", "store_slow")
+ALL_FAULTS: Final = PROCESS_FAULTS + FRAME_FAULTS + PROVIDER_FAULTS + STORE_FAULTS
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    at_s: float  # offset from the start of the fault phase
+    kind: str
+    pick: int  # which candidate target (index modulo the live candidates)
+    duration_s: float = 0.0  # for hangs, delays and store faults
+
+
+def parse_faults(spec: str) -> tuple[str, ...]:
+    """``all`` or a comma list of kinds (or groups: process, frame, provider, store)."""
+    groups = {"process": PROCESS_FAULTS, "frame": FRAME_FAULTS, "provider": PROVIDER_FAULTS,
+              "store": STORE_FAULTS, "all": ALL_FAULTS}
+    kinds: list[str] = []
+    for word in (w.strip() for w in spec.split(",") if w.strip()):
+        if word in groups:
+            kinds.extend(groups[word])
+        elif word in ALL_FAULTS:
+            kinds.append(word)
+        else:
+            raise ValueError(f"unknown fault {word!r}; choose from {', '.join(ALL_FAULTS)} "
+                             f"or a group: {', '.join(groups)}")
+    return tuple(dict.fromkeys(kinds))
+
+
+def make_schedule(seed: int, duration_s: float, faults: tuple[str, ...], *,
+                  min_gap_s: float = 2.5, max_faults: int = 400) -> list[Fault]:
+    rng = random.Random(seed)
+    timed = [k for k in faults if k not in PROVIDER_FAULTS]
+    out: list[Fault] = []
+    if not timed:
+        return out
+    t = 1.0 + rng.random()
+    while t < duration_s and len(out) < max_faults:
+        kind = rng.choice(timed)
+        duration = 0.0
+        if kind == "worker_hang":
+            duration = rng.uniform(1.0, 3.0)
+        elif kind in FRAME_FAULTS or kind in STORE_FAULTS:
+            duration = rng.uniform(0.5, 2.0)
+        out.append(Fault(round(t, 3), kind, rng.randrange(1 << 16), round(duration, 3)))
+        t += min_gap_s + rng.expovariate(1 / min_gap_s)
+    return out
+
+
+def provider_faults(seed: int, entries: int, faults: tuple[str, ...], *,
+                    rate: float = 0.15) -> dict[int, dict[str, object]]:
+    """Fault fields to merge into script entries, by entry index.
+
+    Each applies to the first attempt only (``times: 1``), so a retry gets the
+    real answer and a turn can always complete.
+    """
+    kinds = [k for k in faults if k in PROVIDER_FAULTS]
+    rng = random.Random(seed ^ 0x5EED)
+    out: dict[int, dict[str, object]] = {}
+    if not kinds:
+        return out
+    for k in range(entries):
+        if rng.random() >= rate:
+            continue
+        kind = rng.choice(kinds)
+        if kind == "provider_429":
+            out[k] = {"status": 429, "retry_after_s": 0.2, "times": 1}
+        elif kind == "provider_500":
+            out[k] = {"status": 500, "times": 1}
+        elif kind == "provider_hang":
+            out[k] = {"hang": True, "times": 1}
+        else:
+            out[k] = {"cut_after_bytes": 60 + rng.randrange(200), "times": 1}
+    return out
