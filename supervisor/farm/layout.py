@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from supervisor.config import FarmConfig
 from supervisor.farm.tree import ChildSpec
@@ -143,8 +144,9 @@ def _pin_port(name: str, argv: list[str]) -> Callable[[dict[str, dict[str, Any]]
     """Restart a scripted provider on the port it got at its first start."""
 
     def argv_fn(ready: dict[str, dict[str, Any]]) -> list[str]:
-        port = ready.get(name, {}).get("port")
-        if not isinstance(port, int):
+        url = ready.get(name, {}).get("url")
+        port = urlsplit(url).port if isinstance(url, str) else None
+        if port is None:
             return argv
         out = list(argv)
         out[out.index("--port") + 1] = str(port)
