@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any, Final
 
 import httpx
-from broker.worker import HandlerError, RequestContext
 
+from broker.errors import HandlerError
 from broker.protocol import ProtocolError, pack, unpack
+from broker.worker import RequestContext
 from sandbox_worker.api import (
     MODEL_FAILURE_BAD_REQUEST,
     PROVIDERS,
@@ -269,14 +270,18 @@ class ModelService:
     async def _attempt(self, client: httpx.AsyncClient, req: ModelCallRequest,
                        api_key: str | None, attempt_no: int, http_timeout: httpx.Timeout,
                        relay: DeltaRelay) -> Decoded:
-        async with asyncio.TaskGroup() as tg:
-            timer = tg.create_task(relay.run())
-            try:
-                decoded = await http.attempt(
-                    client, req, api_key=api_key, attempt_no=attempt_no,
-                    http_timeout=http_timeout, on_deltas=relay.push,
-                    max_response_bytes=self.config.max_response_bytes)
-                await relay.flush()
-            finally:
-                timer.cancel()
+        # The relay's timer is owned here: cancelled and awaited on every exit.
+        # (Not a TaskGroup: its ExceptionGroup would hide the typed ModelError.)
+        timer = asyncio.create_task(relay.run())
+        try:
+            decoded = await http.attempt(
+                client, req, api_key=api_key, attempt_no=attempt_no,
+                http_timeout=http_timeout, on_deltas=relay.push,
+                max_response_bytes=self.config.max_response_bytes)
+            await relay.flush()
+        finally:
+            timer.cancel()
+            await asyncio.wait([timer])
+        if not timer.cancelled() and timer.exception() is not None:
+            raise RuntimeError("delta relay failed") from timer.exception()
         return decoded

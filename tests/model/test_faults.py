@@ -1,0 +1,210 @@
+"""Typed failures and retries through a real broker and worker, for all three
+wire formats: rate limits, server errors until the budget runs out, hangs
+ended by a cancel, broken streams, auth errors, a worker killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.client import BrokerClient
+from broker.protocol import pack, unpack
+from sandbox_worker.api import SERVICE_MODEL
+from tests.helpers import Procs, eventually
+from tests.model.stack import (
+    PROVIDERS,
+    request,
+    run_call,
+    start_fake,
+    start_stack,
+    stats,
+)
+
+LONG = " ".join(f"word{i}" for i in range(120))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_rate_limit_honours_retry_after_then_succeeds(
+        procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"status": 429, "retry_after_s": 1, "times": 1, "text": "after the wait"}]})
+    stack = start_stack(procs, tmp_path)
+    async with BrokerClient(stack.frontend) as client:
+        started = time.monotonic()
+        out = await run_call(client, request(provider, url))
+        elapsed = time.monotonic() - started
+    assert out.error is None, out.error
+    assert out.result is not None
+    retries = [p for p in out.partials if p["type"] == "retry"]
+    assert len(retries) == 1
+    assert retries[0]["kind"] == "rate_limited" and retries[0]["delay_s"] == 1.0
+    assert retries[0]["attempt"] == 2 and retries[0]["discard_partial"] is False
+    assert elapsed >= 0.95, "Retry-After was not honoured"
+    assert out.result["retries"] == 1
+    assert out.text() == "after the wait"
+    assert stats(url)["by_status"] == {"429": 1, "200": 1}
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_server_error_retried_until_the_budget_runs_out(
+        procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [{"status": 500}]})
+    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.1",
+                        "--model-backoff-max-s", "0.4")
+    async with BrokerClient(stack.frontend) as client:
+        started = time.monotonic()
+        out = await run_call(client, request(provider, url, max_retries=1000), timeout_s=3.0)
+        elapsed = time.monotonic() - started
+    assert out.error is not None
+    failure = out.error.failure
+    assert failure.kind == "server_error" and failure.retryable is True
+    assert "budget exhausted" in failure.message and "HTTP 500" in failure.message
+    assert unpack(failure.body)["discard_partial"] is False
+    served = stats(url)["by_status"]["500"]
+    retries = [p for p in out.partials if p["type"] == "retry"]
+    assert served >= 4 and len(retries) == served - 1
+    assert all(r["kind"] == "server_error" for r in retries)
+    assert elapsed < 3.0 + 1.0, "the worker answered after the request's deadline"
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_cancel_closes_a_hanging_stream_within_a_second(
+        procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [{"hang": True}]})
+    stack = start_stack(procs, tmp_path)
+    async with BrokerClient(stack.frontend) as client:
+        call = client.start(SERVICE_MODEL, pack(request(provider, url)), timeout_s=30)
+
+        async def hanging() -> bool:
+            return bool(stats(url)["active"] == 1)
+
+        await eventually(hanging, timeout_s=10, what="the request to reach the provider")
+        started = time.monotonic()
+        await call.cancel()
+
+        async def closed() -> bool:
+            return bool(stats(url)["active"] == 0)
+
+        await eventually(closed, timeout_s=5, what="the provider to see the connection close")
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(Exception) as info:
+            await call.result()
+        assert getattr(info.value, "kind", None) == "cancelled"
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_broken_stream_is_retried_and_partial_output_discarded(
+        procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"text": LONG, "cut_after_bytes": 1200, "times": 1, "chunk_delay_s": 0.002}]})
+    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+    async with BrokerClient(stack.frontend) as client:
+        out = await run_call(client, request(provider, url))
+    assert out.error is None, out.error
+    assert out.result is not None
+    kinds = [p["type"] for p in out.partials]
+    cut = kinds.index("retry")
+    assert "text_delta" in kinds[:cut], "nothing was relayed before the break"
+    retry = out.partials[cut]
+    assert retry["kind"] == "stream_error" and retry["discard_partial"] is True
+    assert out.text() == LONG  # what is left after discarding is the full answer
+    assert out.result["retries"] == 1
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_broken_stream_final_failure_says_discard(
+        procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"text": LONG, "cut_after_bytes": 1200, "chunk_delay_s": 0.002}]})
+    stack = start_stack(procs, tmp_path)
+    async with BrokerClient(stack.frontend) as client:
+        out = await run_call(client, request(provider, url, max_retries=0))
+    assert out.error is not None
+    failure = out.error.failure
+    assert failure.kind == "stream_error" and failure.retryable is True
+    assert "discard" in failure.message
+    assert unpack(failure.body)["discard_partial"] is True
+    assert any(p["type"] == "text_delta" for p in out.partials)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_malformed_stream_is_a_retryable_stream_error(
+        procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"text": LONG, "malformed": True, "times": 1}]})
+    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+    async with BrokerClient(stack.frontend) as client:
+        out = await run_call(client, request(provider, url))
+    assert out.error is None, out.error
+    retries = [p for p in out.partials if p["type"] == "retry"]
+    assert [r["kind"] for r in retries] == ["stream_error"]
+    assert out.text() == LONG
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_auth_error_is_not_retried(procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"status": 401, "error_message": "invalid x-api-key"}]})
+    stack = start_stack(procs, tmp_path)
+    async with BrokerClient(stack.frontend) as client:
+        out = await run_call(client, request(provider, url))
+    assert out.error is not None
+    failure = out.error.failure
+    assert failure.kind == "auth" and failure.retryable is False
+    assert "HTTP 401" in failure.message and "invalid x-api-key" in failure.message
+    assert out.partials == []
+    assert stats(url)["requests"] == 1
+
+
+async def test_bad_request_payload_is_rejected(procs: Procs, tmp_path: Path) -> None:
+    stack = start_stack(procs, tmp_path)
+    async with BrokerClient(stack.frontend) as client:
+        out = await run_call(client, {"op": "respond", "route": {"provider": "nope"}})
+    assert out.error is not None
+    assert out.error.failure.kind == "bad_request" and out.error.failure.retryable is False
+
+
+async def test_script_exhausted_is_a_clear_bad_request(procs: Procs, tmp_path: Path) -> None:
+    url = start_fake(procs, tmp_path, {"responses": []})
+    stack = start_stack(procs, tmp_path)
+    async with BrokerClient(stack.frontend) as client:
+        out = await run_call(client, request("openai-responses", url))
+    assert out.error is not None
+    assert out.error.failure.kind == "bad_request"
+    assert "script exhausted" in out.error.failure.message
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_worker_killed_mid_stream_then_retry_gets_same_answer(
+        procs: Procs, tmp_path: Path, provider: str) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"text": LONG, "chunk_delay_s": 0.02}]})
+    stack = start_stack(procs, tmp_path)
+    first = stack.workers[0]
+    body = pack(request(provider, url))
+    async with BrokerClient(stack.frontend) as client:
+        call = client.start(SERVICE_MODEL, body, timeout_s=30)
+        seen: list[str] = []
+        async for partial in call:
+            delta = unpack(partial)
+            if delta["type"] == "text_delta":
+                seen.append(delta["text"])
+                break
+        assert seen, "no output before the kill"
+        stack.add_worker(name="second")
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        with pytest.raises(Exception) as info:
+            async with asyncio.timeout(10):
+                await call.result()
+        assert getattr(info.value, "kind", None) == "worker_lost"
+        assert info.value.failure.retryable is True  # type: ignore[attr-defined]
+        again = await run_call(client, request(provider, url))
+    assert again.error is None, again.error
+    assert again.text() == LONG
+    assert LONG.startswith("".join(seen))
+    assert stats(url)["by_k"] == {"0": 2}
