@@ -220,8 +220,9 @@ def main(argv: list[str]) -> int:
             os.setsid()
             if seccomp_fd >= 0:
                 load_seccomp(seccomp_fd)
-            if "--workspace" in opts:
-                os.chdir(opts["--workspace"])
+            workdir = opts.get("--chdir") or opts.get("--workspace")
+            if workdir:
+                os.chdir(workdir)
             os.execvp(command[0], command)
         except OSError as exc:
             sys.stderr.write(f"launch: cannot run {command[0]}: {exc.strerror}\n")

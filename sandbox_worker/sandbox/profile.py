@@ -106,7 +106,8 @@ class Profile:
     extra_degraded: list[str] = field(default_factory=list)
 
     def build(self, command: list[str], workspace: str, limits: ToolLimits, *,
-              network: bool, tmpdir: str | None = None, call_id: str = "") -> Chain:
+              network: bool, tmpdir: str | None = None, call_id: str = "",
+              workdir: str = ".") -> Chain:
         """The argv chain running ``command`` in ``workspace``; fds in ``pass_fds``
         belong to the caller, who closes them once the chain has started."""
         head = self.cgroup.join_prefix() if self.cgroup is not None else []
@@ -128,8 +129,9 @@ class Profile:
             argv += system_binds()
             if self.tier == "T2":
                 argv += ["--proc", "/proc"]
+            cwd = workspace if workdir == "." else f"{workspace}/{workdir}"
             argv += ["--dev", "/dev", "--size", str(limits["tmpfs_bytes"]), "--tmpfs", "/tmp",
-                     "--bind", workspace, workspace, "--chdir", workspace]
+                     "--bind", workspace, workspace, "--chdir", cwd]
             if self.filters is not None:
                 fd = self.filters.open_fd("bwrap")
                 pass_fds.append(fd)
@@ -140,6 +142,8 @@ class Profile:
         tmp = tmpdir or "/tmp"
         argv = [*head, self.python, "-I", "-S", "-c", LAUNCHER_SOURCE,
                 "--workspace", workspace, "--tmpdir", tmp]
+        if workdir != ".":
+            argv += ["--chdir", f"{workspace}/{workdir}"]
         if self.tier == "T1":
             argv.append("--landlock")
             if network:

@@ -1,0 +1,215 @@
+"""The file tools: read_file, write_file, edit_file, list_dir.
+
+Each function is blocking and runs in a ``SandboxFS`` executor thread (fs
+credentials of the sandbox uid), resolving every path with ``openat2``
+beneath a workspace fd opened in the same thread (see ``fsops``).
+
+Invariants:
+- Reads are bounded by ``read_limit_bytes``; writes and edits by
+  ``write_limit_bytes`` (and the call's RLIMIT_FSIZE value); listings by
+  ``MAX_LIST_ENTRIES``. Going over a bound is a clear error or a truncated
+  result marked ``truncated`` -- never an unbounded allocation.
+- Writes happen in place on the opened fd (truncate, then write), so the file
+  written is the file that was checked; new files are created with mode 0666
+  minus the umask (or as the workspace's default ACL says), owned by the
+  sandbox uid like files the shell tool creates.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sandbox_worker.sandbox.errors import BadArguments, EditMismatch, FileProblem
+from sandbox_worker.tools.fsops import (
+    check_relative,
+    make_parents,
+    map_oserror,
+    open_regular,
+    open_workspace,
+    openat2,
+)
+
+DEFAULT_READ_LINES: Final = 2000
+MAX_LIST_ENTRIES: Final = 1000
+
+
+@dataclass
+class FileLimits:
+    read_limit_bytes: int = 1024 * 1024
+    write_limit_bytes: int = 10 * 1024 * 1024
+
+
+@dataclass
+class FileResult:
+    output: str
+    truncated: bool = False
+
+
+def _read_all(fd: int, limit: int) -> tuple[bytes, bool]:
+    chunks: list[bytes] = []
+    total = 0
+    while total <= limit:
+        data = os.read(fd, min(1 << 20, limit + 1 - total))
+        if not data:
+            break
+        chunks.append(data)
+        total += len(data)
+    raw = b"".join(chunks)
+    return raw[:limit], len(raw) > limit
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def read_file(workspace: str, args: dict[str, Any], lim: FileLimits) -> FileResult:
+    path = check_relative(args["path"])
+    offset = int(args.get("offset", 0))
+    max_lines = int(args.get("limit", DEFAULT_READ_LINES))
+    wsfd = open_workspace(workspace)
+    try:
+        fd = open_regular(wsfd, path, os.O_RDONLY)
+    finally:
+        os.close(wsfd)
+    try:
+        size = os.fstat(fd).st_size
+        raw, cut = _read_all(fd, lim.read_limit_bytes)
+    except OSError as exc:
+        raise map_oserror(exc, path) from exc
+    finally:
+        os.close(fd)
+    if b"\0" in raw[:8192]:
+        raise FileProblem(f"{path} looks binary ({size} bytes); read it with the shell tool "
+                          "(e.g. xxd | head)", kind="binary_file")
+    lines = raw.decode("utf-8", errors="replace").splitlines(keepends=True)
+    chosen = lines[offset: offset + max_lines]
+    text = "".join(chosen)
+    truncated = cut or offset + max_lines < len(lines)
+    if truncated:
+        shown_to = offset + len(chosen)
+        more = (f"file is {size} bytes; read stopped at {lim.read_limit_bytes} bytes"
+                if cut else f"{len(lines)} lines in total")
+        text += (f"\n[... truncated: showed lines {offset}-{shown_to - 1}; {more}; "
+                 f"use offset/limit to read more]")
+    return FileResult(text, truncated)
+
+
+def _check_size(content: bytes, lim: FileLimits, fsize: int) -> None:
+    top = min(lim.write_limit_bytes, fsize)
+    if len(content) > top:
+        raise FileProblem(f"content is {len(content)} bytes; the limit is {top}",
+                          kind="too_large")
+
+
+def write_file(workspace: str, args: dict[str, Any], lim: FileLimits, fsize: int,
+               ) -> FileResult:
+    path = check_relative(args["path"])
+    if path == ".":
+        raise BadArguments("write_file: 'path' must name a file")
+    content = args["content"].encode("utf-8", errors="surrogatepass")
+    _check_size(content, lim, fsize)
+    wsfd = open_workspace(workspace)
+    try:
+        make_parents(wsfd, path)
+        # No O_TRUNC at open: the hard-link check happens before any change.
+        fd = open_regular(wsfd, path, os.O_WRONLY | os.O_CREAT)
+    finally:
+        os.close(wsfd)
+    try:
+        os.ftruncate(fd, 0)
+        _write_all(fd, content)
+    except OSError as exc:
+        raise map_oserror(exc, path) from exc
+    finally:
+        os.close(fd)
+    return FileResult(f"wrote {len(content)} bytes to {path}")
+
+
+def edit_file(workspace: str, args: dict[str, Any], lim: FileLimits, fsize: int,
+              ) -> FileResult:
+    path = check_relative(args["path"])
+    old: str = args["old"]
+    new: str = args["new"]
+    count = args.get("count")
+    wsfd = open_workspace(workspace)
+    try:
+        fd = open_regular(wsfd, path, os.O_RDWR)
+    finally:
+        os.close(wsfd)
+    try:
+        raw, cut = _read_all(fd, lim.write_limit_bytes)
+        if cut:
+            raise FileProblem(f"{path} is larger than {lim.write_limit_bytes} bytes; "
+                              "edit it with the shell tool", kind="too_large")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FileProblem(f"{path} is not UTF-8 text", kind="not_utf8") from exc
+        found = text.count(old)
+        if found == 0:
+            raise EditMismatch(f"'old' text not found in {path}", kind="old_not_found")
+        if count is None and found > 1:
+            raise EditMismatch(f"'old' text occurs {found} times in {path}; give more "
+                               "context or set 'count'", kind="old_ambiguous")
+        if count is not None and found < count:
+            raise EditMismatch(f"'old' text occurs {found} times in {path}, fewer than "
+                               f"count={count}", kind="old_not_found")
+        n = 1 if count is None else int(count)
+        updated = text.replace(old, new, n).encode("utf-8")
+        _check_size(updated, lim, fsize)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        _write_all(fd, updated)
+    except OSError as exc:
+        raise map_oserror(exc, path) from exc
+    finally:
+        os.close(fd)
+    return FileResult(f"replaced {n} occurrence{'s' if n != 1 else ''} in {path}")
+
+
+def list_dir(workspace: str, args: dict[str, Any]) -> FileResult:
+    path = check_relative(args.get("path", "."))
+    wsfd = open_workspace(workspace)
+    try:
+        try:
+            dfd = openat2(wsfd, path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise map_oserror(exc, path) from exc
+    finally:
+        os.close(wsfd)
+    try:
+        names = sorted(os.listdir(dfd))
+        rows: list[str] = []
+        for name in names[:MAX_LIST_ENTRIES]:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                rows.append(f"{name}  (vanished)")
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                rows.append(f"{name}/")
+            elif stat.S_ISLNK(st.st_mode):
+                try:
+                    target = os.readlink(name, dir_fd=dfd)
+                except OSError:
+                    target = "?"
+                rows.append(f"{name} -> {target}  (symlink, not followed by file tools)")
+            elif stat.S_ISREG(st.st_mode):
+                rows.append(f"{name}  {st.st_size} bytes")
+            else:
+                rows.append(f"{name}  (special file)")
+    except OSError as exc:
+        raise map_oserror(exc, path) from exc
+    finally:
+        os.close(dfd)
+    truncated = len(names) > MAX_LIST_ENTRIES
+    if truncated:
+        rows.append(f"[... {len(names) - MAX_LIST_ENTRIES} more entries not shown]")
+    if not rows:
+        rows.append("(empty directory)")
+    return FileResult("\n".join(rows), truncated)

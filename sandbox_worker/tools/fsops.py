@@ -1,0 +1,188 @@
+"""Race-free workspace file access for the file tools, as the sandbox uid.
+
+Every path is resolved with ``openat2(workspace_fd, path, RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)``: the kernel refuses ``..``
+escapes, absolute paths and *any* symlink during the walk, atomically, so a
+sandboxed process flipping an entry between a file and a symlink cannot make
+a file tool open something outside (there is no check-then-open window).
+
+The calls run in dedicated executor threads whose filesystem credentials are
+the sandbox uid's (``setfsuid``/``setfsgid`` and an empty supplementary
+group list, set per thread with raw syscalls; the kernel drops the DAC
+capabilities of a thread whose fsuid is not 0). So file tools see the same
+permissions as the shell tool, and files they create are owned by the
+sandbox uid, exactly like files the shell creates.
+
+Invariants:
+- No path string is ever opened relative to the process cwd or root; only
+  relative to a workspace fd obtained in the same thread.
+- Regular files with more than one hard link are refused (a link may point
+  outside the workspace); non-regular files are never opened for data.
+- ``OSError`` is translated to ``ToolError`` subclasses here (``map_oserror``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final
+
+from sandbox_worker.sandbox.errors import (
+    FileProblem,
+    OutsideWorkspace,
+    SandboxSetupError,
+    ToolError,
+)
+
+# New syscalls share one number across architectures; the old ones do not.
+SYS_OPENAT2: Final = 437
+SYS_SETGROUPS: Final = {"x86_64": 116, "aarch64": 159}
+RESOLVE_NO_MAGICLINKS: Final = 0x02
+RESOLVE_NO_SYMLINKS: Final = 0x04
+RESOLVE_BENEATH: Final = 0x08
+RESOLVE: Final = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = RESOLVE) -> int:
+    """The raw openat2 syscall; raises OSError."""
+    # The kernel rejects a mode without O_CREAT/O_TMPFILE (EINVAL).
+    if not flags & (os.O_CREAT | os.O_TMPFILE):
+        mode = 0
+    how = _OpenHow(flags=flags | os.O_CLOEXEC, mode=mode, resolve=resolve)
+    fd = _libc.syscall(SYS_OPENAT2, ctypes.c_int(dirfd), os.fsencode(path),
+                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def check_relative(path: str) -> str:
+    """Reject what is obviously outside before the kernel does, with a clear message."""
+    if "\0" in path:
+        raise OutsideWorkspace("path contains a NUL byte")
+    if path.startswith("/"):
+        raise OutsideWorkspace(f"{path!r} is absolute; use a path relative to the workspace")
+    if ".." in path.split("/"):
+        raise OutsideWorkspace(f"{path!r} contains '..'; paths must stay in the workspace")
+    return path.strip("/") or "."
+
+
+def map_oserror(exc: OSError, path: str) -> ToolError:
+    code = exc.errno
+    if code == errno.EXDEV:
+        return OutsideWorkspace(f"{path!r} resolves outside the workspace")
+    if code == errno.ELOOP:
+        return OutsideWorkspace(f"{path!r} goes through a symlink; file tools do not "
+                                "follow symlinks")
+    kinds = {errno.ENOENT: "not_found", errno.EISDIR: "is_a_directory",
+             errno.ENOTDIR: "not_a_directory", errno.EACCES: "permission_denied",
+             errno.EPERM: "permission_denied", errno.EFBIG: "too_large",
+             errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EROFS: "read_only",
+             errno.EEXIST: "exists", errno.ENXIO: "not_a_regular_file",
+             errno.ETXTBSY: "busy", errno.ENAMETOOLONG: "name_too_long"}
+    kind = kinds.get(code or 0, "file_error")
+    return FileProblem(f"{path}: {exc.strerror or exc}", kind=kind)
+
+
+def _become_sandbox(uid: int, gid: int) -> None:
+    """Executor initializer: this thread's fs credentials become the sandbox's."""
+    nr = SYS_SETGROUPS.get(platform.machine())
+    if nr is None or _libc.syscall(nr, ctypes.c_size_t(0), None) != 0:
+        raise OSError(ctypes.get_errno(), "setgroups in the file-tool thread failed")
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
+    # setfs*id return the previous value and cannot fail loudly: read back.
+    if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:
+        raise OSError(errno.EPERM, "setfsuid/setfsgid did not take effect")
+
+
+class SandboxFS:
+    """Executor threads acting as the sandbox uid on workspace fds."""
+
+    def __init__(self, uid: int, gid: int, threads: int = 2) -> None:
+        if uid == 0:
+            raise SandboxSetupError("file tools must not run with fsuid 0")
+        self.uid = uid
+        self.gid = gid
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="corral-fs",
+                                        initializer=_become_sandbox, initargs=(uid, gid))
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        return self._pool
+
+    def whoami(self) -> tuple[int, int]:
+        """(fsuid, fsgid) as seen from an executor thread (a start-up check)."""
+        return self._pool.submit(lambda: (_libc.setfsuid(-1), _libc.setfsgid(-1))).result(10)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def open_workspace(workspace: str) -> int:
+    """An O_PATH fd of the workspace, opened in the calling (sandbox-fsuid) thread."""
+    try:
+        return os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.EACCES:
+            raise FileProblem(
+                f"the workspace {workspace} is not reachable by the sandbox user; "
+                "ask the operator to make its parent directories searchable (chmod o+x)",
+                kind="workspace_unreachable") from exc
+        raise FileProblem(f"workspace {workspace}: {exc.strerror}",
+                          kind="workspace_unreachable") from exc
+
+
+def open_regular(wsfd: int, path: str, flags: int, *, mode: int = 0o666) -> int:
+    """Open a regular, singly-linked file beneath the workspace."""
+    try:
+        fd = openat2(wsfd, path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        raise map_oserror(exc, path) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileProblem(f"{path} is not a regular file", kind="not_a_regular_file")
+        if st.st_nlink > 1:
+            raise FileProblem(f"{path} has {st.st_nlink} hard links; file tools refuse "
+                              "hard-linked files (a link may lead outside the workspace)",
+                              kind="hardlinked")
+        # Back to blocking I/O for regular files.
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_parents(wsfd: int, path: str) -> None:
+    """mkdir -p the parents of ``path`` beneath the workspace (no symlinks followed)."""
+    parts = path.split("/")[:-1]
+    for i in range(len(parts)):
+        sub = "/".join(parts[: i + 1])
+        parent = "/".join(parts[:i]) or "."
+        try:
+            pfd = openat2(wsfd, parent, os.O_PATH | os.O_DIRECTORY)
+        except OSError as exc:
+            raise map_oserror(exc, parent) from exc
+        try:
+            os.mkdir(parts[i], 0o777, dir_fd=pfd)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise map_oserror(exc, sub) from exc
+        finally:
+            os.close(pfd)

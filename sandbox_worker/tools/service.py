@@ -1,0 +1,409 @@
+"""The ``tool`` service: the broker handler that validates a tool call, runs it
+at the worker's sandbox tier, streams its output and replies with a
+``ToolCallResult`` carrying the isolation record.
+
+Start-up (``start``) ensures the sandbox user, compiles seccomp once, sets up
+the worker cgroup, detects the working tiers by trying them, and refuses
+(``TierUnavailable``) when the best one is below ``tier_min`` -- or T0
+without ``allow_unsandboxed``.
+
+Invariants:
+- Tool errors (bad arguments, unknown tool, paths outside the workspace,
+  policy refusals) are ``ToolCallResult``s with ``is_error`` and an
+  ``error_kind``; only a malformed request envelope is a broker FAILURE.
+  No traceback ever reaches the model or the wire.
+- Every result carries the isolation record of what was applied.
+- The worker process never runs tool code: shell calls are child process
+  trees (``sandbox.process``), file tools are worker code confined by
+  openat2 in sandbox-uid threads; the event loop is never blocked.
+- ``aclose`` cancels the calls still running, which kills their trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.errors import HandlerError
+from broker.protocol import FailureKind, pack, unpack
+from broker.worker import RequestContext
+from sandbox_worker.api import (
+    TIER_ORDER,
+    IsolationRecord,
+    Tier,
+    ToolCallResult,
+    ToolLimits,
+    ToolOutputChunk,
+    ToolSchema,
+)
+from sandbox_worker.sandbox.cgroup import WorkerCgroup
+from sandbox_worker.sandbox.detect import Detection, detect
+from sandbox_worker.sandbox.errors import (
+    BadArguments,
+    SandboxError,
+    TierUnavailable,
+    ToolError,
+)
+from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, GIB, merge_limits
+from sandbox_worker.sandbox.process import StreamName
+from sandbox_worker.sandbox.profile import TIERS, Profile, tier_at_least
+from sandbox_worker.sandbox.seccomp import SeccompFilters
+from sandbox_worker.sandbox.user import DEFAULT_SANDBOX_USER, SandboxUser, ensure_user
+from sandbox_worker.sandbox.workspace import check_reachable, grant_tree, validate_workspace
+from sandbox_worker.tools import files
+from sandbox_worker.tools.fsops import SandboxFS
+from sandbox_worker.tools.schemas import SCHEMAS, validate
+from sandbox_worker.tools.shell import ShellRun, render, run_shell
+
+log = logging.getLogger(__name__)
+
+FIXES = {
+    "T2": "install bubblewrap (apt-get install bubblewrap) and allow unprivileged user "
+          "namespaces (sysctl kernel.unprivileged_userns_clone=1 / "
+          "user.max_user_namespaces > 0)",
+    "T1": "use a kernel with Landlock enabled (CONFIG_SECURITY_LANDLOCK, lsm=landlock) "
+          "and libseccomp (apt-get install libseccomp2)",
+    "T0": "install util-linux (setpriv, prlimit)",
+}
+
+
+@dataclass
+class ToolServiceConfig:
+    tier_min: Tier = "T2"
+    allow_unsandboxed: bool = False
+    force_tier: Tier | None = None
+    limits: ToolLimits = field(default_factory=lambda: ToolLimits(**DEFAULT_LIMITS))
+    sandbox_user: str = DEFAULT_SANDBOX_USER
+    sandbox_uid: int | None = None  # a fixed uid with no passwd entry, instead of the user
+    sandbox_gid: int | None = None
+    workspace_root: str | None = None
+    grace_s: float = 2.0
+    cgroup: bool = True
+    cgroup_memory_bytes: int = 8 * GIB
+    cgroup_pids: int = 2048
+    read_limit_bytes: int = 1024 * 1024
+    write_limit_bytes: int = 10 * 1024 * 1024
+    tmp_root: str = "/var/tmp"
+    file_threads: int = 2
+
+
+class ToolService:
+    """The ``tool`` service handler and its sandbox (one per worker process)."""
+
+    def __init__(self, config: ToolServiceConfig) -> None:
+        self.config = config
+        self.profile: Profile | None = None
+        self.detection: Detection | None = None
+        self.fs: SandboxFS | None = None
+        self._filters: SeccompFilters | None = None
+        self._cgroup: WorkerCgroup | None = None
+        self._granted: set[tuple[int, int]] = set()
+        self._grant_lock = asyncio.Lock()
+        self._calls: set[asyncio.Task[Any]] = set()
+        self._flimits = files.FileLimits(config.read_limit_bytes, config.write_limit_bytes)
+
+    # -- life cycle ---------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        user = await ensure_user(cfg.sandbox_user, fixed_uid=cfg.sandbox_uid,
+                                 fixed_gid=cfg.sandbox_gid)
+        degraded: list[str] = []
+        try:
+            self._filters = SeccompFilters.compile()
+        except SandboxError as exc:
+            degraded.append(f"no seccomp filter: {exc}")
+        if cfg.cgroup:
+            self._cgroup = WorkerCgroup(cfg.cgroup_memory_bytes, cfg.cgroup_pids)
+            await asyncio.to_thread(self._cgroup.setup)
+        base = Profile("T2", user, self._filters, self._cgroup, cfg.tmp_root,
+                       extra_degraded=degraded)
+        self.detection = await detect(base)
+        tier = self._choose_tier(self.detection)
+        self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
+                               unsandboxed_opt_in=tier == "T0", extra_degraded=degraded)
+        self.fs = SandboxFS(user.uid, user.gid, cfg.file_threads)
+        fsuid, _ = await asyncio.to_thread(self.fs.whoami)
+        if fsuid != user.uid:
+            raise TierUnavailable(f"file-tool threads run with fsuid {fsuid}, not {user.uid}")
+        log.info("tool sandbox ready: tier %s (working: %s), uid %d, cgroup %s", tier,
+                 ", ".join(self.detection.working) or "none", user.uid,
+                 "applied" if self._cgroup and self._cgroup.applied else "not applied")
+
+    def _choose_tier(self, det: Detection) -> Tier:
+        cfg = self.config
+        why = "; ".join(f"{t}: {msg}" for t, msg in det.failures.items())
+        if cfg.force_tier is not None:
+            if cfg.force_tier not in det.working:
+                raise TierUnavailable(f"forced tier {cfg.force_tier} does not work here ({why})",
+                                      hint=f"to get it: {FIXES.get(cfg.force_tier[:2], '')}")
+            tier = cfg.force_tier
+        elif det.best is None:
+            raise TierUnavailable(f"no sandbox tier works here ({why})",
+                                  hint=f"to fix: {FIXES['T0']}; {FIXES['T2']}")
+        else:
+            tier = det.best
+        if tier == "T0" and not cfg.allow_unsandboxed:
+            raise TierUnavailable(
+                f"only T0 (no sandbox) works here ({why})",
+                hint=f"to fix: {FIXES['T2']}; or run unsandboxed on purpose with "
+                "--allow-unsandboxed --tier-min T0")
+        if not tier_at_least(tier, cfg.tier_min):
+            needed = cfg.tier_min[:2]
+            raise TierUnavailable(
+                f"sandbox tier {tier} is below the minimum {cfg.tier_min} ({why})",
+                hint=f"to fix: {FIXES.get(needed, FIXES['T2'])}; or lower --tier-min")
+        return tier
+
+    async def aclose(self) -> None:
+        calls = [t for t in self._calls if not t.done()]
+        for task in calls:
+            task.cancel()
+        if calls:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.grace_s + 5):
+                    await asyncio.gather(*calls, return_exceptions=True)
+        if self.fs is not None:
+            await asyncio.to_thread(self.fs.close)
+            self.fs = None
+        if self._cgroup is not None:
+            await asyncio.to_thread(self._cgroup.close)
+        if self._filters is not None:
+            self._filters.close()
+            self._filters = None
+
+    def schemas(self) -> list[ToolSchema]:
+        return [ToolSchema(**s) for s in SCHEMAS]
+
+    def info(self) -> dict[str, Any]:
+        p, d, cg = self.profile, self.detection, self._cgroup
+        return {
+            "tier": p.tier if p else None,
+            "tier_min": self.config.tier_min,
+            "working_tiers": list(d.working) if d else [],
+            "tier_failures": dict(d.failures) if d else {},
+            "landlock_abi": d.landlock_abi if d else 0,
+            "degraded": p.degraded() if p else [],
+            "seccomp": self._filters is not None,
+            "cgroup": {"applied": bool(cg and cg.applied), "version": cg.version if cg else "",
+                       "reason": cg.reason if cg else "disabled"},
+            "sandbox_uid": p.user.uid if p else None,
+            "sandbox_user": p.user.name if p else None,
+            "unsandboxed_opt_in": bool(p and p.unsandboxed_opt_in),
+            "tools": [s["name"] for s in SCHEMAS],
+        }
+
+    # -- the handler --------------------------------------------------------
+    async def handle(self, ctx: RequestContext) -> bytes:
+        task = asyncio.current_task()
+        if task is not None:
+            self._calls.add(task)
+        try:
+            return pack(await self._handle(ctx))
+        finally:
+            if task is not None:
+                self._calls.discard(task)
+
+    async def _handle(self, ctx: RequestContext) -> ToolCallResult:
+        req = self._parse(ctx.body)
+        call_id, tool = req["call_id"], req["tool"]
+        start = time.monotonic()
+        profile = self.profile
+        if profile is None:
+            raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
+        limits = ToolLimits(**self.config.limits)
+        network = False
+        try:
+            policy = req.get("policy") or {}
+            if not isinstance(policy, dict):
+                raise BadArguments("policy must be an object")
+            limits = merge_limits(self.config.limits, policy.get("limits"))
+            network = policy.get("network", False) is True
+            self._check_policy(profile, policy)
+            args = validate(tool, req["arguments"])
+            workspace = await self._workspace(req["workspace"])
+            if tool == "shell":
+                return await self._shell(ctx, req, profile, args, workspace, limits, network,
+                                         start)
+            return await self._file_tool(call_id, tool, profile, args, workspace, limits,
+                                         start)
+        except ToolError as exc:
+            return self._error(call_id, tool, exc.kind, str(exc), profile, limits, network,
+                               start)
+        except SandboxError as exc:
+            return self._error(call_id, tool, "sandbox_unavailable", str(exc), profile,
+                               limits, network, start)
+        except (asyncio.CancelledError, HandlerError):
+            raise
+        except Exception:
+            # The message boundary: details stay in the local log.
+            log.exception("tool call %s (%s) failed unexpectedly", call_id, tool)
+            return self._error(call_id, tool, "internal",
+                               "internal error in the tool service; see the worker log",
+                               profile, limits, network, start)
+
+    @staticmethod
+    def _parse(body: bytes) -> dict[str, Any]:
+        try:
+            req = unpack(body)
+        except Exception as exc:  # protocol errors: a bad envelope, not a tool error
+            raise HandlerError(FailureKind.BAD_REQUEST, f"tool request is not msgpack: {exc}",
+                               retryable=False) from exc
+        if not isinstance(req, dict):
+            raise HandlerError(FailureKind.BAD_REQUEST, "tool request must be a map",
+                               retryable=False)
+        for key in ("call_id", "tool", "session_id", "workspace"):
+            if not isinstance(req.get(key), str):
+                raise HandlerError(FailureKind.BAD_REQUEST,
+                                   f"tool request field {key!r} must be a string",
+                                   retryable=False)
+        if "arguments" not in req:
+            raise HandlerError(FailureKind.BAD_REQUEST, "tool request lacks 'arguments'",
+                               retryable=False)
+        return req
+
+    def _check_policy(self, profile: Profile, policy: dict[str, Any]) -> None:
+        minimum = policy.get("tier_min")
+        if minimum is not None:
+            if minimum not in TIER_ORDER:
+                raise BadArguments(f"policy.tier_min must be one of {', '.join(TIERS)}")
+            if not tier_at_least(profile.tier, minimum):
+                why = (self.detection.failures.get(minimum, "") if self.detection else "")
+                raise ToolError(
+                    f"this worker runs tools at tier {profile.tier}, below the required "
+                    f"{minimum}{f' ({why})' if why else ''}. To fix: "
+                    f"{FIXES.get(str(minimum)[:2], FIXES['T2'])}",
+                    kind="tier_below_minimum")
+        if profile.tier == "T0" and policy.get("allow_unsandboxed") is False:
+            raise ToolError("this worker has no sandbox (T0) and the call's policy does not "
+                            "allow unsandboxed execution. To fix: install bubblewrap "
+                            "(apt-get install bubblewrap)", kind="tier_below_minimum")
+
+    async def _workspace(self, path: str) -> str:
+        real = validate_workspace(path, self.config.workspace_root)
+        st = os.stat(real)
+        key = (st.st_dev, st.st_ino)
+        if key not in self._granted:
+            async with self._grant_lock:
+                if key not in self._granted:
+                    check_reachable(real)
+                    report = await asyncio.to_thread(grant_tree, real,
+                                                     self.profile.user.uid)  # type: ignore[union-attr]
+                    log.info("granted workspace %s to the sandbox uid (%d entries, %d "
+                             "changed, %d hard-linked files skipped)", real, report.entries,
+                             report.changed, report.skipped_links)
+                    self._granted.add(key)
+        return real
+
+    async def _shell(self, ctx: RequestContext, req: dict[str, Any], profile: Profile,
+                     args: dict[str, Any], workspace: str, limits: ToolLimits, network: bool,
+                     start: float) -> ToolCallResult:
+        async def on_chunk(stream: StreamName, data: bytes) -> None:
+            await ctx.send_partial(pack(ToolOutputChunk(stream=stream, data=data)))
+
+        run: ShellRun = await run_shell(
+            profile, args, workspace, limits, network=network, call_id=req["call_id"],
+            remaining_s=ctx.remaining_s(), on_chunk=on_chunk, grace_s=self.config.grace_s)
+        o = run.outcome
+        applied = ToolLimits(**limits)
+        applied["wall_s"] = run.wall_s
+        kind: str | None = None
+        if o.timed_out:
+            outcome = "timeout"
+            kind = "timeout"
+        elif o.flooded:
+            outcome, kind = "error", "output_limit"
+        elif o.exit_code == 0:
+            outcome = "ok"
+        else:
+            outcome, kind = "error", ("killed" if o.signal is not None else "nonzero_exit")
+        result = ToolCallResult(
+            call_id=req["call_id"], tool="shell", outcome=outcome,  # type: ignore[typeddict-item]
+            is_error=outcome != "ok", output=render(run, limits), exit_code=o.exit_code,
+            signal=o.signal, duration_s=time.monotonic() - start,
+            stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes, truncated=o.truncated,
+            isolation=profile.isolation(applied, network=network))
+        if kind is not None:
+            result["error_kind"] = kind
+        return result
+
+    async def _file_tool(self, call_id: str, tool: str, profile: Profile, args: dict[str, Any],
+                         workspace: str, limits: ToolLimits, start: float) -> ToolCallResult:
+        fs = self.fs
+        if fs is None:
+            raise HandlerError(FailureKind.INTERNAL, "tool service closed", retryable=True)
+        fsize = int(limits["file_size_bytes"])
+        fn: Any
+        if tool == "read_file":
+            fn = functools.partial(files.read_file, workspace, args, self._flimits)
+        elif tool == "write_file":
+            fn = functools.partial(files.write_file, workspace, args, self._flimits, fsize)
+        elif tool == "edit_file":
+            fn = functools.partial(files.edit_file, workspace, args, self._flimits, fsize)
+        else:
+            fn = functools.partial(files.list_dir, workspace, args)
+        loop = asyncio.get_running_loop()
+        res: files.FileResult = await loop.run_in_executor(fs.executor, fn)
+        size = len(res.output.encode("utf-8", errors="replace"))
+        return ToolCallResult(
+            call_id=call_id, tool=tool, outcome="ok", is_error=False, output=res.output,
+            exit_code=None, signal=None, duration_s=time.monotonic() - start,
+            stdout_bytes=size, stderr_bytes=0, truncated=res.truncated,
+            isolation=profile.file_isolation(limits))
+
+    def _error(self, call_id: str, tool: str, kind: str, message: str, profile: Profile,
+               limits: ToolLimits, network: bool, start: float) -> ToolCallResult:
+        isolation: IsolationRecord = (profile.isolation(limits, network=network)
+                                      if tool == "shell" else profile.file_isolation(limits))
+        return ToolCallResult(
+            call_id=call_id, tool=tool, outcome="error", is_error=True, output=message,
+            exit_code=None, signal=None, duration_s=time.monotonic() - start,
+            stdout_bytes=0, stderr_bytes=0, truncated=False, isolation=isolation,
+            error_kind=kind)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("tool sandbox")
+    g.add_argument("--tier-min", choices=list(TIERS), default="T2",
+                   help="refuse to serve tools below this sandbox tier (default: T2)")
+    g.add_argument("--allow-unsandboxed", action="store_true",
+                   help="allow T0 (no sandbox); recorded on every result")
+    g.add_argument("--force-tier", choices=list(TIERS), default=None,
+                   help="use this tier even if a better one works (tests, diagnosis)")
+    g.add_argument("--sandbox-user", default=DEFAULT_SANDBOX_USER,
+                   help="system user the tools run as (created if missing)")
+    g.add_argument("--sandbox-uid", type=int, default=None,
+                   help="use this fixed non-root uid (no passwd entry) instead of a user")
+    g.add_argument("--workspace-root", default=None,
+                   help="only accept workspaces beneath this directory")
+    g.add_argument("--tool-wall-s", type=float, default=DEFAULT_LIMITS["wall_s"])
+    g.add_argument("--tool-output-bytes", type=int, default=DEFAULT_LIMITS["output_bytes"],
+                   help="output cap per stream (default 1 MiB)")
+    g.add_argument("--tool-grace-s", type=float, default=2.0,
+                   help="SIGTERM-to-SIGKILL grace when a call is cancelled or times out")
+    g.add_argument("--no-worker-cgroup", action="store_true",
+                   help="do not create the per-worker memory/pids cgroup")
+    g.add_argument("--cgroup-memory-bytes", type=int, default=8 * GIB)
+    g.add_argument("--cgroup-pids", type=int, default=2048)
+
+
+def config_from_args(ns: argparse.Namespace) -> ToolServiceConfig:
+    limits = ToolLimits(**DEFAULT_LIMITS)
+    limits["wall_s"] = ns.tool_wall_s
+    limits["output_bytes"] = ns.tool_output_bytes
+    return ToolServiceConfig(
+        tier_min=ns.tier_min, allow_unsandboxed=ns.allow_unsandboxed,
+        force_tier=ns.force_tier, limits=limits, sandbox_user=ns.sandbox_user,
+        sandbox_uid=ns.sandbox_uid, workspace_root=ns.workspace_root,
+        grace_s=ns.tool_grace_s, cgroup=not ns.no_worker_cgroup,
+        cgroup_memory_bytes=ns.cgroup_memory_bytes, cgroup_pids=ns.cgroup_pids)
+
+
+__all__ = ["SandboxUser", "ToolService", "ToolServiceConfig", "add_arguments",
+           "config_from_args"]

@@ -1,0 +1,123 @@
+"""The ``shell`` tool: one sandboxed command, streamed, bounded, timed.
+
+A string command runs as ``/bin/bash -c COMMAND``; a list runs as that argv.
+The command runs through the worker's ``Profile`` chain (see
+``sandbox/profile.py``) in the workspace (or ``workdir`` beneath it) and
+``sandbox/process.py`` streams and bounds it.
+
+Invariants:
+- The result always says how the command ended: exit code, or the signal
+  that ended the chain's head, or "timeout"/"output limit"; output kept up to
+  the moment it ended is returned, with a truncation marker when capped.
+- Nothing of the call survives ``run_shell`` (process.run's guarantee), and
+  the per-call tmp dir (T1/T0) is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from sandbox_worker.api import ToolLimits
+from sandbox_worker.sandbox.errors import BadArguments
+from sandbox_worker.sandbox.process import OnChunk, RunOutcome, RunSpec, run
+from sandbox_worker.sandbox.profile import Profile
+from sandbox_worker.tools.fsops import check_relative
+
+# Never let a call's wall time run into the broker's deadline: reply first.
+REPLY_MARGIN_S = 0.5
+
+
+@dataclass
+class ShellRun:
+    outcome: RunOutcome
+    wall_s: float
+
+
+def command_argv(command: Any) -> list[str]:
+    if isinstance(command, str):
+        if not command.strip():
+            raise BadArguments("shell: 'command' is empty")
+        return ["/bin/bash", "-c", command]
+    if isinstance(command, list) and command and all(isinstance(c, str) for c in command):
+        return list(command)
+    raise BadArguments("shell: 'command' must be a string or a non-empty list of strings")
+
+
+def effective_wall_s(args: dict[str, Any], limits: ToolLimits, remaining_s: float) -> float:
+    wall = float(limits["wall_s"])
+    if "timeout_s" in args:
+        wall = min(wall, float(args["timeout_s"]))
+    return max(0.05, min(wall, remaining_s - REPLY_MARGIN_S))
+
+
+async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
+                    limits: ToolLimits, *, network: bool, call_id: str, remaining_s: float,
+                    on_chunk: OnChunk | None, grace_s: float) -> ShellRun:
+    argv = command_argv(args["command"])
+    workdir = check_relative(args.get("workdir", "."))
+    wall = effective_wall_s(args, limits, remaining_s)
+    tmpdir: str | None = None
+    if profile.tier in ("T1", "T0"):
+        tmpdir = await asyncio.to_thread(_make_tmp, profile)
+    chain = profile.build(argv, workspace, limits, network=network, tmpdir=tmpdir,
+                          call_id=call_id, workdir=workdir)
+    spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
+                   output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
+                   grace_s=grace_s)
+    try:
+        try:
+            outcome = await run(spec, on_chunk)
+        finally:
+            for fd in chain.pass_fds:
+                os.close(fd)
+    finally:
+        if tmpdir is not None:
+            await asyncio.to_thread(shutil.rmtree, tmpdir, True)
+    return ShellRun(outcome, wall)
+
+
+def _make_tmp(profile: Profile) -> str:
+    path = tempfile.mkdtemp(prefix="corral-call-", dir=profile.tmp_root)
+    os.chown(path, profile.user.uid, profile.user.gid)
+    return path
+
+
+def _signame(num: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(num).name
+    return f"signal {num}"
+
+
+def render(run_: ShellRun, limits: ToolLimits) -> str:
+    """What the model reads: stdout, stderr apart, and how the command ended."""
+    o = run_.outcome
+    cap = int(limits["output_bytes"])
+    parts: list[str] = []
+    if o.stdout:
+        parts.append(o.stdout.decode("utf-8", errors="replace"))
+    if len(o.stdout) >= cap:
+        parts.append(f"\n[... stdout truncated at {cap} bytes]")
+    if o.stderr:
+        parts.append("\n[stderr]\n" + o.stderr.decode("utf-8", errors="replace"))
+    if len(o.stderr) >= cap:
+        parts.append(f"\n[... stderr truncated at {cap} bytes]")
+    if o.timed_out:
+        parts.append(f"\n[timed out after {run_.wall_s:g} s; the command was killed]")
+    elif o.flooded:
+        parts.append(f"\n[output limit of {cap} bytes per stream reached; "
+                     "the command was killed]")
+    elif o.signal is not None:
+        parts.append(f"\n[killed by {_signame(o.signal)}]")
+    elif o.exit_code is not None and o.exit_code > 128 and o.exit_code - 128 < 65:
+        parts.append(f"\n[exit code {o.exit_code} (128+{_signame(o.exit_code - 128)}: "
+                     "killed by a signal or a limit such as CPU time or file size)]")
+    elif o.exit_code:
+        parts.append(f"\n[exit code {o.exit_code}]")
+    return "".join(parts).lstrip("\n") or "[no output]"
