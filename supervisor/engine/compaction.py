@@ -42,7 +42,6 @@ from supervisor.engine import events as ev
 from supervisor.engine.calls import CallFailure, stream_call
 from supervisor.engine.errors import ModelCallFailed
 from supervisor.engine.hooks import HookEvent
-from supervisor.engine.ops import UserInput
 from supervisor.engine.phases import TurnPhase
 
 if TYPE_CHECKING:
@@ -132,12 +131,8 @@ async def maybe_compact(turn: Turn) -> None:
         await settle(turn, "success")
         raise TurnStopped(post.stop)
     again = await s.hooks.run(HookEvent.SESSION_START, s.sid, turn.turn_id, {"source": "compact"})
-    if again.push_inputs:
-        def push(st: Any) -> None:
-            for text in again.push_inputs:
-                st.queued_input.append({"submission_id": None,
-                                        "op": UserInput(text).to_json()})
-        await s.commit(mutate=push)
+    for text in again.push_inputs:
+        await s.admit(text, [], None)
     if again.stop is not None:
         await settle(turn, "success")
         raise TurnStopped(again.stop)

@@ -186,10 +186,9 @@ class SessionManager:
             raise SessionClosed(f"session {session_id} is shut down")
         sub = SubmissionId(ev.new_id("sub"))
         if isinstance(parsed, UserInput):
-            entry = {"submission_id": sub, "op": parsed.to_json()}
-            # Durable before accepted; the driver is kicked after the commit.
-            await session.commit(mutate=lambda st: st.queued_input.append(entry))
-            session.kick()
+            # Prompt hooks run now; only an accepted prompt is ever persisted, and it
+            # is durable (queued) before submit returns.
+            await session.admit(parsed.text, [a.to_json() for a in parsed.attachments], sub)
         elif isinstance(parsed, Interrupt):
             turn = session.turn
             if turn is None:

@@ -28,11 +28,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sandbox_worker.api import empty_usage
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import ApprovalPolicy, parse_policy
 from supervisor.engine.config import EngineConfig, SessionSpec
-from supervisor.engine.errors import SubscriberDropped
-from supervisor.engine.hooks import HookRunner
+from supervisor.engine.errors import HookFailed, SubscriberDropped, TurnError
+from supervisor.engine.hooks import HookEvent, HookRunner
 from supervisor.store.records import (
     CheckpointState,
     ContextRewrite,
@@ -43,6 +44,7 @@ from supervisor.store.records import (
     StepWrite,
     SubmissionId,
     TranscriptBatch,
+    TurnId,
 )
 
 if TYPE_CHECKING:
@@ -97,6 +99,7 @@ class Session:
         self.approval: PendingApproval | None = None
         self.closed = record.status != "active"
         self._lock = asyncio.Lock()
+        self._admit_lock = asyncio.Lock()
         self._last_published = state.next_event_sequence - 1
         self._delta_index = 0
 
@@ -180,6 +183,49 @@ class Session:
     async def warn(self, message: str, submission_id: SubmissionId | None = None,
                    **extra: Any) -> None:
         await self.commit([(ev.WARNING, ev.warning(message, **extra), submission_id)])
+
+    # ----------------------------------------------------------------- admit
+
+    async def admit(self, text: str, attachments: list[dict[str, Any]],
+                    submission_id: SubmissionId | None) -> None:
+        """Run user_prompt_submit hooks on a new input, then queue it durably.
+
+        A rejected prompt is never persisted: only ``turn_started`` and
+        ``turn_aborted(rejected)`` (without the prompt) and an execution record
+        (aborted) are written. A hook failure fails that turn the same way,
+        with an ``error`` event and outcome ``failed``.
+        """
+        turn_id = TurnId(ev.new_id("turn"))
+        async with self._admit_lock:
+            try:
+                folded = await self.hooks.run(HookEvent.USER_PROMPT_SUBMIT, self.sid, turn_id,
+                                              {"text": text, "attachments": attachments})
+            except HookFailed as exc:
+                await self._refuse(turn_id, submission_id, ev.ABORT_FAILED, str(exc), exc)
+                return
+            if folded.reject is not None:
+                await self._refuse(turn_id, submission_id, ev.ABORT_REJECTED,
+                                   f"prompt rejected by a user_prompt_submit hook: "
+                                   f"{folded.reject}", None)
+                return
+            entry = {"submission_id": submission_id, "turn_id": turn_id,
+                     "text": folded.text if folded.text is not None else text,
+                     "attachments": attachments, "contexts": folded.contexts}
+            await self.commit(mutate=lambda st: st.queued_input.append(entry))
+        self.kick()
+
+    async def _refuse(self, turn_id: TurnId, submission_id: SubmissionId | None, reason: str,
+                      message: str, error: TurnError | None) -> None:
+        now = time.time()
+        events: list[EventSpec] = [(ev.TURN_STARTED, {"turn_id": turn_id}, submission_id)]
+        if error is not None:
+            events.append((ev.ERROR, error.as_data(), submission_id))
+        events.append((ev.TURN_ABORTED, {"turn_id": turn_id, "reason": reason,
+                                         "message": ev.clip(message, 4096)}, submission_id))
+        record = ExecutionRecord(self.sid, turn_id, "failed" if error else "aborted", 0, 0, 0,
+                                 {k: 0 for k in empty_usage()}, now, now, 0.0, None,
+                                 f"{reason}: {message}"[:1000])
+        await self.commit(events, execution=record)
 
     # ------------------------------------------------------------- subscribe
 

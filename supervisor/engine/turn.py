@@ -7,8 +7,8 @@ output, an open compaction notice is closed, then ``turn_aborted(interrupted)``.
 
 Body (re-entrant from the persisted phase, which is how crash resume works)::
 
-    STARTING   user_prompt_submit hooks; reject -> turn_aborted(rejected), nothing
-               of the prompt persisted; else user message committed
+    STARTING   the admitted input (user_prompt_submit already ran at admission,
+               ``Session.admit``) is committed with turn_started + user_message
     loop:
       PREPARING  compaction (threshold or compact op), pre_model, model_request
       MODEL_CALL model step (bounded retries on worker loss / retryable failures),
@@ -44,7 +44,6 @@ from supervisor.engine.errors import (
     TurnLimitExceeded,
 )
 from supervisor.engine.hooks import HookEvent, context_item
-from supervisor.engine.ops import user_input_from_json
 from supervisor.engine.phases import TurnPhase, advance_phase
 from supervisor.engine.tooling import tool_schemas
 from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
@@ -112,8 +111,9 @@ class Turn:
             return cls(session, ev.new_id("turn"), work.submission_id, "compact")
         if not st.queued_input:
             return None
-        sub = st.queued_input[0].get("submission_id")
-        return cls(session, ev.new_id("turn"), sub, "turn")
+        entry = st.queued_input[0]
+        return cls(session, entry.get("turn_id") or ev.new_id("turn"),
+                   entry.get("submission_id"), "turn")
 
     @property
     def phase(self) -> TurnPhase:
@@ -197,8 +197,6 @@ class Turn:
                 await self.session.commit(mutate=self.moving_to(TurnPhase.PREPARING))
             else:
                 await self._start_with_input()
-        elif self.phase is TurnPhase.STARTING:
-            await self._start_with_input(resuming=True)
         if self.phase in (TurnPhase.AWAITING_APPROVAL, TurnPhase.TOOLS):
             await tool_round(self)
         elif self.phase is not TurnPhase.PREPARING:
@@ -213,26 +211,12 @@ class Turn:
             st.active_turn = self._active_turn(phase)
         return mutate
 
-    async def _start_with_input(self, resuming: bool = False) -> None:
+    async def _start_with_input(self) -> None:
+        """Start the turn from the admitted input (its prompt hooks already ran)."""
         s = self.session
-        queued = s.state.queued_input[0]
-        if not resuming:
-            def take(st: Any) -> None:
-                st.queued_input[0] = {**st.queued_input[0], "turn_id": self.turn_id}
-                self.moving_to(TurnPhase.STARTING)(st)
-            await s.commit([(ev.TURN_STARTED, {"turn_id": self.turn_id}, self.submission_id)],
-                           execution=self.execution("running"), mutate=take)
-        op = user_input_from_json(queued["op"])
-        folded = await s.hooks.run(HookEvent.USER_PROMPT_SUBMIT, s.sid, self.turn_id,
-                                   {"text": op.text,
-                                    "attachments": [a.to_json() for a in op.attachments]})
-        if folded.reject is not None:
-            def drop(st: Any) -> None:
-                st.queued_input = [q for q in st.queued_input if q.get("turn_id") != self.turn_id]
-            await s.commit(mutate=drop)
-            raise TurnRejected(f"prompt rejected by a user_prompt_submit hook: {folded.reject}")
-        text = folded.text if folded.text is not None else op.text
-        attachments = [a.to_json() for a in op.attachments]
+        entry = s.state.queued_input[0]
+        text = str(entry.get("text", ""))
+        attachments = list(entry.get("attachments", []))
         content = [{"type": "input_text", "text": text}]
         for a in attachments:
             content.append({"type": "input_text", "text": (
@@ -241,14 +225,16 @@ class Turn:
         item: dict[str, Any] = {"type": "message", "role": "user", "content": content}
         if attachments:
             item["corral"] = {"attachments": attachments}
-        items = [item, *(context_item("user_prompt_hook", c) for c in folded.contexts)]
+        items = [item, *(context_item("user_prompt_hook", c)
+                         for c in entry.get("contexts", []))]
 
         def accept(st: Any) -> None:
-            st.queued_input = [q for q in st.queued_input if q.get("turn_id") != self.turn_id]
-            self.moving_to(TurnPhase.PREPARING)(st)
-        await s.commit([(ev.USER_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text),
+            st.queued_input = st.queued_input[1:]
+            st.active_turn = self._active_turn(TurnPhase.PREPARING)
+        await s.commit([(ev.TURN_STARTED, {"turn_id": self.turn_id}, self.submission_id),
+                        (ev.USER_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text),
                                            "attachments": attachments}, self.submission_id)],
-                       items=items, mutate=accept)
+                       items=items, execution=self.execution("running"), mutate=accept)
 
     # ----------------------------------------------------------------- step
 
@@ -500,7 +486,6 @@ class Turn:
             st.pending_tool_calls = []
             st.pending_approval = None
             st.export_loop_checkpoint = None
-            st.queued_input = [q for q in st.queued_input if q.get("turn_id") != self.turn_id]
         await s.commit(events, items=items or None,
                        execution=self.execution(outcome, f"{reason}: {message}"[:1000]),
                        mutate=mutate)
@@ -547,8 +532,6 @@ def _check_model_result(result: Any) -> None:
 
 async def run_session_start(session: Session, source: str) -> None:
     """session_start outside a turn (startup, resume): may stop or push input."""
-    from supervisor.engine.ops import UserInput
-
     try:
         folded = await session.hooks.run(HookEvent.SESSION_START, session.sid, None,
                                          {"source": source})
@@ -558,9 +541,5 @@ async def run_session_start(session: Session, source: str) -> None:
     if folded.stop is not None:
         # Nothing is running: the stop ends the hook run only; it never eats a prompt.
         await session.warn(folded.stop, None, hook="session_start", source=source)
-    if folded.push_inputs:
-        def push(st: Any) -> None:
-            for text in folded.push_inputs:
-                st.queued_input.append({"submission_id": None,
-                                        "op": UserInput(text).to_json()})
-        await session.commit(mutate=push)
+    for text in folded.push_inputs:
+        await session.admit(text, [], None)

@@ -2,7 +2,7 @@
 a real SQLite store and a ``SessionManager`` in the test process.
 
 ``start_farm(procs, tmp_path, script)`` starts ``python -m broker`` (ipc://
-endpoints under tmp_path), ``workers`` × ``python -m sandbox_worker`` and
+endpoints under tmp_path), ``workers`` times ``python -m sandbox_worker`` and
 ``python -m sandbox_worker.fakellm``, each confirmed by its JSON ready line
 under a deadline (never a sleep). ``engine(...)`` is an async context manager
 that opens the store and broker client and runs a ``SessionManager`` in a
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -131,7 +132,7 @@ class Engine:
 
     async def session(self, **spec: Any) -> SessionId:
         spec.setdefault("workspace", str(self.farm.tmp / "ws"))
-        Path(spec["workspace"]).mkdir(parents=True, exist_ok=True)
+        os.makedirs(spec["workspace"], exist_ok=True)
         return await self.manager.create_session(SessionSpec(**spec))
 
     async def run_until(self, sid: SessionId, op: dict[str, Any] | None,
