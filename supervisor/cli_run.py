@@ -140,7 +140,7 @@ async def _drive(ns: Namespace, sv: SupervisorClient, model: str | None,
         after = 0
     else:
         described = await sv.describe(session)
-        after = int(described.get("last_sequence", 0))
+        after = int(described.get("last_event_sequence", 0))
         if route_spec is not None or model:
             await sv.submit(session, {"type": "set_model",
                                       "route": model, **({"route_spec": route_spec}
