@@ -1,15 +1,183 @@
-"""``scripts/demo``: the main job. Until the farm demo lands this runs the
-foundation demo (broker + echo workers, one SIGKILLed mid-run)."""
+"""``scripts/demo``: the main job.
+
+An ephemeral farm with the scripted provider runs about 20 sessions whose
+agents do real work in the sandbox (create a small Python project, run it,
+edit it, read the results). Mid-run a worker, the broker and the supervisor
+are each SIGKILLed once. At the end the chaos harness's invariants are
+checked and a table is printed; every number in it is counted.
+
+``--no-chaos`` runs the same work without faults; ``--model ROUTE`` runs it
+against a real provider (``PROVIDER:MODEL`` with ``--base-url``); ``--echo``
+runs the foundation demo (broker and echo workers only).
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
-from broker.demo import main as echo_main
+from supervisor.chaos.harness import ChaosOptions, Harness
+from supervisor.chaos.schedule import Fault
+
+CALC = '''import sys
+
+
+def combine(x, y):
+    return x + y
+
+
+if __name__ == "__main__":
+    print("result", combine(6, 7))
+'''
+
+
+def _shell(k: int, command: str) -> dict[str, Any]:
+    # The marker line makes the effect countable (the harness checks it).
+    return {"name": "shell", "arguments": {"command": f"echo m-{k} >> effects.log && {command}"}}
+
+
+def demo_entry(k: int) -> dict[str, Any]:
+    step = k % 5
+    usage = {"input": 120 + 10 * k, "output": 30, "cached_input": 80}
+    if step == 0:
+        calls = [
+            {"name": "write_file", "arguments": {"path": "app/calc.py", "content": CALC}},
+            {"name": "write_file", "arguments": {"path": "app/README.md",
+                                                 "content": "# calc\nAdds two numbers.\n"}},
+            _shell(k, "mkdir -p build && ls app"),
+        ]
+        text = "I'll create a small project."
+    elif step == 1:
+        calls = [_shell(k, "python3 app/calc.py > build/out.txt; cat build/out.txt")]
+        text = "Now I run it."
+    elif step == 2:
+        calls = [{"name": "edit_file", "arguments": {"path": "app/calc.py", "old": "x + y",
+                                                     "new": "x * y"}},
+                 _shell(k, "python3 app/calc.py >> build/out.txt; tail -1 build/out.txt")]
+        text = "Let me change it to multiply and run it again."
+    elif step == 3:
+        calls = [{"name": "read_file", "arguments": {"path": "build/out.txt"}},
+                 {"name": "list_dir", "arguments": {"path": "app"}},
+                 _shell(k, "wc -l app/calc.py build/out.txt")]
+        text = "Checking the results."
+    else:
+        return {"text": "Done: the project is created, run, edited and checked.",
+                "usage": usage}
+    return {"tool_calls": calls, "text": text, "usage": usage, "chunk_delay_s": 0.005}
+
+
+def demo_script(turns: int) -> dict[str, Any]:
+    return {"responses": [demo_entry(k) for k in range(turns * 5)]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="scripts/demo", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=20, help="sessions to run (default 20)")
+    p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
+    p.add_argument("--no-chaos", action="store_true", help="run without killing anything")
+    p.add_argument("--model", default=None,
+                   help="run against this route instead of the scripted provider, e.g. "
+                   "openai-chat:qwen2.5 (with --base-url)")
+    p.add_argument("--base-url", default=None)
+    p.add_argument("--home", type=Path, default=None,
+                   help="keep the farm's files here (default: a temporary directory)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--echo", action="store_true",
+                   help="run the foundation demo instead (broker + echo workers)")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return echo_main(argv)
+    ns = parse_args(argv)
+    if ns.echo:
+        from broker.demo import main as echo_main
+
+        return echo_main(["--json"] if ns.json else [])
+    if ns.model:
+        print("scripts/demo: --model runs the same sessions against a real provider; "
+              "configure it as a route in HOME/corral.toml and use 'corral run --model' for "
+              "now.", file=sys.stderr)
+        return 2
+    home = ns.home or Path(tempfile.mkdtemp(prefix="corral-demo-"))
+    schedule = [] if ns.no_chaos else [
+        Fault(6.0, "worker_kill_tool", 0),
+        Fault(14.0, "broker_kill", 0),
+        Fault(22.0, "supervisor_kill", 0),
+    ]
+    opts = ChaosOptions(seed=1, duration_s=28.0 if not ns.no_chaos else 1.0,
+                        sessions=ns.sessions, workers=ns.workers, faults="process",
+                        home=home, schedule=schedule, script=demo_script(8),
+                        max_turns_per_session=6)
+    if not ns.json:
+        print(f"demo: {ns.sessions} sessions on {ns.workers} sandbox workers, farm home {home}",
+              file=sys.stderr)
+        if schedule:
+            print("demo: will SIGKILL a worker mid-tool at 6 s, the broker at 14 s and the "
+                  "supervisor at 22 s", file=sys.stderr)
+    harness = Harness(opts)
+    report = asyncio.run(harness.run()).as_dict()
+    export = _verified_export(home)
+    report["export"] = export
+    report["sandbox_tier"] = _tier(harness)
+    if ns.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        print(render(report))
+    return 0 if not report["violations"] and export.get("ok") else 1
+
+
+def _verified_export(home: Path) -> dict[str, Any]:
+    exports = sorted((home / "exports").glob("*.json"))
+    if not exports:
+        return {"ok": False, "path": None, "detail": "no checkpoint was exported"}
+    path = exports[-1]
+    result = subprocess.run([sys.executable, "-m", "supervisor.cli", "verify", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    return {"ok": result.returncode == 0, "path": str(path),
+            "detail": (result.stdout or result.stderr).strip()}
+
+
+def _tier(harness: Harness) -> str:
+    tiers = {e["payload"].get("isolation", {}).get("tier")
+             for s in harness.report.sessions for _, e in s.live
+             if e.get("type") == "tool_call_end"}
+    tiers.discard(None)
+    return ",".join(sorted(tiers)) or "unknown"
+
+
+def render(r: dict[str, Any]) -> str:
+    c = r["counts"]
+    rows = [
+        ("sessions completed", f"{c['sessions_final_turn_ok']} / {c['sessions']}"),
+        ("turns", c["turns"]),
+        ("tool calls", c["tool_calls"]),
+        ("faults injected", ", ".join(f["kind"] for f in r["faults"]) or "none"),
+    ]
+    for group, rec in r["recovery"].items():
+        rows.append((f"recovery after {group} kill", f"p50 {rec['p50_s']} s, "
+                     f"p99 {rec['p99_s']} s (n={rec['count']})"))
+    rows += [
+        ("violations", len(r["violations"])),
+        ("sandbox tier", r["sandbox_tier"]),
+        ("exported checkpoint", r["export"]["path"] or "none"),
+        ("corral verify", "ok" if r["export"]["ok"] else f"FAILED {r['export']['detail']}"),
+        ("elapsed", f"{r['elapsed_s']} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "Corral demo", "-" * (width + 40)]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    for v in r["violations"][:5]:
+        lines.append(f"VIOLATION {v['invariant']} session {v['session_id']} seq "
+                     f"{v['sequence']}: {v['detail']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

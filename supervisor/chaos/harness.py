@@ -55,6 +55,10 @@ class ChaosOptions:
     home: Path | None = None
     turn_deadline_s: float = 120.0
     check_sandbox_uid: bool = False
+    # Overrides for the demo: a fixed schedule and a workload script builder.
+    schedule: list[Fault] | None = None
+    script: dict[str, Any] | None = None
+    max_turns_per_session: int | None = None
 
 
 @dataclass
@@ -139,7 +143,8 @@ class Harness:
         self.opts = opts
         self.kinds = parse_faults(opts.faults)
         self.home = opts.home or Path(tempfile.mkdtemp(prefix="corral-chaos-"))
-        self.schedule = make_schedule(opts.seed, opts.duration_s, self.kinds)
+        self.schedule = (opts.schedule if opts.schedule is not None
+                         else make_schedule(opts.seed, opts.duration_s, self.kinds))
         self.report = Report(opts.seed, self.schedule)
         self.pids: set[int] = set()
         self.farm: Farm | None = None
@@ -150,8 +155,11 @@ class Harness:
 
     def prepare(self, tier_min: str = "T2") -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        script = write_script(self.home / "workload.json", self.opts.turns,
-                              self.opts.steps, self.opts.seed, self.kinds)
+        script = self.home / "workload.json"
+        if self.opts.script is not None:
+            script.write_text(json.dumps(self.opts.script))
+        else:
+            write_script(script, self.opts.turns, self.opts.steps, self.opts.seed, self.kinds)
         (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, script=script))
 
     def _track_pids(self) -> None:
@@ -229,7 +237,8 @@ class Harness:
             run.busy = False
 
     async def _drive(self, sv: SupervisorClient, run: SessionRun) -> None:
-        while not self.faults_over.is_set() and run.turns_done < self.opts.turns - 2:
+        limit = self.opts.max_turns_per_session or self.opts.turns - 2
+        while not self.faults_over.is_set() and run.turns_done < limit:
             if not await self._turn(sv, run) and not self.faults_over.is_set():
                 await asyncio.sleep(0.2)
 
