@@ -49,7 +49,8 @@ async def run(requests: int, in_flight: int, kill_at: int, as_json: bool) -> int
     front, back = f"ipc://{tmp}/front.sock", f"ipc://{tmp}/back.sock"
     py = sys.executable
     procs: list[asyncio.subprocess.Process] = []
-    counts = {"requests": requests, "replies": 0, "worker_lost": 0, "retried_ok": 0,
+    counts: dict[str, float] = {"requests": requests, "replies": 0, "worker_lost": 0,
+              "retried_ok": 0,
               "other_failures": 0}
     started = time.monotonic()
     try:
