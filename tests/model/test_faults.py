@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from broker.client import BrokerClient
+from broker.errors import RequestFailed
 from broker.protocol import pack, unpack
 from sandbox_worker.api import SERVICE_MODEL
 from tests.helpers import Procs, eventually
@@ -41,8 +42,10 @@ async def test_rate_limit_honours_retry_after_then_succeeds(
     assert out.result is not None
     retries = [p for p in out.partials if p["type"] == "retry"]
     assert len(retries) == 1
-    assert retries[0]["kind"] == "rate_limited" and retries[0]["delay_s"] == 1.0
-    assert retries[0]["attempt"] == 2 and retries[0]["discard_partial"] is False
+    assert retries[0]["kind"] == "rate_limited"
+    assert retries[0]["delay_s"] == 1.0
+    assert retries[0]["attempt"] == 2
+    assert retries[0]["discard_partial"] is False
     assert elapsed >= 0.95, "Retry-After was not honoured"
     assert out.result["retries"] == 1
     assert out.text() == "after the wait"
@@ -61,12 +64,15 @@ async def test_server_error_retried_until_the_budget_runs_out(
         elapsed = time.monotonic() - started
     assert out.error is not None
     failure = out.error.failure
-    assert failure.kind == "server_error" and failure.retryable is True
-    assert "budget exhausted" in failure.message and "HTTP 500" in failure.message
+    assert failure.kind == "server_error"
+    assert failure.retryable is True
+    assert "budget exhausted" in failure.message
+    assert "HTTP 500" in failure.message
     assert unpack(failure.body)["discard_partial"] is False
     served = stats(url)["by_status"]["500"]
     retries = [p for p in out.partials if p["type"] == "retry"]
-    assert served >= 4 and len(retries) == served - 1
+    assert served >= 4
+    assert len(retries) == served - 1
     assert all(r["kind"] == "server_error" for r in retries)
     assert elapsed < 3.0 + 1.0, "the worker answered after the request's deadline"
 
@@ -91,9 +97,9 @@ async def test_cancel_closes_a_hanging_stream_within_a_second(
 
         await eventually(closed, timeout_s=5, what="the provider to see the connection close")
         assert time.monotonic() - started < 1.0
-        with pytest.raises(Exception) as info:
+        with pytest.raises(RequestFailed) as info:
             await call.result()
-        assert getattr(info.value, "kind", None) == "cancelled"
+        assert info.value.kind == "cancelled"
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -110,7 +116,8 @@ async def test_broken_stream_is_retried_and_partial_output_discarded(
     cut = kinds.index("retry")
     assert "text_delta" in kinds[:cut], "nothing was relayed before the break"
     retry = out.partials[cut]
-    assert retry["kind"] == "stream_error" and retry["discard_partial"] is True
+    assert retry["kind"] == "stream_error"
+    assert retry["discard_partial"] is True
     assert out.text() == LONG  # what is left after discarding is the full answer
     assert out.result["retries"] == 1
 
@@ -125,7 +132,8 @@ async def test_broken_stream_final_failure_says_discard(
         out = await run_call(client, request(provider, url, max_retries=0))
     assert out.error is not None
     failure = out.error.failure
-    assert failure.kind == "stream_error" and failure.retryable is True
+    assert failure.kind == "stream_error"
+    assert failure.retryable is True
     assert "discard" in failure.message
     assert unpack(failure.body)["discard_partial"] is True
     assert any(p["type"] == "text_delta" for p in out.partials)
@@ -154,8 +162,10 @@ async def test_auth_error_is_not_retried(procs: Procs, tmp_path: Path, provider:
         out = await run_call(client, request(provider, url))
     assert out.error is not None
     failure = out.error.failure
-    assert failure.kind == "auth" and failure.retryable is False
-    assert "HTTP 401" in failure.message and "invalid x-api-key" in failure.message
+    assert failure.kind == "auth"
+    assert failure.retryable is False
+    assert "HTTP 401" in failure.message
+    assert "invalid x-api-key" in failure.message
     assert out.partials == []
     assert stats(url)["requests"] == 1
 
@@ -165,7 +175,8 @@ async def test_bad_request_payload_is_rejected(procs: Procs, tmp_path: Path) -> 
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, {"op": "respond", "route": {"provider": "nope"}})
     assert out.error is not None
-    assert out.error.failure.kind == "bad_request" and out.error.failure.retryable is False
+    assert out.error.failure.kind == "bad_request"
+    assert out.error.failure.retryable is False
 
 
 async def test_script_exhausted_is_a_clear_bad_request(procs: Procs, tmp_path: Path) -> None:
@@ -198,11 +209,11 @@ async def test_worker_killed_mid_stream_then_retry_gets_same_answer(
         stack.add_worker(name="second")
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
-        with pytest.raises(Exception) as info:
+        with pytest.raises(RequestFailed) as info:
             async with asyncio.timeout(10):
                 await call.result()
-        assert getattr(info.value, "kind", None) == "worker_lost"
-        assert info.value.failure.retryable is True  # type: ignore[attr-defined]
+        assert info.value.kind == "worker_lost"
+        assert info.value.failure.retryable is True
         again = await run_call(client, request(provider, url))
     assert again.error is None, again.error
     assert again.text() == LONG

@@ -35,14 +35,18 @@ async def test_text_streams_in_order_with_cached_usage(
     kinds = [p["type"] for p in out.partials]
     assert kinds.index("reasoning_delta") < kinds.index("text_delta")
     items = out.result["items"]
-    assert items[0]["type"] == "reasoning" and items[0]["text"] == "Let me think."
+    assert items[0]["type"] == "reasoning"
+    assert items[0]["text"] == "Let me think."
     assert items[1] == {"type": "message", "role": "assistant",
                         "content": [{"type": "output_text", "text": TEXT}]}
     assert out.result["stop_reason"] == "end_turn"
-    assert out.result["provider"] == provider and out.result["retries"] == 0
+    assert out.result["provider"] == provider
+    assert out.result["retries"] == 0
     usage = out.result["usage"]
-    assert usage["input"] == 1200 and usage["cached_input"] == 1000
-    assert usage["output"] == 20 and usage["total"] == 1220
+    assert usage["input"] == 1200
+    assert usage["cached_input"] == 1000
+    assert usage["output"] == 20
+    assert usage["total"] == 1220
     if provider != "anthropic":  # Anthropic does not report reasoning tokens apart
         assert usage["reasoning_output"] == 4
     assert stats(url)["by_k"] == {"0": 1}
@@ -70,7 +74,8 @@ async def test_parallel_tool_calls_stream_their_arguments(
     fcs = [it for it in out.result["items"] if it["type"] == "function_call"]
     assert [f["name"] for f in fcs] == ["shell", "read_file"]
     assert [json.loads(f["arguments"]) for f in fcs] == [c["arguments"] for c in calls]
-    assert fcs[0]["call_id"] != fcs[1]["call_id"] and all(f["call_id"] for f in fcs)
+    assert fcs[0]["call_id"] != fcs[1]["call_id"]
+    assert all(f["call_id"] for f in fcs)
     assert out.result["stop_reason"] == "tool_calls"
 
 
