@@ -39,12 +39,16 @@ class SSEParser:
         self._event = ""
         self._data: list[str] = []
         self._pending_bytes = 0
+        self._skip_lf = False
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         self._buf += chunk
         events: list[SSEEvent] = []
         buf = self._buf
         start = 0
+        if self._skip_lf and buf[:1] == b"\n":
+            start = 1  # the LF of a CRLF split across chunks
+        self._skip_lf = False
         n = len(buf)
         while start < n:
             lf = buf.find(b"\n", start)
@@ -52,8 +56,10 @@ class SSEParser:
             if cr >= 0:
                 end = cr
                 if cr + 1 >= n:
-                    break  # a CR at the end: wait to see whether LF follows
-                nxt = cr + 2 if buf[cr + 1] == 0x0A else cr + 1
+                    nxt = n
+                    self._skip_lf = True  # a CR at the end: an LF may follow
+                else:
+                    nxt = cr + 2 if buf[cr + 1] == 0x0A else cr + 1
             elif lf >= 0:
                 end, nxt = lf, lf + 1
             else:

@@ -1,0 +1,133 @@
+"""Pure parts of the model service and the scripted provider: SSE parsing,
+route parsing, status mapping, the selection rule, script checking."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from sandbox_worker.api import parse_route
+from sandbox_worker.fakellm.script import (
+    ScriptError,
+    compaction_token,
+    count_outputs,
+    parse_script,
+)
+from sandbox_worker.model.errors import from_httpx, from_status, parse_retry_after
+from sandbox_worker.model.sse import SSEError, SSEEvent, SSEParser
+
+STREAM = (b"event: a\r\ndata: {\"x\": 1}\r\n\r\n: keep-alive\n\ndata: line1\ndata: line2\n\n"
+          b"data: \xc3\xa9t\xc3\xa9\n\nevent: b\rdata:no-space\r\r")
+EXPECTED = [SSEEvent("a", '{"x": 1}'), SSEEvent("message", "line1\nline2"),
+            SSEEvent("message", "été"), SSEEvent("b", "no-space")]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 64, len(STREAM)])
+def test_sse_parser_any_chunking(size: int) -> None:
+    parser = SSEParser()
+    events: list[SSEEvent] = []
+    for i in range(0, len(STREAM), size):
+        events += parser.feed(STREAM[i:i + size])
+    assert events == EXPECTED
+    assert not parser.has_partial_event
+
+
+def test_sse_parser_bounds_an_event() -> None:
+    parser = SSEParser(max_event_bytes=100)
+    parser.feed(b"data: " + b"x" * 30 + b"\n")
+    with pytest.raises(SSEError):
+        parser.feed((b"data: " + b"x" * 30 + b"\n") * 3)
+    with pytest.raises(SSEError):
+        SSEParser(max_event_bytes=100).feed(b"data: " + b"y" * 200)
+
+
+def test_parse_route() -> None:
+    r = parse_route("anthropic:claude-sonnet-4-5", None)
+    assert r["base_url"] == "https://api.anthropic.com"
+    assert r["provider"] == "anthropic"
+    assert r["model"] == "claude-sonnet-4-5"
+    r = parse_route("openai-chat:llama3", "http://127.0.0.1:8000/v1/", name="alt")
+    assert r["base_url"] == "http://127.0.0.1:8000/v1"
+    assert r["name"] == "alt"
+    assert parse_route("openai-responses:gpt-5", None).get("native_compaction") is True
+    s = parse_route("script:/tmp/s.json", None)
+    assert s["script"] == "/tmp/s.json"
+    assert s["provider"] == "openai-responses"
+    assert s["base_url"] == ""
+    s = parse_route("script:anthropic:/tmp/s.json", "http://127.0.0.1:1")
+    assert s["provider"] == "anthropic"
+    assert s["script"] == "/tmp/s.json"
+    for bad in ("gpt-5", "openai:gpt-5", "anthropic:", "script:"):
+        with pytest.raises(ValueError, match="route"):
+            parse_route(bad, None)
+
+
+@pytest.mark.parametrize(("status", "kind", "retryable"), [
+    (400, "bad_request", False), (401, "auth", False), (403, "auth", False),
+    (404, "bad_request", False), (422, "bad_request", False), (429, "rate_limited", True),
+    (500, "server_error", True), (502, "server_error", True), (529, "server_error", True),
+    (408, "timeout", True)])
+def test_status_mapping(status: int, kind: str, retryable: bool) -> None:
+    body = b'{"error": {"message": "short reason", "secret_field": "full body"}}'
+    err = from_status(status, body, httpx.Headers({"retry-after": "3"}), "p m")
+    assert err.kind == kind
+    assert err.retryable is retryable
+    assert "short reason" in err.message
+    assert "full body" not in err.message
+    if status == 429:
+        assert err.retry_after_s == 3.0
+
+
+def test_transport_errors_are_retryable_and_typed() -> None:
+    assert from_httpx(httpx.ConnectError("x"), "p", streaming=False).kind == "connect_error"
+    assert from_httpx(httpx.ReadTimeout("x"), "p", streaming=True).kind == "timeout"
+    assert from_httpx(httpx.ConnectTimeout("x"), "p", streaming=False).kind == "timeout"
+    err = from_httpx(httpx.RemoteProtocolError("x"), "p", streaming=True)
+    assert err.kind == "stream_error"
+    assert err.retryable
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    assert parse_retry_after("99999") == 600.0
+
+
+def test_count_outputs_per_wire_format() -> None:
+    responses = {"input": [
+        {"type": "message", "role": "user", "content": "a"},
+        {"type": "reasoning", "summary": []},
+        {"type": "message", "role": "assistant", "content": []},
+        {"type": "function_call", "call_id": "1"}, {"type": "function_call", "call_id": "2"},
+        {"type": "function_call_output", "call_id": "1"},
+        {"type": "function_call_output", "call_id": "2"},
+        {"type": "function_call", "call_id": "3"},
+        {"type": "function_call_output", "call_id": "3"},
+        {"type": "message", "role": "assistant", "content": []}]}
+    assert count_outputs("responses", responses) == 3
+    compacted = {"input": [{"type": "message", "role": "user", "content": "a"},
+                           {"type": "compaction", "encrypted_content": compaction_token(5)},
+                           {"type": "function_call", "call_id": "9"}]}
+    assert count_outputs("responses", compacted) == 6
+    chat = {"messages": [{"role": "system"}, {"role": "user"}, {"role": "assistant"},
+                         {"role": "tool"}, {"role": "assistant"}]}
+    assert count_outputs("chat", chat) == 2
+    assert count_outputs("anthropic", {"messages": [{"role": "user"},
+                                                    {"role": "assistant"}]}) == 1
+    assert count_outputs("anthropic", {"messages": "junk"}) == 0
+
+
+def test_script_faults_and_checks() -> None:
+    script = parse_script({"responses": [
+        {"status": 429, "retry_after_s": 1, "times": 2, "text": "ok"},
+        {"status": 500}, {"text_tokens": 3},
+        {"tool_calls": [{"name": "shell", "arguments": {"command": "ls"}}]}]})
+    first = script.responses[0]
+    assert first.faulty(1)
+    assert first.faulty(2)
+    assert not first.faulty(3)
+    assert script.responses[1].faulty(99)
+    assert script.responses[2].text == "tok0 tok1 tok2 "
+    assert script.responses[3].tool_calls[0].arguments == '{"command":"ls"}'
+    assert script.responses[3].tool_calls[0].call_id == "call_3_0"
+    for bad in ({"responses": [{"txt": "typo"}]}, {"responses": [{"status": 200}]},
+                {"responses": [{"usage": {"inputs": 1}}]}, {"responses": "x"},
+                {"responses": [{"tool_calls": [{"arguments": {}}]}]}):
+        with pytest.raises(ScriptError):
+            parse_script(bad)
