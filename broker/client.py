@@ -290,13 +290,14 @@ class BrokerClient:
         if isinstance(msg, protocol.Reply):
             call = self._calls.get(msg.request_id)
             if call is None:
-                self.dropped["late_answer"] += 1
+                self.dropped["late_reply"] += 1
             else:
                 self._end(call, msg.body, None)
         elif isinstance(msg, protocol.Failure):
             call = self._calls.get(msg.request_id)
             if call is None:
-                self.dropped["late_answer"] += 1
+                # Expected after a local cancel: the broker's FAILURE(cancelled) ack.
+                self.dropped["late_failure"] += 1
             else:
                 self._end(call, None, msg)
         elif isinstance(msg, protocol.Partial):

@@ -97,7 +97,7 @@ class _Req:
 
 
 class _Worker:
-    __slots__ = ("capacity", "identity", "in_flight", "info", "last_seen", "services")
+    __slots__ = ("answered", "capacity", "identity", "in_flight", "info", "last_seen", "services")
 
     def __init__(
         self, identity: bytes, services: tuple[str, ...], capacity: int,
@@ -109,6 +109,7 @@ class _Worker:
         self.info = info
         self.last_seen = now
         self.in_flight: dict[str, _Req] = {}
+        self.answered = 0  # requests this worker answered (REPLY or FAILURE)
 
 
 class _Client:
@@ -383,6 +384,7 @@ class Dispatcher:
                 answer = protocol.Failure(req.client_rid, msg.kind, msg.message,
                                           msg.retryable, msg.body)
             out.append(Send(Side.CLIENT, req.client, answer))
+        worker.answered += 1
         del worker.in_flight[req.rid]
         del self._requests[req.rid]
         self._fill(worker, now, out)
@@ -397,7 +399,8 @@ class Dispatcher:
                     del self._idle[service]
         for req in worker.in_flight.values():
             if not req.closed:
-                self._answer_failure(req, FailureKind.WORKER_LOST, reason, True, out)
+                self._answer_failure(req, FailureKind.WORKER_LOST, reason, True, out,
+                                     cancel_at_worker=False)
             del self._requests[req.rid]
         worker.in_flight.clear()
 
@@ -455,7 +458,7 @@ class Dispatcher:
                         protocol.Failure(client_rid, kind, message, retryable)))
 
     def _answer_failure(self, req: _Req, kind: str, message: str, retryable: bool,
-                        out: list[Send]) -> None:
+                        out: list[Send], *, cancel_at_worker: bool = True) -> None:
         """Send the final FAILURE for an open request and close it."""
         self.failures[kind] += 1
         out.append(Send(Side.CLIENT, req.client,
@@ -463,7 +466,10 @@ class Dispatcher:
         client = self._clients.get(req.client)
         if client is not None:
             client.pending.pop(req.client_rid, None)
-        self._close(req, out)
+        if cancel_at_worker:
+            self._close(req, out)
+        else:
+            req.closed = True  # the caller is dropping the worker that holds it
 
     def _close(self, req: _Req, out: list[Send]) -> None:
         """No more messages go to the client. A held request keeps its slot and is
@@ -505,6 +511,7 @@ class Dispatcher:
                 "services": list(worker.services),
                 "capacity": worker.capacity,
                 "in_flight": len(worker.in_flight),
+                "answered": worker.answered,
                 "last_seen_s": round(now - worker.last_seen, 4),
                 "info": worker.info,
             }
@@ -579,6 +586,17 @@ class Dispatcher:
         open_reqs = [r for r in self._requests.values() if not r.closed]
         if sum(len(c.pending) for c in self._clients.values()) != len(open_reqs):
             fail("open requests and client pending maps disagree")
+
+    def registered_workers(self) -> set[bytes]:
+        return set(self._workers)
+
+    def registered_clients(self) -> set[bytes]:
+        return set(self._clients)
+
+    def held_by(self, worker: bytes) -> set[str]:
+        """Broker request ids held by ``worker`` (answered-but-unacknowledged included)."""
+        w = self._workers.get(worker)
+        return set(w.in_flight) if w is not None else set()
 
     def open_requests(self) -> Iterable[tuple[bytes, str]]:
         """(client identity, client request id) of every request not yet answered."""

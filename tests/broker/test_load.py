@@ -1,0 +1,57 @@
+"""No loss under load: 20,000 requests through 4 worker processes, 64 in flight;
+every request gets exactly one answer, and it is its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+from broker import BrokerClient
+from tests.broker.conftest import HB_S, LIVENESS, BrokerProc, start_echo
+from tests.helpers import Procs, eventually
+
+TOTAL = 20_000
+IN_FLIGHT = 64
+
+
+async def test_no_loss_20k_requests_4_workers_64_in_flight(
+    procs: Procs, broker: BrokerProc
+) -> None:
+    for _ in range(4):
+        start_echo(procs, broker.backend, capacity=8)
+    async with BrokerClient(broker.frontend, heartbeat_interval_s=HB_S,
+                            liveness=LIVENESS) as client:
+
+        async def four_registered() -> bool:
+            return int((await client.status())["worker_count"]) == 4
+
+        await eventually(four_registered, what="4 workers registered")
+        answers: dict[int, bytes] = {}
+        next_index = iter(range(TOTAL))
+
+        async def lane() -> None:
+            for i in next_index:
+                body = b"%08d" % i + b"x" * 192
+                reply = await client.request("echo", body, timeout_s=60)
+                if i in answers:
+                    raise AssertionError(f"request {i} answered twice")
+                answers[i] = reply
+
+        async with asyncio.timeout(90):
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(IN_FLIGHT):
+                    tg.create_task(lane())
+        assert len(answers) == TOTAL
+        assert all(answers[i][:8] == b"%08d" % i for i in range(TOTAL))
+        status = await client.status()
+        counters = status["counters"]
+        assert counters["requests"] == TOTAL
+        assert counters["replies"] == TOTAL
+        assert counters["failures"] == {}
+        assert counters["dropped"] == {}
+        assert status["requests_tracked"] == 0
+        assert not client.dropped  # no late or duplicate answer reached the client
+        # The load was spread over all four workers.
+        workers = status["workers"]["echo"]["workers"]
+        assert len(workers) == 4
+        assert sum(w["answered"] for w in workers) == TOTAL
+        assert all(w["answered"] > 0 for w in workers)
