@@ -3,7 +3,7 @@
 A workspace is typically owned by its user (root included), mode 0755, so
 the non-root sandbox uid could not write to it. Instead of running tools as
 the owner or chowning files, the worker (root) adds ACL entries, once per
-workspace per worker process:
+workspace (until its root carries the grant, ``is_granted``):
 
 - on every directory: ``user:<sandbox>:rwx`` and a *default* ACL with
   ``user:<sandbox>:rwx`` and ``user:<owner>:rwx``, so files created later by
@@ -128,6 +128,21 @@ def grant_entry(fd: int, st: os.stat_result, sandbox_uid: int, owner_uid: int) -
             os.setxattr(path, XATTR_DEFAULT, encode_acl(dnew))
             changed = True
     return changed
+
+
+def is_granted(root: str, sandbox_uid: int) -> bool:
+    """True when the workspace root already carries the sandbox's access and
+    default entries (the mark of a completed ``grant_tree``). One syscall pair,
+    so it is checked on every call rather than cached by inode (inodes of
+    deleted workspaces are reused)."""
+    try:
+        access = decode_acl(os.getxattr(root, XATTR_ACCESS, follow_symlinks=False))
+        default = decode_acl(os.getxattr(root, XATTR_DEFAULT, follow_symlinks=False))
+    except (OSError, ValueError):
+        return False
+    return access.get((ACL_USER, sandbox_uid), 0) == 7 and \
+        default.get((ACL_USER, sandbox_uid), 0) == 7 and \
+        access.get((ACL_MASK, UNDEFINED_ID), 0) == 7
 
 
 @dataclass

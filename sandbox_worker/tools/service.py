@@ -56,7 +56,12 @@ from sandbox_worker.sandbox.process import StreamName
 from sandbox_worker.sandbox.profile import TIERS, Profile, tier_at_least
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.user import DEFAULT_SANDBOX_USER, SandboxUser, ensure_user
-from sandbox_worker.sandbox.workspace import check_reachable, grant_tree, validate_workspace
+from sandbox_worker.sandbox.workspace import (
+    check_reachable,
+    grant_tree,
+    is_granted,
+    validate_workspace,
+)
 from sandbox_worker.tools import files
 from sandbox_worker.tools.fsops import SandboxFS
 from sandbox_worker.tools.schemas import SCHEMAS, validate
@@ -104,7 +109,6 @@ class ToolService:
         self.fs: SandboxFS | None = None
         self._filters: SeccompFilters | None = None
         self._cgroup: WorkerCgroup | None = None
-        self._granted: set[tuple[int, int]] = set()
         self._grant_lock = asyncio.Lock()
         self._calls: set[asyncio.Task[Any]] = set()
         self._flimits = files.FileLimits(config.read_limit_bytes, config.write_limit_bytes)
@@ -287,18 +291,15 @@ class ToolService:
 
     async def _workspace(self, path: str) -> str:
         real = validate_workspace(path, self.config.workspace_root)
-        st = os.stat(real)
-        key = (st.st_dev, st.st_ino)
-        if key not in self._granted:
+        uid = self.profile.user.uid  # type: ignore[union-attr]
+        if not is_granted(real, uid):
             async with self._grant_lock:
-                if key not in self._granted:
+                if not is_granted(real, uid):
                     check_reachable(real)
-                    report = await asyncio.to_thread(grant_tree, real,
-                                                     self.profile.user.uid)  # type: ignore[union-attr]
+                    report = await asyncio.to_thread(grant_tree, real, uid)
                     log.info("granted workspace %s to the sandbox uid (%d entries, %d "
                              "changed, %d hard-linked files skipped)", real, report.entries,
                              report.changed, report.skipped_links)
-                    self._granted.add(key)
         return real
 
     async def _shell(self, ctx: RequestContext, req: dict[str, Any], profile: Profile,

@@ -1,0 +1,216 @@
+"""Fixtures of the sandbox tests: a real broker and a real tool worker per tier,
+a root-owned 0755 workspace, host-side probes, and helpers to make tool calls
+through ``BrokerClient``.
+
+A stack (broker + ``python -m sandbox_worker --services tool``) is started once
+per module and tier, and killed by pid at the end (``Procs.kill_all``).
+The detected tier is printed in the pytest summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from broker.client import BrokerClient
+from broker.protocol import pack, unpack
+from tests.helpers import Procs, read_line_with_deadline
+
+FAKE_KEY = "sk-test-corral-" + "7f3a9c" * 6
+HB_S = 0.25
+
+
+@dataclass
+class Stack:
+    tier: str
+    frontend: str
+    ready: dict[str, Any]
+    worker: subprocess.Popen[bytes]
+    procs: Procs
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return dict(self.ready["info"]["tool"])
+
+    @property
+    def uid(self) -> int:
+        return int(self.info["sandbox_uid"])
+
+
+@dataclass
+class CallResult:
+    result: dict[str, Any]
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+
+    def streamed(self, stream: str) -> bytes:
+        return b"".join(c["data"] for c in self.chunks if c["stream"] == stream)
+
+
+def start_stack(procs: Procs, tier: str, *extra: str) -> Stack:
+    ipc = Path(tempfile.mkdtemp(prefix="csb-", dir="/tmp"))
+    broker = procs.python("broker", "--frontend", f"ipc://{ipc}/f", "--backend",
+                          f"ipc://{ipc}/b", "--heartbeat-interval-s", str(HB_S),
+                          "--liveness", "4", name="broker", stdout=subprocess.PIPE)
+    bready = json.loads(read_line_with_deadline(broker, 20.0))
+    args = ["--broker", bready["backend"], "--services", "tool", "--capacity", "4",
+            "--heartbeat-interval-s", str(HB_S), "--liveness", "4", *extra]
+    if tier != "T2":
+        args += ["--force-tier", tier, "--tier-min", tier]
+    worker = procs.python("sandbox_worker", *args, name=f"worker-{tier}",
+                          env={"OPENAI_API_KEY": FAKE_KEY, "ANTHROPIC_API_KEY": FAKE_KEY},
+                          stdout=subprocess.PIPE)
+    try:
+        ready = json.loads(read_line_with_deadline(worker, 30.0))
+    except AssertionError as exc:
+        raise AssertionError(f"worker did not start: {procs.log(worker)}") from exc
+    return Stack(tier, bready["frontend"], ready, worker, procs)
+
+
+@pytest.fixture(scope="module", params=["T2", "T1"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          ) -> Iterator[Stack]:
+    """A broker and a tool worker at the parametrized tier (skipped if it cannot work)."""
+    tier = request.param
+    procs = Procs(tmp_path_factory.mktemp(f"stack-{tier}"))
+    try:
+        try:
+            st = start_stack(procs, tier)
+        except AssertionError as exc:
+            if tier != "T2" and "does not work here" in str(exc):
+                pytest.skip(f"tier {tier} is not available on this machine: {exc}")
+            raise
+        yield st
+    finally:
+        procs.kill_all()
+        for proc in procs.started:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@pytest.fixture
+async def client(stack: Stack) -> AsyncIterator[BrokerClient]:
+    async with BrokerClient(stack.frontend, heartbeat_interval_s=HB_S) as c:
+        yield c
+
+
+@pytest.fixture
+def workspace() -> Iterator[Path]:
+    """A user's workspace: owned by root, mode 0755, under a searchable /tmp."""
+    path = Path(tempfile.mkdtemp(prefix="corral-ws-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A fresh host directory outside the workspace (on the same filesystem)."""
+    path = Path(tempfile.mkdtemp(prefix="corral-host-", dir="/var/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def request_body(tool: str, args: dict[str, Any], workspace: Path,
+                 policy: dict[str, Any] | None = None, call_id: str | None = None) -> bytes:
+    req: dict[str, Any] = {"call_id": call_id or f"call-{uuid.uuid4().hex[:12]}",
+                           "tool": tool, "arguments": args, "session_id": "s-test",
+                           "workspace": str(workspace)}
+    if policy is not None:
+        req["policy"] = policy
+    return pack(req)
+
+
+async def call_tool(client: BrokerClient, tool: str, args: dict[str, Any], workspace: Path,
+                    policy: dict[str, Any] | None = None, *, timeout_s: float = 60.0,
+                    call_id: str | None = None) -> CallResult:
+    call = client.start("tool", request_body(tool, args, workspace, policy, call_id),
+                        timeout_s=timeout_s)
+    chunks = [unpack(body) async for body in call]
+    return CallResult(unpack(await call.result()), chunks)
+
+
+async def shell(client: BrokerClient, command: str | list[str], workspace: Path,
+                policy: dict[str, Any] | None = None, **kw: Any) -> CallResult:
+    return await call_tool(client, "shell", {"command": command}, workspace, policy, **kw)
+
+
+def call_processes(uid: int, call_id: str | None = None) -> list[psutil.Process]:
+    """Live processes of the sandbox uid (of one call, by its CORRAL_CALL_ID marker)."""
+    found = []
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            if p.info["uids"].real != uid or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if call_id is not None and p.environ().get("CORRAL_CALL_ID") != call_id:
+                continue
+            found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def no_call_processes(uid: int, call_id: str, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while call_processes(uid, call_id):
+        if loop.time() > deadline:
+            left = [(p.pid, p.cmdline()) for p in call_processes(uid, call_id)]
+            raise AssertionError(f"processes of call {call_id} survived: {left}")
+        await asyncio.sleep(0.05)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """Print the sandbox tier this machine supports (detected by trying)."""
+    if not any("sandbox" in str(a) for a in config.args):
+        return
+    script = (
+        "import asyncio\n"
+        "from sandbox_worker.sandbox.detect import detect\n"
+        "from sandbox_worker.sandbox.profile import Profile\n"
+        "from sandbox_worker.sandbox.seccomp import SeccompFilters\n"
+        "from sandbox_worker.sandbox.user import ensure_user\n"
+        "async def main():\n"
+        "    d = await detect(Profile('T2', await ensure_user(), SeccompFilters.compile(),"
+        " None))\n"
+        "    print(d.best, ','.join(d.working), d.landlock_abi, d.failures)\n"
+        "asyncio.run(main())\n"
+    )
+    with contextlib.suppress(Exception):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                             text=True, timeout=60, cwd=str(Path(__file__).parents[2]))
+        best, working, abi, failures = [*out.stdout.strip().split(" ", 3), "", "", "", ""][:4]
+        terminalreporter.section("corral sandbox")
+        terminalreporter.write_line(f"detected sandbox tier: {best} (working tiers: {working}; "
+                                    f"landlock ABI {abi}; failures: {failures})")
+
+
+# Host-state probes (plain functions: reading the host is the point of the test).
+def host_exists(path: str | Path) -> bool:
+    return os.path.lexists(path)
+
+
+def host_read(path: str | Path) -> str:
+    return Path(path).read_text()
+
+
+def host_list(path: str | Path) -> list[str]:
+    return sorted(os.listdir(path))
