@@ -1,0 +1,112 @@
+"""Resource probes: fork bomb, memory bomb, CPU spin, output flood, disk fill.
+Each ends with a clear result and leaves the machine healthy: no process of
+the call left, disk space back."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from broker.client import BrokerClient
+from tests.sandbox.conftest import Stack, host_exists, no_call_processes, shell
+
+pytestmark = pytest.mark.sandbox
+MIB = 1024 * 1024
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.timeout(90)
+async def test_fork_bomb_is_contained(stack: Stack, client: BrokerClient,
+                                      workspace: Path) -> None:
+    call_id = _id("forkbomb")
+    res = await shell(client, "bomb() { bomb | bomb & }; bomb; sleep 30", workspace,
+                      {"limits": {"processes": 64, "wall_s": 4}}, call_id=call_id)
+    assert res.result["outcome"] == "timeout"
+    assert "Resource temporarily unavailable" in res.result["output"]  # fork hit the limit
+    assert res.result["isolation"]["limits"]["processes"] == 64
+    await no_call_processes(stack.uid, call_id, timeout_s=10.0)
+    # The uid can still start processes once the call is over (no leaked zombies).
+    after = await shell(client, "echo alive", workspace)
+    assert after.result["outcome"] == "ok"
+
+
+async def test_memory_bomb_is_stopped(stack: Stack, client: BrokerClient,
+                                      workspace: Path) -> None:
+    call_id = _id("membomb")
+    res = await shell(client, "python3 -c 'b = bytearray(8 * 1024**3); print(len(b))'",
+                      workspace, {"limits": {"address_space_bytes": 512 * MIB}},
+                      call_id=call_id)
+    assert res.result["is_error"]
+    assert "MemoryError" in res.result["output"]
+    assert res.result["isolation"]["limits"]["address_space_bytes"] == 512 * MIB
+    await no_call_processes(stack.uid, call_id)
+
+
+async def test_cpu_spin_is_stopped(stack: Stack, client: BrokerClient,
+                                   workspace: Path) -> None:
+    call_id = _id("cpuspin")
+    res = await shell(client, "while :; do :; done", workspace,
+                      {"limits": {"cpu_s": 1, "wall_s": 60}}, call_id=call_id)
+    assert res.result["is_error"]
+    assert res.result["outcome"] == "error"  # stopped by RLIMIT_CPU, not by the wall clock
+    assert "SIGXCPU" in res.result["output"] or "SIGKILL" in res.result["output"]
+    assert res.result["duration_s"] < 30
+    await no_call_processes(stack.uid, call_id)
+
+
+@pytest.mark.timeout(60)
+async def test_output_flood_is_capped_and_killed(stack: Stack, client: BrokerClient,
+                                                 workspace: Path) -> None:
+    call_id = _id("flood")
+    res = await shell(client, "head -c 4G /dev/zero | tr '\\0' x; echo unreachable >&2",
+                      workspace, call_id=call_id)
+    r = res.result
+    assert r["is_error"]
+    assert r["error_kind"] == "output_limit"
+    assert r["truncated"]
+    assert r["stdout_bytes"] == MIB
+    assert "truncated at 1048576 bytes" in r["output"]
+    assert len(res.streamed("stdout")) == MIB  # what streamed is what was kept
+    assert r["duration_s"] < 30
+    await no_call_processes(stack.uid, call_id)
+
+
+async def test_wall_timeout_keeps_partial_output(stack: Stack, client: BrokerClient,
+                                                 workspace: Path) -> None:
+    call_id = _id("timeout")
+    res = await call_timeout(client, workspace, call_id)
+    r = res.result
+    assert r["outcome"] == "timeout"
+    assert r["error_kind"] == "timeout"
+    assert "before" in r["output"]
+    assert "timed out after 1 s" in r["output"]
+    await no_call_processes(stack.uid, call_id)
+
+
+async def call_timeout(client: BrokerClient, workspace: Path, call_id: str) -> object:
+    from tests.sandbox.conftest import call_tool
+
+    return await call_tool(client, "shell", {"command": "echo before; sleep 30",
+                                             "timeout_s": 1}, workspace, call_id=call_id)
+
+
+async def test_disk_fill_stops_at_file_size_limit(stack: Stack, client: BrokerClient,
+                                                  workspace: Path) -> None:
+    call_id = _id("diskfill")
+    free_before = shutil.disk_usage(workspace).free
+    res = await shell(client, "head -c 2G /dev/zero > big; echo rc=$?", workspace,
+                      {"limits": {"file_size_bytes": 32 * MIB}}, call_id=call_id)
+    assert "rc=153" in res.result["output"] or "File too large" in res.result["output"]
+    assert (workspace / "big").stat().st_size <= 32 * MIB
+    cleanup = await shell(client, "rm -f big", workspace)
+    assert cleanup.result["outcome"] == "ok"
+    assert not host_exists(workspace / "big")
+    # Free space is back (within what other users of this shared disk may do).
+    assert shutil.disk_usage(workspace).free > free_before - 64 * MIB
+    await no_call_processes(stack.uid, call_id)
