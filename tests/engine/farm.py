@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
+import tempfile
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +30,16 @@ from supervisor.store.records import EventRecord, SessionId
 from tests.helpers import PYTHON, Procs, read_line_with_deadline
 
 READY_TIMEOUT_S = 30.0
+# Workspaces live under /tmp (mode 0755): the sandbox user must be able to reach
+# them, and pytest's tmp_path sits under a 0700 directory. conftest removes them.
+CREATED_WORKSPACES: list[Path] = []
+
+
+def new_workspace() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="corral-engine-ws-", dir="/tmp"))
+    path.chmod(0o755)
+    CREATED_WORKSPACES.append(path)
+    return path
 
 
 @dataclass
@@ -42,6 +52,7 @@ class Farm:
     script_path: Path
     broker: subprocess.Popen[bytes]
     llm: subprocess.Popen[bytes]
+    ws: Path
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def add_worker(self, services: str = "tool,model", capacity: int = 8,
@@ -117,7 +128,7 @@ def start_farm(procs: Procs, tmp: Path, script: dict[str, Any], *, workers: int 
                       name="fakellm", stdout=subprocess.PIPE)
     llm_ready = _ready(llm)
     farm = Farm(procs, tmp, ready["frontend"], ready["backend"], llm_ready["url"], script_path,
-                broker, llm)
+                broker, llm, new_workspace())
     for _ in range(workers):
         farm.add_worker(services, capacity)
     return farm
@@ -131,8 +142,7 @@ class Engine:
     farm: Farm
 
     async def session(self, **spec: Any) -> SessionId:
-        spec.setdefault("workspace", str(self.farm.tmp / "ws"))
-        os.makedirs(spec["workspace"], exist_ok=True)
+        spec.setdefault("workspace", str(self.farm.ws))
         return await self.manager.create_session(SessionSpec(**spec))
 
     async def run_until(self, sid: SessionId, op: dict[str, Any] | None,

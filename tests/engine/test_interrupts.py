@@ -55,7 +55,7 @@ async def test_interrupt_during_hung_tool_aborts_within_one_second(procs: Procs,
     async with engine(farm) as eng:
         sid = await eng.session(approval="allow")
         events, elapsed = await interrupt_when(
-            eng.manager, sid, {"type": "user_input", "text": "hang"}, "tool_call_begin")
+            eng.manager, sid, {"type": "user_input", "text": "hang"}, "tool_call_output_delta")
         assert events[-1].type == "turn_aborted"
         assert events[-1].payload["reason"] == "interrupted"
         assert elapsed < 1.0

@@ -184,6 +184,11 @@ async def test_post_tool_hook_context_follows_only_executed_tool_outputs(
         events = await eng.run_until(sid, {"type": "user_input", "text": "run it"})
         assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events]
         ends = [e.payload["call_id"] for e in events if e.type == "tool_call_end"]
+        outcomes = {e.payload["call_id"]: (e.payload["outcome"], e.payload["output"].strip())
+                    for e in events if e.type == "tool_call_end"}
+        assert outcomes["call-1"] == ("ok", "one")  # really ran, in the sandbox
+        assert outcomes["call-3"] == ("ok", "three")
+        assert outcomes["call-2"][0] == "missing"
         second = recorder.inputs[1]
         seq: list[tuple[str, str | None]] = []
         for item in second:

@@ -1,0 +1,113 @@
+"""Worker loss: a lost model call is retried on another worker (each retry a
+model_step_completed(retrying)); a lost tool call is never re-run silently
+(outcome unknown, and the model is told); a missing tool is an error output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+
+from supervisor.store.records import EventRecord
+from tests.engine.farm import engine, start_farm
+from tests.helpers import Procs, kill_tree
+
+
+@pytest.mark.timeout(90)
+async def test_lost_model_call_is_retried_on_another_worker(procs: Procs,
+                                                             tmp_path: Path) -> None:
+    # a slow stream (about 2 s): the worker is killed in the middle of attempt 1;
+    # attempt 2 streams the whole answer again on the new worker
+    farm = start_farm(procs, tmp_path, {"responses": [{"text_tokens": 40,
+                                                       "chunk_delay_s": 0.05}]},
+                      services="model")
+    first = farm.workers[0]
+    async with engine(farm) as eng:
+        sid = await eng.session()
+        it = eng.manager.subscribe(sid)
+        sub = await eng.manager.submit(sid, {"type": "user_input", "text": "hi"})
+        events: list[EventRecord] = []
+        killed = False
+        async with asyncio.timeout(60):
+            async for e in it:
+                if e.submission_id != sub:
+                    continue
+                events.append(e)
+                if e.type == "agent_message_delta" and not killed:
+                    killed = True
+                    await asyncio.to_thread(farm.add_worker, "model")
+                    kill_tree(first.pid, signal.SIGKILL)
+                if e.type in ("turn_complete", "turn_aborted"):
+                    break
+        await it.aclose()  # type: ignore[attr-defined]
+        assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events]
+        outcomes = [e.payload["outcome"] for e in events if e.type == "model_step_completed"]
+        assert outcomes == ["retrying", "completed"]
+        retry = next(e for e in events if e.type == "model_step_completed")
+        assert retry.payload["diagnostics"]["error"]["kind"] == "worker_lost"
+        texts = [e.payload["text"] for e in events if e.type == "agent_message"]
+        assert texts == ["".join(f"tok{i} " for i in range(40))]  # no partial of attempt 1
+        execution = (await eng.store.executions_page(sid, limit=1)).items[0]
+        assert (execution.outcome, execution.model_calls) == ("completed", 1)
+
+
+@pytest.mark.sandbox
+@pytest.mark.timeout(90)
+async def test_lost_tool_call_is_unknown_and_never_rerun(procs: Procs, tmp_path: Path) -> None:
+    command = "echo run | tee -a runs.txt; sleep 60"
+    script = {"responses": [{"tool_calls": [{"name": "shell", "call_id": "effect",
+                                             "arguments": {"command": command}}]},
+                            {"text": "noted"}]}
+    farm = start_farm(procs, tmp_path, script, services="tool,model")
+    first = farm.workers[0]
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="allow")
+        it = eng.manager.subscribe(sid)
+        sub = await eng.manager.submit(sid, {"type": "user_input", "text": "do it"})
+        events: list[EventRecord] = []
+        killed = False
+        async with asyncio.timeout(60):
+            async for e in it:
+                if e.submission_id != sub:
+                    continue
+                events.append(e)
+                if e.type == "tool_call_output_delta" and not killed:
+                    killed = True
+                    await asyncio.to_thread(farm.add_worker, "tool,model")
+                    kill_tree(first.pid, signal.SIGKILL)
+                if e.type in ("turn_complete", "turn_aborted"):
+                    break
+        await it.aclose()  # type: ignore[attr-defined]
+        assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events]
+        begins = [e for e in events if e.type == "tool_call_begin"]
+        assert len(begins) == 1  # never re-dispatched
+        end = next(e for e in events if e.type == "tool_call_end")
+        assert end.payload["outcome"] == "unknown"
+        assert end.payload["state"] == "unknown"
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        output = next(i for i in saved.context if i.get("type") == "function_call_output")
+        assert "lost" in output["output"]
+        assert "unknown" in output["output"]
+        runs = (eng.farm.ws / "runs.txt").read_text()
+        assert runs.count("run") == 1
+        execution = (await eng.store.executions_page(sid, limit=1)).items[0]
+        assert (execution.tool_calls, execution.failed_tool_calls) == (1, 1)
+
+
+async def test_missing_tool_gets_an_error_output(procs: Procs, tmp_path: Path) -> None:
+    script = {"responses": [{"tool_calls": [{"name": "teleport", "call_id": "c1",
+                                             "arguments": {}}]}, {"text": "ok"}]}
+    farm = start_farm(procs, tmp_path, script, services="model")
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="allow")
+        events = await eng.run_until(sid, {"type": "user_input", "text": "go"})
+        assert events[-1].type == "turn_complete"
+        end = next(e for e in events if e.type == "tool_call_end")
+        assert end.payload["is_error"] is True
+        assert end.payload["outcome"] == "missing"
+        assert "unknown tool 'teleport'" in end.payload["output"]
+        assert "tool_call_begin" not in [e.type for e in events]
