@@ -27,7 +27,9 @@ async def test_fork_bomb_is_contained(stack: Stack, client: BrokerClient,
     call_id = _id("forkbomb")
     res = await shell(client, "bomb() { bomb | bomb & }; bomb; sleep 30", workspace,
                       {"limits": {"processes": 64, "wall_s": 4}}, call_id=call_id)
-    assert res.result["outcome"] == "timeout"
+    # Either the wall clock ends it, or the main shell itself cannot fork `sleep`.
+    assert res.result["outcome"] in ("timeout", "error")
+    assert res.result["is_error"]
     assert "Resource temporarily unavailable" in res.result["output"]  # fork hit the limit
     assert res.result["isolation"]["limits"]["processes"] == 64
     await no_call_processes(stack.uid, call_id, timeout_s=10.0)
