@@ -51,7 +51,7 @@ from supervisor.engine.ops import (
     UserInput,
     parse_op,
 )
-from supervisor.engine.session import Session, Work
+from supervisor.engine.session import PendingApproval, Session, Work
 from supervisor.store import SessionExists, Store, StoreBusy, StoreError
 from supervisor.store.records import (
     CheckpointState,
@@ -133,6 +133,10 @@ class SessionManager:
         session = Session(self, loaded.record, loaded.state, list(loaded.context),
                           self._middlewares(spec))
         self.sessions[sid] = session
+        pending = loaded.state.pending_approval
+        if pending is not None:
+            # Answerable at once, even before the resumed turn reaches its wait.
+            session.approval = PendingApproval(pending["id"], pending.get("turn_id", ""))
         session.work.append(Work("session_start", source="resume"))
         if loaded.state.active_turn is not None:
             session.work.append(Work("resume"))
@@ -191,7 +195,10 @@ class SessionManager:
             await session.admit(parsed.text, [a.to_json() for a in parsed.attachments], sub)
         elif isinstance(parsed, Interrupt):
             turn = session.turn
-            if turn is None:
+            durable = session.state.active_turn
+            if turn is None and durable is not None and durable.get("turn_id") == parsed.turn_id:
+                session.pending_interrupt = parsed.turn_id  # a resumed turn not yet running
+            elif turn is None:
                 await session.warn(ev.NO_ACTIVE_TURN, sub, turn_id=parsed.turn_id)
             elif turn.turn_id != parsed.turn_id:
                 await session.warn(ev.STALE_INTERRUPT, sub, turn_id=parsed.turn_id,

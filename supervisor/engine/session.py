@@ -97,6 +97,7 @@ class Session:
         self.turn: Turn | None = None
         self.turn_task: asyncio.Task[None] | None = None
         self.approval: PendingApproval | None = None
+        self.pending_interrupt: str | None = None  # for a turn about to be resumed
         self.closed = record.status != "active"
         self._lock = asyncio.Lock()
         self._admit_lock = asyncio.Lock()

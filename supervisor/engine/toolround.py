@@ -186,8 +186,10 @@ async def _await_approval(turn: Turn) -> None:
     assert_pending = pending is not None and pending.get("turn_id") == turn.turn_id
     if not assert_pending or pending is None:
         return
-    waiter = PendingApproval(pending["id"], turn.turn_id)
-    s.approval = waiter
+    waiter = s.approval
+    if waiter is None or waiter.approval_id != pending["id"]:
+        waiter = PendingApproval(pending["id"], turn.turn_id)
+        s.approval = waiter
     try:
         decision = await waiter.future
     finally:

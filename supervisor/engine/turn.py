@@ -156,6 +156,9 @@ class Turn:
             async with asyncio.TaskGroup() as tg:
                 task = tg.create_task(self._run(), name=f"turn-{self.turn_id}")
                 s.turn_task = task
+                if s.pending_interrupt == self.turn_id:
+                    s.pending_interrupt = None
+                    self.interrupt()
             if task.cancelled():
                 await self._finish_aborted(ev.ABORT_INTERRUPTED, "interrupted by the user")
         finally:

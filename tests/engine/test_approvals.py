@@ -1,0 +1,201 @@
+"""Approvals: the policy rules (pure), and the live flow through a real farm:
+one request per batch, approve / approved_for_session / deny / abort, stale
+responses, and a pending approval that survives a supervisor restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.engine import HookInput, HookResult, Middleware
+from supervisor.engine.approvals import Decision, call_key, parse_policy, parse_rule
+from supervisor.store.records import EventRecord
+from tests.engine.farm import Engine, engine, start_farm, types
+from tests.helpers import Procs
+
+# ------------------------------------------------------------------- pure
+
+
+def test_rules_are_checked_deny_then_allow_then_ask() -> None:
+    policy = parse_policy({"default": "deny", "deny": ["shell(rm *)"],
+                           "allow": ["shell(git status*)", "shell(rm -i *)"],
+                           "ask": ["shell(git *)"]})
+    assert policy.decide("shell", {"command": "git status --short"})[0] is Decision.ALLOW
+    assert policy.decide("shell", {"command": "git push"})[0] is Decision.ASK
+    assert policy.decide("shell", {"command": "rm -i x"})[0] is Decision.DENY  # deny first
+    assert policy.decide("shell", {"command": "ls"})[0] is Decision.DENY  # default
+    assert policy.decide("read_file", {"path": "a"})[0] is Decision.ALLOW  # read-only
+
+
+def test_read_only_tools_can_follow_the_default() -> None:
+    policy = parse_policy({"default": "ask", "read_only": None})
+    assert policy.decide("read_file", {"path": "a"})[0] is Decision.ASK
+    assert parse_policy({"allow": ["read_file(*)"], "read_only": None}).decide(
+        "read_file", {"path": "x"})[0] is Decision.ALLOW
+
+
+def test_approved_for_session_remembers_the_exact_call_only() -> None:
+    policy = parse_policy("ask")
+    approved = frozenset({call_key("shell", {"command": "rm -rf build"})})
+    assert policy.decide("shell", {"command": "rm -rf build"}, approved)[0] is Decision.ALLOW
+    assert policy.decide("shell", {"command": "rm -rf /"}, approved)[0] is Decision.ASK
+    deny = parse_policy({"deny": ["shell(rm*)"]})
+    assert deny.decide("shell", {"command": "rm -rf build"}, approved)[0] is Decision.DENY
+
+
+@pytest.mark.parametrize("bad", ["", "shell(", "(x)", 3, {"default": "maybe"},
+                                 {"deny": "shell(*)"}, {"unknown": []}])
+def test_malformed_policies_are_refused(bad: Any) -> None:
+    check = parse_rule if isinstance(bad, str | int) else parse_policy
+    with pytest.raises((ValueError, TypeError)):
+        check(bad)
+
+
+# ------------------------------------------------------------------- live
+
+TWO_CALLS = {"responses": [
+    {"tool_calls": [{"name": "shell", "call_id": "a", "arguments": {"command": "echo A"}},
+                    {"name": "shell", "call_id": "b", "arguments": {"command": "echo B"}}]},
+    {"text": "done"},
+    {"tool_calls": [{"name": "shell", "call_id": "c", "arguments": {"command": "echo A"}}]},
+    {"text": "done again"}]}
+
+
+async def until_approval(eng: Engine, sid: str, text: str) -> tuple[EventRecord, str]:
+    it = eng.manager.subscribe(sid)  # type: ignore[arg-type]
+    sub = await eng.manager.submit(sid, {"type": "user_input", "text": text})  # type: ignore[arg-type]
+    async with asyncio.timeout(20):
+        async for e in it:
+            if e.submission_id == sub and e.type == "exec_approval_request":
+                await it.aclose()  # type: ignore[attr-defined]
+                return e, sub
+    raise AssertionError("no approval request")
+
+
+async def finish(eng: Engine, sid: str, sub: str, op: dict[str, Any],
+                 after: int) -> list[EventRecord]:
+    events = await eng.run_until(
+        sid, op,  # type: ignore[arg-type]
+        until=lambda e: e.submission_id == sub and e.type in ("turn_complete", "turn_aborted"),
+        after_sequence=after)
+    return [e for e in events if e.submission_id == sub]
+
+
+@pytest.mark.sandbox
+async def test_one_request_covers_the_batch_and_approved_for_session_is_remembered(
+        procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+        assert [c["call_id"] for c in request.payload["calls"]] == ["a", "b"]
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        assert saved.state.pending_approval is not None
+        assert saved.state.pending_approval["id"] == request.payload["id"]
+        events = await finish(eng, sid, sub, {"type": "exec_approval", "id": request.payload["id"],
+                                              "decision": "approved_for_session"},
+                              request.sequence)
+        assert events[-1].type == "turn_complete"
+        assert sorted(e.payload["output"].strip() for e in events
+                      if e.type == "tool_call_end") == ["A", "B"]
+        # the same exact call is not asked again
+        last = (await eng.store.replay_events(sid))[-1].sequence
+        second = await eng.run_until(sid, {"type": "user_input", "text": "again"},
+                                     after_sequence=last)
+        assert "exec_approval_request" not in types(second)
+        assert [e.payload["output"].strip() for e in second if e.type == "tool_call_end"] == ["A"]
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("decision", ["denied", "abort"])
+async def test_denied_and_aborted_approvals(procs: Procs, tmp_path: Path,
+                                            decision: str) -> None:
+    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+        events = await finish(eng, sid, sub, {"type": "exec_approval",
+                                              "id": request.payload["id"],
+                                              "decision": decision}, request.sequence)
+        if decision == "denied":
+            assert events[-1].type == "turn_complete"
+            ends = [e.payload for e in events if e.type == "tool_call_end"]
+            assert [(p["outcome"], p["is_error"]) for p in ends] == [("deny", True)] * 2
+            assert "tool_call_begin" not in types(events)
+        else:
+            assert events[-1].type == "turn_aborted"
+            assert events[-1].payload["reason"] == "rejected"
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        assert saved.state.pending_approval is None
+        calls = [i["call_id"] for i in saved.context if i.get("type") == "function_call"]
+        outputs = [i["call_id"] for i in saved.context if i.get("type") == "function_call_output"]
+        assert sorted(calls) == sorted(outputs) == ["a", "b"]
+
+
+async def test_stale_approval_is_a_warning(procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "hi"}]}, services="model")
+    async with engine(farm) as eng:
+        sid = await eng.session()
+        events = await eng.run_until(sid, {"type": "exec_approval", "id": "approval_old",
+                                           "decision": "approved"},
+                                     until=lambda e: e.type == "warning")
+        assert events[-1].payload["message"] == "approval response targeted a stale request"
+        done = await eng.run_until(sid, {"type": "user_input", "text": "still alive?"})
+        assert done[-1].type == "turn_complete"
+
+
+class DenyAllPermissions(Middleware):
+    name = "deny_all"
+
+    async def permission_request(self, inp: HookInput) -> HookResult | None:
+        return HookResult(deny="policy says no")
+
+
+class AllowAllPermissions(Middleware):
+    name = "allow_all"
+
+    async def permission_request(self, inp: HookInput) -> HookResult | None:
+        return HookResult(allow=True)
+
+
+async def test_permission_hook_deny_cannot_be_weakened_by_a_later_allow(
+        procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, TWO_CALLS, services="model")
+    mws = [DenyAllPermissions(), AllowAllPermissions()]
+    async with engine(farm, middleware=lambda spec: mws) as eng:
+        sid = await eng.session(approval="ask")
+        events = await eng.run_until(sid, {"type": "user_input", "text": "run"})
+        assert events[-1].type == "turn_complete"
+        assert "exec_approval_request" not in types(events)
+        ends = [e.payload for e in events if e.type == "tool_call_end"]
+        assert all("policy says no" in p["output"] for p in ends)
+        assert len(ends) == 2
+
+
+@pytest.mark.sandbox
+async def test_pending_approval_survives_a_supervisor_restart(procs: Procs,
+                                                              tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    db = tmp_path / "restart.sqlite3"
+    async with engine(farm, db=db) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+    # the supervisor is gone; a new one opens the same store and resumes
+    async with engine(farm, db=db) as eng2:
+        described = await eng2.manager.describe(sid)
+        assert described["pending_approval"]["id"] == request.payload["id"]
+        events = await finish(eng2, sid, sub, {"type": "exec_approval",
+                                               "id": request.payload["id"],
+                                               "decision": "approved"}, request.sequence)
+        assert events[-1].type == "turn_complete"
+        assert sorted(e.payload["output"].strip() for e in events
+                      if e.type == "tool_call_end") == ["A", "B"]
+        replay = await eng2.store.replay_events(sid)
+        assert [e.sequence for e in replay] == list(range(1, len(replay) + 1))
+        assert types(replay).count("exec_approval_request") == 1
