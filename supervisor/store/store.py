@@ -85,7 +85,10 @@ async def _in_thread(
     return result
 
 
-async def _retry_busy(attempt: Callable[[], Awaitable[R]], deadline_s: float, what: str) -> R:
+async def _retry_busy(
+    attempt: Callable[[], Awaitable[R]], deadline_s: float, what: str,
+    on_retry: Callable[[], None] | None = None,
+) -> R:
     """Retry ``attempt`` on StoreBusy with capped, jittered exponential backoff."""
     deadline = time.monotonic() + deadline_s
     delay_s = _BACKOFF_FIRST_S
@@ -100,6 +103,8 @@ async def _retry_busy(attempt: Callable[[], Awaitable[R]], deadline_s: float, wh
                 raise StoreBusy(
                     f"{what}: database still locked after {deadline_s:.1f}s ({tries} tries)"
                 ) from exc
+            if on_retry is not None:
+                on_retry()
             await asyncio.sleep(min(left_s, delay_s * (0.5 + random.random())))
             delay_s = min(delay_s * 2, _BACKOFF_MAX_S)
 
@@ -134,6 +139,7 @@ class Store:
         # Counters for tests and benchmarks.
         self.groups_committed = 0
         self.ops_committed = 0
+        self.busy_retries = 0
 
     @classmethod
     async def open(
@@ -145,10 +151,14 @@ class Store:
         limits: Limits | None = None,
         max_group_ops: int = 256,
         max_pending_ops: int = 65_536,
+        max_db_pages: int | None = None,
     ) -> Store:
         """Open (creating and migrating if needed) the store at ``path``.
 
         ``synchronous``: NORMAL (default) or FULL; see docs/storage.md.
+        ``max_db_pages``: an optional size quota (SQLite ``max_page_count`` on the writer
+        connection); a commit that would grow the file past it fails with ``StoreFull``
+        exactly like a full disk.
         Raises ``SchemaTooNew`` for a database written by a newer Corral.
         """
         path = Path(path)
@@ -162,7 +172,7 @@ class Store:
                 busy_deadline_s,
                 "migrating",
             )
-            await _in_thread(writer_conn, _writer_pragmas, what="configuring")
+            await _in_thread(writer_conn, _writer_pragmas, max_db_pages, what="configuring")
             reader_conn = aiosqlite.Connection(connector, iter_chunk_size=64)
             await reader_conn
         except BaseException:
@@ -275,6 +285,7 @@ class Store:
                                    what="committing"),
                 self._busy_deadline_s,
                 "committing",
+                self._count_busy_retry,
             )
         except StoreError as exc:
             log.warning("store group of %d operations failed: %s", len(ops), exc)
@@ -298,13 +309,17 @@ class Store:
             else:
                 future.set_exception(value)
 
+    def _count_busy_retry(self) -> None:
+        self.busy_retries += 1
+
     # ------------------------------------------------------------------ reads
 
     async def _read(self, fn: Callable[..., R], *args: Any, what: str) -> R:
         if self._closing:
             raise StoreClosed("the store is closed")
         return await _retry_busy(
-            lambda: _in_thread(self._reader, fn, *args, what=what), self._busy_deadline_s, what
+            lambda: _in_thread(self._reader, fn, *args, what=what), self._busy_deadline_s, what,
+            self._count_busy_retry,
         )
 
     async def load(self, session_id: SessionId) -> LoadedSession | None:
@@ -361,10 +376,14 @@ class Store:
             after = int(page.next_cursor)
 
 
-def _writer_pragmas(conn: sqlite3.Connection) -> None:
+def _writer_pragmas(conn: sqlite3.Connection, max_db_pages: int | None) -> None:
     # Zero the bytes of deleted or overwritten records in pages already being written,
     # so an old state row does not linger in the file (no extra I/O in FAST mode).
     conn.execute("PRAGMA secure_delete = FAST")
+    if max_db_pages is not None:
+        if not isinstance(max_db_pages, int) or max_db_pages < 1:
+            raise InvalidRequest("max_db_pages must be a positive integer")
+        conn.execute(f"PRAGMA max_page_count = {max_db_pages}")
 
 
 def _create_op(record: SessionRecord, config: str, first: writer.PreparedStep | None,
