@@ -13,6 +13,8 @@ import pytest
 from supervisor.store import (
     EventRecord,
     InvalidRequest,
+    Limits,
+    RecordTooLarge,
     SequenceConflict,
     SessionExists,
     SessionId,
@@ -264,5 +266,24 @@ async def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
         assert loaded.context == tool_round(1)
         await store.commit(s.step(tool_round(2), events=[("b", {})]))
         assert (await store.load(s.id)).last_batch_sequence == 2  # type: ignore[union-attr]
+    finally:
+        await store.close()
+
+
+async def test_oversize_item_and_state_are_refused_before_writing(tmp_path: Path) -> None:
+    limits = Limits(max_item_bytes=4096, max_state_bytes=2048)
+    store = await Store.open(tmp_path / "corral.db", limits=limits)
+    try:
+        s = Session("s1")
+        await store.create_session(new_record("s1"))
+        big = [{"type": "function_call_output", "call_id": "c", "output": "x" * 5000}]
+        with pytest.raises(RecordTooLarge, match=r"items\[0\]"):
+            await store.commit(s.step(big))
+        s2 = Session("s1")
+        with pytest.raises(RecordTooLarge, match="checkpoint state"):
+            await store.commit(s2.step(tool_round(1), extra={"blob": "y" * 4000}))
+        loaded = await store.load(s.id)
+        assert loaded is not None
+        assert loaded.last_batch_sequence == 0
     finally:
         await store.close()

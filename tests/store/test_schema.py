@@ -13,6 +13,11 @@ from supervisor.store.schema import MIGRATIONS, Migration, connect, migrate
 from tests.store.steps import Session, new_record, tool_round
 
 
+async def _open_and_close(path: Path) -> None:
+    store = await Store.open(path)
+    await store.close()
+
+
 async def test_fresh_database_is_migrated_and_in_wal(tmp_path: Path) -> None:
     path = tmp_path / "corral.db"
     store = await Store.open(path)
@@ -45,8 +50,7 @@ async def test_newer_schema_is_refused_with_both_versions(tmp_path: Path) -> Non
                     (SCHEMA_VERSION + 5,))
         raw.commit()
     with pytest.raises(SchemaTooNew) as info:
-        leaked = await Store.open(path)
-        await leaked.close()
+        await _open_and_close(path)
     assert info.value.found == SCHEMA_VERSION + 5
     assert info.value.supported == SCHEMA_VERSION
     assert f"{SCHEMA_VERSION + 5}" in str(info.value)
@@ -78,7 +82,7 @@ async def test_later_migrations_apply_in_order_to_an_existing_database(tmp_path:
     # The data written under version 1 is untouched; the plain store (which only knows
     # version 1) now refuses the upgraded file.
     with pytest.raises(SchemaTooNew):
-        await Store.open(path)
+        await _open_and_close(path)
 
 
 @pytest.mark.parametrize("mode", ["NORMAL", "FULL"])
