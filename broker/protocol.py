@@ -182,6 +182,7 @@ def _kind_byte(kind: Kind) -> bytes:
 
 
 _KIND_FRAMES: Final = {k: _kind_byte(k) for k in Kind}
+_KIND_BY_FRAME: Final = {frame: k for k, frame in _KIND_FRAMES.items()}
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -239,17 +240,17 @@ def decode(
     """
     if len(frames) < 3 or len(frames) > 4:
         raise MalformedMessage(f"expected 3 or 4 frames, got {len(frames)}")
-    total = sum(len(f) for f in frames)
+    total = sum(map(len, frames))
     if total > max_bytes:
         raise Oversized(f"message of {total} bytes exceeds the limit of {max_bytes}")
-    check_header(frames[0])
+    if frames[0] != HEADER:
+        check_header(frames[0])
     kind_frame = frames[1]
-    if len(kind_frame) != 1:
-        raise MalformedMessage("kind frame must be exactly one byte")
-    try:
-        kind = Kind(kind_frame[0])
-    except ValueError:
-        raise UnknownKind(f"unknown message kind {kind_frame[0]}") from None
+    kind = _KIND_BY_FRAME.get(kind_frame)  # a dict lookup: Kind(...) is slow on the hot path
+    if kind is None:
+        if len(kind_frame) != 1:
+            raise MalformedMessage("kind frame must be exactly one byte")
+        raise UnknownKind(f"unknown message kind {kind_frame[0]}")
     if len(frames[2]) > MAX_META_BYTES:
         raise Oversized(f"metadata of {len(frames[2])} bytes exceeds {MAX_META_BYTES}")
     try:

@@ -31,6 +31,7 @@ import zmq
 from broker import protocol
 from broker.protocol import FailureKind
 from broker.state import Dispatcher, Limits, Send, Side, new_broker_id
+from broker.transport import recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Broker:
     def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> None:
         for _ in range(BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return
             try:
@@ -206,7 +207,7 @@ class Broker:
         for action in actions:
             sock = front if action.side is Side.CLIENT else back
             try:
-                sock.send_multipart([action.identity, *encode(action.msg)], zmq.NOBLOCK)
+                send_frames(sock, [action.identity, *encode(action.msg)])
             except zmq.Again:
                 self.state.drop("send_would_block")
                 self._drops.note("send_would_block", f"to {action.side.value}")

@@ -36,7 +36,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from broker import protocol
 from broker.protocol import FailureKind
@@ -49,9 +49,10 @@ class Side(enum.Enum):
     WORKER = "worker"
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Action: send ``msg`` to the peer ``identity`` on the ``side`` socket."""
+class Send(NamedTuple):
+    """Action: send ``msg`` to the peer ``identity`` on the ``side`` socket.
+
+    A NamedTuple rather than a frozen dataclass: two are made per request."""
 
     side: Side
     identity: bytes
