@@ -99,36 +99,61 @@ def load_state(conn: sqlite3.Connection, sid: int) -> CheckpointState:
 
 
 def context_at(
-    conn: sqlite3.Connection, sid: int, upto_batch: int | None = None
+    conn: sqlite3.Connection, sid: int, upto_batch: int | None = None,
+    epoch: int | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """The context as it stood after batch ``upto_batch`` (None: now) and its epoch."""
+    """The context as it stood after batch ``upto_batch`` (None: now) and its epoch.
+
+    With ``epoch``, the context of exactly that epoch (its rewrite, or none for epoch 0
+    without one) plus the batches after the rewrite up to ``upto_batch``; otherwise the
+    newest rewrite taken at or before ``upto_batch``.
+    """
     lo, hi = key_range(sid)
-    if upto_batch is None:
+    last = hi if upto_batch is None else key(sid, upto_batch)
+    if epoch is not None:
+        row = conn.execute(
+            "SELECT epoch, at_batch, items FROM context_rewrites WHERE k = ?", (key(sid, epoch),)
+        ).fetchone()
+        if row is None and epoch != 0:
+            raise InvalidRequest(f"no context rewrite for epoch {epoch}")
+        if row is not None and upto_batch is not None and row[1] > upto_batch:
+            raise InvalidRequest(f"epoch {epoch} starts after batch {upto_batch}")
+    elif upto_batch is None:
         row = conn.execute(
             "SELECT epoch, at_batch, items FROM context_rewrites WHERE k BETWEEN ? AND ?"
             " ORDER BY k DESC LIMIT 1",
             (lo, hi),
         ).fetchone()
-        last = hi
     else:
         row = conn.execute(
             "SELECT epoch, at_batch, items FROM context_rewrites WHERE k BETWEEN ? AND ?"
             " AND at_batch <= ? ORDER BY k DESC LIMIT 1",
             (lo, hi, upto_batch),
         ).fetchone()
-        last = key(sid, upto_batch)
     items: list[dict[str, Any]] = []
-    epoch = 0
+    found_epoch = 0
     after = lo
     if row is not None:
-        epoch, at_batch, rewrite_items = row
+        found_epoch, at_batch, rewrite_items = row
         items.extend(decode(rewrite_items))
         after = key(sid, at_batch)
     for (batch_items,) in conn.execute(
         "SELECT items FROM transcript_batches WHERE k > ? AND k <= ? ORDER BY k", (after, last)
     ):
         items.extend(decode(batch_items))
-    return items, int(epoch)
+    return items, int(found_epoch)
+
+
+def context_of(conn: sqlite3.Connection, session_id: str, upto_batch: int,
+               epoch: int | None) -> list[dict[str, Any]] | None:
+    with snapshot(conn):
+        sid = _sid(conn, session_id)
+        if sid is None:
+            return None
+        if upto_batch < 0 or upto_batch > last_sequence(conn, "transcript_batches", sid):
+            raise InvalidRequest(f"session {session_id!r} has no batch {upto_batch}")
+        items, _ = context_at(conn, sid, upto_batch, epoch)
+        return items
 
 
 def load(conn: sqlite3.Connection, session_id: str) -> LoadedSession | None:

@@ -325,6 +325,14 @@ class Store:
     async def load(self, session_id: SessionId) -> LoadedSession | None:
         return await self._read(reader.load, session_id, what="loading a session")
 
+    async def context_at(
+        self, session_id: SessionId, *, at_batch: int, epoch: int | None = None
+    ) -> list[dict[str, Any]] | None:
+        """The context as it stood after batch ``at_batch`` (in ``epoch`` if given; else
+        under the newest rewrite taken at or before that batch). None: no such session."""
+        return await self._read(reader.context_of, session_id, at_batch, epoch,
+                                what="reading a context")
+
     async def get_session(self, session_id: SessionId) -> SessionRecord | None:
         return await self._read(reader.get_session, session_id, what="reading a session")
 

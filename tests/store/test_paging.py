@@ -175,3 +175,20 @@ async def test_fork_copies_the_context_at_a_batch(store: Store) -> None:
         await store.fork(s.id, at_sequence=99, new_session_id=SessionId("x"))
     with pytest.raises(SessionNotFound):
         await store.fork(SessionId("nobody"), at_sequence=0, new_session_id=SessionId("y"))
+
+
+async def test_context_at_a_batch_and_epoch(store: Store) -> None:
+    s = await _session_with_rounds(store, "s1", 2)
+    summary = [{"type": "compaction", "summary": "1-2"}]
+    await store.commit(s.step(rewrite=(summary, ["compaction"])))  # epoch 1 at batch 2
+    await store.commit(s.step(tool_round(3)))
+    assert await store.context_at(s.id, at_batch=1) == tool_round(1)
+    assert await store.context_at(s.id, at_batch=2, epoch=0) == tool_round(1) + tool_round(2)
+    assert await store.context_at(s.id, at_batch=2) == summary
+    assert await store.context_at(s.id, at_batch=3) == summary + tool_round(3)
+    assert await store.context_at(s.id, at_batch=3, epoch=1) == summary + tool_round(3)
+    assert await store.context_at(SessionId("nobody"), at_batch=0) is None
+    with pytest.raises(InvalidRequest):
+        await store.context_at(s.id, at_batch=9)
+    with pytest.raises(InvalidRequest):
+        await store.context_at(s.id, at_batch=3, epoch=7)

@@ -51,6 +51,7 @@ def test_store_methods_match_the_engine_contract() -> None:
         "executions_page": "(self, session_id, *, before=None, limit=50)",
         "replay_events": "(self, session_id, *, max_events=100000)",
         "fork": "(self, session_id, *, at_sequence, new_session_id)",
+        "context_at": "(self, session_id, *, at_batch, epoch=None)",
     }
     for name, shape in expected.items():
         fn = getattr(Store, name)
