@@ -49,6 +49,8 @@ MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 READ_CHUNK: Final = 64 * 1024
 ATTEMPT_HEADER: Final = b"x-corral-attempt"
 DEFAULT_MAX_RECORDED: Final = 64
+# Unpaced streams are written in batches of this many events (each its own HTTP chunk).
+STREAM_BATCH_EVENTS: Final = 16
 API_PATHS: Final = {"/responses": "responses", "/v1/responses": "responses",
                     "/chat/completions": "chat", "/v1/chat/completions": "chat",
                     "/v1/messages": "anthropic", "/messages": "anthropic",
@@ -307,18 +309,23 @@ class FakeLLM:
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self._send(writer, conn.send(h11.Response(status_code=200, headers=headers)))
         sent = 0
+        batch: list[bytes] = []  # framed events not yet written (one syscall per batch)
         for i, event in enumerate(events):
             if malformed and i == len(events) // 2:
                 event = b"data: {this is not json\n\n"
             if cut is not None and sent + len(event) > cut:
-                await self._send(writer, conn.send(h11.Data(data=event[:cut - sent])))
+                batch.append(conn.send(h11.Data(data=event[:cut - sent])) or b"")
+                await self._send(writer, b"".join(batch))
                 return False  # the connection closes without the chunked terminator
             sent += len(event)
-            writer.write(conn.send(h11.Data(data=event)) or b"")
+            batch.append(conn.send(h11.Data(data=event)) or b"")
             if entry.chunk_delay_s:
-                await writer.drain()
+                await self._send(writer, b"".join(batch))
+                batch.clear()
                 await asyncio.sleep(entry.chunk_delay_s)
-            elif i % 16 == 15:
-                await writer.drain()
-        await self._send(writer, conn.send(h11.EndOfMessage()))
+            elif len(batch) >= STREAM_BATCH_EVENTS:
+                await self._send(writer, b"".join(batch))
+                batch.clear()
+        batch.append(conn.send(h11.EndOfMessage()) or b"")
+        await self._send(writer, b"".join(batch))
         return True

@@ -149,10 +149,16 @@ async def _read_stream(resp: httpx.Response, provider: str, what: str,
                        on_deltas: OnDeltas) -> Decoded:
     parser = SSEParser()
     decoder = decoder_for(provider)
+    first = True
     async for chunk in resp.aiter_bytes():
         deltas: list[ModelDelta] = []
         for event in parser.feed(chunk):
             deltas.extend(decoder.feed(event))
+            if first and deltas:
+                # The first token goes out before the rest of its chunk is parsed.
+                first = False
+                await on_deltas(deltas)
+                deltas = []
         if deltas:
             await on_deltas(deltas)
     return decoder.finish()

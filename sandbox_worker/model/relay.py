@@ -44,7 +44,9 @@ class DeltaRelay:
         self._send = send
         self._interval_s = flush_interval_s
         self._max_chars = max_chars
-        self._pending: list[ModelDelta] = []
+        # Pending deltas, each with the list of its payload parts (joined at flush,
+        # so merging n small deltas costs O(n), not O(n^2) string copies).
+        self._pending: list[tuple[ModelDelta, list[str]]] = []
         self._pending_chars = 0
         self._pending_since = 0.0
         self._wake = asyncio.Event()
@@ -52,21 +54,18 @@ class DeltaRelay:
         self.relayed = 0
 
     def _merge(self, delta: ModelDelta) -> None:
-        last = self._pending[-1] if self._pending else None
         text = _payload(delta)
-        if last is not None and last["type"] == delta["type"]:
-            if delta["type"] != "tool_call_delta":
-                last["text"] = last.get("text", "") + text
-                self._pending_chars += len(text)
-                return
-            if last.get("index") == delta.get("index") and "call_id" not in delta:
-                last["arguments_delta"] = last.get("arguments_delta", "") + text
-                self._pending_chars += len(text)
-                return
-        if not self._pending:
-            self._pending_since = time.monotonic()
-        self._pending.append(dict(delta))  # type: ignore[arg-type]
         self._pending_chars += len(text)
+        if self._pending:
+            last, parts = self._pending[-1]
+            if last["type"] == delta["type"] and (
+                    delta["type"] != "tool_call_delta"
+                    or (last.get("index") == delta.get("index") and "call_id" not in delta)):
+                parts.append(text)
+                return
+        else:
+            self._pending_since = time.monotonic()
+        self._pending.append((delta, [text]))
 
     async def push(self, deltas: list[ModelDelta]) -> None:
         for delta in deltas:
@@ -83,8 +82,11 @@ class DeltaRelay:
         async with self._lock:
             pending, self._pending, self._pending_chars = self._pending, [], 0
             self._wake.clear()
-            for delta in pending:
-                await self._send(pack(delta))
+            for delta, parts in pending:
+                out = dict(delta)
+                out["arguments_delta" if delta["type"] == "tool_call_delta" else "text"] = \
+                    "".join(parts)
+                await self._send(pack(out))
                 self.relayed += 1
 
     async def run(self) -> None:

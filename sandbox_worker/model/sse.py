@@ -42,6 +42,8 @@ class SSEParser:
         self._skip_lf = False
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if not self._skip_lf and b"\r" not in chunk and b"\r" not in self._buf:
+            return self._feed_lf(chunk)
         self._buf += chunk
         events: list[SSEEvent] = []
         buf = self._buf
@@ -69,6 +71,31 @@ class SSEParser:
             self._line(line, events)
         del buf[:start]
         if len(buf) + self._pending_bytes > self._max:
+            raise SSEError(f"event larger than {self._max} bytes")
+        return events
+
+    def _feed_lf(self, chunk: bytes) -> list[SSEEvent]:
+        """Fast path: LF-only line endings (what providers send)."""
+        events: list[SSEEvent] = []
+        if self._buf:
+            self._buf += chunk
+            lines = bytes(self._buf).split(b"\n")
+        else:
+            lines = chunk.split(b"\n")
+        rest = lines.pop()
+        for raw in lines:
+            if raw[:6] == b"data: " and len(raw) <= self._max:
+                self._pending_bytes += len(raw)
+                if self._pending_bytes > self._max:
+                    raise SSEError(f"event larger than {self._max} bytes")
+                try:
+                    self._data.append(raw[6:].decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    raise SSEError("event stream is not valid UTF-8") from exc
+            else:
+                self._line(raw, events)
+        self._buf = bytearray(rest)
+        if len(rest) + self._pending_bytes > self._max:
             raise SSEError(f"event larger than {self._max} bytes")
         return events
 

@@ -111,5 +111,12 @@ def stats(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/_corral/stats", timeout=5).json()  # type: ignore[no-any-return]
 
 
+async def astats(url: str) -> dict[str, Any]:
+    """``stats`` without blocking the event loop (the client must keep heartbeating)."""
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(f"{url}/_corral/stats", timeout=5)
+    return reply.json()  # type: ignore[no-any-return]
+
+
 def recorded(url: str) -> list[dict[str, Any]]:
     return httpx.get(f"{url}/_corral/requests", timeout=5).json()  # type: ignore[no-any-return]

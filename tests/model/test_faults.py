@@ -18,6 +18,7 @@ from sandbox_worker.api import SERVICE_MODEL
 from tests.helpers import Procs, eventually
 from tests.model.stack import (
     PROVIDERS,
+    astats,
     request,
     run_call,
     start_fake,
@@ -86,14 +87,14 @@ async def test_cancel_closes_a_hanging_stream_within_a_second(
         call = client.start(SERVICE_MODEL, pack(request(provider, url)), timeout_s=30)
 
         async def hanging() -> bool:
-            return bool(stats(url)["active"] == 1)
+            return bool((await astats(url))["active"] == 1)
 
         await eventually(hanging, timeout_s=10, what="the request to reach the provider")
         started = time.monotonic()
         await call.cancel()
 
         async def closed() -> bool:
-            return bool(stats(url)["active"] == 0)
+            return bool((await astats(url))["active"] == 0)
 
         await eventually(closed, timeout_s=5, what="the provider to see the connection close")
         assert time.monotonic() - started < 1.0
@@ -194,8 +195,9 @@ async def test_worker_killed_mid_stream_then_retry_gets_same_answer(
         procs: Procs, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": LONG, "chunk_delay_s": 0.02}]})
-    stack = start_stack(procs, tmp_path)
-    first = stack.workers[0]
+    # Both workers are up before the call: the test's event loop must never
+    # block (a blocked client misses heartbeats and the broker drops it).
+    stack = start_stack(procs, tmp_path, workers=2)
     body = pack(request(provider, url))
     async with BrokerClient(stack.frontend) as client:
         call = client.start(SERVICE_MODEL, body, timeout_s=30)
@@ -206,9 +208,13 @@ async def test_worker_killed_mid_stream_then_retry_gets_same_answer(
                 seen.append(delta["text"])
                 break
         assert seen, "no output before the kill"
-        stack.add_worker(name="second")
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=10)
+        status = await client.status()
+        busy = [w["info"]["pid"] for w in status["workers"][SERVICE_MODEL]["workers"]
+                if w["in_flight"] == 1]
+        assert len(busy) == 1
+        [victim] = [w for w in stack.workers if w.pid == busy[0]]
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
         with pytest.raises(RequestFailed) as info:
             async with asyncio.timeout(10):
                 await call.result()

@@ -3,6 +3,8 @@ route parsing, status mapping, the selection rule, script checking."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
@@ -126,8 +128,10 @@ def test_script_faults_and_checks() -> None:
     assert script.responses[2].text == "tok0 tok1 tok2 "
     assert script.responses[3].tool_calls[0].arguments == '{"command":"ls"}'
     assert script.responses[3].tool_calls[0].call_id == "call_3_0"
-    for bad in ({"responses": [{"txt": "typo"}]}, {"responses": [{"status": 200}]},
-                {"responses": [{"usage": {"inputs": 1}}]}, {"responses": "x"},
-                {"responses": [{"tool_calls": [{"arguments": {}}]}]}):
+    bads: list[dict[str, Any]] = [
+        {"responses": [{"txt": "typo"}]}, {"responses": [{"status": 200}]},
+        {"responses": [{"usage": {"inputs": 1}}]}, {"responses": "x"},
+        {"responses": [{"tool_calls": [{"arguments": {}}]}]}]
+    for bad in bads:
         with pytest.raises(ScriptError):
             parse_script(bad)
