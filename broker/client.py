@@ -42,6 +42,7 @@ GRACE_S: Final = 0.5  # local deadline = timeout_s + this, behind the broker's o
 MAX_PARTIAL_CHUNKS: Final = 4096
 SLOW_CONSUMER: Final = "slow_consumer"  # local failure kind: partials were not read
 CLIENT_CLOSED: Final = "client_closed"  # local failure kind: the client shut down
+MAX_SERVICE_CHARS: Final = 64  # READY accepts service names of 1..64 characters
 
 
 class Call:
@@ -204,6 +205,14 @@ class BrokerClient:
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s)
                 and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        # Checked here because the broker drops what it cannot decode, and the
+        # caller would only learn of it at the deadline.
+        if not 0 < len(service) <= MAX_SERVICE_CHARS:
+            raise ValueError(f"service must be 1..{MAX_SERVICE_CHARS} characters")
+        if not 1 <= attempt <= 1_000_000:
+            raise ValueError("attempt must be in [1, 1000000]")
+        if len(body) > self.max_message_bytes - protocol.MAX_META_BYTES:
+            raise ValueError(f"body of {len(body)} bytes exceeds the message limit")
         msg_id = self._new_id()
         request = protocol.Request(msg_id, service, float(timeout_s), body, attempt)
         return self._send_call(request, service, timeout_s)

@@ -129,6 +129,7 @@ class BrokerWorker:
         self._broker_id: str | None = None
         self._last_heard = 0.0
         self._stopping = False
+        self._acknowledged = False
         self._running = False
         self._stopped = asyncio.Event()
         self._on_ready: Callable[[], None] | None = None
@@ -159,7 +160,9 @@ class BrokerWorker:
                 reason = await self._session()
                 if self._stopping:
                     break
-                failures = failures + 1 if reason != "ok" else 0
+                # Back off harder only while sessions keep failing before the broker
+                # ever acknowledged us; a session that worked resets the backoff.
+                failures = 0 if self._acknowledged else failures + 1
                 delay_s = min(MAX_BACKOFF_S, 0.05 * 2 ** min(failures, 6))
                 delay_s *= random.uniform(0.5, 1.5)
                 log.warning("worker %s reconnecting in %.2fs: %s", self.identity.decode(),
@@ -201,6 +204,7 @@ class BrokerWorker:
         sock = AsyncDealer(self.endpoint, identity=self.identity,
                            max_message_bytes=self.max_message_bytes)
         self._sock = sock
+        self._acknowledged = False
         self._session_end = loop.create_future()
         reason = "ended"
         try:
@@ -291,6 +295,7 @@ class BrokerWorker:
                 if self._broker_id is not None:
                     self._register(f"broker restarted ({self._broker_id} -> {msg.peer_id})")
                 self._broker_id = msg.peer_id
+                self._acknowledged = True
                 if self._on_ready is not None:
                     on_ready, self._on_ready = self._on_ready, None
                     on_ready()
