@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from sandbox_worker.api import Tier
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
 from sandbox_worker.sandbox.profile import TIERS, Profile
+from sandbox_worker.sandbox.reaper import MANAGED_HEADS
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 20.0
@@ -56,6 +57,7 @@ async def _try(argv: list[str], env: dict[str, str], pass_fds: list[int]) -> tup
     finally:
         for fd in pass_fds:
             os.close(fd)
+    MANAGED_HEADS.add(proc.pid)
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
             out, err = await proc.communicate()
@@ -63,6 +65,8 @@ async def _try(argv: list[str], env: dict[str, str], pass_fds: list[int]) -> tup
         proc.kill()
         await proc.wait()
         return 124, "probe timed out"
+    finally:
+        MANAGED_HEADS.discard(proc.pid)
     text = out.decode(errors="replace") + err.decode(errors="replace")
     return proc.returncode if proc.returncode is not None else 1, text.strip()
 

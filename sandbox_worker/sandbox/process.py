@@ -33,6 +33,8 @@ from typing import Any, Final, Literal
 
 import psutil
 
+from sandbox_worker.sandbox.reaper import MANAGED_HEADS
+
 log = logging.getLogger(__name__)
 
 StreamName = Literal["stdout", "stderr"]
@@ -212,6 +214,7 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
         start_new_session=True,
         close_fds=True,
     )
+    MANAGED_HEADS.add(proc.pid)  # before any await: see reaper.py
     timed_out = False
     killed = 0
     try:
@@ -240,7 +243,8 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
         await out.flush()
     finally:
         if proc.returncode is None:
-            await run_to_completion(kill_tree(proc, 0.0))
+            await run_to_completion(kill_tree(proc, spec.grace_s))
+        MANAGED_HEADS.discard(proc.pid)
     rc = proc.returncode
     so, se = out.streams["stdout"], out.streams["stderr"]
     return RunOutcome(

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +53,7 @@ from sandbox_worker.sandbox.errors import (
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, GIB, merge_limits
 from sandbox_worker.sandbox.process import StreamName
 from sandbox_worker.sandbox.profile import TIERS, Profile, tier_at_least
+from sandbox_worker.sandbox.reaper import OrphanReaper
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.user import DEFAULT_SANDBOX_USER, SandboxUser, ensure_user
 from sandbox_worker.sandbox.workspace import (
@@ -111,6 +111,7 @@ class ToolService:
         self._cgroup: WorkerCgroup | None = None
         self._grant_lock = asyncio.Lock()
         self._calls: set[asyncio.Task[Any]] = set()
+        self._reaper: OrphanReaper | None = None
         self._flimits = files.FileLimits(config.read_limit_bytes, config.write_limit_bytes)
 
     # -- life cycle ---------------------------------------------------------
@@ -126,6 +127,9 @@ class ToolService:
         if cfg.cgroup:
             self._cgroup = WorkerCgroup(cfg.cgroup_memory_bytes, cfg.cgroup_pids)
             await asyncio.to_thread(self._cgroup.setup)
+        # Orphaned bwrap namespace inits are reaped by this process (reaper.py).
+        self._reaper = OrphanReaper()
+        self._reaper.install()
         base = Profile("T2", user, self._filters, self._cgroup, cfg.tmp_root,
                        extra_degraded=degraded)
         self.detection = await detect(base)
@@ -173,6 +177,9 @@ class ToolService:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.grace_s + 5):
                     await asyncio.gather(*calls, return_exceptions=True)
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
         if self.fs is not None:
             await asyncio.to_thread(self.fs.close)
             self.fs = None

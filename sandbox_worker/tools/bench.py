@@ -1,0 +1,266 @@
+"""Benchmark of sandboxed tool calls: ``python -m sandbox_worker.tools.bench
+[--quick] [--json]`` (``scripts/bench tools``).
+
+Measured in one run, on this machine, so only ratios are compared:
+
+- ``subprocess``: a bare ``subprocess.run(["true"])``;
+- ``bwrap_chain``: the exact argv chain the worker builds for a T2 call
+  (cgroup join, setpriv, prlimit, bwrap with the same flags and seccomp fd)
+  running ``true``, started with ``subprocess.run``;
+- ``e2e``: a ``shell`` call running ``true`` from ``BrokerClient.start`` to
+  the final reply, through a real broker and a real worker process;
+- ``throughput``: tool calls per second with 4 workers and 32 calls in flight.
+
+Ratios: ``e2e_vs_bwrap`` (target <= 1.5) and ``e2e_vs_subprocess``.
+Results are printed as a table, and with ``--json`` as one JSON object that is
+also written to ``bench-results/tools.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from broker.client import BrokerClient
+from broker.protocol import pack, unpack
+from sandbox_worker.sandbox.cgroup import WorkerCgroup
+from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
+from sandbox_worker.sandbox.profile import Profile
+from sandbox_worker.sandbox.reaper import PR_SET_CHILD_SUBREAPER
+from sandbox_worker.sandbox.seccomp import SeccompFilters
+from sandbox_worker.sandbox.user import SandboxUser, ensure_user
+from sandbox_worker.sandbox.workspace import grant_tree
+
+READY_TIMEOUT_S = 30.0
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+def _p90_ms(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))] * 1000
+
+
+def bench_subprocess(n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        subprocess.run(["true"], check=True)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_bwrap_chain(n: int, workspace: str, user: SandboxUser) -> list[float]:
+    """The worker's exact T2 chain for ``true``; the orphaned namespace inits are
+    reaped here as the worker does (this process is made a subreaper)."""
+    filters = SeccompFilters.compile()
+    cgroup = WorkerCgroup(8 << 30, 2048)
+    cgroup.setup()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        profile = Profile("T2", user, filters, cgroup)
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            chain = profile.build(["true"], workspace, DEFAULT_LIMITS, network=False)
+            try:
+                subprocess.run(chain.argv, env=chain.env, pass_fds=chain.pass_fds, check=True,
+                               start_new_session=True, stdin=subprocess.DEVNULL)
+            finally:
+                for fd in chain.pass_fds:
+                    os.close(fd)
+            out.append(time.perf_counter() - t)
+            _reap_orphans()
+        return out
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        _reap_orphans()
+        cgroup.close()
+        filters.close()
+
+
+def _reap_orphans() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _ready_line(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    import selectors
+
+    assert_stdout = proc.stdout
+    if assert_stdout is None:
+        raise RuntimeError("no stdout pipe")
+    sel = selectors.DefaultSelector()
+    sel.register(assert_stdout, selectors.EVENT_READ)
+    buf = b""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            raise RuntimeError(f"pid {proc.pid} not ready within {READY_TIMEOUT_S}s")
+        chunk = os.read(assert_stdout.fileno(), 4096)
+        if not chunk:
+            raise RuntimeError(f"pid {proc.pid} exited before it was ready")
+        buf += chunk
+    sel.close()
+    return dict(json.loads(buf.decode().splitlines()[0]))
+
+
+class Stack:
+    """A broker and N tool workers as child processes (killed by pid on exit)."""
+
+    def __init__(self, workers: int, capacity: int) -> None:
+        self.workers = workers
+        self.capacity = capacity
+        self.dir = tempfile.mkdtemp(prefix="cbench-", dir="/tmp")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.frontend = ""
+
+    def __enter__(self) -> Stack:
+        py = sys.executable
+        broker = subprocess.Popen(
+            [py, "-m", "broker", "--frontend", f"ipc://{self.dir}/f", "--backend",
+             f"ipc://{self.dir}/b"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        self.procs.append(broker)
+        ready = _ready_line(broker)
+        self.frontend = ready["frontend"]
+        for _ in range(self.workers):
+            self.procs.append(subprocess.Popen(
+                [py, "-m", "sandbox_worker", "--broker", ready["backend"], "--services", "tool",
+                 "--capacity", str(self.capacity), "--log-level", "WARNING"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True))
+        for proc in self.procs[1:]:
+            _ready_line(proc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in reversed(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _body(workspace: str, i: int) -> bytes:
+    return pack({"call_id": f"bench-{i}", "tool": "shell", "arguments": {"command": ["true"]},
+                 "session_id": "bench", "workspace": workspace})
+
+
+async def bench_e2e(frontend: str, workspace: str, n: int) -> list[float]:
+    out = []
+    async with BrokerClient(frontend) as client:
+        for i in range(n + 3):
+            t = time.perf_counter()
+            result = unpack(await client.start("tool", _body(workspace, i), timeout_s=30)
+                            .result())
+            dt = time.perf_counter() - t
+            if result["outcome"] != "ok":
+                raise RuntimeError(f"bench call failed: {result['output']}")
+            if i >= 3:  # the first calls grant the workspace and warm up
+                out.append(dt)
+    return out
+
+
+async def bench_throughput(frontend: str, workspace: str, total: int, in_flight: int,
+                           ) -> float:
+    async with BrokerClient(frontend) as client:
+        sem = asyncio.Semaphore(in_flight)
+
+        async def one(i: int) -> None:
+            async with sem:
+                result = unpack(await client.start("tool", _body(workspace, i), timeout_s=60)
+                                .result())
+                if result["outcome"] != "ok":
+                    raise RuntimeError(f"bench call failed: {result['output']}")
+
+        await asyncio.gather(*(one(i) for i in range(in_flight)))  # warm-up
+        t = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for i in range(total):
+                tg.create_task(one(i))
+        return total / (time.perf_counter() - t)
+
+
+def machine() -> dict[str, Any]:
+    return {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "bwrap": shutil.which("bwrap") is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sandbox_worker.tools.bench",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--quick", action="store_true", help="a reduced run, under 60 s")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    ns = parser.parse_args(argv)
+    n = 30 if ns.quick else 100
+    total = 96 if ns.quick else 320
+    workspace = tempfile.mkdtemp(prefix="corral-bench-ws-", dir="/tmp")
+    os.chmod(workspace, 0o755)
+    try:
+        user = asyncio.run(ensure_user())
+        grant_tree(workspace, user.uid)
+        sub = bench_subprocess(n)
+        bw = bench_bwrap_chain(n, workspace, user)
+        with Stack(1, 1) as one:
+            e2e = asyncio.run(bench_e2e(one.frontend, workspace, n))
+        with Stack(4, 8) as four:
+            tput = asyncio.run(bench_throughput(four.frontend, workspace, total, 32))
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+    results = {
+        "subprocess_true_p50_ms": round(_median_ms(sub), 3),
+        "bwrap_chain_true_p50_ms": round(_median_ms(bw), 3),
+        "e2e_shell_true_p50_ms": round(_median_ms(e2e), 3),
+        "e2e_shell_true_p90_ms": round(_p90_ms(e2e), 3),
+        "calls_per_s_4_workers_32_in_flight": round(tput, 1),
+        "samples": n,
+        "throughput_calls": total,
+    }
+    ratios = {
+        "e2e_vs_bwrap": round(_median_ms(e2e) / _median_ms(bw), 3),
+        "e2e_vs_subprocess": round(_median_ms(e2e) / _median_ms(sub), 3),
+        "bwrap_vs_subprocess": round(_median_ms(bw) / _median_ms(sub), 3),
+    }
+    doc = {"name": "tools", "machine": machine(), "results": results, "ratios": ratios,
+           "quick": ns.quick}
+    Path("bench-results").mkdir(exist_ok=True)
+    Path("bench-results/tools.json").write_text(json.dumps(doc, indent=2) + "\n")
+    if ns.json:
+        print(json.dumps(doc))
+    else:
+        print(f"{'measure':<40} {'value':>12}")
+        for key, value in results.items():
+            print(f"{key:<40} {value:>12}")
+        for key, value in ratios.items():
+            print(f"{key:<40} {value:>12}")
+        print("(e2e_vs_bwrap target <= 1.5; written to bench-results/tools.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
