@@ -86,4 +86,7 @@ class OrphanReaper:
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_signal_handler(signal.SIGCHLD)
+            self.sweep()
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         self._loop = None

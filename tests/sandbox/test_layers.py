@@ -36,6 +36,7 @@ from sandbox_worker.sandbox.workspace import (
 from sandbox_worker.tools.fsops import RESOLVE, openat2
 from sandbox_worker.tools.schemas import SCHEMAS, validate
 from sandbox_worker.tools.service import ToolService, ToolServiceConfig
+from tests.helpers import eventually
 from tests.sandbox.conftest import call_processes
 
 
@@ -236,3 +237,35 @@ def test_run_cancel_kills_tree_and_reaps(user: SandboxUser, filters: SeccompFilt
             os.close(fd)
     assert seen == [b"go\n"]
     assert call_processes(user.uid, call_id) == []
+
+
+def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: SeccompFilters,
+                                             ws: Path) -> None:
+    from sandbox_worker.sandbox.reaper import OrphanReaper, _children, _zombie_bwrap
+
+    os.chown(ws, user.uid, user.gid)
+    profile = Profile("T2", user, filters, None)
+
+    async def go() -> int:
+        reaper = OrphanReaper()
+        assert reaper.install()
+        try:
+            for _ in range(8):
+                chain = profile.build(["true"], str(ws), DEFAULT_LIMITS, network=False)
+                try:
+                    out = await run(RunSpec(chain.argv, chain.env, 30.0, 1 << 20,
+                                            chain.pass_fds))
+                finally:
+                    for fd in chain.pass_fds:
+                        os.close(fd)
+                assert out.exit_code == 0
+            async def all_reaped() -> bool:
+                return reaper.reaped >= 8
+
+            await eventually(all_reaped, timeout_s=10, what="8 orphaned inits reaped")
+            return reaper.reaped
+        finally:
+            reaper.close()
+
+    assert asyncio.run(go()) >= 8
+    assert [p for p in _children() if _zombie_bwrap(p)] == []

@@ -187,3 +187,13 @@ def test_worker_reports_its_tier(stack: Stack) -> None:
     assert stack.tier in info["working_tiers"]
     assert info["sandbox_uid"] != 0
     assert info["tools"] == ["shell", "read_file", "write_file", "edit_file", "list_dir"]
+
+
+async def test_partials_are_coalesced(client: BrokerClient, workspace: Path) -> None:
+    # 2000 separate small writes over about a second arrive as few chunks.
+    cmd = "for i in $(seq 2000); do echo line$i; [ $((i % 200)) = 0 ] && sleep 0.1; done"
+    res = await shell(client, cmd, workspace)
+    assert res.result["outcome"] == "ok"
+    out = res.streamed("stdout")
+    assert out.count(b"\n") == 2000
+    assert len(res.chunks) < 200

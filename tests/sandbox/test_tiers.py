@@ -1,0 +1,66 @@
+"""Tier selection end to end: forced T2-, opted-in T0, and refusals, each with a
+real broker and worker process."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from broker.client import BrokerClient
+from tests.helpers import Procs
+from tests.sandbox.conftest import HB_S, host_exists, shell, start_stack
+
+pytestmark = pytest.mark.sandbox
+
+
+async def test_forced_t2_minus_runs_without_proc(procs: Procs, workspace: Path) -> None:
+    st = start_stack(procs, "T2-")
+    async with BrokerClient(st.frontend, heartbeat_interval_s=HB_S) as client:
+        res = await shell(client, "ls /proc | head -3; echo x > /etc/corral-probe", workspace)
+    iso = res.result["isolation"]
+    assert iso["tier"] == "T2-"
+    assert any("/proc" in d for d in iso["degraded"])
+    assert "Read-only file system" in res.result["output"] or \
+        "Permission denied" in res.result["output"]
+    assert not host_exists("/etc/corral-probe")
+    for proc in procs.started:
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+async def test_t0_needs_opt_in_and_records_it(procs: Procs, workspace: Path) -> None:
+    st = start_stack(procs, "T0", "--allow-unsandboxed")
+    async with BrokerClient(st.frontend, heartbeat_interval_s=HB_S) as client:
+        res = await shell(client, "id -u", workspace)
+        refused = await shell(client, "id -u", workspace, {"allow_unsandboxed": False})
+    iso = res.result["isolation"]
+    assert iso["tier"] == "T0"
+    assert iso["unsandboxed_opt_in"] is True
+    assert iso["network"] == "host"
+    assert iso["seccomp"] is False
+    assert res.result["output"].strip() == str(st.uid)  # still never root
+    assert refused.result["error_kind"] == "tier_below_minimum"
+    for proc in procs.started:
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--force-tier", "T0", "--tier-min", "T0"], "--allow-unsandboxed"),
+    (["--force-tier", "T1", "--tier-min", "T2"], "below the minimum T2"),
+])
+def test_worker_refuses_to_start_below_minimum(procs: Procs, extra: list[str],
+                                               expected: str) -> None:
+    ipc = tempfile.mkdtemp(prefix="csb-", dir="/tmp")
+    worker = procs.python("sandbox_worker", "--broker", f"ipc://{ipc}/b", "--services", "tool",
+                          *extra, name="worker", stdout=subprocess.PIPE)
+    code = worker.wait(timeout=60)
+    assert code != 0
+    log = procs.log(worker)
+    assert expected in log
+    assert "Traceback" not in log
+    if worker.stdout is not None:
+        worker.stdout.close()
