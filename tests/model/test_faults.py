@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -225,3 +226,32 @@ async def test_worker_killed_mid_stream_then_retry_gets_same_answer(
     assert again.text() == LONG
     assert LONG.startswith("".join(seen))
     assert stats(url)["by_k"] == {"0": 2}
+
+
+async def test_connection_refused_is_a_retryable_connect_error(
+        procs: Procs, tmp_path: Path) -> None:
+    # A bound socket that never listens: connections to it are refused, and no
+    # other test can take its port while it is held.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+        async with BrokerClient(stack.frontend) as client:
+            out = await run_call(client, request("openai-chat", url, max_retries=2))
+    assert out.error is not None
+    assert out.error.failure.kind == "connect_error"
+    assert out.error.failure.retryable is True
+    assert [p["kind"] for p in out.partials] == ["connect_error", "connect_error"]
+
+
+async def test_read_timeout_is_a_retryable_timeout(procs: Procs, tmp_path: Path) -> None:
+    url = start_fake(procs, tmp_path, {"responses": [{"hang": True, "times": 1,
+                                                      "text": "second try"}]})
+    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+    async with BrokerClient(stack.frontend) as client:
+        started = time.monotonic()
+        out = await run_call(client, request("anthropic", url, read_timeout_s=0.5))
+    assert out.error is None, out.error
+    assert [p["kind"] for p in out.partials if p["type"] == "retry"] == ["timeout"]
+    assert out.text() == "second try"
+    assert time.monotonic() - started < 10
