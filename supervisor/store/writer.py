@@ -184,7 +184,7 @@ def apply_step(conn: sqlite3.Connection, sids: Sids, p: PreparedStep) -> None:
                 conn.execute(
                     "INSERT INTO events (k, sequence, type, submission_id, created_at, payload)"
                     " VALUES (?,?,?,?,?,?)",
-                    (key(sid, seq), seq, typ, submission, created_at or now, payload),
+                    (key(sid, seq), seq, typ, submission, created_at, payload),
                 )
                 last_event = seq
             else:
@@ -206,7 +206,7 @@ def apply_step(conn: sqlite3.Connection, sids: Sids, p: PreparedStep) -> None:
             conn.execute(
                 "INSERT INTO transcript_batches (k, sequence, epoch, created_at, items)"
                 " VALUES (?,?,?,?,?)",
-                (key(sid, seq), seq, epoch, created_at or now, items),
+                (key(sid, seq), seq, epoch, created_at, items),
             )
             last_batch = seq
         else:

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.store import InvalidRequest, SessionExists, SessionId, SessionNotFound, Store
+from supervisor.store import (
+    InvalidRequest,
+    SessionExists,
+    SessionId,
+    SessionNotFound,
+    Store,
+    SubmissionId,
+)
 from tests.store.steps import Session, execution, new_record, tool_round
 
 
@@ -192,3 +199,18 @@ async def test_context_at_a_batch_and_epoch(store: Store) -> None:
         await store.context_at(s.id, at_batch=9)
     with pytest.raises(InvalidRequest):
         await store.context_at(s.id, at_batch=3, epoch=7)
+
+
+async def test_replay_equals_the_committed_records_exactly(store: Store) -> None:
+    s = Session("s1")
+    await store.create_session(new_record("s1"))
+    committed = []
+    for n in range(1, 6):
+        step = s.step(tool_round(n), events=[("tool_call_end", {"n": n, "ok": True})])
+        step = type(step)(step.session_id, [type(e)(e.session_id, e.sequence, e.type, e.payload,
+                                                    SubmissionId(f"sub-{n}"), 1000.5 + n)
+                                            for e in step.events],
+                          step.append_batch, step.rewrite, step.state, step.execution)
+        await store.commit(step)
+        committed += step.events
+    assert await store.replay_events(s.id) == committed
