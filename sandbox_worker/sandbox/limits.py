@@ -91,18 +91,3 @@ def prlimit_argv(limits: ToolLimits) -> list[str]:
         "--core=0",
         "--",
     ]
-
-
-def rlimit_pairs(limits: ToolLimits) -> list[tuple[int, int, int]]:
-    """(resource, soft, hard) triples, for the T1 launcher and tests."""
-    import resource
-
-    cpu = int(limits["cpu_s"])
-    return [
-        (resource.RLIMIT_CPU, cpu, cpu + 1),
-        (resource.RLIMIT_AS, limits["address_space_bytes"], limits["address_space_bytes"]),
-        (resource.RLIMIT_NPROC, limits["processes"], limits["processes"]),
-        (resource.RLIMIT_FSIZE, limits["file_size_bytes"], limits["file_size_bytes"]),
-        (resource.RLIMIT_NOFILE, limits["open_files"], limits["open_files"]),
-        (resource.RLIMIT_CORE, 0, 0),
-    ]
