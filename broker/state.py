@@ -266,8 +266,9 @@ class Dispatcher:
         """Answer every open request and tell every worker to go; forget everything."""
         out: list[Send] = []
         for req in list(self._requests.values()):
-            if not req.closed:
-                self._answer_failure(req, FailureKind.WORKER_LOST, reason, True, out)
+            if not req.closed:  # no CANCEL: the DISCONNECT below drops all their work
+                self._answer_failure(req, FailureKind.WORKER_LOST, reason, True, out,
+                                     cancel_at_worker=False)
         out.extend(Send(Side.WORKER, w, protocol.Disconnect(reason)) for w in self._workers)
         self._requests.clear()
         self._queues.clear()

@@ -128,3 +128,43 @@ async def test_vanished_client_gets_its_request_cancelled(
         status = await client.status()
         assert status["counters"]["client_expiries"] == 1
         assert await client.request("echo", b"free again", timeout_s=5) == b"free again"
+
+
+async def test_silent_broker_fails_calls_and_recovers_after_sigcont(
+    procs: Procs, broker: BrokerProc
+) -> None:
+    start_echo(procs, broker.backend)
+    async with client_for(broker) as client:
+        await eventually(lambda: registered(client, 1), what="worker registered")
+        call = client.start("echo", protocol.pack({"sleep_s": 60}), timeout_s=30)
+        await eventually(lambda: busy_worker(client), what="request dispatched")
+        os.kill(broker.proc.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            with pytest.raises(RequestFailed) as failed:
+                await call.result()
+            elapsed = time.monotonic() - stopped_at
+            assert failed.value.kind == "worker_lost"
+            assert "silent" in failed.value.message
+            assert elapsed <= HB_S * LIVENESS + 2 * HB_S + 0.5
+            assert not client.connected
+        finally:
+            os.kill(broker.proc.pid, signal.SIGCONT)
+
+        async def answered() -> bool:
+            return await client.request("echo", b"back", timeout_s=5) == b"back"
+
+        await eventually(answered, timeout_s=20, what="service after SIGCONT")
+        assert client.connected
+
+
+def test_command_line_help(procs: Procs) -> None:
+    for module in ("broker", "broker.echo", "broker.bench"):
+        proc = procs.python(module, "--help", name="help", stdout=subprocess.PIPE)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert b"usage: python -m " + module.encode() in out
+    bad = procs.python("broker", "--frontend", "ipc:///tmp/x", name="bad",
+                       stdout=subprocess.PIPE)
+    bad.communicate(timeout=30)
+    assert bad.returncode == 2  # argparse: --backend is required
