@@ -40,7 +40,8 @@ CEILING_LIMITS: Final[ToolLimits] = ToolLimits(
     processes=4096,
     file_size_bytes=64 * GIB,
     open_files=65536,
-    output_bytes=16 * MIB,
+    # Two streams at the ceiling must still fit one broker message (16 MiB).
+    output_bytes=4 * MIB,
     tmpfs_bytes=8 * GIB,
 )
 # Smallest values that still let bash start; lower ones are rejected so that

@@ -155,11 +155,20 @@ class GrantReport:
 
 def grant_tree(root: str, sandbox_uid: int) -> GrantReport:
     """Grant the sandbox uid the workspace tree (see the module docstring). Blocking."""
-    report = GrantReport()
     try:
-        root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return _grant_tree(root, sandbox_uid)
     except OSError as exc:
-        raise WorkspaceUnusable(f"workspace {root} cannot be opened: {exc.strerror}") from exc
+        hint = ("mount its filesystem with POSIX ACL support, or make the workspace "
+                f"writable by uid {sandbox_uid} yourself"
+                if exc.errno in (errno.EOPNOTSUPP, errno.ENOTSUP)
+                else "check that the worker runs as root and the filesystem is writable")
+        raise WorkspaceUnusable(f"cannot grant workspace {root} to the sandbox user: "
+                                f"{exc.strerror or exc}", hint=hint) from exc
+
+
+def _grant_tree(root: str, sandbox_uid: int) -> GrantReport:
+    report = GrantReport()
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         owner = os.fstat(root_fd).st_uid
         stack = [os.dup(root_fd)]

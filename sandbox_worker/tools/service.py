@@ -49,6 +49,7 @@ from sandbox_worker.sandbox.errors import (
     SandboxError,
     TierUnavailable,
     ToolError,
+    WorkspaceUnusable,
 )
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, GIB, merge_limits
 from sandbox_worker.sandbox.process import StreamName
@@ -247,6 +248,9 @@ class ToolService:
         except ToolError as exc:
             return self._error(call_id, tool, exc.kind, str(exc), profile, limits, network,
                                start)
+        except WorkspaceUnusable as exc:
+            return self._error(call_id, tool, "workspace_unusable", str(exc), profile,
+                               limits, network, start)
         except SandboxError as exc:
             return self._error(call_id, tool, "sandbox_unavailable", str(exc), profile,
                                limits, network, start)

@@ -95,17 +95,28 @@ def _signame(num: int) -> str:
     return f"signal {num}"
 
 
+def _text(data: bytes, cap: int) -> str:
+    """Decode for the model, never longer than ``cap`` bytes of UTF-8 (invalid
+    bytes become U+FFFD, three bytes each, so decoding can grow the text)."""
+    text = data.decode("utf-8", errors="replace")
+    encoded = text.encode("utf-8")
+    if len(encoded) > cap:
+        text = encoded[:cap].decode("utf-8", errors="ignore")
+        text += "\n[... cut: undecodable bytes expanded the text]"
+    return text
+
+
 def render(run_: ShellRun, limits: ToolLimits) -> str:
     """What the model reads: stdout, stderr apart, and how the command ended."""
     o = run_.outcome
     cap = int(limits["output_bytes"])
     parts: list[str] = []
     if o.stdout:
-        parts.append(o.stdout.decode("utf-8", errors="replace"))
+        parts.append(_text(o.stdout, cap))
     if len(o.stdout) >= cap:
         parts.append(f"\n[... stdout truncated at {cap} bytes]")
     if o.stderr:
-        parts.append("\n[stderr]\n" + o.stderr.decode("utf-8", errors="replace"))
+        parts.append("\n[stderr]\n" + _text(o.stderr, cap))
     if len(o.stderr) >= cap:
         parts.append(f"\n[... stderr truncated at {cap} bytes]")
     if o.timed_out:

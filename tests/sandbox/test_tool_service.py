@@ -76,8 +76,10 @@ async def test_unknown_tool_and_bad_workspace(client: BrokerClient, workspace: P
     r = await call_tool(client, "format_disk", {}, workspace)
     assert r.result["error_kind"] == "unknown_tool"
     r = await call_tool(client, "list_dir", {}, Path("/etc"))
-    assert r.result["error_kind"] == "sandbox_unavailable"
+    assert r.result["error_kind"] == "workspace_unusable"
     assert "system directory" in r.result["output"]
+    r = await call_tool(client, "list_dir", {}, workspace / "missing")
+    assert r.result["error_kind"] == "workspace_unusable"
 
 
 async def test_malformed_request_is_a_bad_request_failure(client: BrokerClient) -> None:
