@@ -8,7 +8,7 @@ Lifecycle (one live notice, capability ``compaction``)::
           │
     compaction call: the route's native op "compact", or a summary through a
     normal model call; new context = compaction/summary item + the most recent
-    messages verbatim
+    user messages verbatim
           │  (failure / interrupt ──▶ render B complete "Context compaction
           │   failed" / "... cancelled"; counts unchanged)
     post_compact hooks, session_start(source=compact) hooks ── stop ──▶ settle,
@@ -121,8 +121,9 @@ async def maybe_compact(turn: Turn) -> None:
         text = "".join(_message_text(i) for i in result["items"] if i.get("type") == "message")
         head = [{"type": "compaction", "summary": text}]
     keep = s.config.compaction_keep_recent
-    recent = [i for i in s.context if i.get("type") == "message"
-              and i.get("role") in ("user", "assistant")
+    # Recent user messages stay verbatim (assistant output is what the compaction
+    # item summarises; keeping it too would double-count model outputs).
+    recent = [i for i in s.context if i.get("type") == "message" and i.get("role") == "user"
               and not (i.get("corral") or {}).get("kind")][-keep:] if keep else []
     turn.provisional = Provisional([*head, *recent], result["usage"], block)
     post = await s.hooks.run(HookEvent.POST_COMPACT, s.sid, turn.turn_id,

@@ -1,13 +1,111 @@
-"""Export at tool boundaries (placeholder until supervisor/export lands)."""
+"""Export at tool boundaries (the A3S checkpoint-export behaviour).
+
+After each completed tool round of a turn (a "tool boundary"), once the
+store's write for that round is committed, the engine builds one portable
+checkpoint (``supervisor.export.build_checkpoint``) and hands it to every
+configured export sink, in order.
+
+Order at a boundary:
+1. the round's last step is already committed (outputs, pending calls cleared);
+2. ``CheckpointState.export_loop_checkpoint`` := ``loop_reference(doc)``,
+   committed: a small reference (digest, run snapshot, event range and the
+   context position; never the context itself, the state row stays bounded)
+   from which ``supervisor.export.load_loop_checkpoint`` rebuilds exactly the
+   exported document: during the export the store holds exactly the exported
+   logical checkpoint;
+3. each sink is awaited (bounded by ``EngineConfig.export_timeout_s``);
+4. when the turn ends (complete, aborted or failed) the loop checkpoint is
+   cleared in the turn's final commit.
+
+Invariants:
+- A failing or slow sink never halts the run: its failure becomes a durable
+  ``warning`` event carrying ``{"export": {sink, kind, message, retryable,
+  digest, turn}}`` (the record), and the turn goes on.
+- The run is the turn (``run_id`` = turn id); ``turn`` counts the tool rounds
+  of that run (1, 2, ...); the run's events are the turn's durable events.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from supervisor.engine import events as ev
+from supervisor.engine.tooling import tool_schemas
+from supervisor.export.checkpoint import build_checkpoint, capability_binding
+from supervisor.export.resume import loop_reference
+from supervisor.store.records import EventRecord
 
 if TYPE_CHECKING:
     from supervisor.engine.turn import Turn
 
+log = logging.getLogger(__name__)
 
-async def export_boundary(turn: Turn) -> None:
-    if not turn.session.manager.export_sinks:
+MAX_RUN_EVENTS = 20_000
+
+
+async def _run_events(turn: Turn) -> list[EventRecord]:
+    s = turn.session
+    out: list[EventRecord] = []
+    after = turn.first_sequence - 1
+    while len(out) < MAX_RUN_EVENTS:
+        page = await s.manager.store.events_page(s.sid, after_sequence=after, limit=500)
+        out.extend(page.items)
+        if page.next_cursor is None or not page.items:
+            break
+        after = page.items[-1].sequence
+    return out
+
+
+def _sink_name(sink: Any) -> str:
+    return str(getattr(sink, "name", None) or type(sink).__name__)
+
+
+async def _call_sink(sink: Any, doc: dict[str, Any]) -> None:
+    export = getattr(sink, "export", None) or getattr(sink, "export_checkpoint", None)
+    if export is None:
+        raise TypeError(f"{_sink_name(sink)} has no export method")
+    result = export(doc)
+    if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+        await result
+
+
+async def export_boundary(turn: Turn, call_ids: list[str]) -> None:
+    s = turn.session
+    sinks = s.manager.export_sinks
+    turn.tool_rounds.append(call_ids)
+    if not sinks:
         return
+    st = s.state
+    events = await _run_events(turn)
+    binding = capability_binding(tool_schemas(s.spec.tools),
+                                 {"approval": s.spec.approval,
+                                  "tool_policy": dict(s.spec.tool_policy)})
+    doc = build_checkpoint(
+        session_id=s.sid, run_id=turn.turn_id, turn=len(turn.tool_rounds),
+        messages=s.context, usage={k: int(v) for k, v in turn.usage.items()},  # type: ignore[call-overload]
+        binding=binding,
+        tool_rounds=turn.tool_rounds, execution=turn.execution("running"), events=events,
+        epoch=st.context_epoch, at_batch=st.next_batch_sequence - 1)
+    reference = loop_reference(doc)
+
+    def hold(state: Any) -> None:
+        state.export_loop_checkpoint = reference
+    await s.commit(mutate=hold)
+    for sink in sinks:
+        name = _sink_name(sink)
+        try:
+            async with asyncio.timeout(s.config.export_timeout_s):
+                await _call_sink(sink, doc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a sink is host code: its failure is data, never a halt
+            log.warning("session %s: export to %s failed: %s", s.sid, name, exc)
+            kind = getattr(exc, "kind", None) or ("timeout" if isinstance(exc, TimeoutError)
+                                                  else type(exc).__name__)
+            await s.warn(f"checkpoint export to {name} failed", turn.submission_id, export={
+                "sink": name, "kind": str(kind), "message": ev.clip(str(exc), 2000),
+                "retryable": bool(getattr(exc, "retryable", True)),
+                "digest": doc["descriptor"]["digest"], "turn": len(turn.tool_rounds),
+                "run_id": turn.turn_id})

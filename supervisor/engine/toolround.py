@@ -131,7 +131,7 @@ async def tool_round(turn: Turn) -> None:
         turn.moving_to(TurnPhase.PREPARING)(st)
     await s.commit(mutate=done)
     from supervisor.engine.exporting import export_boundary
-    await export_boundary(turn)
+    await export_boundary(turn, [pc["call_id"] for pc in pcs])
 
 
 async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:

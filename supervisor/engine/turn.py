@@ -88,6 +88,8 @@ class Turn:
         self.finishing = False
         self.last_message = ""
         self.pending_rewrite_reasons: list[str] = []
+        self.tool_rounds: list[list[str]] = []  # call ids per completed tool round
+        self.first_sequence = session.state.next_event_sequence  # the run's first event
 
     # ---------------------------------------------------------------- setup
 
@@ -106,6 +108,8 @@ class Turn:
             turn.failed_tool_calls = int(at.get("failed_tool_calls", 0))
             turn.usage = at.get("usage") or empty_usage()
             turn.started_at = float(at.get("started_at", time.time()))
+            turn.first_sequence = int(at.get("first_sequence", turn.first_sequence))
+            turn.tool_rounds = [list(r) for r in at.get("tool_rounds", [])]
             return turn
         if work.kind == "compact":
             return cls(session, ev.new_id("turn"), work.submission_id, "compact")
@@ -136,7 +140,8 @@ class Turn:
                 "phase": str(phase), "model_steps": self.model_steps,
                 "model_calls": self.model_calls, "tool_calls": self.tool_calls,
                 "failed_tool_calls": self.failed_tool_calls, "usage": _usage_dict(self.usage),
-                "started_at": self.started_at}
+                "started_at": self.started_at, "first_sequence": self.first_sequence,
+                "tool_rounds": self.tool_rounds}
 
     def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord:
         ended = outcome != "running"
