@@ -73,16 +73,17 @@ class Call:
         return self._done.is_set()
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._iterate()
+        return self
 
-    async def _iterate(self) -> AsyncIterator[bytes]:
+    async def __anext__(self) -> bytes:
+        """The next PARTIAL body; stops once the final answer arrived and all were read."""
         while True:
-            while self._partials:
+            if self._partials:
                 body = self._partials.popleft()
                 self._partial_bytes -= len(body)
-                yield body
+                return body
             if self._done.is_set():
-                return
+                raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter

@@ -114,10 +114,11 @@ class _Worker:
 
 
 class _Client:
-    __slots__ = ("identity", "last_seen", "pending")
+    __slots__ = ("identity", "instance", "last_seen", "pending")
 
     def __init__(self, identity: bytes, now: float) -> None:
         self.identity = identity
+        self.instance = ""  # the peer_id of its heartbeats: changes if the client restarts
         self.last_seen = now
         self.pending: dict[str, _Req] = {}  # client request id -> request, not closed
 
@@ -173,7 +174,13 @@ class Dispatcher:
         if isinstance(msg, protocol.Request):
             self._on_request(client, msg, now, out)
         elif isinstance(msg, protocol.Heartbeat):
-            pass
+            if msg.peer_id != client.instance:
+                if client.instance and msg.peer_id:
+                    # Same identity, new process: the old one's requests are orphans.
+                    self.counters["client_restarts"] += 1
+                    self._remove_client(client, out)
+                    client = self._clients[identity] = _Client(identity, now)
+                client.instance = msg.peer_id
         elif isinstance(msg, protocol.Cancel):
             self._on_cancel(client, msg.request_id, now, out)
         elif isinstance(msg, protocol.Status):
@@ -541,7 +548,7 @@ class Dispatcher:
                 **{k: self.counters[k] for k in (
                     "requests", "replies", "partials", "cancels", "registrations",
                     "worker_expiries", "client_expiries", "worker_disconnects",
-                    "client_disconnects")},
+                    "client_disconnects", "client_restarts")},
                 "failures": dict(self.failures),
                 "dropped": dict(self.dropped),
             },

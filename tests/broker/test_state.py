@@ -138,3 +138,21 @@ def test_shutdown_answers_everything_and_disconnects_workers() -> None:
     assert failures == {"held": "worker_lost", "queued": "worker_lost"}
     assert [(a.identity, type(a.msg)) for a in out if a.side is Side.WORKER] == [
         (b"w", protocol.Disconnect)]
+
+
+def test_restarted_client_with_same_identity_orphans_the_old_requests() -> None:
+    d = new()
+    d.on_worker(b"w", protocol.Ready(("s",), 1), 0.0)
+    d.on_client(b"c", protocol.Heartbeat("first-process"), 0.0)
+    d.on_client(b"c", protocol.Request("1", "s", 5.0), 0.0)
+    d.on_client(b"c", protocol.Request("2", "s", 5.0), 0.0)
+    out = d.on_client(b"c", protocol.Heartbeat("second-process"), 0.1)
+    # The held request is cancelled at its worker, the queued one dropped; the new
+    # process gets no answers for ids it never sent.
+    (rid,) = d.held_by(b"w")
+    assert [(a.identity, a.msg) for a in out] == [(b"w", protocol.Cancel(rid))]
+    assert list(d.open_requests()) == []
+    assert d.counters["client_restarts"] == 1
+    d.on_client(b"c", protocol.Request("1", "s", 5.0), 0.2)  # id reuse is fine now
+    assert d.status(0.2)["queues"] == {"s": 1}
+    d.check_invariants()

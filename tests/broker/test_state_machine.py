@@ -35,6 +35,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.gone: set[tuple[bytes, str]] = set()  # requests whose client left
         self.held: dict[bytes, set[str]] = {}  # worker -> request ids it was given
         self.cancelled: set[tuple[bytes, str]] = set()  # (worker, rid) CANCELs received
+        self.instances: dict[bytes, str] = {}  # last non-empty instance id per live client
 
     # ------------------------------------------------------------ helpers
 
@@ -66,6 +67,10 @@ class DispatcherMachine(RuleBasedStateMachine):
         for w in list(self.held):
             if w not in live:
                 del self.held[w]
+        clients = self.d.registered_clients()
+        for c in list(self.instances):
+            if c not in clients:
+                del self.instances[c]
 
     def client_left(self, client: bytes) -> None:
         for key in self.sent:
@@ -131,9 +136,15 @@ class DispatcherMachine(RuleBasedStateMachine):
     def worker_heartbeat(self, worker: bytes) -> None:
         self.apply(self.d.on_worker(worker, protocol.Heartbeat("w"), self.now))
 
-    @rule(client=st.sampled_from(CLIENTS))
-    def client_heartbeat(self, client: bytes) -> None:
-        self.apply(self.d.on_client(client, protocol.Heartbeat("c"), self.now))
+    @rule(client=st.sampled_from(CLIENTS), instance=st.sampled_from(["", "p1", "p2"]))
+    def client_heartbeat(self, client: bytes, instance: str) -> None:
+        # A new non-empty instance id from a known client means it restarted.
+        known = client in self.d.registered_clients()
+        if known and instance and self.instances.get(client, instance) != instance:
+            self.client_left(client)
+        self.apply(self.d.on_client(client, protocol.Heartbeat(instance), self.now))
+        if instance:
+            self.instances[client] = instance
 
     @rule(client=st.sampled_from(CLIENTS))
     def status(self, client: bytes) -> None:
