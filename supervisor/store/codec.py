@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +45,13 @@ SECRET_KEYS = frozenset(
         "bearer_token",
     }
 )
-# Lower-cased JSON key spellings to look for before walking a value (fast path).
-_NEEDLES = tuple(
-    sorted({f'"{k}"' for k in SECRET_KEYS} | {f'"{k.replace("_", "-")}"' for k in SECRET_KEYS})
+# Fast path: one regex pass over the encoded JSON finds any key that may be a secret
+# (a quoted name followed by a colon); only then is the value walked and redacted.
+_KEY_RE = re.compile(
+    r'"(?:' + "|".join(sorted(k.replace("_", "[_-]") for k in SECRET_KEYS)) + r')":',
+    re.IGNORECASE,
 )
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,7 @@ def _redact(value: Any, path: str, hits: list[str]) -> Any:
 
 def _dumps(value: Any, what: str) -> str:
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _ENCODER.encode(value)
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"{what} is not JSON-compatible: {exc}") from exc
 
@@ -92,8 +96,7 @@ def _dumps(value: Any, what: str) -> str:
 def encode(value: Any, *, what: str, limit: int) -> str:
     """Compact JSON of ``value`` with secrets redacted; ``RecordTooLarge`` above ``limit``."""
     text = _dumps(value, what)
-    lowered = text.lower()
-    if any(n in lowered for n in _NEEDLES):
+    if _KEY_RE.search(text):
         hits: list[str] = []
         value = _redact(value, what, hits)
         if hits:

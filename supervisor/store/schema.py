@@ -43,6 +43,9 @@ KEY_BITS = 32
 KEY_LIMIT = 1 << KEY_BITS
 SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
 DEFAULT_SYNCHRONOUS = "NORMAL"
+# 8 KiB pages: a step's rows (a 2-4 KiB batch, 1-2 KiB events) pack ~25% denser than in
+# 4 KiB pages (store bench: write amplification 2.55 vs 3.24), for ~50% more WAL bytes.
+PAGE_SIZE = 8192
 BUSY_TIMEOUT_MS = 20  # SQLite's own short wait; the store adds backoff up to its deadline
 
 
@@ -147,6 +150,8 @@ def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
             str(path), isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
         )
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        # Only takes effect on a new, empty database (before WAL mode writes its header).
+        conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             log.warning("could not switch %s to WAL (journal_mode=%s)", path, mode)

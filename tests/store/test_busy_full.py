@@ -110,7 +110,7 @@ async def test_cancelled_commit_still_lands_and_the_retry_is_a_noop(tmp_path: Pa
 
 async def test_full_database_raises_store_full_and_stays_consistent(tmp_path: Path) -> None:
     path = tmp_path / "corral.db"
-    store = await Store.open(path, max_db_pages=40)  # about 160 KiB with 4 KiB pages
+    store = await Store.open(path, max_db_pages=40)  # 320 KiB with 8 KiB pages
     s = Session("s1")
     committed = 0
     try:
