@@ -396,6 +396,10 @@ class AnthropicDecoder:
             self.blocks[index] = slot
             return [{"type": "tool_call_delta", "index": slot["index"],
                      "call_id": slot["call_id"], "name": slot["name"], "arguments_delta": ""}]
+        if btype not in ("text", "thinking", "redacted_thinking"):
+            # Server tools, citations and future block types: not neutral output.
+            self.blocks[index] = {"kind": "ignored", "parts": []}
+            return []
         kind = "text" if btype == "text" else "reasoning"
         slot = self.out.text_slot(kind)
         slot["closed"] = True
@@ -416,6 +420,8 @@ class AnthropicDecoder:
             slot = self.blocks.get(_int(ev.get("index")))
             if slot is None:
                 raise StreamError(f"{self.what}: delta for an unknown content block")
+            if slot["kind"] == "ignored":
+                return []
             delta = _dict(ev.get("delta"))
             dtype = delta.get("type")
             if dtype == "text_delta":
@@ -468,6 +474,8 @@ class AnthropicDecoder:
             block = _dict(raw)
             self._start(i, block)
             slot = self.blocks[i]
+            if slot["kind"] == "ignored":
+                continue
             if block.get("type") == "tool_use":
                 slot["parts"].append(json.dumps(block.get("input") or {}, separators=(",", ":")))
             elif block.get("type") == "thinking" and isinstance(block.get("signature"), str):

@@ -3,6 +3,7 @@ route parsing, status mapping, the selection rule, script checking."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -135,3 +136,30 @@ def test_script_faults_and_checks() -> None:
     for bad in bads:
         with pytest.raises(ScriptError):
             parse_script(bad)
+
+
+def test_anthropic_decoder_ignores_unknown_blocks() -> None:
+    from sandbox_worker.model.streams import AnthropicDecoder
+
+    dec = AnthropicDecoder()
+    events = [
+        ("message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 5}}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
+            "type": "server_tool_use", "id": "s1", "name": "web_search", "input": {}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+            "type": "input_json_delta", "partial_json": "{\"q\":1}"}}),
+        ("content_block_start", {"type": "content_block_start", "index": 1,
+                                 "content_block": {"type": "text", "text": ""}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                 "delta": {"type": "text_delta", "text": "hi"}}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                           "usage": {"output_tokens": 3}}),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    deltas = [d for name, data in events for d in dec.feed(SSEEvent(name, json.dumps(data)))]
+    assert deltas == [{"type": "text_delta", "text": "hi"}]
+    items, stop, usage = dec.finish()
+    assert items == [{"type": "message", "role": "assistant",
+                      "content": [{"type": "output_text", "text": "hi"}]}]
+    assert stop == "end_turn"
+    assert usage["total"] == 8
