@@ -220,8 +220,8 @@ class SessionManager:
             await session.commit([(ev.SESSION_CONFIGURED, {"route": parsed.route}, sub)],
                                  mutate=set_route)
         elif isinstance(parsed, Compact):
-            if session.turn is not None:
-                session.turn.force_compact = True
+            if session.turn is not None and not session.turn.finishing:
+                session.turn.force_compact = True  # before its next model step
             else:
                 session.kick(Work("compact", submission_id=sub))
         elif isinstance(parsed, Shutdown):

@@ -1,0 +1,146 @@
+"""Turn mechanics: parallel dispatch, step limits, the compact op with a
+summary compaction, set_model, queued input, and slow subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from supervisor.engine import SubscriberDropped
+from supervisor.store.records import EventRecord
+from tests.engine.farm import engine, start_farm, types
+from tests.helpers import Procs, eventually
+
+
+@pytest.mark.sandbox
+async def test_parallel_calls_of_one_step_run_concurrently_on_several_workers(
+        procs: Procs, tmp_path: Path) -> None:
+    # each command can only finish once the other has started: they must overlap
+    wait_for = ("touch {me}; for i in $(seq 200); do [ -e {other} ] && echo {me} && exit 0; "
+                "sleep 0.05; done; echo alone; exit 1")
+    script = {"responses": [
+        {"tool_calls": [
+            {"name": "shell", "call_id": "a",
+             "arguments": {"command": wait_for.format(me="a.on", other="b.on")}},
+            {"name": "shell", "call_id": "b",
+             "arguments": {"command": wait_for.format(me="b.on", other="a.on")}}]},
+        {"text": "both ran"}]}
+    farm = start_farm(procs, tmp_path, script, workers=2, capacity=1)
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="allow")
+        events = await eng.run_until(sid, {"type": "user_input", "text": "go"})
+        assert events[-1].type == "turn_complete"
+        ends = [e.payload for e in events if e.type == "tool_call_end"]
+        assert sorted(p["output"].strip() for p in ends) == ["a.on", "b.on"]
+        assert all(p["outcome"] == "ok" for p in ends)
+
+
+async def test_model_step_limit_fails_the_turn(procs: Procs, tmp_path: Path) -> None:
+    call = {"tool_calls": [{"name": "teleport", "arguments": {}}]}
+    farm = start_farm(procs, tmp_path, {"responses": [call] * 10}, services="model")
+    async with engine(farm, max_model_steps=3) as eng:
+        sid = await eng.session(approval="allow")
+        events = await eng.run_until(sid, {"type": "user_input", "text": "loop"})
+        assert events[-1].type == "turn_aborted"
+        assert events[-1].payload["reason"] == "failed"
+        assert types(events).count("model_step_started") == 3
+        error = next(e for e in events if e.type == "error")
+        assert error.payload["kind"] == "turn_limit"
+
+
+async def test_compact_op_with_summary_compaction_and_set_model(procs: Procs,
+                                                                tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "first answer"},
+                                                      {"text": "THE SUMMARY"}]},
+                      services="model")
+    routes = {"main": farm.route("main", native_compaction=False),
+              "alternate": farm.route("alternate", native_compaction=False)}
+    async with engine(farm, routes=routes) as eng:
+        sid = await eng.session()
+        first = await eng.run_until(sid, {"type": "user_input", "text": "hello"})
+        assert first[-1].type == "turn_complete"
+        compacted = await eng.run_until(sid, {"type": "compact"},
+                                        after_sequence=first[-1].sequence)
+        assert compacted[-1].type == "turn_complete"
+        assert types(compacted).count("context_compacted") == 1
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        assert saved.state.compaction_count == 1
+        assert saved.context[0] == {"type": "compaction", "summary": "THE SUMMARY"}
+        assert saved.context[1]["role"] == "user"  # recent user message kept verbatim
+        assert all(i.get("role") != "assistant" for i in saved.context)
+        await eng.manager.submit(sid, {"type": "set_model", "route": "alternate"})
+        again = await eng.run_until(sid, {"type": "user_input", "text": "more"},
+                                    after_sequence=compacted[-1].sequence)
+        started = [e for e in again if e.type == "model_step_started"]
+        assert [e.payload["route"] for e in started] == ["alternate"]
+        diag = next(e for e in again if e.type == "model_step_completed")
+        assert diag.payload["diagnostics"]["prompt_cache"]["outcome"] == "context_rewrite"
+
+
+async def test_input_during_a_turn_is_queued_durably_and_runs_next(procs: Procs,
+                                                                   tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "slow", "delay_s": 0.5},
+                                                      {"text": "second"}]}, services="model")
+    async with engine(farm) as eng:
+        sid = await eng.session()
+        it = eng.manager.subscribe(sid)
+        first = await eng.manager.submit(sid, {"type": "user_input", "text": "one"})
+        second = None
+        completes: list[str | None] = []
+        async with asyncio.timeout(20):
+            async for e in it:
+                if e.type == "model_step_started" and second is None:
+                    second = await eng.manager.submit(sid, {"type": "user_input",
+                                                            "text": "two"})
+                    loaded = await eng.store.load(sid)
+                    assert loaded is not None
+                    assert [q["text"] for q in loaded.state.queued_input] == ["two"]
+                if e.type == "turn_complete":
+                    completes.append(e.submission_id)
+                    if len(completes) == 2:
+                        break
+        await it.aclose()  # type: ignore[attr-defined]
+        assert completes == [first, second]
+
+
+async def test_a_slow_subscriber_is_dropped_and_resumes_without_a_gap(
+        procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "x"}] * 20}, services="model")
+    async with engine(farm, subscriber_queue=4) as eng:
+        sid = await eng.session()
+        session = eng.manager.sessions[sid]
+        slow = eng.manager.subscribe(sid)
+        got: list[EventRecord] = [await slow.__anext__()]  # registered, then it stalls
+
+        async def idle() -> bool:
+            return session.driver is None and not session.state.queued_input
+
+        for i in range(3):
+            await eng.manager.submit(sid, {"type": "user_input", "text": f"t{i}"})
+            await eventually(idle, timeout_s=20, what="the turn to finish")
+
+        async def drain() -> None:
+            async for e in slow:
+                got.append(e)
+
+        with pytest.raises(SubscriberDropped) as dropped:
+            await drain()
+        got = [e for e in got if e.sequence > 0]  # live-only deltas carry no sequence
+        last = dropped.value.last_sequence
+        assert last == got[-1].sequence
+        replay = await eng.store.replay_events(sid)
+        assert last < replay[-1].sequence
+        rest: list[EventRecord] = []
+        again = eng.manager.subscribe(sid, after_sequence=last)
+        async with asyncio.timeout(10):
+            async for e in again:
+                if e.sequence > 0:
+                    rest.append(e)
+                if e.sequence == replay[-1].sequence:
+                    break
+        await again.aclose()  # type: ignore[attr-defined]
+        assert [e.sequence for e in got + rest] == [e.sequence for e in replay]
