@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from sandbox_worker.api import Tier
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
 from sandbox_worker.sandbox.profile import TIERS, Profile
-from sandbox_worker.sandbox.reaper import MANAGED_HEADS
+from sandbox_worker.sandbox.reaper import MANAGED_HEADS, spawning
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 20.0
@@ -48,16 +48,17 @@ class Detection:
 
 async def _try(argv: list[str], env: dict[str, str], pass_fds: list[int]) -> tuple[int, str]:
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, pass_fds=pass_fds,
-            start_new_session=True)
+        with spawning():
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, pass_fds=pass_fds,
+                start_new_session=True)
+            MANAGED_HEADS.add(proc.pid)
     except OSError as exc:
         return 127, f"{argv[0]}: {exc.strerror}"
     finally:
         for fd in pass_fds:
             os.close(fd)
-    MANAGED_HEADS.add(proc.pid)
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
             out, err = await proc.communicate()

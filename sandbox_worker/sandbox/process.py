@@ -33,7 +33,7 @@ from typing import Any, Final, Literal
 
 import psutil
 
-from sandbox_worker.sandbox.reaper import MANAGED_HEADS
+from sandbox_worker.sandbox.reaper import MANAGED_HEADS, spawning
 
 log = logging.getLogger(__name__)
 
@@ -203,18 +203,19 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
     """Run ``spec.argv`` to its end, a timeout, or an output flood."""
     out = _Output(spec.output_bytes, on_chunk, spec.coalesce_s)
     start = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *spec.argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=spec.env,
-        cwd=spec.cwd,
-        pass_fds=tuple(spec.pass_fds),
-        start_new_session=True,
-        close_fds=True,
-    )
-    MANAGED_HEADS.add(proc.pid)  # before any await: see reaper.py
+    with spawning():  # no orphan sweep until the head is registered (reaper.py)
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=spec.env,
+            cwd=spec.cwd,
+            pass_fds=tuple(spec.pass_fds),
+            start_new_session=True,
+            close_fds=True,
+        )
+        MANAGED_HEADS.add(proc.pid)
     timed_out = False
     killed = 0
     try:

@@ -1,23 +1,27 @@
-"""Reaping the pid-namespace inits that bwrap leaves behind.
+"""Reaping (and killing) what a call leaves re-parented to the worker.
 
 With ``--unshare-pid``, bwrap's outer (monitor) process learns the command's
 exit status through an eventfd and exits at once, before its child -- the
 namespace's init -- has been reaped. That init is re-parented to the nearest
 subreaper, by default the host's pid 1. A pid 1 that reaps lazily (as in
 containers and micro-VMs) then holds one zombie per call for seconds, and
-those zombies count against the sandbox uid's RLIMIT_NPROC: under load,
-new calls fail with "Creating new namespace failed: Resource temporarily
-unavailable" (measured here with 32 calls in flight).
+those zombies count against the sandbox uid's RLIMIT_NPROC: under load, new
+calls failed with "Creating new namespace failed: Resource temporarily
+unavailable" (measured here with 32 calls in flight). Rarely, a bwrap helper
+whose fork failed is left sleeping outside any namespace.
 
-So the worker makes itself a child subreaper and, on SIGCHLD, reaps the
-zombies among its children that are bwrap namespace inits and not chain
-heads it started itself (those are awaited by asyncio).
+So the tool service makes the worker a child subreaper (``install``) and, on
+every SIGCHLD, sweeps its children: a child running as the sandbox uid that
+is not a chain head being awaited is a remnant of a finished call -- a zombie
+is reaped by pid, a live one is SIGKILLed (and reaped on the next SIGCHLD).
 
 Invariants:
-- Only zombies named ``bwrap`` that are not in ``MANAGED_HEADS`` are reaped,
-  by pid with WNOHANG: no other child's exit status is ever stolen.
-- Chain heads are added to ``MANAGED_HEADS`` before control returns to the
-  event loop after spawning, and removed after asyncio reaped them.
+- Chain heads are spawned inside ``spawning()`` and registered in
+  ``MANAGED_HEADS`` before it exits; no sweep runs while a spawn is in
+  progress (a missed sweep runs right after), so a head is never reaped or
+  killed here and asyncio always gets its exit status.
+- Only children whose real uid is the sandbox uid are touched; chain heads
+  start as root (the uid drop is their second link).
 """
 
 from __future__ import annotations
@@ -28,12 +32,29 @@ import ctypes
 import logging
 import os
 import signal
+from collections.abc import Iterator
 from typing import Final
 
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER: Final = 36
 MANAGED_HEADS: set[int] = set()
+_state = {"spawning": 0, "missed": 0}
+_active: list[OrphanReaper] = []
+
+
+@contextlib.contextmanager
+def spawning() -> Iterator[None]:
+    """Hold sweeps while a chain head is being spawned and registered."""
+    _state["spawning"] += 1
+    try:
+        yield
+    finally:
+        _state["spawning"] -= 1
+        if _state["spawning"] == 0 and _state["missed"]:
+            _state["missed"] = 0
+            for reaper in _active:
+                reaper.sweep()
 
 
 def _children() -> list[int]:
@@ -45,22 +66,29 @@ def _children() -> list[int]:
     return pids
 
 
-def _zombie_bwrap(pid: int) -> bool:
+def _status(pid: int) -> tuple[bool, int] | None:
+    """(is_zombie, real uid) of a child, or None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        with open(f"/proc/{pid}/status") as f:
+            lines = f.read().splitlines()
     except OSError:
-        return False
-    comm = stat[stat.find(b"(") + 1: stat.rfind(b")")]
-    state = stat[stat.rfind(b")") + 2: stat.rfind(b")") + 3]
-    return comm == b"bwrap" and state == b"Z"
+        return None
+    zombie, uid = False, -1
+    for line in lines:
+        if line.startswith("State:"):
+            zombie = "Z" in line.split()[1]
+        elif line.startswith("Uid:"):
+            uid = int(line.split()[1])
+    return zombie, uid
 
 
 class OrphanReaper:
-    """Subreaper + SIGCHLD sweep for orphaned bwrap namespace inits."""
+    """Subreaper + SIGCHLD sweep for remnants of finished calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, sandbox_uid: int) -> None:
+        self.sandbox_uid = sandbox_uid
         self.reaped = 0
+        self.killed = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def install(self) -> bool:
@@ -71,19 +99,32 @@ class OrphanReaper:
             return False
         self._loop = asyncio.get_running_loop()
         self._loop.add_signal_handler(signal.SIGCHLD, self.sweep)
+        _active.append(self)
         self.sweep()
         return True
 
     def sweep(self) -> None:
+        if _state["spawning"]:
+            _state["missed"] = 1
+            return
         for pid in _children():
-            if pid in MANAGED_HEADS or not _zombie_bwrap(pid):
+            if pid in MANAGED_HEADS:
                 continue
-            with contextlib.suppress(ChildProcessError):
-                got, _ = os.waitpid(pid, os.WNOHANG)
-                if got == pid:
-                    self.reaped += 1
+            st = _status(pid)
+            if st is None or st[1] != self.sandbox_uid:
+                continue
+            if st[0]:
+                with contextlib.suppress(ChildProcessError):
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        self.reaped += 1
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed += 1
 
     def close(self) -> None:
+        if self in _active:
+            _active.remove(self)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_signal_handler(signal.SIGCHLD)
             self.sweep()

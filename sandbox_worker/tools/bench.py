@@ -6,7 +6,8 @@ Measured in one run, on this machine, so only ratios are compared:
 - ``subprocess``: a bare ``subprocess.run(["true"])``;
 - ``bwrap_chain``: the exact argv chain the worker builds for a T2 call
   (cgroup join, setpriv, prlimit, bwrap with the same flags and seccomp fd)
-  running ``true``, started with ``subprocess.run``;
+  running ``true``, started with ``asyncio.create_subprocess_exec`` and
+  interleaved with the e2e calls so machine noise hits both alike;
 - ``e2e``: a ``shell`` call running ``true`` from ``BrokerClient.start`` to
   the final reply, through a real broker and a real worker process;
 - ``throughput``: tool calls per second with 4 workers and 32 calls in flight.
@@ -65,40 +66,52 @@ def bench_subprocess(n: int) -> list[float]:
     return out
 
 
-def bench_bwrap_chain(n: int, workspace: str, user: SandboxUser) -> list[float]:
-    """The worker's exact T2 chain for ``true``; the orphaned namespace inits are
-    reaped here as the worker does (this process is made a subreaper)."""
-    filters = SeccompFilters.compile()
-    cgroup = WorkerCgroup(8 << 30, 2048)
-    cgroup.setup()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    try:
-        profile = Profile("T2", user, filters, cgroup)
-        out = []
-        for _ in range(n):
-            t = time.perf_counter()
-            chain = profile.build(["true"], workspace, DEFAULT_LIMITS, network=False)
-            try:
-                subprocess.run(chain.argv, env=chain.env, pass_fds=chain.pass_fds, check=True,
-                               start_new_session=True, stdin=subprocess.DEVNULL)
-            finally:
-                for fd in chain.pass_fds:
-                    os.close(fd)
-            out.append(time.perf_counter() - t)
-            _reap_orphans()
-        return out
-    finally:
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+class BareChain:
+    """The worker's exact T2 chain for ``true``, run without broker or worker. The
+    orphaned namespace inits are reaped here as the worker does (subreaper)."""
+
+    def __init__(self, workspace: str, user: SandboxUser) -> None:
+        self.workspace = workspace
+        self.filters = SeccompFilters.compile()
+        self.cgroup = WorkerCgroup(8 << 30, 2048)
+        self.cgroup.setup()
+        self.profile = Profile("T2", user, self.filters, self.cgroup)
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    async def once(self) -> float:
+        t = time.perf_counter()
+        chain = self.profile.build(["true"], self.workspace, DEFAULT_LIMITS, network=False)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *chain.argv, env=chain.env, pass_fds=chain.pass_fds, start_new_session=True,
+                stdin=subprocess.DEVNULL)
+        finally:
+            for fd in chain.pass_fds:
+                os.close(fd)
+        if await proc.wait() != 0:
+            raise RuntimeError("the bare bwrap chain failed")
+        dt = time.perf_counter() - t
         _reap_orphans()
-        cgroup.close()
-        filters.close()
+        return dt
+
+    def close(self) -> None:
+        self._libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        _reap_orphans()
+        self.cgroup.close()
+        self.filters.close()
 
 
 def _reap_orphans() -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+    """Reap orphaned namespace inits (zombie children asyncio does not wait for).
+    Only called between runs, when no chain head is pending."""
+    from sandbox_worker.sandbox.reaper import MANAGED_HEADS, _children, _status
+
+    for pid in _children():
+        st = _status(pid)
+        if pid not in MANAGED_HEADS and st is not None and st[0]:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 def _ready_line(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
@@ -171,8 +184,11 @@ def _body(workspace: str, i: int) -> bytes:
                  "session_id": "bench", "workspace": workspace})
 
 
-async def bench_e2e(frontend: str, workspace: str, n: int) -> list[float]:
-    out = []
+async def bench_e2e_and_chain(frontend: str, workspace: str, n: int, bare: BareChain,
+                              ) -> tuple[list[float], list[float]]:
+    """Interleaved, so machine noise hits both series alike."""
+    e2e: list[float] = []
+    chain: list[float] = []
     async with BrokerClient(frontend) as client:
         for i in range(n + 3):
             t = time.perf_counter()
@@ -181,9 +197,11 @@ async def bench_e2e(frontend: str, workspace: str, n: int) -> list[float]:
             dt = time.perf_counter() - t
             if result["outcome"] != "ok":
                 raise RuntimeError(f"bench call failed: {result['output']}")
+            bare_dt = await bare.once()
             if i >= 3:  # the first calls grant the workspace and warm up
-                out.append(dt)
-    return out
+                e2e.append(dt)
+                chain.append(bare_dt)
+    return e2e, chain
 
 
 async def bench_throughput(frontend: str, workspace: str, total: int, in_flight: int,
@@ -225,9 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         user = asyncio.run(ensure_user())
         grant_tree(workspace, user.uid)
         sub = bench_subprocess(n)
-        bw = bench_bwrap_chain(n, workspace, user)
-        with Stack(1, 1) as one:
-            e2e = asyncio.run(bench_e2e(one.frontend, workspace, n))
+        bare = BareChain(workspace, user)
+        try:
+            with Stack(1, 1) as one:
+                e2e, bw = asyncio.run(bench_e2e_and_chain(one.frontend, workspace, n, bare))
+        finally:
+            bare.close()
         with Stack(4, 8) as four:
             tput = asyncio.run(bench_throughput(four.frontend, workspace, total, 32))
     finally:

@@ -128,8 +128,9 @@ class ToolService:
         if cfg.cgroup:
             self._cgroup = WorkerCgroup(cfg.cgroup_memory_bytes, cfg.cgroup_pids)
             await asyncio.to_thread(self._cgroup.setup)
-        # Orphaned bwrap namespace inits are reaped by this process (reaper.py).
-        self._reaper = OrphanReaper()
+        # Remnants of finished calls (bwrap's orphaned namespace inits) are
+        # reaped or killed by this process (reaper.py).
+        self._reaper = OrphanReaper(user.uid)
         self._reaper.install()
         base = Profile("T2", user, self._filters, self._cgroup, cfg.tmp_root,
                        extra_degraded=degraded)

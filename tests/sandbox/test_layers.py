@@ -241,13 +241,13 @@ def test_run_cancel_kills_tree_and_reaps(user: SandboxUser, filters: SeccompFilt
 
 def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: SeccompFilters,
                                              ws: Path) -> None:
-    from sandbox_worker.sandbox.reaper import OrphanReaper, _children, _zombie_bwrap
+    from sandbox_worker.sandbox.reaper import OrphanReaper, _children, _status
 
     os.chown(ws, user.uid, user.gid)
     profile = Profile("T2", user, filters, None)
 
     async def go() -> int:
-        reaper = OrphanReaper()
+        reaper = OrphanReaper(user.uid)
         assert reaper.install()
         try:
             for _ in range(8):
@@ -268,4 +268,4 @@ def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: Seccomp
             reaper.close()
 
     assert asyncio.run(go()) >= 8
-    assert [p for p in _children() if _zombie_bwrap(p)] == []
+    assert [p for p in _children() if (_status(p) or (False, 0))[0]] == []
