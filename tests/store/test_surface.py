@@ -57,3 +57,21 @@ def test_store_methods_match_the_engine_contract() -> None:
         fn = getattr(Store, name)
         assert _shape(fn) == shape, name
         assert inspect.iscoroutinefunction(fn), name
+
+
+def test_export_exports() -> None:
+    import supervisor.export as export_pkg
+
+    assert sorted(export_pkg.__all__) == sorted([
+        "SCHEMA", "VERSION", "BindingMismatch", "CheckpointInvalid", "DirectorySink",
+        "ExportError", "ExportSink", "HttpSink", "SinkError", "build_checkpoint",
+        "canonical_bytes", "capability_binding", "digest", "export_to_sinks", "file_name",
+        "find_run", "import_checkpoint", "load_loop_checkpoint", "loop_reference", "verify",
+    ])
+    for name in export_pkg.__all__:
+        assert hasattr(export_pkg, name), name
+    assert _shape(export_pkg.build_checkpoint) == (
+        "(*, session_id, run_id, turn, messages, usage, binding, tool_rounds, execution, "
+        "events, epoch, at_batch)")
+    assert _shape(export_pkg.import_checkpoint) == (
+        "(store, doc, *, expected_binding=None, new_session_id=None, config=None)")
