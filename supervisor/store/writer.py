@@ -75,6 +75,15 @@ class Sids:
             raise SessionNotFound(f"no session {session_id!r}")
         return sid
 
+    def mark(self) -> dict[str, int]:
+        """A savepoint of the tentative lookups (restore with ``rolled_back_to``)."""
+        return dict(self._tentative)
+
+    def rolled_back_to(self, mark: dict[str, int]) -> None:
+        # A lookup made inside a rolled-back savepoint may name a row that no longer
+        # exists (a session created and rolled back); its sid could be reused.
+        self._tentative = mark
+
     def committed(self) -> None:
         self._known.update(self._tentative)
         self._tentative.clear()
@@ -392,11 +401,13 @@ def apply_group(
     try:
         for op in ops:
             conn.execute("SAVEPOINT op")
+            mark = sids.mark()
             try:
                 value = op(conn, sids)
             except StoreError as exc:
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
+                sids.rolled_back_to(mark)
                 results.append((False, exc))
             else:
                 conn.execute("RELEASE op")

@@ -287,3 +287,42 @@ async def test_oversize_item_and_state_are_refused_before_writing(tmp_path: Path
         assert loaded.last_batch_sequence == 0
     finally:
         await store.close()
+
+
+async def test_a_failed_create_does_not_leave_a_stale_session_mapping(store: Store) -> None:
+    # The first step is bad (its events start at 2): the session row is rolled back too.
+    bad_first = StepWrite(SessionId("a"), events=[EventRecord(SessionId("a"), 2, "x", {})])
+    with pytest.raises(SequenceConflict):
+        await store.create_session(new_record("a"), bad_first)
+    assert await store.get_session(SessionId("a")) is None
+    # Another session may now get the row id "a" had; "a" must not write into it.
+    await store.create_session(new_record("b"))
+    await store.create_session(new_record("a"))
+    a, b = Session("a"), Session("b")
+    await store.commit(a.step(tool_round(1)))
+    await store.commit(b.step(tool_round(2)))
+    loaded_a, loaded_b = await store.load(a.id), await store.load(b.id)
+    assert loaded_a is not None
+    assert loaded_b is not None
+    assert loaded_a.context == tool_round(1)
+    assert loaded_b.context == tool_round(2)
+
+
+async def test_close_drains_pending_commits(tmp_path: Path) -> None:
+    path = tmp_path / "corral.db"
+    store = await Store.open(path)
+    sessions = [Session(f"s{i}") for i in range(8)]
+    for s in sessions:
+        await store.create_session(new_record(s.id))
+    commits = [asyncio.create_task(store.commit(s.step(tool_round(1)))) for s in sessions]
+    await asyncio.sleep(0)
+    await store.close()
+    await asyncio.gather(*commits)
+    store = await Store.open(path)
+    try:
+        for s in sessions:
+            loaded = await store.load(s.id)
+            assert loaded is not None
+            assert loaded.last_batch_sequence == 1
+    finally:
+        await store.close()
