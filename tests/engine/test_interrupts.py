@@ -8,7 +8,10 @@ the broker and never waits on the worker.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,8 @@ from tests.helpers import Procs, eventually
 
 
 async def interrupt_when(manager: SessionManager, sid: SessionId, op: dict[str, object],
-                         when: str) -> tuple[list[EventRecord], float]:
+                         when: str, before: Callable[[], None] | None = None,
+                         ) -> tuple[list[EventRecord], float]:
     """Submit ``op``; at the first event of type ``when`` interrupt the turn; return the
     events and the seconds from the interrupt to the terminal event."""
     events: list[EventRecord] = []
@@ -36,13 +40,17 @@ async def interrupt_when(manager: SessionManager, sid: SessionId, op: dict[str, 
             if e.type == "turn_started":
                 turn_id = e.payload["turn_id"]
             if e.type == when and sent_at is None:
+                if before is not None:
+                    before()
                 sent_at = time.monotonic()
                 await manager.submit(sid, {"type": "interrupt", "turn_id": str(turn_id)})
             if e.type in ("turn_complete", "turn_aborted"):
                 break
     await it.aclose()  # type: ignore[attr-defined]
     assert sent_at is not None
-    return events, time.monotonic() - sent_at
+    elapsed = time.monotonic() - sent_at
+    print(f"\ninterrupt at {when}: turn_aborted after {elapsed * 1000:.0f} ms")
+    return events, elapsed
 
 
 @pytest.mark.sandbox
@@ -68,6 +76,25 @@ async def test_interrupt_during_hung_tool_aborts_within_one_second(procs: Procs,
         # the session is still usable: the next turn runs (the model sees the closed call)
         done = await eng.run_until(sid, {"type": "user_input", "text": "again"})
         assert done[-1].type == "turn_complete"
+
+
+@pytest.mark.sandbox
+async def test_interrupt_with_a_frozen_worker_does_not_wait_for_it(procs: Procs,
+                                                                   tmp_path: Path) -> None:
+    script = {"responses": [{"tool_calls": [{"name": "shell", "call_id": "frozen",
+                                             "arguments": {"command": "echo go; sleep 600"}}]},
+                            {"text": "after"}]}
+    farm = start_farm(procs, tmp_path, script)
+    worker = farm.workers[0]
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="allow")
+        events, elapsed = await interrupt_when(
+            eng.manager, sid, {"type": "user_input", "text": "hang"}, "tool_call_output_delta",
+            before=lambda: os.kill(worker.pid, signal.SIGSTOP))  # the worker hangs
+        assert events[-1].type == "turn_aborted"
+        assert events[-1].payload["reason"] == "interrupted"
+        assert elapsed < 1.0
+        os.kill(worker.pid, signal.SIGCONT)
 
 
 async def test_interrupt_during_hung_model_call_aborts_within_one_second(
