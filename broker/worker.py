@@ -286,7 +286,13 @@ class BrokerWorker:
         elif isinstance(msg, protocol.Cancel):
             job = self._jobs.get(msg.request_id)
             if job is None or job.task is None:
+                # Answer anyway: if the REQUEST never reached us (a dropped frame), the
+                # broker still counts a slot for it, and only an answer frees it. If we
+                # did answer already, the broker drops this one as unknown.
                 self.dropped["cancel_unknown_request"] += 1
+                self._send(protocol.encode(protocol.Failure(
+                    msg.request_id, FailureKind.CANCELLED, "request unknown at the worker",
+                    False)))
             else:
                 job.cancel_kind = FailureKind.CANCELLED
                 job.task.cancel()
