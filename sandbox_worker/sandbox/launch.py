@@ -6,9 +6,9 @@ never in the worker's process (no ``preexec_fn``). Standard library only, so
 it starts without site-packages.
 
 What it does, in order:
-1. ``PR_SET_PDEATHSIG`` (dies with the worker-side parent) and
-   ``PR_SET_CHILD_SUBREAPER`` (orphans of the command re-parent here, so a
-   double-forked daemon stays in reach).
+1. ``PR_SET_PDEATHSIG`` = SIGHUP: when the worker dies, this init kills the
+   command's whole tree and exits; ``PR_SET_CHILD_SUBREAPER``: orphans of the
+   command re-parent here, so a double-forked daemon stays in reach.
 2. Landlock (``--landlock``): read/execute everywhere, write only beneath the
    workspace and the private tmp dir (and a few /dev nodes); TCP bind/connect
    denied unless ``--net`` (ABI >= 4); signals and abstract unix sockets
@@ -199,7 +199,19 @@ def main(argv: list[str]) -> int:
             i += 2
     command = argv[i + 1:]
     parent = os.getppid()
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    state = {"finishing": False}
+
+    def parent_died(signum: int, _frame: object) -> None:
+        # The worker is gone: end the whole call (the wait loop below keeps
+        # killing orphans as they re-parent here, then exits).
+        if os.getppid() != parent:
+            state["finishing"] = True
+            kill_children(signal.SIGKILL)
+
+    # SIGHUP, not SIGKILL: this init must outlive its parent long enough to
+    # kill the command's tree, which has no pid namespace to die with.
+    signal.signal(signal.SIGHUP, parent_died)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
     if os.getppid() != parent:
         return 125  # the worker-side parent is already gone
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -218,6 +230,8 @@ def main(argv: list[str]) -> int:
     if pid == 0:
         try:
             os.setsid()
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the command dies with this init
             if seccomp_fd >= 0:
                 load_seccomp(seccomp_fd)
             workdir = opts.get("--chdir") or opts.get("--workspace")
@@ -236,7 +250,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     code = 0
-    finishing = False
+    if state["finishing"]:
+        kill_children(signal.SIGKILL)
     while True:
         try:
             got, status = os.wait()
@@ -246,8 +261,8 @@ def main(argv: list[str]) -> int:
             continue
         if got == pid:
             code = status_code(status)
-            finishing = True
-        if finishing:
+            state["finishing"] = True
+        if state["finishing"]:
             # The command is done: nothing it started may outlive the call.
             # Orphans re-parent here as their parents die, so repeat per reap.
             kill_children(signal.SIGKILL)

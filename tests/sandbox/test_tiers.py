@@ -3,15 +3,26 @@ real broker and worker process."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
 
 from broker.client import BrokerClient
+from broker.errors import RequestFailed
 from tests.helpers import Procs
-from tests.sandbox.conftest import HB_S, host_exists, shell, start_stack
+from tests.sandbox.conftest import (
+    HB_S,
+    call_processes,
+    host_exists,
+    no_call_processes,
+    request_body,
+    shell,
+    start_stack,
+)
 
 pytestmark = pytest.mark.sandbox
 
@@ -64,3 +75,25 @@ def test_worker_refuses_to_start_below_minimum(procs: Procs, extra: list[str],
     assert "Traceback" not in log
     if worker.stdout is not None:
         worker.stdout.close()
+
+
+@pytest.mark.parametrize("tier", ["T2", "T1"])
+async def test_killed_worker_leaves_no_call_behind(procs: Procs, workspace: Path,
+                                                   tier: str) -> None:
+    st = start_stack(procs, tier)
+    call_id = f"orphaned-{tier}-{uuid.uuid4().hex[:8]}"
+    async with BrokerClient(st.frontend, heartbeat_interval_s=HB_S) as client:
+        call = client.start("tool", request_body(
+            "shell", {"command": "(setsid sleep 601 &); echo started; sleep 600"}, workspace,
+            call_id=call_id), timeout_s=120)
+        async with asyncio.timeout(20):
+            async for _chunk in call:
+                break
+        assert call_processes(st.uid, call_id)
+        st.worker.kill()  # SIGKILL: no clean-up code of the worker runs
+        await no_call_processes(st.uid, call_id, timeout_s=5.0)
+        with pytest.raises(RequestFailed):
+            await call.result()
+    for proc in procs.started:
+        if proc.stdout is not None:
+            proc.stdout.close()
