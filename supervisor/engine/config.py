@@ -44,6 +44,7 @@ class EngineConfig:
     compaction_keep_recent: int = 4  # items kept verbatim by a summary compaction
     stop_continuations: int = 1  # bounded continuations a stop hook may ask for
     subscriber_queue: int = 10_000  # events buffered per subscriber before it is dropped
+    idle_context_items: int = 32  # longer contexts are dropped while idle, reloaded on work
     cancel_grace_s: float = 0.3  # bounded wait for a CANCEL to reach the broker
     export_timeout_s: float = 10.0  # one export sink call
     store_retry_s: float = 5.0  # how long a busy store is retried before the turn fails

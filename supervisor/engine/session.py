@@ -2,9 +2,12 @@
 subscribers, and the driver that runs its work one item at a time.
 
 A session is cheap while idle: a plain object (record, checkpoint state,
-context, subscriber set) and **no task**. The driver task exists only while
-there is work (a turn, a hook run, a compaction); it is created in the
-manager's TaskGroup by ``kick`` and ends when the work queue is empty.
+subscriber set, and its context only if short) and **no task**. A context
+longer than ``EngineConfig.idle_context_items`` is dropped when the driver
+ends and reloaded from the store (``Store.load``) when work starts again.
+The driver task exists only while there is work (a turn, a hook run, a
+compaction); it is created in the manager's TaskGroup by ``kick`` and ends
+when the work queue is empty.
 
 Invariants:
 - Commit before visible: ``commit`` assigns the next event/batch sequences,
@@ -90,6 +93,10 @@ class Session:
         self.policy: ApprovalPolicy = parse_policy(self.spec.approval)
         self.state = state
         self.context = context
+        # A long context is dropped while the session is idle and reloaded from the
+        # store when work starts (the store is the source of truth; see _drive).
+        self.context_evicted = False
+        self.context_len = len(context)
         self.hooks = hooks
         self.subscribers: set[Subscriber] = set()
         self.work: collections.deque[Work] = collections.deque()
@@ -152,10 +159,12 @@ class Session:
                 for name in CheckpointState.__dataclass_fields__:
                     setattr(st, name, getattr(restored, name))
                 raise
-            if rw is not None:
-                self.context = list(rw.items)
-            if batch is not None:
-                self.context.extend(batch.items)
+            if not self.context_evicted:
+                if rw is not None:
+                    self.context = list(rw.items)
+                if batch is not None:
+                    self.context.extend(batch.items)
+                self.context_len = len(self.context)
             for record in records:
                 self._publish(record)
             return records
@@ -267,6 +276,11 @@ class Session:
         from supervisor.engine.turn import Turn, run_session_start
 
         try:
+            if self.context_evicted:
+                loaded = await self.manager.store.load(self.sid)
+                if loaded is not None:
+                    self.context = list(loaded.context)
+                    self.context_evicted = False
             while not self.closed:
                 if self.work:
                     work = self.work.popleft()
@@ -293,6 +307,9 @@ class Session:
             self.driver = None
             self.turn = None
             self.turn_task = None
+            if len(self.context) > self.config.idle_context_items and not self.context_evicted:
+                self.context = []
+                self.context_evicted = True
         # New work may have arrived between the last check and here: kick again.
         if not self.closed and (self.work or self.state.queued_input):
             self.kick()
@@ -318,7 +335,7 @@ class Session:
             "active_turn": st.active_turn,
             "pending_approval": st.pending_approval,
             "queued_input": len(st.queued_input),
-            "context_items": len(self.context),
+            "context_items": self.context_len,
             "context_epoch": st.context_epoch,
             "compaction_count": st.compaction_count,
             "total_usage": st.total_usage,

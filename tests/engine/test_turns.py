@@ -144,3 +144,26 @@ async def test_a_slow_subscriber_is_dropped_and_resumes_without_a_gap(
                     break
         await again.aclose()  # type: ignore[attr-defined]
         assert [e.sequence for e in got + rest] == [e.sequence for e in replay]
+
+
+async def test_an_idle_session_drops_its_context_and_reloads_it_from_the_store(
+        procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "first"}, {"text": "second"}]},
+                      services="model")
+    async with engine(farm, idle_context_items=0) as eng:
+        sid = await eng.session()
+        first = await eng.run_until(sid, {"type": "user_input", "text": "one"})
+        session = eng.manager.sessions[sid]
+
+        async def idle() -> bool:
+            return session.driver is None
+
+        await eventually(idle, timeout_s=10, what="the session to go idle")
+        assert session.context_evicted
+        assert session.context == []
+        assert (await eng.manager.describe(sid))["context_items"] == 2
+        second = await eng.run_until(sid, {"type": "user_input", "text": "two"},
+                                     after_sequence=first[-1].sequence)
+        assert second[-1].payload["last_agent_message"] == "second"  # k = 1: history reloaded
+        sent = farm.llm_requests()[-1]["body"]["input"]
+        assert [i.get("role") for i in sent] == ["user", "assistant", "user"]
