@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -261,22 +260,3 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
         duration_s=time.monotonic() - start,
         leftover_killed=killed,
     )
-
-
-def minimal_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of the chain's head: nothing of the worker's (no API keys)."""
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "LANG": "C.UTF-8"}
-    if extra:
-        env.update(extra)
-    return env
-
-
-def os_pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
