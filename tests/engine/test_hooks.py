@@ -169,3 +169,45 @@ async def test_command_hook_timeout_denies_and_crash_fails_the_turn(procs: Procs
         assert events[-1].payload["reason"] == "failed"
         execution = (await eng.store.executions_page(crash, limit=1)).items[0]
         assert execution.outcome == "failed"
+
+
+class PushOnStartup(Middleware):
+    name = "push_on_startup"
+
+    async def session_start(self, inp: HookInput) -> HookResult | None:
+        if inp.data["source"] == "startup":
+            return HookResult(push_input="pushed by the session_start hook")
+        return None
+
+
+async def test_session_start_may_push_input(procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "answered"}]}, services="model")
+    async with engine(farm, middleware=lambda spec: [PushOnStartup()]) as eng:
+        sid = await eng.session()
+        events = await eng.run_until(sid, None, until=lambda e: e.type == "turn_complete")
+        user = next(e for e in events if e.type == "user_message")
+        assert user.payload["text"] == "pushed by the session_start hook"
+        assert user.submission_id is None  # a system input
+        assert events[-1].payload["last_agent_message"] == "answered"
+
+
+@pytest.mark.sandbox
+async def test_command_hook_rejects_a_prompt_that_is_then_never_persisted(
+        procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=1)
+    hook = {"event": "user_prompt_submit", "timeout_s": 20,
+            "command": "if grep -q secret; then echo '{\"reject\": \"no secrets\"}'; fi"}
+    async with engine(farm) as eng:
+        sid = await eng.session(hooks=[hook])
+        rejected = await eng.run_until(sid, {"type": "user_input", "text": "my secret 42"})
+        assert rejected[-1].type == "turn_aborted"
+        assert rejected[-1].payload["reason"] == "rejected"
+        assert "no secrets" in rejected[-1].payload["message"]
+        loaded = await eng.store.load(sid)
+        replay = await eng.store.replay_events(sid)
+        assert loaded is not None
+        assert "my secret 42" not in str((loaded.state.to_json(), loaded.context,
+                                          [e.payload for e in replay]))
+        accepted = await eng.run_until(sid, {"type": "user_input", "text": "fine text"},
+                                       after_sequence=rejected[-1].sequence)
+        assert accepted[-1].type == "turn_complete"

@@ -36,6 +36,10 @@ async def test_parallel_calls_of_one_step_run_concurrently_on_several_workers(
         ends = [e.payload for e in events if e.type == "tool_call_end"]
         assert sorted(p["output"].strip() for p in ends) == ["a.on", "b.on"]
         assert all(p["outcome"] == "ok" for p in ends)
+        tiers = {p["isolation"]["tier"] for p in ends}
+        execution = (await eng.store.executions_page(sid, limit=1)).items[0]
+        assert (execution.tool_calls, execution.failed_tool_calls) == (2, 0)
+        assert execution.sandbox_tier in tiers  # the record says what the calls ran under
 
 
 async def test_model_step_limit_fails_the_turn(procs: Procs, tmp_path: Path) -> None:
