@@ -15,8 +15,8 @@ On a pure v2 machine the same is done under the unified hierarchy when the
 Invariants:
 - Whether the cgroup applied is recorded (``applied``/``reason``) and shown
   in the isolation record's ``degraded`` list when it did not.
-- ``close`` removes the worker's groups (after its calls are gone); stale
-  groups of dead workers are removed at start-up when empty.
+- ``close`` removes the worker's groups (after its calls are gone); groups of
+  dead workers are emptied (SIGKILL) and removed at start-up.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,9 @@ def _write(path: str, value: str) -> None:
 
 
 def _remove_stale(base: str) -> None:
-    """rmdir empty groups of workers that no longer exist."""
+    """Remove the groups of workers that no longer exist, SIGKILLing whatever
+    of their calls is still inside (a backstop: calls normally die with their
+    worker, see launch.py and bwrap's --die-with-parent)."""
     with contextlib.suppress(OSError):
         for entry in os.listdir(base):
             if not entry.startswith("worker-"):
@@ -119,5 +122,13 @@ def _remove_stale(base: str) -> None:
                 pass
             except PermissionError:
                 continue
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"{base}/{entry}/cgroup.procs") as f:
+                    left = [int(p) for p in f.read().split()]
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                if left:
+                    log.warning("killed %d leftover processes of dead %s", len(left), entry)
             with contextlib.suppress(OSError):
                 os.rmdir(f"{base}/{entry}")

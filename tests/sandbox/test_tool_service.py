@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,15 @@ import pytest
 from broker.client import BrokerClient
 from broker.errors import RequestFailed
 from broker.protocol import pack, unpack
-from tests.sandbox.conftest import Stack, call_tool, host_read, request_body, shell
+from tests.sandbox.conftest import (
+    Stack,
+    call_processes,
+    call_tool,
+    host_read,
+    no_call_processes,
+    request_body,
+    shell,
+)
 
 pytestmark = pytest.mark.sandbox
 OWNER = 4242
@@ -199,3 +208,28 @@ async def test_partials_are_coalesced(client: BrokerClient, workspace: Path) -> 
     out = res.streamed("stdout")
     assert out.count(b"\n") == 2000
     assert len(res.chunks) < 200
+
+
+async def test_call_runs_in_the_worker_cgroup(stack: Stack, client: BrokerClient,
+                                              workspace: Path) -> None:
+    if not stack.info["cgroup"]["applied"]:
+        pytest.skip(f"worker cgroup not available here: {stack.info['cgroup']['reason']}")
+    call_id = f"cgroup-{uuid.uuid4().hex[:8]}"
+    call = client.start("tool", request_body("shell", {"command": "echo up; sleep 30"},
+                                             workspace, call_id=call_id), timeout_s=60)
+    async with asyncio.timeout(20):
+        async for _chunk in call:
+            break
+    procs = call_processes(stack.uid, call_id)
+    assert procs
+    group = f"corral/worker-{stack.worker.pid}"
+    for p in procs:
+        lines = host_read(f"/proc/{p.pid}/cgroup").splitlines()
+        controllers = {ln.split(":")[1]: ln.split(":")[2] for ln in lines}
+        if stack.info["cgroup"]["version"] == "v1":
+            assert controllers["memory"].endswith(group)
+            assert controllers["pids"].endswith(group)
+        else:
+            assert controllers[""].endswith(group)
+    await call.cancel()
+    await no_call_processes(stack.uid, call_id)
