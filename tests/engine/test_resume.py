@@ -9,13 +9,16 @@ what the last committed step left.
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from supervisor.store.records import EventRecord
 from tests.engine.farm import engine, start_farm, types
-from tests.helpers import Procs, eventually
+from tests.helpers import PYTHON, Procs, eventually, kill_tree, read_line_with_deadline
 
 
 async def run_to(eng_events: list[EventRecord], it: object, sub: str, stop_type: str) -> None:
@@ -96,3 +99,42 @@ async def test_resume_mid_tool_call_resolves_each_call_from_its_durable_state(
         assert [(b["call_id"], b["attempt"]) for b in begins] == [("read", 2)]
         assert not (farm.ws / "runs.txt").exists()
     assert saved_states == {"effect": "dispatched", "read": "dispatched"}
+
+
+@pytest.mark.sandbox
+@pytest.mark.timeout(90)
+async def test_supervisor_sigkilled_mid_tool_call_resumes_in_a_new_process(
+        procs: Procs, tmp_path: Path) -> None:
+    script = {"responses": [
+        {"tool_calls": [{"name": "shell", "call_id": "effect",
+                         "arguments": {"command": "echo run | tee -a runs.txt; sleep 3"}}]},
+        {"text": "recovered"}]}
+    farm = start_farm(procs, tmp_path, script)
+    db = tmp_path / "killed.sqlite3"
+    sup = procs.spawn([PYTHON, "-m", "tests.engine.engine_proc", "--db", str(db),
+                       "--frontend", farm.frontend, "--llm-url", farm.llm_url,
+                       "--workspace", str(farm.ws), "--text", "do it"],
+                      name="engine", stdout=subprocess.PIPE)
+    sid = json.loads(read_line_with_deadline(sup, 30))["session_id"]
+    seen: list[str] = []
+    while "tool_call_output_delta" not in seen:
+        seen.append(json.loads(read_line_with_deadline(sup, 30))["type"])
+    kill_tree(sup.pid, signal.SIGKILL)  # the supervisor dies mid tool call
+    sup.wait(timeout=10)
+    assert sup.stdout is not None
+    sup.stdout.close()
+    async with engine(farm, db=db) as eng:
+        loaded = await eng.store.load(sid)
+        assert loaded is not None
+        assert loaded.state.active_turn is not None
+        assert [p["state"] for p in loaded.state.pending_tool_calls] == ["started"]
+        after = await eng.run_until(
+            sid, None, until=lambda e: e.type in ("turn_complete", "turn_aborted"),
+            after_sequence=loaded.last_event_sequence)
+        assert after[-1].type == "turn_complete", [(e.type, e.payload) for e in after]
+        end = next(e for e in after if e.type == "tool_call_end")
+        assert end.payload["outcome"] == "unknown"
+        assert after[-1].payload["last_agent_message"] == "recovered"
+        replay = await eng.store.replay_events(sid)
+        assert [e.sequence for e in replay] == list(range(1, len(replay) + 1))
+    assert (farm.ws / "runs.txt").read_text().count("run") == 1
