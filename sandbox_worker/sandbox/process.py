@@ -241,6 +241,10 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
                 r.cancel()
             flusher.cancel()
         await out.flush()
+    except ExceptionGroup as group:
+        # One failing task (e.g. ``on_chunk`` could not send a PARTIAL) is the
+        # cause; surface it as itself so the caller's handlers see its type.
+        raise group.exceptions[0] from None
     finally:
         if proc.returncode is None:
             await run_to_completion(kill_tree(proc, spec.grace_s))

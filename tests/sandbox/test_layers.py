@@ -269,3 +269,24 @@ def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: Seccomp
 
     assert asyncio.run(go()) >= 8
     assert [p for p in _children() if (_status(p) or (False, 0))[0]] == []
+
+
+def test_failing_output_sink_ends_the_call(user: SandboxUser, filters: SeccompFilters,
+                                           ws: Path) -> None:
+    os.chown(ws, user.uid, user.gid)
+    call_id = f"layers-sink-{os.getpid()}"
+    chain = Profile("T2", user, filters, None).build(
+        ["/bin/bash", "-c", "echo go; sleep 600"], str(ws), DEFAULT_LIMITS, network=False,
+        call_id=call_id)
+
+    async def broken_sink(stream: str, data: bytes) -> None:
+        raise RuntimeError("the broker is not reading")
+
+    try:
+        with pytest.raises(RuntimeError, match="not reading"):
+            asyncio.run(run(RunSpec(chain.argv, chain.env, 60.0, 1 << 20, chain.pass_fds,
+                                    grace_s=0.5), broken_sink))
+    finally:
+        for fd in chain.pass_fds:
+            os.close(fd)
+    assert call_processes(user.uid, call_id) == []
