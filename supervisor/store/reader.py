@@ -102,11 +102,11 @@ def context_at(
     conn: sqlite3.Connection, sid: int, upto_batch: int | None = None,
     epoch: int | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """The context as it stood after batch ``upto_batch`` (None: now) and its epoch.
+    """The context right after batch ``upto_batch`` was appended (None: now), and its epoch.
 
     With ``epoch``, the context of exactly that epoch (its rewrite, or none for epoch 0
     without one) plus the batches after the rewrite up to ``upto_batch``; otherwise the
-    newest rewrite taken at or before ``upto_batch``.
+    newest rewrite taken before that batch was appended, plus the batches up to it.
     """
     lo, hi = key_range(sid)
     last = hi if upto_batch is None else key(sid, upto_batch)
@@ -125,10 +125,13 @@ def context_at(
             (lo, hi),
         ).fetchone()
     else:
+        # A rewrite with at_batch = k was taken when batch k was the last one, so those
+        # with at_batch < upto_batch precede the batch; one with at_batch == upto_batch
+        # came after it (a snapshot at_batch 0 precedes everything).
         row = conn.execute(
             "SELECT epoch, at_batch, items FROM context_rewrites WHERE k BETWEEN ? AND ?"
-            " AND at_batch <= ? ORDER BY k DESC LIMIT 1",
-            (lo, hi, upto_batch),
+            " AND at_batch < ? ORDER BY k DESC LIMIT 1",
+            (lo, hi, max(upto_batch, 1)),
         ).fetchone()
     items: list[dict[str, Any]] = []
     found_epoch = 0

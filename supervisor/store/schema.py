@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 KEY_BITS = 32
 KEY_LIMIT = 1 << KEY_BITS
-SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
+# OFF is refused: without syncs at all a power loss can corrupt the file.
+SYNCHRONOUS_MODES = ("NORMAL", "FULL", "EXTRA")
 DEFAULT_SYNCHRONOUS = "NORMAL"
 # 8 KiB pages: a step's rows (a 2-4 KiB batch, 1-2 KiB events) pack ~25% denser than in
 # 4 KiB pages (store bench: write amplification 2.55 vs 3.24), for ~50% more WAL bytes.

@@ -328,8 +328,8 @@ class Store:
     async def context_at(
         self, session_id: SessionId, *, at_batch: int, epoch: int | None = None
     ) -> list[dict[str, Any]] | None:
-        """The context as it stood after batch ``at_batch`` (in ``epoch`` if given; else
-        under the newest rewrite taken at or before that batch). None: no such session."""
+        """The context right after batch ``at_batch`` was appended: under the newest rewrite
+        taken before it, or in ``epoch`` if given. None: no such session."""
         return await self._read(reader.context_of, session_id, at_batch, epoch,
                                 what="reading a context")
 

@@ -347,8 +347,8 @@ def set_status(conn: sqlite3.Connection, sids: Sids, session_id: str, status: st
 
 def fork(conn: sqlite3.Connection, sids: Sids, session_id: str, at_sequence: int,
          new_session_id: str, limits: Limits) -> SessionRecord:
-    """Create ``new_session_id`` whose epoch-0 snapshot is the parent's context as it stood
-    after batch ``at_sequence``. Idempotent for an identical retry."""
+    """Create ``new_session_id`` whose epoch-0 snapshot is the parent's context right after
+    batch ``at_sequence`` was appended. Idempotent for an identical retry."""
     parent_row = reader.session_row(conn, session_id)
     if parent_row is None:
         raise SessionNotFound(f"no session {session_id!r}")

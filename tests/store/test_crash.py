@@ -81,7 +81,7 @@ async def test_sigkill_while_committing_leaves_a_consistent_database(
     path = tmp_path / "crash.db"
     rng = random.Random(os.getpid())
     total = 0
-    for round_ in range(6):
+    for round_ in range(10):
         child = procs.python("tests.store.crash_child", str(path), str(SESSIONS),
                              name=f"crash-child-{round_}", stdout=subprocess.PIPE)
         assert read_line_with_deadline(child, 60) == "ready"
