@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -31,7 +32,7 @@ import zmq
 from broker import protocol
 from broker.protocol import FailureKind
 from broker.state import Dispatcher, Limits, Send, Side, new_broker_id
-from broker.transport import recv_frames, send_frames
+from broker.transport import readable, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ class Broker:
         while not self._stopping:
             wait_s = state.next_wakeup() - time.monotonic()
             wait_s = 0.0 if wait_s < 0 else min(wait_s, MAX_POLL_S)
-            ready = poller.poll(int(wait_s * 1000))
+            # Round up: poll(0) for a timer less than 1 ms away would spin.
+            ready = poller.poll(math.ceil(wait_s * 1000))
             for sock, _ in ready:
                 if sock is front:
                     self._drain(front, self._on_frontend)
@@ -140,7 +142,11 @@ class Broker:
     # ------------------------------------------------------------------ input
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> None:
-        for _ in range(BATCH):
+        for i in range(BATCH):
+            # Like libzmq's own proxy, ask EVENTS before each further read: cheaper
+            # than a recv that fails with EAGAIN (an exception here).
+            if i and not readable(sock):
+                return
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
