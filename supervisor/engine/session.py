@@ -12,7 +12,9 @@ when the work queue is empty.
 Invariants:
 - Commit before visible: ``commit`` assigns the next event/batch sequences,
   awaits ``Store.commit`` of one ``StepWrite`` and only then publishes the
-  events; a failed commit rolls the sequence counters back.
+  events; a failed commit rolls the sequence counters back. A cancellation
+  (interrupt) never cuts a commit in half: the step is finished, published,
+  and only then is the cancellation re-raised, so memory and store agree.
 - ``commit`` calls are serialized by one lock per session, so parallel tool
   calls of a step enter the transcript in completion order.
 - Every subscriber queue is bounded; an overflowing subscriber is dropped
@@ -152,13 +154,23 @@ class Session:
                 st.next_batch_sequence += 1
             step = StepWrite(self.sid, records, batch, rw,
                              CheckpointState.from_json(_copy_json(st.to_json())), execution)
-            try:
-                await self.manager.store_commit(step)
-            except BaseException:
+            commit = asyncio.ensure_future(self.manager.store_commit(step))
+            deferred: asyncio.CancelledError | None = None
+            while not commit.done():
+                try:
+                    await asyncio.shield(commit)
+                except asyncio.CancelledError as exc:
+                    # A cancelled step may still land (its group can already be on the
+                    # store's thread): finish it, keep state and publish in step with
+                    # the store, then re-raise. Bounded by the store's busy deadline.
+                    deferred = exc
+                except BaseException:
+                    break
+            if commit.exception() is not None:
                 restored = CheckpointState.from_json(saved[3])
                 for name in CheckpointState.__dataclass_fields__:
                     setattr(st, name, getattr(restored, name))
-                raise
+                raise commit.exception()  # type: ignore[misc]
             if not self.context_evicted:
                 if rw is not None:
                     self.context = list(rw.items)
@@ -167,6 +179,8 @@ class Session:
                 self.context_len = len(self.context)
             for record in records:
                 self._publish(record)
+            if deferred is not None:
+                raise deferred
             return records
 
     def publish_live(self, type_: str, payload: dict[str, Any],

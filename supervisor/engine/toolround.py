@@ -31,6 +31,7 @@ from sandbox_worker.api import IDEMPOTENT_TOOLS, SERVICE_TOOL, TIER_ORDER, ToolC
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import Decision, call_key
 from supervisor.engine.calls import CallFailure, stream_call
+from supervisor.engine.errors import TurnError
 from supervisor.engine.hooks import HookEvent, context_item
 from supervisor.engine.phases import CallState, TurnPhase, advance_call
 from supervisor.engine.session import PendingApproval
@@ -122,9 +123,20 @@ async def tool_round(turn: Turn) -> None:
                                None, executed=False)
     runnable = [pc for pc in pcs if not CallState(pc["state"]).terminal
                 and pc.get("verdict") == "allow"]
-    async with asyncio.TaskGroup() as tg:
-        for pc in runnable:
-            tg.create_task(_run_call(turn, pc))
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for pc in runnable:
+                tg.create_task(_run_call(turn, pc))
+    except BaseExceptionGroup as group:
+        # One call's TurnError (a post_tool hook, the store) ends the round and the
+        # turn; the other calls were cancelled and are closed by the abort.
+        turn_errors = group.subgroup(TurnError)
+        if turn_errors is None:
+            raise
+        first: BaseException = turn_errors
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from group
 
     def done(st: Any) -> None:
         st.pending_tool_calls = []

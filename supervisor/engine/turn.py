@@ -191,6 +191,11 @@ class Turn:
             exc2 = TurnLimitExceeded(
                 f"the turn ran longer than {self.session.config.max_turn_s}s")
             await self._finish_aborted(ev.ABORT_FAILED, str(exc2), error=exc2)
+        except Exception as exc:  # the turn's boundary: a bug fails this turn, cleanly
+            log.exception("session %s turn %s: unexpected error", self.session.sid,
+                          self.turn_id)
+            await self._finish_aborted(ev.ABORT_FAILED, "internal error in the supervisor",
+                                       error=TurnError(f"internal error: {type(exc).__name__}"))
 
     async def _body(self) -> None:
         from supervisor.engine.toolround import tool_round

@@ -211,3 +211,37 @@ async def test_command_hook_rejects_a_prompt_that_is_then_never_persisted(
         accepted = await eng.run_until(sid, {"type": "user_input", "text": "fine text"},
                                        after_sequence=rejected[-1].sequence)
         assert accepted[-1].type == "turn_complete"
+
+
+class PostToolExplodes(Middleware):
+    name = "post_tool_explodes"
+
+    async def post_tool(self, inp: HookInput) -> HookResult | None:
+        raise RuntimeError("post-tool hook crashed")
+
+
+@pytest.mark.sandbox
+async def test_a_failing_post_tool_hook_in_a_parallel_round_fails_the_turn_cleanly(
+        procs: Procs, tmp_path: Path) -> None:
+    script = {"responses": [
+        {"tool_calls": [{"name": "shell", "call_id": "fast", "arguments": {"command": "true"}},
+                        {"name": "shell", "call_id": "slow",
+                         "arguments": {"command": "sleep 20"}}]},
+        {"text": "next turn works"}]}
+    farm = start_farm(procs, tmp_path, script, workers=2)
+    async with engine(farm, middleware=lambda spec: [PostToolExplodes()]) as eng:
+        sid = await eng.session(approval="allow")
+        events = await eng.run_until(sid, {"type": "user_input", "text": "go"}, timeout_s=15)
+        assert events[-1].type == "turn_aborted"
+        assert events[-1].payload["reason"] == "failed"
+        error = next(e for e in events if e.type == "error")
+        assert error.payload["kind"] == "hook_failed"
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        calls = sorted(i["call_id"] for i in saved.context if i.get("type") == "function_call")
+        outs = sorted(i["call_id"] for i in saved.context
+                      if i.get("type") == "function_call_output")
+        assert calls == outs == ["fast", "slow"]  # the cancelled call was closed too
+        assert saved.state.active_turn is None
+        execution = (await eng.store.executions_page(sid, limit=1)).items[0]
+        assert execution.outcome == "failed"
