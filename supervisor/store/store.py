@@ -228,7 +228,8 @@ class Store:
         await self._submit(partial(_step_op, prepared))
 
     async def commit_many(self, steps: list[StepWrite]) -> None:
-        """Commit several steps in the same group; raises the first step's error if any."""
+        """Queue several steps together (normally one group, so one transaction); each
+        commits or fails on its own (savepoints). Raises the first failure, if any."""
         prepared = [writer.prepare_step(s, self.limits) for s in steps]
         futures = [self._enqueue(partial(_step_op, p)) for p in prepared]
         results = await asyncio.gather(*futures, return_exceptions=True)
@@ -299,6 +300,13 @@ class Store:
                 if not future.done():
                     future.set_exception(exc)
             return
+        except asyncio.CancelledError:
+            # The writer task itself is being cancelled (event loop shutdown): the group
+            # may or may not commit on its thread; its callers must not wait forever.
+            for _, future in group:
+                if not future.done():
+                    future.set_exception(StoreClosed("the store's writer was cancelled"))
+            raise
         self.groups_committed += 1
         self.ops_committed += len(ops)
         for (_, future), (ok, value) in zip(group, results, strict=True):
