@@ -88,6 +88,7 @@ class SessionManager:
         self.usage_observer = usage_observer
         self.export_sinks = tuple(export_sinks)
         self.sessions: dict[SessionId, Session] = {}
+        self._closed_ids: set[SessionId] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
 
@@ -178,6 +179,8 @@ class SessionManager:
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(SessionId(session_id))
         if session is None:
+            if session_id in self._closed_ids:
+                raise SessionClosed(f"session {session_id} is shut down")
             raise UnknownSession(f"no session {session_id!r}")
         return session
 
@@ -239,6 +242,9 @@ class SessionManager:
         await session.commit([(ev.SESSION_CONFIGURED, {"status": "closed"}, submission_id)])
         session.closed = True
         await self.store.set_status(session.sid, "closed")
+        # A closed session leaves memory (its history stays in the store).
+        self.sessions.pop(session.sid, None)
+        self._closed_ids.add(session.sid)
 
     def subscribe(self, session_id: SessionId, *,
                   after_sequence: int = 0) -> AsyncIterator[EventRecord]:
