@@ -149,25 +149,28 @@ class ToolService:
     def _choose_tier(self, det: Detection) -> Tier:
         cfg = self.config
         why = "; ".join(f"{t}: {msg}" for t, msg in det.failures.items())
+        because = f" ({why})" if why else ""
         if cfg.force_tier is not None:
             if cfg.force_tier not in det.working:
-                raise TierUnavailable(f"forced tier {cfg.force_tier} does not work here ({why})",
+                raise TierUnavailable(f"forced tier {cfg.force_tier} does not work here{because}",
                                       hint=f"to get it: {FIXES.get(cfg.force_tier[:2], '')}")
             tier = cfg.force_tier
         elif det.best is None:
-            raise TierUnavailable(f"no sandbox tier works here ({why})",
+            raise TierUnavailable(f"no sandbox tier works here{because}",
                                   hint=f"to fix: {FIXES['T0']}; {FIXES['T2']}")
         else:
             tier = det.best
         if tier == "T0" and not cfg.allow_unsandboxed:
+            what = ("tier T0 was forced" if cfg.force_tier == "T0"
+                    else f"only T0 (no sandbox) works here{because}")
             raise TierUnavailable(
-                f"only T0 (no sandbox) works here ({why})",
-                hint=f"to fix: {FIXES['T2']}; or run unsandboxed on purpose with "
+                f"{what}; T0 runs tools without a sandbox",
+                hint=f"to get a sandbox: {FIXES['T2']}; or run unsandboxed on purpose with "
                 "--allow-unsandboxed --tier-min T0")
         if not tier_at_least(tier, cfg.tier_min):
             needed = cfg.tier_min[:2]
             raise TierUnavailable(
-                f"sandbox tier {tier} is below the minimum {cfg.tier_min} ({why})",
+                f"sandbox tier {tier} is below the minimum {cfg.tier_min}{because}",
                 hint=f"to fix: {FIXES.get(needed, FIXES['T2'])}; or lower --tier-min")
         return tier
 
