@@ -326,3 +326,35 @@ async def test_close_drains_pending_commits(tmp_path: Path) -> None:
             assert loaded.last_batch_sequence == 1
     finally:
         await store.close()
+
+
+def _db_bytes(path: Path) -> int:
+    with closing(sqlite3.connect(path)) as raw:
+        pages = raw.execute("PRAGMA page_count").fetchone()[0]
+        size = raw.execute("PRAGMA page_size").fetchone()[0]
+    return int(pages) * int(size)
+
+
+async def test_a_step_costs_what_it_added_not_the_whole_context(tmp_path: Path) -> None:
+    """Database growth per step stays flat as the session's context grows (page counts,
+    not timings): a step writes its events, one batch and one small state row."""
+    path = tmp_path / "corral.db"
+    store = await Store.open(path)
+    try:
+        s = Session("s1")
+        await store.create_session(new_record("s1"))
+        sizes = [_db_bytes(path)]
+        for n in range(1, 301):
+            await store.commit(s.step(tool_round(n), events=[("tool_call_end", {"n": n})]))
+            if n % 50 == 0:
+                sizes.append(_db_bytes(path))
+        first, last = sizes[1] - sizes[0], sizes[-1] - sizes[-2]
+        assert last <= first * 1.3, sizes
+        loaded = await store.load(s.id)
+        assert loaded is not None
+        assert len(loaded.context) == 4 * 300
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as raw:
+        state_bytes = raw.execute("SELECT length(state) FROM checkpoint_state").fetchone()[0]
+    assert state_bytes < 2000  # the state row holds no context
