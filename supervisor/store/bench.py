@@ -4,7 +4,8 @@ One session through N model+tool steps (a user message, an assistant function_ca
 function_call_output of 1-2 KB and an assistant message per step, with the events the
 engine journals for them: model_step_started, model_step_completed, tool_call_begin,
 tool_call_end carrying the output, agent_message, token_count; plus the state row and
-an execution upsert). Each step is one ``Store.commit``.
+the upsert of the turn's execution record, a turn being 5 steps). Each step is one
+``Store.commit``.
 
 Measured, in the same run:
 - bytes the database grows per step (page_count x page_size, which includes what is
@@ -51,6 +52,7 @@ from supervisor.store.records import (
 from supervisor.store.store import Store
 
 WINDOW = 100
+STEPS_PER_TURN = 5  # a turn is several model+tool steps; its execution row is upserted
 
 
 def _text(rng: random.Random, size: int) -> str:
@@ -80,7 +82,7 @@ def make_round(n: int, rng: random.Random) -> tuple[list[dict[str, Any]],
     ]
     usage = {"input": 1200 + n, "cached_input": 1000, "cache_write_input": 0, "output": 60,
              "reasoning_output": 0, "total": 1260 + n}
-    turn_id = f"turn_{n:06d}"
+    turn_id = f"turn_{(n - 1) // STEPS_PER_TURN:06d}"
     events: list[tuple[str, dict[str, Any]]] = [
         ("model_step_started", {"turn_id": turn_id, "step": 1}),
         ("tool_call_begin", {"turn_id": turn_id, "call_id": call_id, "name": "shell",
@@ -111,17 +113,24 @@ class _Steps:
         events = []
         for typ, payload in event_specs:
             events.append(EventRecord(self.sid, st.next_event_sequence, typ, payload,
-                                      SubmissionId(f"sub_{n:06d}"), time.time()))
+                                      SubmissionId(f"sub_{(n - 1) // STEPS_PER_TURN:06d}"),
+                                      time.time()))
             st.next_event_sequence += 1
         batch = TranscriptBatch(self.sid, st.next_batch_sequence, st.context_epoch, items,
                                 time.time())
         st.next_batch_sequence += 1
-        st.active_turn = {"turn_id": f"turn_{n:06d}", "submission_id": f"sub_{n:06d}",
+        turn = (n - 1) // STEPS_PER_TURN
+        st.active_turn = {"turn_id": f"turn_{turn:06d}", "submission_id": f"sub_{turn:06d}",
                           "phase": "preparing", "model_steps": 2, "started_at": time.time()}
         st.last_usage = dict(event_specs[-1][1]["last"])
         st.total_usage = {k: st.total_usage.get(k, 0) + v for k, v in st.last_usage.items()}
-        execution = ExecutionRecord(self.sid, TurnId(f"turn_{n:06d}"), "completed", 2, 1, 0,
-                                    st.last_usage, time.time(), time.time(), 0.05, "T2", None)
+        last = n % STEPS_PER_TURN == 0
+        execution = ExecutionRecord(self.sid, TurnId(f"turn_{turn:06d}"),
+                                    "completed" if last else "running",
+                                    2 * (n - turn * STEPS_PER_TURN), n - turn * STEPS_PER_TURN,
+                                    0, st.last_usage, time.time(),
+                                    time.time() if last else None, 0.05 if last else None,
+                                    "T2", None)
         self.transcript_bytes += len(json.dumps(items, separators=(",", ":"),
                                                 ensure_ascii=False).encode())
         step = StepWrite(self.sid, events, batch, None,
