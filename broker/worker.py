@@ -317,12 +317,24 @@ class BrokerWorker:
             await asyncio.sleep(self.heartbeat_interval_s)
             self._flush_unsent()
             sock.send(beat)
+            self._cancel_overdue()
             silent = time.monotonic() - self._last_heard
             if silent > window and not sock.has_input():
                 self._end_session(f"broker silent for {silent:.2f}s")
                 return
 
     # ------------------------------------------------------------------ requests
+
+    def _cancel_overdue(self) -> None:
+        """Backstop for the broker's own deadline (it sends CANCEL at the deadline):
+        a handler still running ``DEADLINE_GRACE_S`` after it is cancelled as a
+        timeout. A sweep from the heartbeat task, not a timer per request."""
+        cutoff = time.monotonic() - DEADLINE_GRACE_S
+        for job in self._jobs.values():
+            task = job.task
+            if job.ctx.deadline < cutoff and task is not None and not task.cancelling():
+                job.cancel_kind = FailureKind.TIMEOUT
+                task.cancel()
 
     def _start_job(self, msg: protocol.Request) -> None:
         rid = msg.request_id
@@ -347,8 +359,12 @@ class BrokerWorker:
             answer = await self._call_handler(job)
         except asyncio.CancelledError:
             kind = job.cancel_kind
-            self._answer(job, protocol.Failure(
-                rid, kind, f"request {kind} at the worker", kind == FailureKind.WORKER_LOST))
+            if kind == FailureKind.TIMEOUT:
+                message = "handler ran past its budget"
+            else:
+                message = f"request {kind} at the worker"
+            retryable = kind in (FailureKind.WORKER_LOST, FailureKind.TIMEOUT)
+            self._answer(job, protocol.Failure(rid, kind, message, retryable))
             raise
         finally:
             if self._jobs.get(rid) is job:
@@ -362,21 +378,13 @@ class BrokerWorker:
         if handler is None:
             return protocol.Failure(rid, FailureKind.BAD_REQUEST,
                                     f"this worker has no service {ctx.service!r}", False)
-        scope = asyncio.timeout_at(ctx.deadline + DEADLINE_GRACE_S)
         try:
-            async with scope:
-                body = await handler(ctx)
+            body = await handler(ctx)
         except HandlerError as exc:
             kind = exc.kind if 0 < len(exc.kind) <= 64 else FailureKind.INTERNAL
             return protocol.Failure(rid, kind, _clip(exc.message), exc.retryable,
                                     exc.body if len(exc.body) <= self.max_message_bytes
                                     else b"")
-        except TimeoutError:
-            if scope.expired():
-                return protocol.Failure(rid, FailureKind.TIMEOUT,
-                                        "handler ran past its budget", True)
-            log.exception("handler for %s raised TimeoutError", ctx.service)
-            return protocol.Failure(rid, FailureKind.INTERNAL, "TimeoutError in handler", False)
         except Exception as exc:  # message boundary: the traceback stays in this log
             log.exception("handler for %s failed on request %s", ctx.service, rid)
             return protocol.Failure(rid, FailureKind.INTERNAL,
