@@ -289,8 +289,9 @@ class Turn:
         if decorated.request is not None:
             request = decorated.request
         if self.provisional is not None:
+            # The request was built on the provisional context, which is exactly what
+            # settles (with its breakpoint): the decorated request stays as it is.
             await settle(self, "success")
-            request["items"] = self._request(s.context)["items"]
         result = await self._model_call(request)
         calls = [i for i in result["items"] if i.get("type") == "function_call"]
         if calls:
@@ -319,7 +320,8 @@ class Turn:
     def _request(self, context: list[dict[str, Any]]) -> dict[str, Any]:
         s = self.session
         items = list(context)
-        bp = s.state.cache_breakpoint
+        # a provisional compaction resets the breakpoint to its last item at settle
+        bp = len(items) - 1 if self.provisional is not None else s.state.cache_breakpoint
         if bp is None or bp >= len(items):
             bp = len(items) - 1
         if bp >= 0:
