@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.store import SCHEMA_VERSION, SchemaTooNew, Store
+from supervisor.store import SCHEMA_VERSION, InvalidRequest, SchemaTooNew, Store, StoreCorrupt
 from supervisor.store.schema import MIGRATIONS, Migration, connect, migrate
 from tests.store.steps import Session, new_record, tool_round
 
@@ -99,3 +99,12 @@ async def test_synchronous_setting_is_applied(tmp_path: Path, mode: str) -> None
     await store.create_session(new_record("s1"))
     await store.commit(s.step(tool_round(1)))
     await store.close()
+
+
+async def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "corral.db"
+    path.write_bytes(b"this is not an SQLite database, just some bytes\n" * 100)
+    with pytest.raises(StoreCorrupt, match="not a database"):
+        await _open_and_close(path)
+    with pytest.raises(InvalidRequest, match="synchronous"):
+        await Store.open(tmp_path / "other.db", synchronous="OFF")
