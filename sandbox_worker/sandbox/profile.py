@@ -9,8 +9,8 @@ Every shell call is started as one argv chain with no ``preexec_fn``::
     T2/T2-: bwrap --unshare-all [--share-net] --unshare-user --disable-userns
                   --die-with-parent --new-session --cap-drop ALL --clearenv
                   --ro-bind /usr,/etc,/opt (+ merged-usr links) --proc /proc
-                  --dev /dev --size N --tmpfs /tmp --bind WS WS --chdir WS
-                  --seccomp FD -- COMMAND
+                  --dev /dev --size N --tmpfs /tmp --size N --tmpfs /dev/shm
+                  --bind WS WS --remount-ro / --chdir WS --seccomp FD -- COMMAND
     T1/T0:  python -I -S launch.py [--landlock] [--net] --workspace WS
                   --tmpdir TMP [--seccomp-fd FD] -- COMMAND
 
@@ -130,8 +130,13 @@ class Profile:
             if self.tier == "T2":
                 argv += ["--proc", "/proc"]
             cwd = workspace if workdir == "." else f"{workspace}/{workdir}"
-            argv += ["--dev", "/dev", "--size", str(limits["tmpfs_bytes"]), "--tmpfs", "/tmp",
-                     "--bind", workspace, workspace, "--chdir", cwd]
+            size = str(limits["tmpfs_bytes"])
+            # /tmp and /dev/shm are private size-limited tmpfs; bwrap's own root
+            # tmpfs is remounted read-only so nothing else is writable.
+            argv += ["--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
+                     "--size", size, "--tmpfs", "/dev/shm",
+                     "--bind", workspace, workspace, "--remount-ro", "/dev",
+                     "--remount-ro", "/", "--chdir", cwd]
             if self.filters is not None:
                 fd = self.filters.open_fd("bwrap")
                 pass_fds.append(fd)

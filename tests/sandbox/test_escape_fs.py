@@ -193,3 +193,19 @@ async def test_tmp_is_private_and_bounded(client: BrokerClient, workspace: Path)
         assert "No space left" in res.result["output"]
     else:
         assert "Permission denied" in res.result["output"]
+
+
+async def test_only_workspace_and_sized_tmpfs_are_writable(client: BrokerClient,
+                                                           workspace: Path) -> None:
+    cmd = ("for f in /probe /dev/probe /usr/probe /etc/probe; do "
+           "echo x > $f 2>/dev/null && echo WROTE:$f; done; "
+           "head -c 2G /dev/zero > /dev/shm/fill 2>/dev/null; ls -s /dev/shm/fill; "
+           "echo ok > in-workspace")
+    res = await shell(client, cmd, workspace, {"limits": {"tmpfs_bytes": 16 * 1024 * 1024}})
+    out = res.result["output"]
+    assert "WROTE" not in out
+    assert host_read(workspace / "in-workspace") == "ok\n"
+    if res.result["isolation"]["tier"] in ("T2", "T2-"):
+        assert int(out.split()[0]) <= 16 * 1024  # ls -s: KiB used, at most the tmpfs size
+    assert not host_exists("/probe")
+    assert not host_exists("/usr/probe")
