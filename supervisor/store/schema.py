@@ -44,8 +44,8 @@ KEY_LIMIT = 1 << KEY_BITS
 # OFF is refused: without syncs at all a power loss can corrupt the file.
 SYNCHRONOUS_MODES = ("NORMAL", "FULL", "EXTRA")
 DEFAULT_SYNCHRONOUS = "NORMAL"
-# 8 KiB pages: a step's rows (a 2-4 KiB batch, 1-2 KiB events) pack ~25% denser than in
-# 4 KiB pages (store bench: write amplification 2.55 vs 3.24), for ~50% more WAL bytes.
+# 8 KiB pages: a step's rows (a 2-4 KiB batch, 1-2 KiB events) pack denser than in
+# 4 KiB pages (store bench: write amplification 2.48 vs 3.17), for ~38% more WAL bytes.
 PAGE_SIZE = 8192
 BUSY_TIMEOUT_MS = 20  # SQLite's own short wait; the store adds backoff up to its deadline
 
