@@ -85,6 +85,7 @@ class Turn:
         self.provisional: Provisional | None = None
         self.open_block: str | None = None  # compaction notice awaiting its completion
         self.interrupt_requested = False
+        self.open_step = False  # a model_step_started without its final completion
         self.finishing = False
         self.last_message = ""
         self.pending_rewrite_reasons: list[str] = []
@@ -349,6 +350,7 @@ class Turn:
                               "route": s.route_name}, self.submission_id)],
                            execution=self.execution("running"),
                            mutate=self.moving_to(TurnPhase.MODEL_CALL))
+            self.open_step = True
             try:
                 result = await stream_call(
                     s.manager.broker, SERVICE_MODEL, request, budget_s=cfg.model_call_budget_s,
@@ -366,6 +368,7 @@ class Turn:
                         "prompt_cache": self._cache_diagnostics(s.state)}},
                     self.submission_id)])
                 if not again:
+                    self.open_step = False
                     raise ModelCallFailed(f"model call failed: {f.kind}: {f.message}",
                                           kind=f.kind, retryable=f.retryable) from f
                 attempt += 1
@@ -447,6 +450,7 @@ class Turn:
         self.partial_text = ""
         await s.commit(events, items=all_items or None, execution=self.execution("running"),
                        mutate=mutate)
+        self.open_step = False
 
     # ---------------------------------------------------------------- finish
 
@@ -484,7 +488,8 @@ class Turn:
             events.append((ev.AGENT_MESSAGE, {"turn_id": self.turn_id, "partial": True,
                                               "text": ev.clip(self.partial_text)},
                            self.submission_id))
-        if s.state.active_turn and s.state.active_turn.get("phase") == "model_call":
+        if self.open_step:
+            self.open_step = False
             events.append((ev.MODEL_STEP_COMPLETED, {
                 "turn_id": self.turn_id, "step": self.model_steps,
                 "outcome": ev.STEP_INTERRUPTED if reason == ev.ABORT_INTERRUPTED

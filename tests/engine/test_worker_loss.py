@@ -111,3 +111,34 @@ async def test_missing_tool_gets_an_error_output(procs: Procs, tmp_path: Path) -
         assert end.payload["outcome"] == "missing"
         assert "unknown tool 'teleport'" in end.payload["output"]
         assert "tool_call_begin" not in [e.type for e in events]
+
+
+async def test_a_provider_retry_in_the_worker_shows_as_retrying(procs: Procs,
+                                                                tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"status": 500, "times": 1,
+                                                       "text": "second try"}]},
+                      services="model")
+    routes = {"main": farm.route("main", max_retries=2)}
+    async with engine(farm, routes=routes) as eng:
+        sid = await eng.session()
+        events = await eng.run_until(sid, {"type": "user_input", "text": "hi"})
+        assert events[-1].type == "turn_complete"
+        steps = [e.payload for e in events if e.type == "model_step_completed"]
+        assert [p["outcome"] for p in steps] == ["retrying", "completed"]
+        assert steps[0]["diagnostics"]["provider_retry"]["kind"] == "server_error"
+        assert [e.payload["text"] for e in events if e.type == "agent_message"] == ["second try"]
+
+
+async def test_retryable_failures_are_bounded(procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"status": 503}]}, services="model")
+    async with engine(farm, model_attempts=3, model_retry_delay_s=0.01) as eng:
+        sid = await eng.session()
+        events = await eng.run_until(sid, {"type": "user_input", "text": "hi"})
+        assert events[-1].type == "turn_aborted"
+        assert events[-1].payload["reason"] == "failed"
+        steps = [e.payload["outcome"] for e in events if e.type == "model_step_completed"]
+        assert steps == ["retrying", "retrying", "failed"]
+        assert [e.payload["attempt"] for e in events if e.type == "model_step_started"] == [
+            1, 2, 3]
+        execution = (await eng.store.executions_page(sid, limit=1)).items[0]
+        assert (execution.outcome, execution.model_calls) == ("failed", 1)
