@@ -53,7 +53,9 @@ def _encode(doc: Mapping[str, Any], sink: str, max_bytes: int) -> bytes:
 def file_name(doc: Mapping[str, Any]) -> str:
     """``<session>-t<turn>-<first 12 hex of digest>.json`` (session id made path-safe)."""
     d = doc.get("descriptor", {})
-    session = _UNSAFE.sub("_", str(d.get("session_id", "session")))[:100] or "session"
+    # Path-safe, and never hidden (temporary files are the dot-files).
+    session = _UNSAFE.sub("_", str(d.get("session_id", "session")))[:100].lstrip(".")
+    session = session or "session"
     digest = str(d.get("digest", ""))
     if digest.startswith(DIGEST_PREFIX):
         digest = digest[len(DIGEST_PREFIX):]

@@ -23,6 +23,7 @@ from supervisor.export import (
     build_checkpoint,
     capability_binding,
     export_to_sinks,
+    file_name,
     import_checkpoint,
     load_loop_checkpoint,
     loop_reference,
@@ -359,3 +360,11 @@ async def test_directory_sink_leaves_no_temp_files(series: list[dict[str, Any]],
     assert not any(n.startswith(".") for n in names)
     with pytest.raises(SinkError, match="above"):
         await DirectorySink(tmp_path / "small", max_bytes=100).export(series[0])
+
+
+def test_file_names_are_path_safe() -> None:
+    doc = {"descriptor": {"session_id": "../../etc/passwd", "turn": 3,
+                          "digest": "sha256:" + "ab" * 32}}
+    name = file_name(doc)
+    assert "/" not in name
+    assert name == "_.._etc_passwd-t0003-abababababab.json"
