@@ -215,3 +215,9 @@ def host_read(path: str | Path) -> str:
 
 def host_list(path: str | Path) -> list[str]:
     return sorted(os.listdir(path))
+
+
+def needs_system_python() -> None:
+    """Some probes run python3 inside the sandbox, which sees only /usr."""
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("probe runs python3 inside the sandbox; /usr/bin/python3 is not installed")

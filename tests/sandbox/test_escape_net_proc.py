@@ -21,6 +21,7 @@ from tests.sandbox.conftest import (
     FAKE_KEY,
     Stack,
     call_processes,
+    needs_system_python,
     no_call_processes,
     request_body,
     shell,
@@ -72,6 +73,7 @@ def listener() -> Iterator[Listener]:
 
 async def test_network_is_closed_by_default(client: BrokerClient, workspace: Path,
                                             listener: Listener) -> None:
+    needs_system_python()
     cmd = (f"echo hello > /dev/tcp/127.0.0.1/{listener.tcp_port}; echo tcp=$?; "
            f"echo hello > /dev/udp/127.0.0.1/{listener.udp_port}; "
            f"python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
@@ -112,6 +114,7 @@ def outside_proc(stack: Stack, tmp_path: Path) -> Iterator[psutil.Process]:
 
 async def test_cannot_signal_or_ptrace_outside(client: BrokerClient, workspace: Path,
                                                outside_proc: psutil.Process) -> None:
+    needs_system_python()
     pid = outside_proc.pid
     cmd = (f"kill -STOP {pid}; echo stop=$?; kill -9 {pid}; echo kill=$?; "
            "python3 -c \"import ctypes,sys; libc=ctypes.CDLL(None, use_errno=True); "
@@ -138,6 +141,7 @@ async def test_cannot_read_other_process_environ(client: BrokerClient, workspace
 
 async def test_cannot_create_nested_user_namespace(client: BrokerClient,
                                                    workspace: Path) -> None:
+    needs_system_python()
     cmd = ("unshare -U -r id; echo unshare=$?; "
            "python3 -c \"import os; os.unshare(os.CLONE_NEWUSER); print('NESTED-OK')\"")
     res = await shell(client, cmd, workspace)

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from broker.client import BrokerClient
-from tests.sandbox.conftest import Stack, host_exists, no_call_processes, shell
+from tests.sandbox.conftest import (
+    Stack,
+    host_exists,
+    needs_system_python,
+    no_call_processes,
+    shell,
+)
 
 pytestmark = pytest.mark.sandbox
 MIB = 1024 * 1024
@@ -40,6 +46,7 @@ async def test_fork_bomb_is_contained(stack: Stack, client: BrokerClient,
 
 async def test_memory_bomb_is_stopped(stack: Stack, client: BrokerClient,
                                       workspace: Path) -> None:
+    needs_system_python()
     call_id = _id("membomb")
     res = await shell(client, "python3 -c 'b = bytearray(8 * 1024**3); print(len(b))'",
                       workspace, {"limits": {"address_space_bytes": 512 * MIB}},
