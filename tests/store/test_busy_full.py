@@ -147,3 +147,31 @@ async def test_full_database_raises_store_full_and_stays_consistent(tmp_path: Pa
         assert loaded.last_batch_sequence == committed + 1
     finally:
         await store.close()
+
+
+async def test_two_stores_on_one_file_both_commit(tmp_path: Path) -> None:
+    """Two writers (e.g. two processes) contend for the write lock: busy is retried and
+    every step of both lands, dense."""
+    path = tmp_path / "corral.db"
+    first = await Store.open(path, busy_deadline_s=30)
+    second = await Store.open(path, busy_deadline_s=30)
+    try:
+        a, b = Session("a"), Session("b")
+        await first.create_session(new_record("a"))
+        await second.create_session(new_record("b"))
+
+        async def run(store: Store, s: Session) -> None:
+            for n in range(1, 41):
+                await store.commit(s.step(tool_round(n), events=[("e", {"n": n})]))
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(run(first, a))
+            tg.create_task(run(second, b))
+        for s in (a, b):
+            loaded = await first.load(s.id)
+            assert loaded is not None
+            assert loaded.last_batch_sequence == 40
+            assert [e.sequence for e in await second.replay_events(s.id)] == list(range(1, 41))
+    finally:
+        await first.close()
+        await second.close()
