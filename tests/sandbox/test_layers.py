@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sandbox_worker.api import TOOL_NAMES
 from sandbox_worker.sandbox.detect import detect
@@ -290,3 +292,35 @@ def test_failing_output_sink_ends_the_call(user: SandboxUser, filters: SeccompFi
         for fd in chain.pass_fds:
             os.close(fd)
     assert call_processes(user.uid, call_id) == []
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tool=st.sampled_from([*TOOL_NAMES, "nope", ""]), args=_json)
+def test_validation_only_raises_tool_errors(tool: str, args: object) -> None:
+    message = "accepted"
+    try:
+        validate(tool, args)
+    except (BadArguments, UnknownTool) as exc:
+        message = str(exc)
+    assert message  # any other exception type fails the test
+
+
+@settings(max_examples=200, deadline=None)
+@given(override=st.dictionaries(st.sampled_from([*DEFAULT_LIMITS, "bogus"]),
+                                st.none() | st.booleans() | st.integers() | st.floats()
+                                | st.text(max_size=3), max_size=4))
+def test_limit_merge_only_raises_bad_arguments(override: dict[str, object]) -> None:
+    try:
+        merged = merge_limits(DEFAULT_LIMITS, override)
+    except BadArguments:
+        return
+    for key, value in merged.items():
+        assert value <= CEILING_LIMITS[key]  # type: ignore[literal-required]
