@@ -52,6 +52,9 @@ XATTR_DEFAULT: Final = "system.posix_acl_default"
 MAX_ENTRIES: Final = 200_000
 FORBIDDEN_ROOTS: Final = ("/proc", "/sys", "/dev", "/etc", "/usr", "/boot", "/bin", "/sbin",
                           "/lib", "/lib64", "/run")
+# Shared parents: granting one would give the sandbox everything created in it.
+FORBIDDEN_EXACT: Final = frozenset({"/", "/tmp", "/var", "/var/tmp", "/home", "/root", "/opt",
+                                    "/srv", "/mnt", "/media"})
 
 Entries = dict[tuple[int, int], int]  # (tag, id) -> perm bits (rwx = 7)
 
@@ -219,7 +222,8 @@ def validate_workspace(path: object, workspace_root: str | None) -> str:
     if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
         raise WorkspaceUnusable(f"workspace must be an absolute path, got {path!r}")
     real = os.path.realpath(path)
-    if real == "/" or any(real == r or real.startswith(r + "/") for r in FORBIDDEN_ROOTS):
+    if real in FORBIDDEN_EXACT or any(real == r or real.startswith(r + "/")
+                                      for r in FORBIDDEN_ROOTS):
         raise WorkspaceUnusable(f"workspace {real} is a system directory; refusing")
     if workspace_root is not None:
         base = os.path.realpath(workspace_root)

@@ -87,6 +87,8 @@ async def test_unknown_tool_and_bad_workspace(client: BrokerClient, workspace: P
     r = await call_tool(client, "list_dir", {}, Path("/etc"))
     assert r.result["error_kind"] == "workspace_unusable"
     assert "system directory" in r.result["output"]
+    r = await call_tool(client, "list_dir", {}, Path("/tmp"))
+    assert r.result["error_kind"] == "workspace_unusable"
     r = await call_tool(client, "list_dir", {}, workspace / "missing")
     assert r.result["error_kind"] == "workspace_unusable"
 
