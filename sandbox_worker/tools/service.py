@@ -66,7 +66,7 @@ from sandbox_worker.sandbox.workspace import (
 from sandbox_worker.tools import files
 from sandbox_worker.tools.fsops import SandboxFS
 from sandbox_worker.tools.schemas import SCHEMAS, validate
-from sandbox_worker.tools.shell import ShellRun, render, run_shell
+from sandbox_worker.tools.shell import ShellRun, remove_stale_tmp, render, run_shell
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ class ToolService:
         tier = self._choose_tier(self.detection)
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
                                unsandboxed_opt_in=tier == "T0", extra_degraded=degraded)
+        stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
+        if stale:
+            log.info("removed %d per-call tmp dirs left by dead workers", stale)
         self.fs = SandboxFS(user.uid, user.gid, cfg.file_threads)
         fsuid, _ = await asyncio.to_thread(self.fs.whoami)
         if fsuid != user.uid:

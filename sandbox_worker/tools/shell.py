@@ -83,10 +83,37 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
     return ShellRun(outcome, wall)
 
 
+TMP_PREFIX = "corral-call-"
+
+
 def _make_tmp(profile: Profile) -> str:
-    path = tempfile.mkdtemp(prefix="corral-call-", dir=profile.tmp_root)
+    # The worker's pid in the name lets a later worker remove what a killed one
+    # left behind (remove_stale_tmp).
+    path = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=profile.tmp_root)
     os.chown(path, profile.user.uid, profile.user.gid)
     return path
+
+
+def remove_stale_tmp(tmp_root: str) -> int:
+    """Remove per-call tmp dirs (T1/T0) of workers that no longer run. Blocking."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(tmp_root):
+            if not name.startswith(TMP_PREFIX):
+                continue
+            pid_text = name[len(TMP_PREFIX):].split("-", 1)[0]
+            if not pid_text.isdigit():
+                continue
+            try:
+                os.kill(int(pid_text), 0)
+                continue  # that worker is alive: its calls own their dirs
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            shutil.rmtree(os.path.join(tmp_root, name), ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def _signame(num: int) -> str:

@@ -4,6 +4,7 @@ real broker and worker process."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import tempfile
 import uuid
@@ -97,3 +98,17 @@ async def test_killed_worker_leaves_no_call_behind(procs: Procs, workspace: Path
     for proc in procs.started:
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_stale_call_tmp_dirs_of_dead_workers_are_removed(tmp_path: Path) -> None:
+    from sandbox_worker.tools.shell import TMP_PREFIX, remove_stale_tmp
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"{TMP_PREFIX}{dead.pid}-abc").mkdir()
+    (tmp_path / f"{TMP_PREFIX}{dead.pid}-abc" / "f").write_text("x")
+    (tmp_path / f"{TMP_PREFIX}{os.getpid()}-live").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    assert remove_stale_tmp(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"{TMP_PREFIX}{os.getpid()}-live", "unrelated"]
