@@ -17,6 +17,7 @@ import sys
 from types import FrameType
 
 from broker import protocol
+from broker.faults import FrameFaults
 from broker.server import Broker, BrokerConfig
 from broker.state import Limits
 
@@ -46,9 +47,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-clients", type=int, default=_DEFAULTS.max_clients)
     parser.add_argument("--max-requests", type=int, default=_DEFAULTS.max_requests,
                         help="requests tracked at once (queued + in flight)")
+    parser.add_argument("--faults", default=None, metavar="SPEC",
+                        help="chaos runs only: inject frame faults into request traffic, "
+                        "e.g. 'frame_drop,frame_delay,frame_duplicate[:rate=0.02]'")
+    parser.add_argument("--faults-seed", type=int, default=0,
+                        help="seed of the fault injector (same seed, same decisions)")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
+    try:
+        args.faults = FrameFaults.parse(args.faults, seed=args.faults_seed)
+    except ValueError as exc:
+        parser.error(f"--faults: {exc}")
     if args.heartbeat_interval_s <= 0 or args.liveness < 1:
         parser.error("--heartbeat-interval-s must be > 0 and --liveness >= 1")
     if min(args.max_message_bytes, args.queue_limit, args.max_workers, args.max_clients,
@@ -66,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         queue_limit=args.queue_limit, max_workers=args.max_workers,
         max_clients=args.max_clients, max_requests=args.max_requests,
     )
-    broker = Broker(BrokerConfig(args.frontend, args.backend, limits, args.max_message_bytes))
+    broker = Broker(BrokerConfig(args.frontend, args.backend, limits, args.max_message_bytes,
+                                 args.faults))
+    if args.faults is not None:
+        logging.getLogger("broker").warning("frame faults enabled: %s (rate %.3f, seed %d)",
+                                            sorted(args.faults.kinds), args.faults.rate,
+                                            args.faults_seed)
     frontend, backend = broker.bind()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

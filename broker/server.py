@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ import msgpack
 import zmq
 
 from broker import protocol
+from broker.faults import DELAY, DROP, DUPLICATE, FrameFaults
 from broker.protocol import FailureKind
 from broker.state import Dispatcher, Limits, Send, Side, new_broker_id
 from broker.transport import readable, recv_frames, send_frames
@@ -49,6 +51,17 @@ class BrokerConfig:
     backend: str
     limits: Limits = field(default_factory=Limits)
     max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES
+    faults: FrameFaults | None = None  # chaos runs only (``--faults``)
+
+
+# Request traffic the fault injector may touch, per side of the broker it arrives on.
+# PARTIALs are left alone: a lost or reordered chunk fails its stream as `protocol`
+# by design, which says nothing about the recovery paths the chaos run checks.
+_FAULTABLE: Final = {
+    Side.CLIENT: (protocol.Request,),
+    Side.WORKER: (protocol.Reply, protocol.Failure),
+}
+MAX_DELAYED: Final = 10_000
 
 
 class _DropLog:
@@ -80,6 +93,9 @@ class Broker:
         self._back = self._router()
         self._stopping = False
         self._drops = _DropLog()
+        self._faults = config.faults
+        self._delayed: collections.deque[tuple[float, Side, bytes, protocol.Message]] = (
+            collections.deque())
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
 
@@ -116,8 +132,12 @@ class Broker:
         front, back, state = self._front, self._back, self.state
         log.info("broker %s serving frontend=%s backend=%s", self.broker_id,
                  self.frontend_endpoint, self.backend_endpoint)
+        delayed = self._delayed
         while not self._stopping:
-            wait_s = state.next_wakeup() - time.monotonic()
+            wake = state.next_wakeup()
+            if delayed and delayed[0][0] < wake:
+                wake = delayed[0][0]
+            wait_s = wake - time.monotonic()
             wait_s = 0.0 if wait_s < 0 else min(wait_s, MAX_POLL_S)
             # Round up: poll(0) for a timer less than 1 ms away would spin.
             ready = poller.poll(math.ceil(wait_s * 1000))
@@ -127,6 +147,9 @@ class Broker:
                 else:
                     self._drain(back, self._on_backend)
             now = time.monotonic()
+            while delayed and delayed[0][0] <= now:
+                _, side, identity, msg = delayed.popleft()
+                self._deliver(side, identity, msg, now)
             if now >= state.next_wakeup():
                 self._perform(state.tick(now))
         log.info("broker %s stopping", self.broker_id)
@@ -180,16 +203,48 @@ class Broker:
             self.state.drop("malformed")
             return
         msg = self._decode(frames, "client")
-        if msg is not None:
+        if msg is None:
+            return
+        if self._faults is None:
             self._perform(self.state.on_client(frames[0], msg, time.monotonic()))
+        else:
+            self._inject(Side.CLIENT, frames[0], msg)
 
     def _on_backend(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             self.state.drop("malformed")
             return
         msg = self._decode(frames, "worker")
-        if msg is not None:
+        if msg is None:
+            return
+        if self._faults is None:
             self._perform(self.state.on_worker(frames[0], msg, time.monotonic()))
+        else:
+            self._inject(Side.WORKER, frames[0], msg)
+
+    def _deliver(self, side: Side, identity: bytes, msg: protocol.Message, now: float) -> None:
+        if side is Side.CLIENT:
+            self._perform(self.state.on_client(identity, msg, now))
+        else:
+            self._perform(self.state.on_worker(identity, msg, now))
+
+    def _inject(self, side: Side, identity: bytes, msg: protocol.Message) -> None:
+        """Chaos runs: drop, delay or duplicate request traffic as if on the wire."""
+        faults = self._faults
+        now = time.monotonic()
+        action = faults.decide() if faults is not None and isinstance(
+            msg, _FAULTABLE[side]) else None
+        if action == DROP:
+            self.state.count("fault_drop")
+            return
+        if action == DELAY and len(self._delayed) < MAX_DELAYED and faults is not None:
+            self.state.count("fault_delay")
+            self._delayed.append((now + faults.delay_s, side, identity, msg))
+            return
+        self._deliver(side, identity, msg, now)
+        if action == DUPLICATE:
+            self.state.count("fault_duplicate")
+            self._deliver(side, identity, msg, now)
 
     def _salvage(self, frames: list[bytes], why: str) -> None:
         """Answer a request in another protocol version with FAILURE(protocol) if its id

@@ -77,8 +77,8 @@ class Limits:
 
 class _Req:
     __slots__ = (
-        "attempt", "body", "client", "client_rid", "closed", "deadline", "rid", "seq",
-        "service", "worker",
+        "attempt", "body", "cancel_at", "client", "client_rid", "closed", "deadline", "rid",
+        "seq", "service", "worker",
     )
 
     def __init__(
@@ -95,6 +95,7 @@ class _Req:
         self.deadline = deadline
         self.worker: bytes | None = None
         self.closed = False
+        self.cancel_at = 0.0  # when CANCEL was last sent to its worker (closed and held)
 
 
 class _Worker:
@@ -147,6 +148,7 @@ class Dispatcher:
         self._sweep_s = limits.heartbeat_interval_s / 4
         self._next_sweep = now + self._sweep_s
         self._disconnect_sent: dict[bytes, float] = {}
+        self._now = now  # the latest time given to any entry point
         self.counters: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
@@ -156,6 +158,7 @@ class Dispatcher:
     def on_client(self, identity: bytes, msg: protocol.Message, now: float) -> list[Send]:
         """A decoded message arrived on the frontend from client ``identity``."""
         out: list[Send] = []
+        self._now = now
         client = self._clients.get(identity)
         if client is None:
             if isinstance(msg, protocol.Disconnect):
@@ -196,6 +199,7 @@ class Dispatcher:
     def on_worker(self, identity: bytes, msg: protocol.Message, now: float) -> list[Send]:
         """A decoded message arrived on the backend from worker ``identity``."""
         out: list[Send] = []
+        self._now = now
         worker = self._workers.get(identity)
         if isinstance(msg, protocol.Ready):
             if worker is not None:
@@ -224,7 +228,7 @@ class Dispatcher:
                 out.append(Send(Side.CLIENT, req.client,
                                 protocol.Partial(req.client_rid, msg.seq, msg.body)))
         elif isinstance(msg, protocol.Heartbeat):
-            pass
+            self._recancel(worker, now, out)
         elif isinstance(msg, protocol.Disconnect):
             self.counters["worker_disconnects"] += 1
             self._remove_worker(worker, f"worker disconnected: {msg.reason}"[:200], out)
@@ -235,6 +239,10 @@ class Dispatcher:
     def drop(self, reason: str) -> None:
         """Count a frame the socket layer dropped before it reached the state machine."""
         self.dropped[reason] += 1
+
+    def count(self, counter: str) -> None:
+        """Count an event of the socket layer (e.g. an injected fault) in STATUS."""
+        self.counters[counter] += 1
 
     # ------------------------------------------------------------------ timers
 
@@ -248,6 +256,7 @@ class Dispatcher:
     def tick(self, now: float) -> list[Send]:
         """Run the timers: heartbeats out, peer expiry, request budgets."""
         out: list[Send] = []
+        self._now = now
         if now >= self._next_heartbeat:
             hb = self._heartbeat
             out.extend(Send(Side.WORKER, w, hb) for w in self._workers)
@@ -398,6 +407,17 @@ class Dispatcher:
         del self._requests[req.rid]
         self._fill(worker, now, out)
 
+    def _recancel(self, worker: _Worker, now: float, out: list[Send]) -> None:
+        """Repeat the CANCEL of a request whose answer has not come back within a
+        liveness window: a CANCEL or its answer may have been lost, and only an
+        answer frees the slot. Runs on the worker's heartbeat; bounded by capacity."""
+        window = self.limits.window_s
+        for req in worker.in_flight.values():
+            if req.closed and now - req.cancel_at >= window:
+                req.cancel_at = now
+                self.counters["cancel_resends"] += 1
+                out.append(Send(Side.WORKER, worker.identity, protocol.Cancel(req.rid)))
+
     def _remove_worker(self, worker: _Worker, reason: str, out: list[Send]) -> None:
         del self._workers[worker.identity]
         for service in worker.services:
@@ -492,6 +512,7 @@ class Dispatcher:
                     del self._queues[req.service]
             del self._requests[req.rid]
         else:
+            req.cancel_at = self._now
             out.append(Send(Side.WORKER, req.worker, protocol.Cancel(req.rid)))
 
     def _expire_request(self, req: _Req, out: list[Send]) -> None:
@@ -548,9 +569,11 @@ class Dispatcher:
                 **{k: self.counters[k] for k in (
                     "requests", "replies", "partials", "cancels", "registrations",
                     "worker_expiries", "client_expiries", "worker_disconnects",
-                    "client_disconnects", "client_restarts")},
+                    "client_disconnects", "client_restarts", "cancel_resends")},
                 "failures": dict(self.failures),
                 "dropped": dict(self.dropped),
+                "faults": {k.removeprefix("fault_"): v for k, v in self.counters.items()
+                           if k.startswith("fault_")},
             },
         }
 

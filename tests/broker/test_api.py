@@ -81,10 +81,12 @@ async def test_status_has_the_documented_fields(procs: Procs, broker: BrokerProc
         assert counters["replies"] == 1
         assert counters["registrations"] == 1
         for key in ("partials", "cancels", "worker_expiries", "client_expiries",
-                    "worker_disconnects", "client_disconnects", "client_restarts"):
+                    "worker_disconnects", "client_disconnects", "client_restarts",
+                    "cancel_resends"):
             assert counters[key] == 0
         assert counters["failures"] == {}
         assert counters["dropped"] == {}
+        assert counters["faults"] == {}
         await held.cancel()
         await queued.cancel()
 

@@ -156,3 +156,22 @@ def test_restarted_client_with_same_identity_orphans_the_old_requests() -> None:
     d.on_client(b"c", protocol.Request("1", "s", 5.0), 0.2)  # id reuse is fine now
     assert d.status(0.2)["queues"] == {"s": 1}
     d.check_invariants()
+
+
+def test_unanswered_cancel_is_repeated_each_liveness_window() -> None:
+    d = new()
+    d.on_worker(b"w", protocol.Ready(("s",), 1), 0.0)
+    d.on_client(b"c", protocol.Request("r", "s", 60.0), 0.0)
+    out = d.on_client(b"c", protocol.Cancel("r"), 0.1)
+    (rid,) = d.held_by(b"w")
+    assert [a.msg for a in out if a.side is Side.WORKER] == [protocol.Cancel(rid)]
+    # The CANCEL (or its answer) was lost: the slot stays held, and the CANCEL is
+    # sent again with a heartbeat once a liveness window (1 s) has passed.
+    assert d.on_worker(b"w", protocol.Heartbeat("w"), 0.6) == []
+    out = d.on_worker(b"w", protocol.Heartbeat("w"), 1.2)
+    assert [a.msg for a in out] == [protocol.Cancel(rid)]
+    assert d.on_worker(b"w", protocol.Heartbeat("w"), 1.5) == []
+    d.on_worker(b"w", protocol.Failure(rid, "cancelled", "", False), 1.6)
+    assert d.held_by(b"w") == set()
+    assert d.counters["cancel_resends"] == 1
+    d.check_invariants()
