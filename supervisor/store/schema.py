@@ -141,26 +141,48 @@ MIGRATIONS: tuple[Migration, ...] = (
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
 
-def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
-    """Open one connection configured the store's way (autocommit; explicit BEGINs)."""
-    sync = synchronous.upper()
+def check_synchronous(synchronous: str) -> str:
+    sync = str(synchronous).upper()
     if sync not in SYNCHRONOUS_MODES:
         raise InvalidRequest(f"synchronous must be one of {SYNCHRONOUS_MODES}, not {synchronous!r}")
+    return sync
+
+
+def open_raw(path: Path) -> sqlite3.Connection:
+    """Open a connection (autocommit: the store issues its own BEGINs); reads nothing yet."""
     try:
-        conn = sqlite3.connect(
+        return sqlite3.connect(
             str(path), isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
         )
+    except sqlite3.Error as exc:
+        raise translate_sqlite_error(exc, f"opening {path}") from exc
+
+
+def configure(conn: sqlite3.Connection, synchronous: str) -> None:
+    """Set the store's connection settings (WAL, synchronous, page size of a new file)."""
+    sync = check_synchronous(synchronous)
+    try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         # Only takes effect on a new, empty database (before WAL mode writes its header).
         conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
-            log.warning("could not switch %s to WAL (journal_mode=%s)", path, mode)
+            log.warning("could not switch to WAL (journal_mode=%s)", mode)
         conn.execute(f"PRAGMA synchronous = {sync}")
         conn.execute("PRAGMA foreign_keys = OFF")
         conn.execute("PRAGMA temp_store = MEMORY")
     except sqlite3.Error as exc:
-        raise translate_sqlite_error(exc, f"opening {path}") from exc
+        raise translate_sqlite_error(exc, "configuring the connection") from exc
+
+
+def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
+    """Open one connection configured the store's way (a synchronous helper for tools)."""
+    conn = open_raw(path)
+    try:
+        configure(conn, synchronous)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

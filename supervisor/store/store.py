@@ -85,6 +85,31 @@ async def _in_thread(
     return result
 
 
+async def _connect(path: Path, synchronous: str) -> aiosqlite.Connection:
+    """An aiosqlite connection (its own thread) with the store's settings.
+
+    The connector only opens the file; everything that can fail on a bad file runs
+    afterwards, so a failure closes the connection through ``close()`` and leaves no
+    thread behind that would later call into a closed event loop.
+    """
+    conn = aiosqlite.Connection(partial(schema.open_raw, path), iter_chunk_size=64)
+    try:
+        await conn
+    except BaseException:
+        # aiosqlite stopped its thread itself; wait for it so that it does not resolve
+        # its stop future after this event loop is gone.
+        thread = getattr(conn, "_thread", None)
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 5.0)
+        raise
+    try:
+        await _in_thread(conn, schema.configure, synchronous, what="configuring")
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
 async def _retry_busy(
     attempt: Callable[[], Awaitable[R]], deadline_s: float, what: str,
     on_retry: Callable[[], None] | None = None,
@@ -162,10 +187,8 @@ class Store:
         Raises ``SchemaTooNew`` for a database written by a newer Corral.
         """
         path = Path(path)
-        connector = partial(schema.connect, path, synchronous=synchronous)
-        writer_conn = aiosqlite.Connection(connector, iter_chunk_size=64)
-        await writer_conn
-        reader_conn: aiosqlite.Connection | None = None
+        schema.check_synchronous(synchronous)
+        writer_conn = await _connect(path, synchronous)
         try:
             await _retry_busy(
                 lambda: _in_thread(writer_conn, schema.migrate, what="migrating"),
@@ -173,12 +196,9 @@ class Store:
                 "migrating",
             )
             await _in_thread(writer_conn, _writer_pragmas, max_db_pages, what="configuring")
-            reader_conn = aiosqlite.Connection(connector, iter_chunk_size=64)
-            await reader_conn
+            reader_conn = await _connect(path, synchronous)
         except BaseException:
             await writer_conn.close()
-            if reader_conn is not None:
-                await reader_conn.close()
             raise
         store = cls(
             path, writer_conn, reader_conn,
