@@ -103,9 +103,10 @@ def cmd_status(ns: Namespace) -> int:
         print(f"supervisor: {sup['error']}")
         return EXIT_OK
     broker = sup.get("broker", {})
-    for service, w in sorted(broker.get("services", {}).items()):
+    queues = broker.get("queues", {})
+    for service, w in sorted(broker.get("workers", {}).items()):
         print(f"  service {service:<8} workers idle {w.get('idle', 0)} busy {w.get('busy', 0)} "
-              f"queued {w.get('queued', 0)}")
+              f"queued {queues.get(service, 0)}")
     sessions = sup.get("sessions", {})
     if sessions:
         print("  sessions " + ", ".join(f"{k} {v}" for k, v in sorted(sessions.items())))

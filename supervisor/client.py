@@ -94,6 +94,10 @@ class SupervisorClient:
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         self._reader = self._tg.create_task(self._read_loop())
+        # Learn the server instance now: a restart before its first heartbeat
+        # must still be noticed (every message carries the instance id).
+        with contextlib.suppress(SupervisorError):
+            await self.call("hello", timeout_s=min(self.timeout_s, 5.0))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -124,7 +128,13 @@ class SupervisorClient:
     async def _send(self, msg: dict[str, Any]) -> None:
         if self._sock is None:
             raise SupervisorUnavailable("not connected")
-        await self._sock.send_multipart(wire.encode(msg))
+        try:
+            # Never wait to send: with no connected peer a DEALER would block,
+            # and the reader that sends pings must never block.
+            await self._sock.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise SupervisorUnavailable(f"the supervisor at {self.endpoint} is not "
+                                        "reachable right now") from None
 
     async def call(self, name: str, timeout_s: float | None = None, **args: Any) -> Any:
         """Make one call; raises ``SupervisorError`` or ``SupervisorUnavailable``."""
@@ -162,6 +172,9 @@ class SupervisorClient:
                         continue
                     await self._dispatch(msg)
             elif time.monotonic() - self._last_heard > self.liveness_s:
+                # Lazy Pirate: a silent server gets a fresh socket, so nothing
+                # queued for the dead connection can hold up the new one.
+                self._connect()
                 await self._on_supervisor_lost("silent")
                 self._last_heard = time.monotonic()
             now = time.monotonic()
@@ -169,15 +182,16 @@ class SupervisorClient:
                 # Our liveness for the server: it drops the subscriptions of
                 # clients it has not heard from.
                 self._last_ping = now
-                with contextlib.suppress(zmq.ZMQError):
+                with contextlib.suppress(zmq.ZMQError, SupervisorUnavailable):
                     await self._send({"id": 0, "call": "ping", "args": {}})
 
     async def _dispatch(self, msg: dict[str, Any]) -> None:
-        if "hb" in msg:
-            server_id = str(msg["hb"])
-            if self._server_id is not None and server_id != self._server_id:
+        server_id = msg.get("srv")
+        if isinstance(server_id, str) and server_id != self._server_id:
+            if self._server_id is not None:
                 await self._on_supervisor_lost("restarted")
             self._server_id = server_id
+        if "hb" in msg:
             return
         if "sub" in msg:
             sub = self._subs.get(msg["sub"])
@@ -236,18 +250,27 @@ class SupervisorClient:
                                after_sequence=after_sequence, limit=limit)
 
     async def _subscribe(self, sub: _Subscription, reconnect_timeout_s: float) -> int:
+        """(Re)subscribe ``sub``; its id is registered before the call is sent so no
+        event that follows the answer can arrive for an unknown subscription."""
         deadline = time.monotonic() + reconnect_timeout_s
         delay_s = 0.05
         while True:
+            sub_id = next(self._ids)
+            self._subs[sub_id] = sub
             try:
-                return int(await self.call(
-                    "subscribe", timeout_s=min(self.timeout_s, 2.0),
-                    session_id=sub.session_id, after_sequence=sub.last_sequence))
+                await self.call("subscribe", timeout_s=min(self.timeout_s, 2.0),
+                                session_id=sub.session_id, after_sequence=sub.last_sequence,
+                                sub=sub_id)
+                return sub_id
             except SupervisorUnavailable:
+                self._subs.pop(sub_id, None)
                 if time.monotonic() + delay_s > deadline:
                     raise
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
+            except BaseException:
+                self._subs.pop(sub_id, None)
+                raise
 
     async def events(
         self, session_id: str, *, after_sequence: int = 0, reconnect_timeout_s: float = 60.0
@@ -261,9 +284,7 @@ class SupervisorClient:
         try:
             while True:
                 if sub.sub_id is None:
-                    sub_id = await self._subscribe(sub, reconnect_timeout_s)
-                    sub.sub_id = sub_id
-                    self._subs[sub_id] = sub
+                    sub.sub_id = await self._subscribe(sub, reconnect_timeout_s)
                 event = await sub.queue.get()
                 if event.get("type") == "__end__":
                     kind = event.get("kind")

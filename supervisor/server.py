@@ -86,8 +86,8 @@ class ClientServer:
         self._tenant_of = tenant_of
         self._configure_socket = configure_socket
         self._clients: dict[bytes, _Client] = {}
-        self._sub_ids = 0
         self._sock: zmq.asyncio.Socket | None = None
+        self._sync: zmq.Socket[bytes] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self.counters: dict[str, int] = {"calls": 0, "bad_frames": 0, "errors": 0,
                                          "slow_consumers": 0, "expired_clients": 0}
@@ -104,6 +104,9 @@ class ClientServer:
             self._configure_socket(sock)
         sock.bind(self.endpoint)
         self._sock = sock
+        # Sends are synchronous and non-blocking: a sync shadow of the same socket,
+        # so a failed send is an exception here, not a Future nobody awaits.
+        self._sync = zmq.Socket.shadow(sock.underlying)
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.bound_endpoint
 
@@ -123,12 +126,17 @@ class ClientServer:
 
     def _send(self, identity: bytes, msg: dict[str, Any]) -> bool:
         """Send without blocking; False when the client is gone or saturated."""
-        if self._sock is None:
+        if self._sync is None:
             return False
+        # Every message names the server instance, so a client notices a restart
+        # from the first message of the new instance, even one it never heard.
+        msg["srv"] = self.instance_id
         try:
-            self._sock.send_multipart([identity, *wire.encode(msg)], flags=zmq.NOBLOCK)
+            self._sync.send_multipart([identity, *wire.encode(msg)], flags=zmq.NOBLOCK)
             return True
-        except (zmq.Again, zmq.ZMQError):
+        except (zmq.Again, zmq.ZMQError) as exc:
+            self.counters["send_failures"] = self.counters.get("send_failures", 0) + 1
+            log.debug("send to client %s failed: %s", identity.hex()[:16], exc)
             return False
 
     # -- loops ------------------------------------------------------------
@@ -141,7 +149,7 @@ class ClientServer:
                 if now - client.last_seen > self.client_liveness_s:
                     self._drop_client(client, "silent")
                 else:
-                    self._send(client.identity, {"hb": self.instance_id})
+                    self._send(client.identity, {"hb": True})
 
     def _drop_client(self, client: _Client, why: str) -> None:
         log.info("client %s %s; cancelling %d subscription(s)", client.identity.hex(), why,
@@ -243,7 +251,8 @@ class ClientServer:
                                   self._arg(args, "op", dict), tenant)
         if call == "subscribe":
             return self._subscribe(client, self._arg(args, "session_id", str),
-                                   self._arg(args, "after_sequence", int, 0))
+                                   self._arg(args, "after_sequence", int, 0),
+                                   self._arg(args, "sub", int))
         if call == "unsubscribe":
             task = client.subs.pop(self._arg(args, "sub", int), None)
             if task is not None:
@@ -263,14 +272,17 @@ class ClientServer:
             return status
         raise CallError(ErrorKind.BAD_REQUEST, f"unknown call {call!r}")  # pragma: no cover
 
-    def _subscribe(self, client: _Client, session_id: str, after_sequence: int) -> int:
+    def _subscribe(self, client: _Client, session_id: str, after_sequence: int,
+                   sub_id: int) -> int:
+        """Start pushing events under the client's own subscription id (chosen by
+        the client, so it can route events that overtake this call's answer)."""
         if len(client.subs) >= MAX_SUBSCRIPTIONS_PER_CLIENT:
             raise CallError(ErrorKind.BAD_REQUEST,
                             f"at most {MAX_SUBSCRIPTIONS_PER_CLIENT} subscriptions per client")
-        # Validate eagerly so an unknown session is an error answer, not an end.
+        if sub_id in client.subs or not 0 < sub_id < 2**62:
+            raise CallError(ErrorKind.BAD_REQUEST, f"subscription id {sub_id} is in use or "
+                            "out of range")
         iterator = self.backend.subscribe(session_id, after_sequence, client.tenant)
-        self._sub_ids += 1
-        sub_id = self._sub_ids
         assert self._tg is not None
         client.subs[sub_id] = self._tg.create_task(self._pump(client, sub_id, iterator))
         return sub_id

@@ -15,7 +15,10 @@ Supervisor → client:
   ``{"id": int, "ok": false, "error": {"kind", "message"}}``;
 - a pushed event: ``{"sub": int, "event": {...EventRecord fields...}}``;
 - a subscription's end: ``{"sub": int, "end": {"kind", "message"}}``;
-- a heartbeat: ``{"hb": instance_id}``.
+- a heartbeat: ``{"hb": true}``.
+
+Every message from the supervisor also carries ``"srv": instance_id``, a
+fresh id per supervisor process, so clients notice a restart at once.
 
 Invariants:
 - ``decode`` raises only ``WireError`` for any input, and never asserts.

@@ -16,3 +16,18 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield p
     finally:
         p.kill_all()
+
+
+@pytest.fixture
+def workspace_root() -> Iterator[Path]:
+    """A directory the sandbox uid can reach (pytest's tmp_path sits under a 0700
+    directory of root, which a tool's non-root uid cannot traverse)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="corral-test-", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

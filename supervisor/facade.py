@@ -1,0 +1,179 @@
+"""The supervisor's facade for clients: maps client-protocol calls onto the
+engine (``SessionManager``), the store and the broker, and enforces tenants.
+
+Invariants:
+- A client sees only sessions of its own tenant (a client without a tenant
+  sees only sessions without one); every refusal is logged.
+- Inline routes (``route_spec`` from ``corral run --model PROVIDER:MODEL``)
+  are validated with ``sandbox_worker.api.parse_route`` rules, registered
+  under their spec string and persisted in ``HOME/routes.json`` so sessions
+  using them survive a supervisor restart. They never carry a key.
+- Every answer is plain msgpack-friendly data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from broker.client import BrokerClient
+from sandbox_worker.api import PROVIDERS, ModelRoute
+from supervisor.engine.config import EngineConfig, SessionSpec
+from supervisor.server import CallError
+from supervisor.store import Store
+from supervisor.store.records import EventRecord, SessionId
+from supervisor.wire import ErrorKind
+
+log = logging.getLogger(__name__)
+
+_SPEC_KEYS = {"workspace", "route", "route_spec", "approval", "instructions", "hooks",
+              "tool_policy", "compaction_threshold_tokens", "stream", "session_id",
+              "child_route", "parent_session_id"}
+_ROUTE_KEYS = set(ModelRoute.__annotations__)
+
+
+def event_to_wire(e: EventRecord) -> dict[str, Any]:
+    out = {"session_id": e.session_id, "sequence": e.sequence, "type": e.type,
+           "payload": e.payload, "created_at": e.created_at}
+    if e.submission_id is not None:
+        out["submission_id"] = e.submission_id
+    return out
+
+
+class Facade:
+    def __init__(self, *, manager: Any, store: Store, broker: BrokerClient,
+                 engine_config: EngineConfig, home: Path,
+                 defaults: dict[str, Any] | None = None) -> None:
+        self.manager = manager
+        # Session options from corral.toml, applied where a client gives none.
+        self.defaults = defaults or {}
+        self.store = store
+        self.broker = broker
+        self.engine_config = engine_config
+        self.routes_file = home / "routes.json"
+        self._load_inline_routes()
+
+    # -- routes -------------------------------------------------------------
+
+    def _load_inline_routes(self) -> None:
+        try:
+            saved = json.loads(self.routes_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        for name, route in saved.items():
+            self.engine_config.routes.setdefault(name, route)
+
+    def register_route(self, spec: Any) -> str:
+        if not isinstance(spec, dict) or not set(spec) <= _ROUTE_KEYS:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"route_spec must be a map with keys among {sorted(_ROUTE_KEYS)}")
+        if spec.get("provider") not in PROVIDERS or not isinstance(spec.get("model"), str):
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"route_spec needs provider (one of {list(PROVIDERS)}) and model")
+        if not isinstance(spec.get("base_url"), str) or not spec["base_url"].startswith(
+                ("http://", "https://")):
+            raise CallError(ErrorKind.BAD_REQUEST, "route_spec needs an http(s) base_url")
+        name = str(spec.get("name") or f"{spec['provider']}:{spec['model']}")
+        route: ModelRoute = {**spec, "name": name}  # type: ignore[typeddict-item]
+        self.engine_config.routes[name] = route
+        inline = {n: r for n, r in self.engine_config.routes.items() if ":" in n}
+        tmp = self.routes_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(inline, sort_keys=True))
+        os.replace(tmp, self.routes_file)
+        return name
+
+    # -- tenancy ------------------------------------------------------------
+
+    async def _check_tenant(self, session_id: str, tenant: str | None) -> None:
+        record = await self.store.get_session(SessionId(session_id))
+        if record is None:
+            raise CallError(ErrorKind.UNKNOWN_SESSION,
+                            f"no session {session_id!r}; list them with: corral sessions")
+        owner = record.config.get("tenant")
+        if owner != tenant:
+            log.warning("refused: tenant %r tried to reach session %s of tenant %r",
+                        tenant, session_id, owner)
+            # Same answer as for a missing session: do not reveal other tenants.
+            raise CallError(ErrorKind.UNKNOWN_SESSION,
+                            f"no session {session_id!r}; list them with: corral sessions")
+
+    # -- calls --------------------------------------------------------------
+
+    async def create_session(self, spec: dict[str, Any], tenant: str | None) -> str:
+        unknown = set(spec) - _SPEC_KEYS
+        if unknown:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"unknown session option(s) {sorted(unknown)}; "
+                            f"allowed: {sorted(_SPEC_KEYS)}")
+        spec = {**self.defaults, **spec}
+        if "route_spec" in spec:
+            spec["route"] = self.register_route(spec.pop("route_spec"))
+        route = spec.get("route")
+        if route is not None and route not in self.engine_config.routes:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"unknown model route {route!r}; configured: "
+                            f"{sorted(self.engine_config.routes)} (or use PROVIDER:MODEL)")
+        workspace = spec.get("workspace")
+        if not isinstance(workspace, str) or not os.path.isabs(workspace):
+            raise CallError(ErrorKind.BAD_REQUEST, "workspace must be an absolute path")
+        fields = {f.name for f in dataclasses.fields(SessionSpec)}
+        session_spec = SessionSpec(**{k: v for k, v in spec.items() if k in fields})
+        session_spec.tenant = tenant
+        return str(await self.manager.create_session(session_spec))
+
+    async def submit(self, session_id: str, op: dict[str, Any], tenant: str | None) -> str:
+        await self._check_tenant(session_id, tenant)
+        if op.get("type") == "set_model" and "route_spec" in op:
+            op = dict(op)
+            op["route"] = self.register_route(op.pop("route_spec"))
+        return str(await self.manager.submit(SessionId(session_id), op))
+
+    def subscribe(self, session_id: str, after_sequence: int,
+                  tenant: str | None) -> AsyncIterator[dict[str, Any]]:
+        return self._subscribe(session_id, after_sequence, tenant)
+
+    async def _subscribe(self, session_id: str, after_sequence: int,
+                         tenant: str | None) -> AsyncIterator[dict[str, Any]]:
+        await self._check_tenant(session_id, tenant)
+        async for event in self.manager.subscribe(SessionId(session_id),
+                                                  after_sequence=after_sequence):
+            yield event_to_wire(event) if isinstance(event, EventRecord) else event
+
+    async def list_sessions(self, args: dict[str, Any], tenant: str | None) -> Any:
+        limit = args.get("limit", 100)
+        if not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise CallError(ErrorKind.BAD_REQUEST, "limit must be between 1 and 1000")
+        after = args.get("after")
+        page = await self.store.list_sessions(after=after if isinstance(after, str) else None,
+                                              limit=limit)
+        sessions = [
+            {"session_id": r.session_id, "status": r.status, "created_at": r.created_at,
+             "route": r.config.get("route"), "workspace": r.config.get("workspace"),
+             "parent_session_id": r.parent_session_id}
+            for r in page.items if r.config.get("tenant") == tenant
+        ]
+        return {"sessions": sessions, "next": page.next_cursor}
+
+    async def describe(self, session_id: str, tenant: str | None) -> Any:
+        await self._check_tenant(session_id, tenant)
+        described: dict[str, Any] = dict(await self.manager.describe(SessionId(session_id)))
+        return described
+
+    async def history(self, session_id: str, after_sequence: int, limit: int,
+                      tenant: str | None) -> Any:
+        await self._check_tenant(session_id, tenant)
+        page = await self.store.events_page(SessionId(session_id),
+                                            after_sequence=after_sequence, limit=limit)
+        return {"events": [event_to_wire(e) for e in page.items], "next": page.next_cursor}
+
+    async def status(self) -> Any:
+        try:
+            broker = await self.broker.status(timeout_s=2.0)
+        except Exception as exc:  # status must answer even when the broker does not
+            broker = {"error": f"{type(exc).__name__}: {exc}"}
+        return {"broker": broker, "sessions": self.manager.stats()}

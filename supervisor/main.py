@@ -1,0 +1,143 @@
+"""The supervisor process: ``python -m supervisor --home DIR --broker EP --listen EP``.
+
+It opens the SQLite store (the only writer), connects to the broker as a
+client, resumes every active session, and serves clients on ``--listen``.
+Readiness is one JSON line on stdout once it serves. SIGTERM stops
+gracefully: sessions are checkpointed (every step is committed before it is
+visible, so stopping never loses a step), then the store is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from broker.client import BrokerClient
+from sandbox_worker.api import ModelRoute
+from supervisor import config as config_mod
+from supervisor.engine.config import EngineConfig
+from supervisor.engine.manager import SessionManager
+from supervisor.export import DirectorySink, HttpSink
+from supervisor.facade import Facade
+from supervisor.server import ClientServer
+from supervisor.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m supervisor",
+        description="Corral supervisor: owns every session and their durable state. "
+        "Prints one JSON ready line on stdout once it serves clients.")
+    p.add_argument("--home", type=Path, required=True,
+                   help="the farm's home (corral.toml, corral.db)")
+    p.add_argument("--broker", required=True, help="the broker's frontend endpoint")
+    p.add_argument("--listen", required=True,
+                   help="client endpoint to bind, e.g. ipc://HOME/run/supervisor.sock")
+    p.add_argument("--db", type=Path, default=None, help="store path (default HOME/corral.db)")
+    p.add_argument("--route-url", action="append", default=[], metavar="NAME=URL",
+                   help="base URL of a scripted route's provider (given by the farm)")
+    p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
+    p.add_argument("--liveness", type=int, default=4)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def engine_config(cfg: config_mod.FarmConfig, route_urls: dict[str, str]) -> EngineConfig:
+    routes: dict[str, ModelRoute] = {}
+    for name, route in cfg.routes.items():
+        routes[name] = ModelRoute(**route)
+        if name in route_urls:
+            routes[name]["base_url"] = route_urls[name]
+    return EngineConfig(
+        routes=routes,
+        default_route=cfg.default_route,
+        instructions=cfg.instructions,
+        max_model_steps=cfg.max_model_steps,
+        max_turn_s=cfg.turn_timeout_s,
+        compaction_threshold_tokens=cfg.compaction_threshold_tokens,
+    )
+
+
+def session_defaults(cfg: config_mod.FarmConfig) -> dict[str, Any]:
+    """What a session gets from corral.toml unless its creator says otherwise."""
+    policy: dict[str, Any] = {"tier_min": cfg.tier_min, "network": cfg.network,
+                              "limits": dict(cfg.limits)}
+    if cfg.allow_unsandboxed:
+        policy["allow_unsandboxed"] = True
+    return {
+        "approval": {"default": cfg.approval, "allow": list(cfg.allow),
+                     "deny": list(cfg.deny), "ask": list(cfg.ask)},
+        "tool_policy": policy,
+        "instructions": cfg.instructions,
+    }
+
+
+def export_sinks(cfg: config_mod.FarmConfig) -> list[Any]:
+    sinks: list[Any] = []
+    for sink in cfg.export_sinks:
+        if sink["type"] == "directory":
+            path = Path(sink.get("path", "exports"))
+            sinks.append(DirectorySink(path if path.is_absolute() else cfg.home / path))
+        else:
+            sinks.append(HttpSink(str(sink["url"]), timeout_s=float(sink.get("timeout_s", 10))))
+    if not sinks:
+        sinks.append(DirectorySink(cfg.home / "exports"))
+    return sinks
+
+
+async def serve(ns: argparse.Namespace) -> int:
+    home: Path = ns.home.resolve()
+    try:
+        cfg = config_mod.load(home)
+    except config_mod.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    urls = dict(item.split("=", 1) for item in ns.route_url)
+    econf = engine_config(cfg, urls)
+    store = await Store.open(ns.db or home / "corral.db")
+    try:
+        async with BrokerClient(ns.broker, heartbeat_interval_s=ns.heartbeat_interval_s,
+                                liveness=ns.liveness) as broker:
+            manager = SessionManager(store=store, broker=broker, config=econf,
+                                     export_sinks=export_sinks(cfg))
+            facade = Facade(manager=manager, store=store, broker=broker,
+                            engine_config=econf, home=home, defaults=session_defaults(cfg))
+            server = ClientServer(facade, ns.listen)
+            bound = server.bind()
+            if bound.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.chmod(bound[len("ipc://"):], 0o600)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            async with asyncio.TaskGroup() as tg:
+                manager_task = tg.create_task(manager.run())
+                server_task = tg.create_task(server.run())
+                sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
+                                             "listen": bound, "broker": ns.broker}) + "\n")
+                sys.stdout.flush()
+                await stop.wait()
+                log.info("stopping: no new calls; sessions are checkpointed at every step")
+                server_task.cancel()
+                manager_task.cancel()
+    finally:
+        await store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    return asyncio.run(serve(ns))
