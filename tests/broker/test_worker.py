@@ -64,7 +64,7 @@ class Signals:
     async def hold(self, ctx: RequestContext) -> bytes:
         self.held.set()
         try:
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # until cancelled
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
