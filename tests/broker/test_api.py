@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -223,3 +224,22 @@ async def test_in_process_worker_serves_echo(broker: BrokerProc) -> None:
     async with client_for(broker) as client:
         await eventually(lambda: _registered(client, 0), timeout_s=HB_S * LIVENESS,
                          what="worker gone")
+
+
+async def test_echo_worker_process_stops_gracefully_on_sigterm(
+    procs: Procs, broker: BrokerProc
+) -> None:
+    worker = start_echo(procs, broker.backend)
+    async with client_for(broker) as client:
+        await eventually(lambda: _registered(client), what="worker registered")
+        worker.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.proc.wait, 10) == 0
+        # It said goodbye: the broker forgets it on the DISCONNECT, not by expiry.
+
+        async def gone() -> dict[str, Any] | None:
+            status = await client.status()
+            return status if status["worker_count"] == 0 else None
+
+        status = await eventually(gone, timeout_s=5, what="worker gone")
+        assert status["counters"]["worker_disconnects"] == 1
+        assert status["counters"]["worker_expiries"] == 0
