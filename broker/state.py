@@ -3,7 +3,8 @@
 ``Dispatcher`` takes decoded messages and the current time (``now``, from
 ``time.monotonic()`` in the caller) and returns the list of ``Send`` actions to
 perform. ``broker.server`` is the socket loop around it; tests drive it
-directly, including a Hypothesis ``RuleBasedStateMachine``.
+directly, including a Hypothesis ``RuleBasedStateMachine``. Its records
+(limits, actions, entries) are in ``broker.records``.
 
 One source of truth (no parallel lists that can disagree):
 
@@ -29,103 +30,26 @@ and counted in ``dropped[reason]``.
 
 from __future__ import annotations
 
-import enum
 import heapq
-import time
-import uuid
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import Any
 
 from broker import protocol
 from broker.protocol import FailureKind
+from broker.records import (
+    MAX_STATUS_CLIENTS,
+    ClientEntry,
+    Limits,
+    Req,
+    Send,
+    Side,
+    WorkerEntry,
+    new_broker_id,
+    peer_name,
+)
 
-MAX_STATUS_CLIENTS: Final = 256
-
-
-class Side(enum.Enum):
-    CLIENT = "client"
-    WORKER = "worker"
-
-
-class Send(NamedTuple):
-    """Action: send ``msg`` to the peer ``identity`` on the ``side`` socket.
-
-    A NamedTuple rather than a frozen dataclass: two are made per request."""
-
-    side: Side
-    identity: bytes
-    msg: protocol.Message
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    heartbeat_interval_s: float = 0.25
-    liveness: int = 4
-    queue_limit: int = 10_000  # queued requests per service
-    max_queued_services: int = 1024  # distinct services with a non-empty queue
-    max_workers: int = 4096
-    max_clients: int = 4096
-    max_requests: int = 200_000  # queued + held, over all clients
-
-    @property
-    def window_s(self) -> float:
-        """A peer silent for this long is declared dead."""
-        return self.heartbeat_interval_s * self.liveness
-
-
-class _Req:
-    __slots__ = (
-        "attempt", "body", "cancel_at", "client", "client_rid", "closed", "deadline", "rid",
-        "seq", "service", "worker",
-    )
-
-    def __init__(
-        self, rid: str, seq: int, client: bytes, client_rid: str, service: str,
-        body: bytes, attempt: int, deadline: float,
-    ) -> None:
-        self.rid = rid
-        self.seq = seq
-        self.client = client
-        self.client_rid = client_rid
-        self.service = service
-        self.body = body
-        self.attempt = attempt
-        self.deadline = deadline
-        self.worker: bytes | None = None
-        self.closed = False
-        self.cancel_at = 0.0  # when CANCEL was last sent to its worker (closed and held)
-
-
-class _Worker:
-    __slots__ = ("answered", "capacity", "identity", "in_flight", "info", "last_seen", "services")
-
-    def __init__(
-        self, identity: bytes, services: tuple[str, ...], capacity: int,
-        info: dict[str, Any], now: float,
-    ) -> None:
-        self.identity = identity
-        self.services = services
-        self.capacity = capacity
-        self.info = info
-        self.last_seen = now
-        self.in_flight: dict[str, _Req] = {}
-        self.answered = 0  # requests this worker answered (REPLY or FAILURE)
-
-
-class _Client:
-    __slots__ = ("identity", "instance", "last_seen", "pending")
-
-    def __init__(self, identity: bytes, now: float) -> None:
-        self.identity = identity
-        self.instance = ""  # the peer_id of its heartbeats: changes if the client restarts
-        self.last_seen = now
-        self.pending: dict[str, _Req] = {}  # client request id -> request, not closed
-
-
-def _peer_name(identity: bytes) -> str:
-    return identity.decode("utf-8", "backslashreplace")
+__all__ = ["Dispatcher", "Limits", "Send", "Side", "new_broker_id"]
 
 
 class Dispatcher:
@@ -135,10 +59,10 @@ class Dispatcher:
         self.broker_id = broker_id
         self.limits = limits
         self.started = now
-        self._workers: dict[bytes, _Worker] = {}
-        self._clients: dict[bytes, _Client] = {}
-        self._requests: dict[str, _Req] = {}
-        self._queues: dict[str, dict[str, _Req]] = {}
+        self._workers: dict[bytes, WorkerEntry] = {}
+        self._clients: dict[bytes, ClientEntry] = {}
+        self._requests: dict[str, Req] = {}
+        self._queues: dict[str, dict[str, Req]] = {}
         self._idle: dict[str, dict[bytes, None]] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._next_seq = 0
@@ -169,7 +93,7 @@ class Dispatcher:
                     self._fail_direct(identity, msg.request_id, FailureKind.OVERLOADED,
                                       "broker has too many clients", out)
                 return out
-            client = self._clients[identity] = _Client(identity, now)
+            client = self._clients[identity] = ClientEntry(identity, now)
             # First contact: tell the client our id at once, so it notices a
             # broker restart without waiting for the next heartbeat round.
             out.append(Send(Side.CLIENT, identity, self._heartbeat))
@@ -182,7 +106,7 @@ class Dispatcher:
                     # Same identity, new process: the old one's requests are orphans.
                     self.counters["client_restarts"] += 1
                     self._remove_client(client, out)
-                    client = self._clients[identity] = _Client(identity, now)
+                    client = self._clients[identity] = ClientEntry(identity, now)
                 client.instance = msg.peer_id
         elif isinstance(msg, protocol.Cancel):
             self._on_cancel(client, msg.request_id, now, out)
@@ -296,7 +220,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ clients
 
-    def _on_request(self, client: _Client, msg: protocol.Request, now: float,
+    def _on_request(self, client: ClientEntry, msg: protocol.Request, now: float,
                     out: list[Send]) -> None:
         self.counters["requests"] += 1
         cid = client.identity
@@ -331,18 +255,18 @@ class Dispatcher:
         req = self._new_request(client, msg, now)
         queue[req.rid] = req
 
-    def _new_request(self, client: _Client, msg: protocol.Request, now: float) -> _Req:
+    def _new_request(self, client: ClientEntry, msg: protocol.Request, now: float) -> Req:
         self._next_seq += 1
         seq = self._next_seq
         rid = f"{self._rid_prefix}{seq:x}"
-        req = _Req(rid, seq, client.identity, msg.request_id, msg.service, msg.body,
+        req = Req(rid, seq, client.identity, msg.request_id, msg.service, msg.body,
                    msg.attempt, now + msg.budget_s)
         self._requests[rid] = req
         client.pending[msg.request_id] = req
         heapq.heappush(self._deadlines, (req.deadline, rid))
         return req
 
-    def _on_cancel(self, client: _Client, client_rid: str, now: float,
+    def _on_cancel(self, client: ClientEntry, client_rid: str, now: float,
                    out: list[Send]) -> None:
         req = client.pending.get(client_rid)
         if req is None:
@@ -351,7 +275,7 @@ class Dispatcher:
         self.counters["cancels"] += 1
         self._answer_failure(req, FailureKind.CANCELLED, "cancelled by the client", False, out)
 
-    def _remove_client(self, client: _Client, out: list[Send]) -> None:
+    def _remove_client(self, client: ClientEntry, out: list[Send]) -> None:
         del self._clients[client.identity]
         for req in list(client.pending.values()):
             self._close(req, out)
@@ -364,7 +288,7 @@ class Dispatcher:
         if len(self._workers) >= self.limits.max_workers:
             self.dropped["too_many_workers"] += 1
             return
-        worker = _Worker(identity, tuple(dict.fromkeys(msg.services)), msg.capacity,
+        worker = WorkerEntry(identity, tuple(dict.fromkeys(msg.services)), msg.capacity,
                          dict(msg.info), now)
         self._workers[identity] = worker
         self._disconnect_sent.pop(identity, None)
@@ -381,7 +305,7 @@ class Dispatcher:
         self._disconnect_sent[identity] = now
         out.append(Send(Side.WORKER, identity, protocol.Disconnect("unknown worker: send READY")))
 
-    def _on_answer(self, worker: _Worker, msg: protocol.Reply | protocol.Failure, now: float,
+    def _on_answer(self, worker: WorkerEntry, msg: protocol.Reply | protocol.Failure, now: float,
                    out: list[Send]) -> None:
         req = worker.in_flight.get(msg.request_id)
         if req is None:
@@ -407,7 +331,7 @@ class Dispatcher:
         del self._requests[req.rid]
         self._fill(worker, now, out)
 
-    def _recancel(self, worker: _Worker, now: float, out: list[Send]) -> None:
+    def _recancel(self, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Repeat the CANCEL of a request whose answer has not come back within a
         liveness window: a CANCEL or its answer may have been lost, and only an
         answer frees the slot. Runs on the worker's heartbeat; bounded by capacity."""
@@ -418,7 +342,7 @@ class Dispatcher:
                 self.counters["cancel_resends"] += 1
                 out.append(Send(Side.WORKER, worker.identity, protocol.Cancel(req.rid)))
 
-    def _remove_worker(self, worker: _Worker, reason: str, out: list[Send]) -> None:
+    def _remove_worker(self, worker: WorkerEntry, reason: str, out: list[Send]) -> None:
         del self._workers[worker.identity]
         for service in worker.services:
             idle = self._idle.get(service)
@@ -433,7 +357,7 @@ class Dispatcher:
             del self._requests[req.rid]
         worker.in_flight.clear()
 
-    def _dispatch(self, req: _Req, worker: _Worker, now: float, out: list[Send]) -> None:
+    def _dispatch(self, req: Req, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Give the queued-or-new ``req`` to ``worker``, which has a free slot."""
         req.worker = worker.identity
         worker.in_flight[req.rid] = req
@@ -452,11 +376,11 @@ class Dispatcher:
         out.append(Send(Side.WORKER, wid, protocol.Request(
             req.rid, req.service, budget if budget > 0 else 0.0, req.body, req.attempt)))
 
-    def _fill(self, worker: _Worker, now: float, out: list[Send]) -> None:
+    def _fill(self, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Hand queued work to ``worker`` while it has free slots; else mark it idle."""
         while len(worker.in_flight) < worker.capacity:
-            best: dict[str, _Req] | None = None
-            best_req: _Req | None = None
+            best: dict[str, Req] | None = None
+            best_req: Req | None = None
             for service in worker.services:
                 queue = self._queues.get(service)
                 if queue:
@@ -486,7 +410,7 @@ class Dispatcher:
         out.append(Send(Side.CLIENT, identity,
                         protocol.Failure(client_rid, kind, message, retryable)))
 
-    def _answer_failure(self, req: _Req, kind: str, message: str, retryable: bool,
+    def _answer_failure(self, req: Req, kind: str, message: str, retryable: bool,
                         out: list[Send], *, cancel_at_worker: bool = True) -> None:
         """Send the final FAILURE for an open request and close it."""
         self.failures[kind] += 1
@@ -500,7 +424,7 @@ class Dispatcher:
         else:
             req.closed = True  # the caller is dropping the worker that holds it
 
-    def _close(self, req: _Req, out: list[Send]) -> None:
+    def _close(self, req: Req, out: list[Send]) -> None:
         """No more messages go to the client. A held request keeps its slot and is
         cancelled at its worker; a queued one is forgotten."""
         req.closed = True
@@ -515,7 +439,7 @@ class Dispatcher:
             req.cancel_at = self._now
             out.append(Send(Side.WORKER, req.worker, protocol.Cancel(req.rid)))
 
-    def _expire_request(self, req: _Req, out: list[Send]) -> None:
+    def _expire_request(self, req: Req, out: list[Send]) -> None:
         where = "in the queue" if req.worker is None else "at the worker"
         self._answer_failure(req, FailureKind.TIMEOUT, f"budget ran out {where}", True, out)
 
@@ -537,7 +461,7 @@ class Dispatcher:
         for worker in self._workers.values():
             busy = len(worker.in_flight) >= worker.capacity
             entry = {
-                "identity": _peer_name(worker.identity),
+                "identity": peer_name(worker.identity),
                 "services": list(worker.services),
                 "capacity": worker.capacity,
                 "in_flight": len(worker.in_flight),
@@ -550,7 +474,7 @@ class Dispatcher:
                 svc["busy" if busy else "idle"] += 1
                 svc["workers"].append(entry)
         clients = [
-            {"identity": _peer_name(c.identity), "pending": len(c.pending),
+            {"identity": peer_name(c.identity), "pending": len(c.pending),
              "last_seen_s": round(now - c.last_seen, 4)}
             for c in list(self._clients.values())[:MAX_STATUS_CLIENTS]
         ]
@@ -633,8 +557,3 @@ class Dispatcher:
     def open_requests(self) -> Iterable[tuple[bytes, str]]:
         """(client identity, client request id) of every request not yet answered."""
         return [(r.client, r.client_rid) for r in self._requests.values() if not r.closed]
-
-
-def new_broker_id() -> str:
-    """A fresh instance id; a restarted broker gets a new one."""
-    return f"{uuid.uuid4().hex[:16]}-{int(time.time())}"
