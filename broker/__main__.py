@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-clients", type=int, default=_DEFAULTS.max_clients)
     parser.add_argument("--max-requests", type=int, default=_DEFAULTS.max_requests,
                         help="requests tracked at once (queued + in flight)")
+    parser.add_argument("--max-queued-bytes", type=int, default=_DEFAULTS.max_queued_bytes,
+                        help="total size of queued request bodies (default 512 MiB)")
     parser.add_argument("--faults", default=None, metavar="SPEC",
                         help="chaos runs only: inject frame faults into request traffic, "
                         "e.g. 'frame_drop,frame_delay,frame_duplicate[:rate=0.02]'")
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.heartbeat_interval_s <= 0 or args.liveness < 1:
         parser.error("--heartbeat-interval-s must be > 0 and --liveness >= 1")
     if min(args.max_message_bytes, args.queue_limit, args.max_workers, args.max_clients,
-           args.max_requests) < 1:
+           args.max_requests, args.max_queued_bytes) < 1:
         parser.error("limits must be positive")
     return args
 
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_interval_s=args.heartbeat_interval_s, liveness=args.liveness,
         queue_limit=args.queue_limit, max_workers=args.max_workers,
         max_clients=args.max_clients, max_requests=args.max_requests,
+        max_queued_bytes=args.max_queued_bytes,
     )
     broker = Broker(BrokerConfig(args.frontend, args.backend, limits, args.max_message_bytes,
                                  args.faults))

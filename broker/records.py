@@ -44,6 +44,7 @@ class Limits:
     max_workers: int = 4096
     max_clients: int = 4096
     max_requests: int = 200_000  # queued + held, over all clients
+    max_queued_bytes: int = 512 * 1024 * 1024  # request bodies waiting in queues
 
     @property
     def window_s(self) -> float:

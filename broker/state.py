@@ -63,6 +63,7 @@ class Dispatcher:
         self._clients: dict[bytes, ClientEntry] = {}
         self._requests: dict[str, Req] = {}
         self._queues: dict[str, dict[str, Req]] = {}
+        self._queued_bytes = 0  # sum of the bodies of queued requests
         self._idle: dict[str, dict[bytes, None]] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._next_seq = 0
@@ -212,6 +213,7 @@ class Dispatcher:
         out.extend(Send(Side.WORKER, w, protocol.Disconnect(reason)) for w in self._workers)
         self._requests.clear()
         self._queues.clear()
+        self._queued_bytes = 0
         self._idle.clear()
         self._workers.clear()
         self._clients.clear()
@@ -242,6 +244,10 @@ class Dispatcher:
             req = self._new_request(client, msg, now)
             self._dispatch(req, self._workers[next(iter(idle))], now, out)
             return
+        if self._queued_bytes + len(msg.body) > self.limits.max_queued_bytes:
+            self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+                              "queued request bodies are over the broker's byte bound", out)
+            return
         if queue is None:
             if len(self._queues) >= self.limits.max_queued_services:
                 self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
@@ -254,6 +260,7 @@ class Dispatcher:
             return
         req = self._new_request(client, msg, now)
         queue[req.rid] = req
+        self._queued_bytes += len(req.body)
 
     def _new_request(self, client: ClientEntry, msg: protocol.Request, now: float) -> Req:
         self._next_seq += 1
@@ -373,8 +380,9 @@ class Dispatcher:
             elif not idle:
                 del self._idle[service]
         budget = req.deadline - now
+        body, req.body = req.body, b""  # the worker has it now; do not keep a copy
         out.append(Send(Side.WORKER, wid, protocol.Request(
-            req.rid, req.service, budget if budget > 0 else 0.0, req.body, req.attempt)))
+            req.rid, req.service, budget if budget > 0 else 0.0, body, req.attempt)))
 
     def _fill(self, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Hand queued work to ``worker`` while it has free slots; else mark it idle."""
@@ -390,6 +398,7 @@ class Dispatcher:
             if best is None or best_req is None:
                 break
             del best[best_req.rid]
+            self._queued_bytes -= len(best_req.body)
             if not best:
                 del self._queues[best_req.service]
             self._dispatch(best_req, worker, now, out)
@@ -430,8 +439,8 @@ class Dispatcher:
         req.closed = True
         if req.worker is None:
             queue = self._queues.get(req.service)
-            if queue is not None:
-                queue.pop(req.rid, None)
+            if queue is not None and queue.pop(req.rid, None) is not None:
+                self._queued_bytes -= len(req.body)
                 if not queue:
                     del self._queues[req.service]
             del self._requests[req.rid]
@@ -489,6 +498,7 @@ class Dispatcher:
             "client_count": len(self._clients),
             "clients": clients,
             "requests_tracked": len(self._requests),
+            "queued_bytes": self._queued_bytes,
             "counters": {
                 **{k: self.counters[k] for k in (
                     "requests", "replies", "partials", "cancels", "registrations",
@@ -526,6 +536,9 @@ class Dispatcher:
                 if req.worker is not None or req.closed or req.service != service:
                     fail(f"queued request {rid} in a wrong state")
                 queued.add(rid)
+        queued_bytes = sum(len(r.body) for q in self._queues.values() for r in q.values())
+        if queued_bytes != self._queued_bytes:
+            fail(f"queued bytes {self._queued_bytes} != {queued_bytes}")
         if held & queued or held | queued != set(self._requests):
             fail("requests are not exactly queued or held")
         for service in self._queues:

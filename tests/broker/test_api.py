@@ -77,6 +77,7 @@ async def test_status_has_the_documented_fields(procs: Procs, broker: BrokerProc
         assert status["client_count"] == 1
         assert status["clients"][0]["pending"] == 2
         assert status["requests_tracked"] == 2
+        assert status["queued_bytes"] == 0  # the queued request has an empty body
         counters = status["counters"]
         assert counters["requests"] == 3
         assert counters["replies"] == 1

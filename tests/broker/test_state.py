@@ -175,3 +175,19 @@ def test_unanswered_cancel_is_repeated_each_liveness_window() -> None:
     assert d.held_by(b"w") == set()
     assert d.counters["cancel_resends"] == 1
     d.check_invariants()
+
+
+def test_queued_bodies_are_bounded_in_bytes_and_not_kept_after_dispatch() -> None:
+    d = Dispatcher("0123456789abcdef", Limits(max_queued_bytes=1000), 0.0)
+    d.on_client(b"c", protocol.Request("a", "s", 5.0, b"x" * 600), 0.0)
+    (failure,) = client_msgs(d.on_client(b"c", protocol.Request("b", "s", 5.0, b"y" * 600),
+                                         0.0))
+    assert isinstance(failure, protocol.Failure)
+    assert failure.kind == "overloaded"
+    assert d.status(0.0)["queued_bytes"] == 600
+    out = d.on_worker(b"w", protocol.Ready(("s",), 1), 0.1)
+    ((_, request),) = requests_to(out)
+    assert request.body == b"x" * 600
+    assert d.status(0.1)["queued_bytes"] == 0
+    d.on_client(b"c", protocol.Request("b", "s", 5.0, b"y" * 600), 0.2)  # fits again
+    d.check_invariants()
