@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import random
@@ -132,6 +133,7 @@ class BrokerWorker:
         self._acknowledged = False
         self._running = False
         self._stopped = asyncio.Event()
+        self._stop_requested = asyncio.Event()  # cuts a reconnect backoff short
         self._on_ready: Callable[[], None] | None = None
 
     @property
@@ -167,7 +169,9 @@ class BrokerWorker:
                 delay_s *= random.uniform(0.5, 1.5)
                 log.warning("worker %s reconnecting in %.2fs: %s", self.identity.decode(),
                             delay_s, reason)
-                await asyncio.sleep(delay_s)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay_s):
+                        await self._stop_requested.wait()
         finally:
             self._running = False
             self._stopped.set()
@@ -178,6 +182,7 @@ class BrokerWorker:
         if not self._running or self._stopping:
             return
         self._stopping = True
+        self._stop_requested.set()
         tasks = [j.task for j in self._jobs.values() if j.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=drain_s)

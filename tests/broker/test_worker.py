@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from broker import BrokerWorker, HandlerError, RequestContext, protocol
+from tests.helpers import eventually
 
 HB_S = 0.1
 LIVENESS = 3
@@ -181,3 +182,20 @@ async def test_worker_enforces_the_budget_as_a_backstop(
     answer = await fake.next(timeout_s=10)
     assert isinstance(answer, protocol.Failure)
     assert (answer.kind, answer.retryable) == ("timeout", True)
+
+
+async def test_stop_is_prompt_while_reconnecting_to_an_absent_broker(tmp_path: Path) -> None:
+    worker = BrokerWorker("ipc:///tmp/cb-no-broker-here", {"hold": bad_kind},
+                          heartbeat_interval_s=HB_S, liveness=LIVENESS)
+    async with asyncio.TaskGroup() as tg:
+        runner = tg.create_task(worker.run())
+
+        async def retried() -> bool:
+            # Five sessions ended in silence: the backoff is now ~1.6 s, most of the time.
+            return worker.registrations >= 6
+
+        await eventually(retried, timeout_s=20, what="reconnect attempts")
+        started = time.monotonic()
+        await worker.stop(drain_s=1)
+        assert runner.done()
+        assert time.monotonic() - started < 1.0  # not after the backoff (up to ~3 s)
