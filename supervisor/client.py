@@ -35,14 +35,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
+from broker.errors import BrokerUnavailable
+from broker.transport import AsyncDealer
 from supervisor import wire
 
 log = logging.getLogger(__name__)
 
 _EVENT_QUEUE_BOUND = 10_000
+_DRAIN_BATCH = 256  # messages handled per wake-up before yielding
 
 
 class SupervisorError(Exception):
@@ -72,28 +72,27 @@ class SupervisorClient:
         *,
         timeout_s: float = 10.0,
         liveness_s: float = 3.0,
-        curve: dict[str, bytes] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.liveness_s = liveness_s
-        self._curve = curve
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: AsyncDealer | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._subs: dict[int, _Subscription] = {}
         self._server_id: str | None = None
         self._last_heard = time.monotonic()
-        self._last_ping = 0.0
         self._tg: asyncio.TaskGroup | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._beater: asyncio.Task[None] | None = None
+        self._beat_s = min(0.5, liveness_s / 3)
 
     async def __aenter__(self) -> SupervisorClient:
         self._connect()
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         self._reader = self._tg.create_task(self._read_loop())
+        self._beater = self._tg.create_task(self._heartbeat_loop())
         # Learn the server instance now: a restart before its first heartbeat
         # must still be noticed (every message carries the instance id).
         with contextlib.suppress(SupervisorError):
@@ -103,38 +102,36 @@ class SupervisorClient:
     async def __aexit__(self, *exc: object) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        if self._beater is not None:
+            self._beater.cancel()
         if self._tg is not None:
             await self._tg.__aexit__(None, None, None)
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(SupervisorUnavailable("client closed"))
 
     def _connect(self) -> None:
+        """(Re)open the DEALER. The transport is the broker's ``AsyncDealer``: an
+        edge-trigger-safe reader on the zmq fd with non-blocking sends."""
         if self._sock is not None:
-            self._sock.close(linger=0)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, os.urandom(8))
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
-        if self._curve is not None:
-            sock.curve_secretkey = self._curve["secret"]
-            sock.curve_publickey = self._curve["public"]
-            sock.curve_serverkey = self._curve["server"]
-        sock.connect(self.endpoint)
-        self._sock = sock
+            self._sock.close()
+        self._sock = AsyncDealer(self.endpoint, identity=os.urandom(8),
+                                 max_message_bytes=wire.MAX_MESSAGE_BYTES)
 
     async def _send(self, msg: dict[str, Any]) -> None:
+        """Send now or fail: with no connected peer a DEALER would block, and
+        nothing here may wait on the supervisor without a deadline."""
         if self._sock is None:
             raise SupervisorUnavailable("not connected")
         try:
-            # Never wait to send: with no connected peer a DEALER would block,
-            # and the reader that sends pings must never block.
-            await self._sock.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
+            sent = self._sock.send(wire.encode(msg))
+        except BrokerUnavailable as exc:
+            raise SupervisorUnavailable(str(exc)) from None
+        if not sent:
             raise SupervisorUnavailable(f"the supervisor at {self.endpoint} is not "
-                                        "reachable right now") from None
+                                        "reachable right now")
 
     async def call(self, name: str, timeout_s: float | None = None, **args: Any) -> Any:
         """Make one call; raises ``SupervisorError`` or ``SupervisorUnavailable``."""
@@ -154,36 +151,39 @@ class SupervisorClient:
             self._pending.pop(call_id, None)
 
     async def _read_loop(self) -> None:
-        assert self._sock is not None
-        poll_s = min(0.5, self.liveness_s / 3)
+        """Drain what is ready, a bounded batch per wake-up, so a busy stream of
+        events never starves the heartbeat task or the callers."""
         while True:
             sock = self._sock
-            if await sock.poll(int(poll_s * 1000)):
-                while True:
-                    try:
-                        frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._last_heard = time.monotonic()
-                    try:
-                        msg = wire.decode(frames)
-                    except wire.WireError as exc:
-                        log.warning("dropped a bad message from the supervisor: %s", exc)
-                        continue
-                    await self._dispatch(msg)
-            elif time.monotonic() - self._last_heard > self.liveness_s:
+            assert sock is not None
+            try:
+                batch = await sock.recv_batch(_DRAIN_BATCH)
+            except BrokerUnavailable:
+                await asyncio.sleep(0.01)  # the socket was replaced; read the new one
+                continue
+            self._last_heard = time.monotonic()
+            for frames in batch:
+                try:
+                    msg = wire.decode(frames)
+                except wire.WireError as exc:
+                    log.warning("dropped a bad message from the supervisor: %s", exc)
+                    continue
+                await self._dispatch(msg)
+            await asyncio.sleep(0)
+
+    async def _heartbeat_loop(self) -> None:
+        """Our liveness for the server (it drops the subscriptions of clients it
+        has not heard from), and the server's for us, on their own timer."""
+        while True:
+            await asyncio.sleep(self._beat_s)
+            if time.monotonic() - self._last_heard > self.liveness_s:
                 # Lazy Pirate: a silent server gets a fresh socket, so nothing
                 # queued for the dead connection can hold up the new one.
                 self._connect()
                 await self._on_supervisor_lost("silent")
                 self._last_heard = time.monotonic()
-            now = time.monotonic()
-            if now - self._last_ping >= poll_s:
-                # Our liveness for the server: it drops the subscriptions of
-                # clients it has not heard from.
-                self._last_ping = now
-                with contextlib.suppress(zmq.ZMQError, SupervisorUnavailable):
-                    await self._send({"id": 0, "call": "ping", "args": {}})
+            with contextlib.suppress(SupervisorUnavailable):
+                await self._send({"id": 0, "call": "ping", "args": {}})
 
     async def _dispatch(self, msg: dict[str, Any]) -> None:
         server_id = msg.get("srv")

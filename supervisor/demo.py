@@ -112,10 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         Fault(14.0, "broker_kill", 0),
         Fault(22.0, "supervisor_kill", 0),
     ]
-    opts = ChaosOptions(seed=1, duration_s=28.0 if not ns.no_chaos else 1.0,
+    # Enough scripted turns that every session keeps working through the faults.
+    turns = 40
+    opts = ChaosOptions(seed=1, duration_s=28.0 if not ns.no_chaos else 4.0,
                         sessions=ns.sessions, workers=ns.workers, faults="process",
-                        home=home, schedule=schedule, script=demo_script(8),
-                        max_turns_per_session=6)
+                        home=home, schedule=schedule, script=demo_script(turns), turns=turns)
     if not ns.json:
         print(f"demo: {ns.sessions} sessions on {ns.workers} sandbox workers, farm home {home}",
               file=sys.stderr)
@@ -146,7 +147,7 @@ def _verified_export(home: Path) -> dict[str, Any]:
 
 
 def _tier(harness: Harness) -> str:
-    tiers = {e["payload"].get("isolation", {}).get("tier")
+    tiers = {(e["payload"].get("isolation") or {}).get("tier")
              for s in harness.report.sessions for _, e in s.live
              if e.get("type") == "tool_call_end"}
     tiers.discard(None)

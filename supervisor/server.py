@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
-import zmq.asyncio
 
+from broker.transport import readable, recv_frames, send_frames
 from supervisor import wire
 from supervisor.wire import ErrorKind
 
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_SUBSCRIPTIONS_PER_CLIENT = 256
 MAX_CLIENTS = 10_000
+_DRAIN_BATCH = 256
 
 
 class CallError(Exception):
@@ -86,58 +87,66 @@ class ClientServer:
         self._tenant_of = tenant_of
         self._configure_socket = configure_socket
         self._clients: dict[bytes, _Client] = {}
-        self._sock: zmq.asyncio.Socket | None = None
-        self._sync: zmq.Socket[bytes] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._readable = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self.counters: dict[str, int] = {"calls": 0, "bad_frames": 0, "errors": 0,
                                          "slow_consumers": 0, "expired_clients": 0}
 
     def bind(self) -> str:
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
+        # A plain socket driven from the loop by its fd, like broker.transport:
+        # the fd is edge-triggered, so EVENTS is re-read after every send and
+        # before every wait (a send can consume the edge of an arriving message).
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.SNDHWM, 20_000)
+        sock.setsockopt(zmq.RCVHWM, 20_000)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
         if self._configure_socket is not None:
             self._configure_socket(sock)
         sock.bind(self.endpoint)
         self._sock = sock
-        # Sends are synchronous and non-blocking: a sync shadow of the same socket,
-        # so a failed send is an exception here, not a Future nobody awaits.
-        self._sync = zmq.Socket.shadow(sock.underlying)
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.bound_endpoint
 
     async def run(self) -> None:
         if self._sock is None:
             self.bind()
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        fd: int = self._sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        loop.add_reader(fd, self._readable.set)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 tg.create_task(self._heartbeat_loop())
                 await self._read_loop()
         finally:
-            if self._sock is not None:
-                self._sock.close(linger=0)
+            loop.remove_reader(fd)
+            self._sock.close(linger=0)
 
     # -- sending ----------------------------------------------------------
 
     def _send(self, identity: bytes, msg: dict[str, Any]) -> bool:
         """Send without blocking; False when the client is gone or saturated."""
-        if self._sync is None:
+        sock = self._sock
+        if sock is None:
             return False
         # Every message names the server instance, so a client notices a restart
         # from the first message of the new instance, even one it never heard.
         msg["srv"] = self.instance_id
         try:
-            self._sync.send_multipart([identity, *wire.encode(msg)], flags=zmq.NOBLOCK)
+            send_frames(sock, [identity, *wire.encode(msg)])
             return True
-        except (zmq.Again, zmq.ZMQError) as exc:
+        except zmq.ZMQError as exc:  # EAGAIN (pipe full) or EHOSTUNREACH (gone)
             self.counters["send_failures"] = self.counters.get("send_failures", 0) + 1
             log.debug("send to client %s failed: %s", identity.hex()[:16], exc)
             return False
+        finally:
+            if readable(sock):
+                self._readable.set()
 
     # -- loops ------------------------------------------------------------
 
@@ -163,13 +172,19 @@ class ClientServer:
         assert self._sock is not None
         sock = self._sock
         while True:
-            await sock.poll()
-            while True:
+            for _ in range(_DRAIN_BATCH):
                 try:
-                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+                    frames = recv_frames(sock)
                 except zmq.Again:
                     break
                 await self._on_frames(frames)
+            else:
+                await asyncio.sleep(0)  # a full batch: let the other tasks run
+                continue
+            self._readable.clear()
+            if readable(sock):
+                continue
+            await self._readable.wait()
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:

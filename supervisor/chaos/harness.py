@@ -194,8 +194,10 @@ class Harness:
                     await self._inject(t0=time.monotonic())
                     self.faults_over.set()
                     await asyncio.gather(*drivers)
-                    for r in runs:  # not wedged: one more turn each, which must complete
-                        r.final_ok = await self._turn(sv, r)
+                    # Not wedged: one more turn each, all at once, which must complete.
+                    finals = await asyncio.gather(*(self._turn(sv, r) for r in runs))
+                    for r, ok in zip(runs, finals, strict=True):
+                        r.final_ok = ok
                     await asyncio.sleep(0.5)  # let collectors see the last durable events
                     for c in collectors:
                         c.cancel()
@@ -224,12 +226,14 @@ class Harness:
             sub = await _retry(lambda: sv.submit(run.session_id, {
                 "type": "user_input", "text": f"do the next step ({len(run.submissions)})"}))
             run.submissions.append(str(sub))
+            log.debug("session %s: submitted %s", run.session_id, sub)
             deadline = time.monotonic() + self.opts.turn_deadline_s
             while time.monotonic() < deadline:
                 for _, e in run.live[seen:]:
                     if e.get("submission_id") == sub and e.get("type") in (
                             "turn_complete", "turn_aborted"):
                         run.turns_done += 1
+                        log.debug("session %s: %s ended %s", run.session_id, sub, e["type"])
                         return bool(e["type"] == "turn_complete")
                 await asyncio.sleep(0.05)
             return False
