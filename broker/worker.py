@@ -144,6 +144,18 @@ class BrokerWorker:
     def in_flight(self) -> int:
         return len(self._jobs)
 
+    @property
+    def phase(self) -> str:
+        """``stopped``, ``stopping``, ``backoff`` (between sessions), ``registering``
+        (READY sent, not yet acknowledged) or ``ready``."""
+        if not self._running:
+            return "stopped"
+        if self._stopping:
+            return "stopping"
+        if self._sock is None:
+            return "backoff"
+        return "ready" if self._acknowledged else "registering"
+
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, on_ready: Callable[[], None] | None = None) -> None:

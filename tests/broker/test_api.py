@@ -220,6 +220,7 @@ async def test_in_process_worker_serves_echo(broker: BrokerProc) -> None:
         runner = tg.create_task(worker.run(on_ready=ready.set))
         await asyncio.wait_for(ready.wait(), 10)
         assert await client.request("echo", b"in-process", timeout_s=5) == b"in-process"
+        assert worker.phase == "ready"
         runner.cancel()
     # Cancelling run() says goodbye: the broker forgets the worker at once.
     async with client_for(broker) as client:
