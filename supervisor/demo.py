@@ -147,10 +147,12 @@ def _verified_export(home: Path) -> dict[str, Any]:
 
 
 def _tier(harness: Harness) -> str:
-    tiers = {(e["payload"].get("isolation") or {}).get("tier")
-             for s in harness.report.sessions for _, e in s.live
-             if e.get("type") == "tool_call_end"}
-    tiers.discard(None)
+    tiers: set[str] = set()
+    for run in harness.report.sessions:
+        for _, e in run.live:
+            tier = (e["payload"].get("isolation") or {}).get("tier")
+            if e.get("type") == "tool_call_end" and isinstance(tier, str):
+                tiers.add(tier)
     return ",".join(sorted(tiers)) or "unknown"
 
 
