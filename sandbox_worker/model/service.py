@@ -233,8 +233,11 @@ class ModelService:
                 if budget_s <= 0:
                     raise ModelTimeout(f"{route['provider']} {route['model']}: "
                                        "the request's budget ran out")
+                # The provider sees the overall attempt: the broker's attempt (the
+                # supervisor re-issues a lost call with attempt + 1) plus ours.
+                overall = attempt_no + max(ctx.attempt, 1) - 1
                 async with asyncio.timeout(budget_s) as budget:
-                    decoded = await self._attempt(client, req, api_key, attempt_no, timeout, relay)
+                    decoded = await self._attempt(client, req, api_key, overall, timeout, relay)
                 items, stop, usage = decoded
                 log.info("model call %s: %s %s ok in %.3fs (attempt %d, %d partials)",
                          ctx.request_id, route["provider"], route["model"],

@@ -255,3 +255,17 @@ async def test_read_timeout_is_a_retryable_timeout(procs: Procs, tmp_path: Path)
     assert [p["kind"] for p in out.partials if p["type"] == "retry"] == ["timeout"]
     assert out.text() == "second try"
     assert time.monotonic() - started < 10
+
+
+async def test_a_reissued_call_counts_its_broker_attempt(procs: Procs, tmp_path: Path) -> None:
+    """The supervisor re-issues a lost call with attempt + 1; the provider sees that
+    attempt, so a fault limited to the first attempt does not strike again."""
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"status": 500, "times": 1, "text": "second attempt"}]})
+    stack = start_stack(procs, tmp_path)
+    async with BrokerClient(stack.frontend) as client:
+        out = await run_call(client, request("openai-responses", url), attempt=2)
+    assert out.error is None, out.error
+    assert out.text() == "second attempt"
+    assert not [p for p in out.partials if p["type"] == "retry"]
+    assert stats(url)["by_status"] == {"200": 1}
