@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,3 +35,28 @@ def workspace_root() -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """Print the sandbox tier this machine supports (detected by trying).
+
+    It lives in the root conftest so it prints on whole-suite xdist runs too."""
+    script = (
+        "import asyncio\n"
+        "from sandbox_worker.sandbox.detect import detect\n"
+        "from sandbox_worker.sandbox.profile import Profile\n"
+        "from sandbox_worker.sandbox.seccomp import SeccompFilters\n"
+        "from sandbox_worker.sandbox.user import ensure_user\n"
+        "async def main():\n"
+        "    d = await detect(Profile('T2', await ensure_user(), SeccompFilters.compile(),"
+        " None))\n"
+        "    print(d.best, ','.join(d.working), d.landlock_abi, d.failures)\n"
+        "asyncio.run(main())\n"
+    )
+    with contextlib.suppress(Exception):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                             text=True, timeout=60, cwd=str(Path(__file__).parents[2]))
+        best, working, abi, failures = [*out.stdout.strip().split(" ", 3), "", "", "", ""][:4]
+        terminalreporter.section("corral sandbox")
+        terminalreporter.write_line(f"detected sandbox tier: {best} (working tiers: {working}; "
+                                    f"landlock ABI {abi}; failures: {failures})")

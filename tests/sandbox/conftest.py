@@ -10,12 +10,10 @@ The detected tier is printed in the pytest summary.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -177,31 +175,6 @@ async def no_call_processes(uid: int, call_id: str, timeout_s: float = 5.0) -> N
             raise AssertionError(f"processes of call {call_id} survived: {left}")
         await asyncio.sleep(0.05)
 
-
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
-    """Print the sandbox tier this machine supports (detected by trying).
-
-    Under xdist this runs in the controller only when this conftest is an
-    initial one (``pytest tests/sandbox``); a root conftest may re-export it."""
-    script = (
-        "import asyncio\n"
-        "from sandbox_worker.sandbox.detect import detect\n"
-        "from sandbox_worker.sandbox.profile import Profile\n"
-        "from sandbox_worker.sandbox.seccomp import SeccompFilters\n"
-        "from sandbox_worker.sandbox.user import ensure_user\n"
-        "async def main():\n"
-        "    d = await detect(Profile('T2', await ensure_user(), SeccompFilters.compile(),"
-        " None))\n"
-        "    print(d.best, ','.join(d.working), d.landlock_abi, d.failures)\n"
-        "asyncio.run(main())\n"
-    )
-    with contextlib.suppress(Exception):
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                             text=True, timeout=60, cwd=str(Path(__file__).parents[2]))
-        best, working, abi, failures = [*out.stdout.strip().split(" ", 3), "", "", "", ""][:4]
-        terminalreporter.section("corral sandbox")
-        terminalreporter.write_line(f"detected sandbox tier: {best} (working tiers: {working}; "
-                                    f"landlock ABI {abi}; failures: {failures})")
 
 
 # Host-state probes (plain functions: reading the host is the point of the test).
