@@ -474,6 +474,9 @@ class Dispatcher:
                 "services": list(worker.services),
                 "capacity": worker.capacity,
                 "in_flight": len(worker.in_flight),
+                # Which services the held requests are for (chaos targets a
+                # worker by what it is doing: model stream, tool or idle).
+                "in_flight_services": sorted(r.service for r in worker.in_flight.values()),
                 "answered": worker.answered,
                 "last_seen_s": round(now - worker.last_seen, 4),
                 "info": worker.info,
