@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage
+from supervisor import crashpoints
 from supervisor.engine import events as ev
 from supervisor.engine.calls import CallFailure, stream_call
 from supervisor.engine.errors import ModelCallFailed
@@ -126,6 +127,7 @@ async def maybe_compact(turn: Turn) -> None:
     recent = [i for i in s.context if i.get("type") == "message" and i.get("role") == "user"
               and not (i.get("corral") or {}).get("kind")][-keep:] if keep else []
     turn.provisional = Provisional([*head, *recent], result["usage"], block)
+    crashpoints.reach("compaction")
     post = await s.hooks.run(HookEvent.POST_COMPACT, s.sid, turn.turn_id,
                              {"items": len(turn.provisional.context)})
     if post.stop is not None:

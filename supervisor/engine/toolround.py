@@ -28,6 +28,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from sandbox_worker.api import IDEMPOTENT_TOOLS, SERVICE_TOOL, TIER_ORDER, ToolCallRequest
+from supervisor import crashpoints
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import Decision, call_key
 from supervisor.engine.calls import CallFailure, stream_call
@@ -188,6 +189,7 @@ async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
         turn.moving_to(TurnPhase.AWAITING_APPROVAL)(st)
     await s.commit([(ev.EXEC_APPROVAL_REQUEST, dict(approval), turn.submission_id)],
                     mutate=mutate)
+    crashpoints.reach("approval_wait")
 
 
 async def _await_approval(turn: Turn) -> None:
@@ -250,6 +252,7 @@ async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
                 def start(st: Any) -> None:
                     pc["state"] = str(advance_call(CallState(pc["state"]), CallState.STARTED))
                 await s.commit(mutate=start)
+                crashpoints.reach("tool_running")
             if isinstance(chunk, dict):
                 data = chunk.get("data", b"")
                 text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
@@ -332,6 +335,7 @@ async def _finish_call(turn: Turn, pc: dict[str, Any], state: CallState, outcome
             st.active_turn = turn._active_turn(TurnPhase(st.active_turn["phase"]))
     await s.commit([(ev.TOOL_CALL_END, payload, turn.submission_id)],
                    items=[item, *contexts], execution=turn.execution("running"), mutate=mutate)
+    crashpoints.reach("tool_result")
 
 
 def close_open_calls(turn: Turn, message: str) -> list[dict[str, Any]]:

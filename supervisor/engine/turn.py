@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage, empty_usage
+from supervisor import crashpoints
 from supervisor.engine import events as ev
 from supervisor.engine.calls import CallFailure, stream_call
 from supervisor.engine.errors import (
@@ -297,6 +298,7 @@ class Turn:
         calls = [i for i in result["items"] if i.get("type") == "function_call"]
         if calls:
             await prepare_calls(self, result, calls)
+            crashpoints.reach("model_reply")
             await tool_round(self)
             return False
         await self._commit_model_result(result, [])
@@ -351,6 +353,7 @@ class Turn:
                            execution=self.execution("running"),
                            mutate=self.moving_to(TurnPhase.MODEL_CALL))
             self.open_step = True
+            crashpoints.reach("model_call_before")
             try:
                 result = await stream_call(
                     s.manager.broker, SERVICE_MODEL, request, budget_s=cfg.model_call_budget_s,
@@ -381,6 +384,7 @@ class Turn:
         kind = delta.get("type")
         if kind == "text_delta" and isinstance(delta.get("text"), str):
             self.partial_text += delta["text"]
+            crashpoints.reach("model_stream")
             s.publish_live(ev.AGENT_MESSAGE_DELTA, {"turn_id": self.turn_id,
                                                     "text": delta["text"]}, self.submission_id)
         elif kind == "reasoning_delta" and isinstance(delta.get("text"), str):
