@@ -24,6 +24,7 @@ from typing import Any
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, ModelRoute
 from supervisor.engine.config import EngineConfig, SessionSpec
+from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, UnknownSession
 from supervisor.server import CallError
 from supervisor.store import Store
 from supervisor.store.records import EventRecord, SessionId
@@ -131,7 +132,18 @@ class Facade:
         if op.get("type") == "set_model" and "route_spec" in op:
             op = dict(op)
             op["route"] = self.register_route(op.pop("route_spec"))
-        return str(await self.manager.submit(SessionId(session_id), op))
+        try:
+            return str(await self.manager.submit(SessionId(session_id), op))
+        except BadOp as exc:
+            raise CallError(ErrorKind.BAD_OP, str(exc)) from None
+        except UnknownSession:
+            raise CallError(ErrorKind.UNKNOWN_SESSION,
+                            f"no session {session_id!r}; list them with: corral sessions") from None
+        except SessionClosed as exc:
+            raise CallError(ErrorKind.BAD_OP, f"session {session_id} is closed: {exc}") from None
+        except EngineNotRunning:
+            raise CallError(ErrorKind.UNAVAILABLE, "the supervisor is starting or stopping; "
+                            "try again in a moment") from None
 
     def subscribe(self, session_id: str, after_sequence: int,
                   tenant: str | None) -> AsyncIterator[dict[str, Any]]:

@@ -7,8 +7,8 @@ Invariants:
 - Sends never block: ROUTER_MANDATORY with NOBLOCK; a client that cannot
   keep up (high-water mark reached) loses its subscription with
   ``slow_consumer`` and resubscribes from its last sequence.
-- Every subscription is a task owned by this server's TaskGroup and bounded
-  in number per client; a client silent for ``client_liveness_s`` has all of
+- Every subscription and every running call is a task owned by this server's
+  TaskGroup, both bounded in number per client; a client silent for ``client_liveness_s`` has all of
   its subscriptions cancelled.
 """
 
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_SUBSCRIPTIONS_PER_CLIENT = 256
 MAX_CLIENTS = 10_000
+MAX_CALLS_PER_CLIENT = 256  # calls of one client running at once
 _DRAIN_BATCH = 256
 
 
@@ -64,6 +65,7 @@ class _Client:
     identity: bytes
     tenant: str | None
     last_seen: float
+    calls_running: int = 0
     subs: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
 
 
@@ -221,6 +223,12 @@ class ClientServer:
             return
         assert self._tg is not None
         # Calls run as tasks so a slow call never stalls the read loop.
+        if client.calls_running >= MAX_CALLS_PER_CLIENT:
+            self._answer_error(identity, call_id, ErrorKind.BAD_REQUEST,
+                               f"more than {MAX_CALLS_PER_CLIENT} calls in flight; wait for "
+                               "answers before sending more")
+            return
+        client.calls_running += 1
         self._tg.create_task(self._run_call(client, call_id, call, args))
 
     def _answer_error(self, identity: bytes, call_id: int, kind: str, message: str) -> None:
@@ -229,6 +237,13 @@ class ClientServer:
 
     async def _run_call(self, client: _Client, call_id: int, call: str,
                         args: dict[str, Any]) -> None:
+        try:
+            await self._run_call_inner(client, call_id, call, args)
+        finally:
+            client.calls_running -= 1
+
+    async def _run_call_inner(self, client: _Client, call_id: int, call: str,
+                              args: dict[str, Any]) -> None:
         try:
             result = await self._dispatch(client, call, args)
         except asyncio.CancelledError:
