@@ -1,12 +1,17 @@
 """No loss under load: 20,000 requests through 4 worker processes, 64 in flight;
-every request gets exactly one answer, and it is its own."""
+every request gets exactly one answer, and it is its own. And a client that
+never reads its answers cannot block the broker for anyone else."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
-from broker import BrokerClient
-from tests.broker.conftest import HB_S, LIVENESS, BrokerProc, start_echo
+import zmq
+
+from broker import BrokerClient, protocol
+from tests.broker.conftest import HB_S, LIVENESS, BrokerProc, start_broker, start_echo
 from tests.helpers import Procs, eventually
 
 TOTAL = 20_000
@@ -55,3 +60,43 @@ async def test_no_loss_20k_requests_4_workers_64_in_flight(
         assert len(workers) == 4
         assert sum(w["answered"] for w in workers) == TOTAL
         assert all(w["answered"] > 0 for w in workers)
+
+
+async def test_a_client_that_never_reads_cannot_block_the_broker(
+    procs: Procs, ipc_dir: Path
+) -> None:
+    broker = start_broker(procs, f"ipc://{ipc_dir}/f", f"ipc://{ipc_dir}/b",
+                          "--queue-limit", "100000")
+    start_echo(procs, broker.backend, capacity=64)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    greedy = ctx.socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.setsockopt(zmq.RCVHWM, 100)
+    greedy.setsockopt(zmq.SNDHWM, 0)  # no limit: queue every request
+    greedy.connect(broker.frontend)
+    try:
+        async with BrokerClient(broker.frontend, heartbeat_interval_s=HB_S,
+                                liveness=LIVENESS) as client:
+
+            async def registered() -> bool:
+                return int((await client.status())["worker_count"]) == 1
+
+            await eventually(registered, what="worker registered")
+            for i in range(40_000):  # answers pile up: the greedy client never reads
+                greedy.send_multipart(protocol.encode(
+                    protocol.Request(f"g{i}", "echo", 60.0, b"x")))
+
+            async def overflowed() -> dict[str, Any] | None:
+                # It stays alive (heartbeats), so the broker keeps answering it.
+                greedy.send_multipart(protocol.encode(protocol.Heartbeat("greedy")))
+                status = await client.status()
+                dropped = status["counters"]["dropped"].get("send_would_block", 0)
+                return status if dropped > 0 else None
+
+            await eventually(overflowed, timeout_s=60, what="the greedy client's pipe full")
+            # Everyone else is still served.
+            assert await client.request("echo", b"me too", timeout_s=10) == b"me too"
+            assert broker.proc.poll() is None
+    finally:
+        greedy.close()
+        ctx.term()
