@@ -1,20 +1,41 @@
-"""Session engine benchmark: ``python -m supervisor.engine.bench [--quick] [--json]``.
+"""Sessions benchmark: ``python -m supervisor.engine.bench [--quick] [--json]``.
 
-What a turn costs on top of the model call it makes. One farm (our broker
-process, model workers, the scripted provider over loopback HTTP, a SQLite
-store in a temp dir) is measured two ways in the same run:
+What the supervisor costs per turn, against a minimal agent loop doing the
+same work. One farm is started (our broker process, ``--workers`` sandbox
+workers with the ``tool`` and ``model`` services, the scripted provider on
+loopback HTTP) and both paths run N concurrent sessions x M turns on it, in
+the same run. A turn is one ``shell`` tool call and one final answer (the
+script holds 2 entries per turn: the provider picks entry k by the number of
+model outputs already in the request).
 
-- ``raw``: the bare model call a one-step turn needs (``BrokerClient`` →
-  broker → worker → provider), the baseline;
-- ``engine``: whole turns through ``SessionManager`` (submit → turn_complete
-  seen by a subscriber): admission, five durable commits, the event fan-out.
+- ``supervisor``: the full path. A ``SessionManager`` in this process with a
+  real SQLite store (``Store``) and a ``BrokerClient`` to the broker: each
+  turn is ``submit`` → model call → tool call in bwrap on a worker → model
+  call → ``turn_complete`` seen by a subscriber, with every durable commit.
+  The manager runs in-process (not the ``python -m supervisor`` process
+  behind ``SupervisorClient``) so that the process measured for CPU and
+  memory is exactly the one running the engine, and tracemalloc can see it;
+  the client/server wire in front of it is not part of the per-turn cost.
+- ``minimal``: ``python -m benchmarks.sessions_minimal`` in a child process:
+  httpx to the same provider (same wire format, streamed), the same tool run
+  with the worker's own sandbox code (``run_shell``: setpriv, prlimit, bwrap),
+  no broker, no persistence. Its concurrent calls are bounded by the farm's
+  total worker capacity, so both paths get the same parallelism.
 
-Results: p50/p99 latency at 1 in flight, throughput with N sessions (turns)
-in flight, and the memory of an idle session (tracemalloc). Ratios: engine
-over raw for latency and throughput. Compare only within one run.
+Results per level (1, 100 and, without ``--quick``, 1,000 sessions): turns/s
+of both paths, and the CPU per turn of the supervisor process (plus, for
+diagnosis, of the broker, the workers, their sandboxed children and the
+provider). Memory per idle session: RSS growth of this process over
+``--idle`` freshly created idle sessions (``idle_session_bytes``, measured
+before any traffic so freed arenas cannot hide growth) and tracemalloc's
+figure beside it. Ratios: supervisor turns/s over minimal turns/s per level
+(``throughput100_vs_minimal`` is the target: ≥ 0.7); compare only within one
+run.
 
-Invariants: every child process is started in its own session, confirmed by
-its JSON ready line under a deadline, and killed and reaped on exit.
+Invariants: every turn is checked (one tool call ended ``ok``, then
+``turn_complete``), a failed turn fails the run; every child is started in
+its own session, confirmed by its JSON ready line under a deadline, and
+killed and reaped on exit.
 """
 
 from __future__ import annotations
@@ -28,7 +49,6 @@ import os
 import platform
 import selectors
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,37 +58,47 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from broker.client import BrokerClient
-from broker.protocol import pack, unpack
 from sandbox_worker.api import ModelRoute
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.manager import SessionManager
 from supervisor.store import Store
-from supervisor.store.records import SessionId
+from supervisor.store.records import EventRecord, SessionId
 
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 60.0
+TURN_TIMEOUT_S = 300.0
+MINIMAL_TIMEOUT_S = 1800.0
+REPO = Path(__file__).resolve().parents[2]
+QUICK_LEVELS = ((1, 10), (100, 3))
+FULL_LEVELS = ((1, 30), (100, 5), (1000, 2))
 
 
-def _ready_line(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+class BenchFailed(RuntimeError):
+    """A child did not start, or a turn did not complete as scripted."""
+
+
+def read_json_line(proc: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any]:
+    """One JSON line of a child's stdout, under a deadline."""
     if proc.stdout is None:
-        raise RuntimeError("child has no stdout pipe")
+        raise BenchFailed("child has no stdout pipe")
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     buf = b""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     try:
-        while not buf.endswith(b"\n"):
+        while b"\n" not in buf:
             left = deadline - time.monotonic()
             if left <= 0 or not sel.select(left):
-                raise RuntimeError(f"pid {proc.pid} did not report ready")
-            chunk = os.read(proc.stdout.fileno(), 4096)
+                raise BenchFailed(f"pid {proc.pid} wrote no line within {timeout_s:g} s")
+            chunk = os.read(proc.stdout.fileno(), 1)  # one byte: leave the next line unread
             if not chunk:
-                raise RuntimeError(f"pid {proc.pid} exited before it was ready")
+                raise BenchFailed(f"pid {proc.pid} exited (rc {proc.poll()}) before its line")
             buf += chunk
     finally:
         sel.close()
-        proc.stdout.close()
-    line: dict[str, Any] = json.loads(buf.decode().splitlines()[0])
+    line: dict[str, Any] = json.loads(buf.decode())
     return line
 
 
@@ -89,127 +119,193 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
+            if p.stdout is not None:
+                p.stdout.close()
 
 
-def spawn(procs: list[subprocess.Popen[bytes]], *argv: str) -> dict[str, Any]:
+def spawn(procs: list[subprocess.Popen[bytes]], *argv: str) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
     procs.append(proc)
-    return _ready_line(proc)
+    return proc
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def spawn_ready(procs: list[subprocess.Popen[bytes]], *argv: str) -> dict[str, Any]:
+    proc = spawn(procs, *argv)
+    line = read_json_line(proc, READY_TIMEOUT_S)
+    if line.get("event") != "ready":
+        raise BenchFailed(f"{argv[0]} (pid {proc.pid}) did not report ready: {line}")
+    return line
 
 
-async def bench(tmp: Path, quick: bool, workers: int) -> dict[str, Any]:
-    script = tmp / "script.json"
-    script.write_text(json.dumps({"responses": [{"text": "ok"}]}))
-    with children() as procs:
-        b = spawn(procs, "broker", "--frontend", f"ipc://{tmp}/front",
-                  "--backend", f"ipc://{tmp}/back")
-        llm = spawn(procs, "sandbox_worker.fakellm", "--script", str(script), "--port", "0")
-        for _ in range(workers):
-            spawn(procs, "sandbox_worker", "--broker", b["backend"], "--services", "model",
-                  "--capacity", "256", "--log-level", "WARNING")
-        route = ModelRoute(name="main", provider="openai-responses", model="scripted",
-                           base_url=llm["url"], max_retries=0)
-        n_lat = 30 if quick else 100
-        n_par = 200 if quick else 1000
-        store = await Store.open(tmp / "bench.sqlite3")
-        try:
-            async with BrokerClient(b["frontend"]) as client:
-                raw = await _raw(client, route, n_lat, n_par)
-                manager = SessionManager(store=store, broker=client,
-                                         config=EngineConfig(routes={"main": route}))
-                async with asyncio.TaskGroup() as tg:
-                    task = tg.create_task(manager.run())
-                    await manager.started()
-                    try:
-                        eng = await _engine(manager, tmp, n_lat, n_par)
-                        eng["idle_session_kib"] = await _idle_memory(manager, tmp,
-                                                                     100 if quick else 500)
-                    finally:
-                        task.cancel()
-        finally:
-            await store.close()
-    return {"raw": raw, "engine": eng, "workers": workers, "turns_latency": n_lat,
-            "sessions_in_flight": n_par}
+def write_script(path: Path, turns: int) -> None:
+    responses: list[dict[str, Any]] = []
+    for t in range(turns):
+        responses.append({"tool_calls": [{"name": "shell", "call_id": f"call_{t}",
+                                          "arguments": {"command": "echo turn"}}]})
+        responses.append({"text": f"turn {t} done"})
+    path.write_text(json.dumps({"responses": responses}))
 
 
-async def _raw(client: BrokerClient, route: ModelRoute, n_lat: int,
-               n_par: int) -> dict[str, Any]:
-    body = pack({"op": "respond", "route": route, "instructions": "bench",
-                 "items": [{"type": "message", "role": "user",
-                            "content": [{"type": "input_text", "text": "hi"}]}],
-                 "tools": [], "stream": True, "session_id": "bench"})
+class CpuMeter:
+    """CPU seconds (user + system) of this process and of the farm's children."""
 
-    async def one() -> float:
-        started = time.monotonic()
-        call = client.start("model", body, timeout_s=30)
-        async for _ in call:
-            pass
-        unpack(await call.result())
-        return time.monotonic() - started
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self.me = psutil.Process()
+        self.roles = {role: [psutil.Process(pid) for pid in pids] for role, pids in roles.items()}
 
-    for _ in range(5):
-        await one()
-    lat = [await one() for _ in range(n_lat)]
+    def sample(self) -> dict[str, float]:
+        t = self.me.cpu_times()
+        out = {"supervisor": t.user + t.system}
+        for role, procs in self.roles.items():
+            own = kids = 0.0
+            for p in procs:
+                c = p.cpu_times()
+                own += c.user + c.system
+                kids += c.children_user + c.children_system
+            out[role] = own
+            if role == "workers":
+                out["tool_children"] = kids
+        return out
+
+    @staticmethod
+    def per_turn_ms(before: dict[str, float], after: dict[str, float],
+                    turns: int) -> dict[str, float]:
+        return {f"{k}_cpu_ms_per_turn": round((after[k] - before[k]) / turns * 1000, 3)
+                for k in before}
+
+
+async def _drive(manager: SessionManager, sid: SessionId, turns: int) -> None:
+    """Run ``turns`` turns of one session, one at a time, checking each."""
+    it = manager.subscribe(sid, after_sequence=0).__aiter__()
+    try:
+        for t in range(turns):
+            sub = await manager.submit(sid, {"type": "user_input", "text": f"turn {t}"})
+            ok_calls = 0
+            async with asyncio.timeout(TURN_TIMEOUT_S):
+                while True:
+                    e: EventRecord = await anext(it)
+                    if e.submission_id != sub:
+                        continue
+                    if e.type == "tool_call_end" and e.payload.get("outcome") == "ok":
+                        ok_calls += 1
+                    if e.type == "turn_aborted":
+                        raise BenchFailed(f"session {sid} turn {t} aborted: {e.payload}")
+                    if e.type == "turn_complete":
+                        break
+            if ok_calls != 1:
+                raise BenchFailed(f"session {sid} turn {t}: {ok_calls} ok tool calls, not 1")
+    finally:
+        await it.aclose()  # type: ignore[attr-defined]
+
+
+async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter, n: int,
+                            m: int) -> dict[str, Any]:
+    sids = [await manager.create_session(SessionSpec(workspace=ws, approval="allow"))
+            for _ in range(n)]
+    before = meter.sample()
     started = time.monotonic()
-    await asyncio.gather(*(one() for _ in range(n_par)))
+    async with asyncio.TaskGroup() as tg:
+        for sid in sids:
+            tg.create_task(_drive(manager, sid, m))
     wall = time.monotonic() - started
-    return {"p50_ms": round(statistics.median(lat) * 1000, 2),
-            "p99_ms": round(pct(lat, 0.99) * 1000, 2),
-            "per_s": round(n_par / wall, 1)}
+    after = meter.sample()
+    turns = n * m
+    return {"sessions": n, "turns_each": m, "turns": turns, "wall_s": round(wall, 3),
+            "turns_per_s": round(turns / wall, 2), **CpuMeter.per_turn_ms(before, after, turns)}
 
 
-async def _turn(manager: SessionManager, sid: SessionId) -> float:
-    last = (await manager.describe(sid))["last_event_sequence"]
-    it = manager.subscribe(sid, after_sequence=last)
-    started = time.monotonic()
-    sub = await manager.submit(sid, {"type": "user_input", "text": "hi"})
-    async with asyncio.timeout(60):
-        async for e in it:
-            if e.submission_id == sub and e.type in ("turn_complete", "turn_aborted"):
-                break
-    await it.aclose()  # type: ignore[attr-defined]
-    return time.monotonic() - started
-
-
-async def _engine(manager: SessionManager, tmp: Path, n_lat: int,
-                  n_par: int) -> dict[str, Any]:
-    ws = str(tmp)
-    lat = []
-    for _ in range(n_lat + 5):
-        sid = await manager.create_session(SessionSpec(workspace=ws))
-        lat.append(await _turn(manager, sid))
-    lat = lat[5:]
-    sids = [await manager.create_session(SessionSpec(workspace=ws)) for _ in range(n_par)]
-    started = time.monotonic()
-    await asyncio.gather(*(_turn(manager, s) for s in sids))
-    wall = time.monotonic() - started
-    return {"p50_ms": round(statistics.median(lat) * 1000, 2),
-            "p99_ms": round(pct(lat, 0.99) * 1000, 2),
-            "per_s": round(n_par / wall, 1)}
-
-
-async def _idle_memory(manager: SessionManager, tmp: Path, n: int) -> float:
+async def _settle(manager: SessionManager) -> None:
+    drivers = [s.driver for s in manager.sessions.values() if s.driver is not None]
+    if drivers:
+        await asyncio.wait(drivers, timeout=60)
     gc.collect()
+
+
+async def _idle_memory(manager: SessionManager, ws: str, n: int) -> dict[str, Any]:
+    """RSS growth per idle session, then (a separate batch) tracemalloc's figure."""
+    me = psutil.Process()
+    await _settle(manager)
+    rss0 = me.memory_info().rss
+    for _ in range(n):
+        await manager.create_session(SessionSpec(workspace=ws, approval="allow"))
+    await _settle(manager)
+    rss1 = me.memory_info().rss
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
         for _ in range(n):
-            await manager.create_session(SessionSpec(workspace=str(tmp)))
-        drivers = [s.driver for s in manager.sessions.values() if s.driver is not None]
-        if drivers:
-            await asyncio.wait(drivers, timeout=60)
-        gc.collect()
+            await manager.create_session(SessionSpec(workspace=ws, approval="allow"))
+        await _settle(manager)
         after = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
-    diff = sum(s.size_diff for s in after.compare_to(before, "filename"))
-    return round(diff / n / 1024, 2)
+    traced = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    return {"idle_sessions": n, "idle_session_bytes": round((rss1 - rss0) / n),
+            "idle_session_tracemalloc_bytes": round(traced / n)}
+
+
+def _minimal(procs: list[subprocess.Popen[bytes]], url: str, ws: str,
+             levels: tuple[tuple[int, int], ...], slots: int) -> dict[str, Any]:
+    spec = ",".join(f"{n}:{m}" for n, m in levels)
+    proc = spawn(procs, "benchmarks.sessions_minimal", "--url", url, "--workspace", ws,
+                 "--levels", spec, "--slots", str(slots))
+    ready = read_json_line(proc, READY_TIMEOUT_S)
+    if ready.get("event") != "ready":
+        raise BenchFailed(f"the minimal loop did not start: {ready}")
+    result = read_json_line(proc, MINIMAL_TIMEOUT_S)
+    proc.wait(timeout=30)
+    if result.get("event") != "result" or proc.returncode != 0:
+        raise BenchFailed(f"the minimal loop failed (rc {proc.returncode}): {result}")
+    out: dict[str, Any] = result["levels"]
+    out["tier"] = ready.get("tier")
+    return out
+
+
+async def bench(tmp: Path, quick: bool, workers: int, capacity: int,
+                idle: int) -> dict[str, Any]:
+    levels = QUICK_LEVELS if quick else FULL_LEVELS
+    script = tmp / "script.json"
+    write_script(script, max(m for _, m in levels) + 1)
+    ws = tmp / "ws"
+    ws.mkdir()
+    for path in (tmp, ws):  # the sandbox uid must reach the workspace
+        path.chmod(0o755)
+    with children() as procs:
+        b = spawn_ready(procs, "broker", "--frontend", f"ipc://{tmp}/front",
+                        "--backend", f"ipc://{tmp}/back")
+        llm = spawn_ready(procs, "sandbox_worker.fakellm", "--script", str(script),
+                          "--port", "0", "--max-recorded", "1")
+        for _ in range(workers):
+            spawn_ready(procs, "sandbox_worker", "--broker", b["backend"], "--services",
+                        "tool,model", "--capacity", str(capacity), "--log-level", "WARNING")
+        meter = CpuMeter({"broker": [procs[0].pid], "provider": [procs[1].pid],
+                          "workers": [p.pid for p in procs[2:]]})
+        route = ModelRoute(name="main", provider="openai-responses", model="scripted",
+                           base_url=llm["url"], max_retries=0)
+        results: dict[str, Any] = {"workers": workers, "capacity_per_worker": capacity}
+        results["minimal"] = _minimal(procs, llm["url"], str(ws), levels, workers * capacity)
+        store = await Store.open(tmp / "bench.sqlite3")
+        try:
+            async with BrokerClient(b["frontend"]) as client:
+                manager = SessionManager(store=store, broker=client,
+                                         config=EngineConfig(routes={"main": route}))
+                async with asyncio.TaskGroup() as tg:
+                    task = tg.create_task(manager.run())
+                    try:
+                        async with asyncio.timeout(READY_TIMEOUT_S):
+                            await manager.started()
+                        results["idle"] = await _idle_memory(manager, str(ws), idle)
+                        await _supervisor_level(manager, str(ws), meter, 1, 1)  # warm-up
+                        sup: dict[str, Any] = {}
+                        for n, m in levels:
+                            sup[str(n)] = await _supervisor_level(manager, str(ws), meter, n, m)
+                        results["supervisor"] = sup
+                    finally:
+                        task.cancel()
+        finally:
+            await store.close()
+    return results
 
 
 def machine() -> dict[str, Any]:
@@ -218,35 +314,68 @@ def machine() -> dict[str, Any]:
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
+def summarize(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    sup, mini = results["supervisor"], results["minimal"]
+    ratios = {f"throughput{n}_vs_minimal": round(sup[n]["turns_per_s"] / mini[n]["turns_per_s"], 3)
+              for n in sup}
+    headline = {"idle_session_bytes": results["idle"]["idle_session_bytes"],
+                "idle_session_tracemalloc_bytes":
+                    results["idle"]["idle_session_tracemalloc_bytes"]}
+    for n in sup:
+        headline[f"supervisor_turns_per_s_{n}"] = sup[n]["turns_per_s"]
+        headline[f"minimal_turns_per_s_{n}"] = mini[n]["turns_per_s"]
+    key = "100" if "100" in sup else next(iter(sup))
+    headline["supervisor_cpu_ms_per_turn"] = sup[key]["supervisor_cpu_ms_per_turn"]
+    headline["minimal_cpu_ms_per_turn"] = mini[key]["cpu_ms_per_turn"]
+    return headline, ratios
+
+
+def print_table(results: dict[str, Any], ratios: dict[str, float]) -> None:
+    sup, mini = results["supervisor"], results["minimal"]
+    print(f"{'sessions':>8} {'x turns':>7} | {'minimal t/s':>11} {'cpu ms/t':>8} | "
+          f"{'supervisor t/s':>14} {'cpu ms/t':>8} {'broker':>7} {'workers':>7} "
+          f"{'tools':>7} {'llm':>6} | {'ratio':>6}")
+    for n in sup:
+        s, mn = sup[n], mini[n]
+        print(f"{n:>8} {s['turns_each']:>7} | {mn['turns_per_s']:>11.1f} "
+              f"{mn['cpu_ms_per_turn']:>8.2f} | {s['turns_per_s']:>14.1f} "
+              f"{s['supervisor_cpu_ms_per_turn']:>8.2f} {s['broker_cpu_ms_per_turn']:>7.2f} "
+              f"{s['workers_cpu_ms_per_turn']:>7.2f} {s['tool_children_cpu_ms_per_turn']:>7.2f} "
+              f"{s['provider_cpu_ms_per_turn']:>6.2f} | "
+              f"{ratios[f'throughput{n}_vs_minimal']:>6.3f}")
+    idle = results["idle"]
+    print(f"idle session: {idle['idle_session_bytes']} B RSS "
+          f"({idle['idle_session_tracemalloc_bytes']} B tracemalloc), "
+          f"over {idle['idle_sessions']} sessions; sandbox tier {mini.get('tier')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m supervisor.engine.bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a reduced run, under 60 s")
+    parser.add_argument("--quick", action="store_true", help="1 and 100 sessions, under 60 s")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object and write bench-results/sessions.json")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--capacity", type=int, default=64, help="per worker")
+    parser.add_argument("--idle", type=int, default=0,
+                        help="idle sessions for the memory figure (default 1000, --quick 300)")
     args = parser.parse_args(argv)
+    idle = args.idle or (300 if args.quick else 1000)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
-        results = asyncio.run(bench(Path(tmp), args.quick, args.workers))
+        results = asyncio.run(bench(Path(tmp), args.quick, args.workers, args.capacity, idle))
     results["seconds"] = round(time.monotonic() - started, 1)
-    raw, eng = results["raw"], results["engine"]
-    ratios = {"turn_p50_vs_raw_call": round(eng["p50_ms"] / raw["p50_ms"], 3),
-              "turn_p99_vs_raw_call": round(eng["p99_ms"] / raw["p99_ms"], 3),
-              "turns_per_s_vs_raw_calls": round(eng["per_s"] / raw["per_s"], 3)}
+    headline, ratios = summarize(results)
+    results.update(headline)
     if args.json:
         doc = {"name": "sessions", "machine": machine(), "results": results, "ratios": ratios}
-        Path("bench-results").mkdir(exist_ok=True)
-        Path("bench-results/sessions.json").write_text(json.dumps(doc, indent=2) + "\n")
+        out = REPO / "bench-results"
+        out.mkdir(exist_ok=True)
+        (out / "sessions.json").write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc))
     else:
-        print(f"{'path':<10}{'p50 ms':>10}{'p99 ms':>10}{'per s':>10}")
-        for name in ("raw", "engine"):
-            r = results[name]
-            print(f"{name:<10}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['per_s']:>10.1f}")
-        print(f"idle session: {eng['idle_session_kib']} KiB")
-        for k, v in ratios.items():
-            print(f"{k:<28}{v:>8.3f}")
+        print_table(results, ratios)
+        print(f"({results['seconds']} s)")
     return 0
 
 
