@@ -105,7 +105,7 @@ async def run(requests: int, in_flight: int, kill_at: int, as_json: bool) -> int
                 os.killpg(p.pid, signal.SIGKILL)
             await p.wait()
     counts["elapsed_s"] = round(time.monotonic() - started, 2)
-    counts["broker_expired_workers"] = status.get("counters", {}).get("expiries", 0)
+    counts["broker_expired_workers"] = status.get("counters", {}).get("worker_expiries", 0)
     ok = counts["replies"] == requests and counts["other_failures"] == 0
     counts["lost"] = requests - counts["replies"]
     if as_json:
