@@ -65,11 +65,18 @@ def file_name(doc: Mapping[str, Any]) -> str:
 
 
 class DirectorySink:
-    """Writes each checkpoint as one file in ``path`` (created if missing). The default."""
+    """Writes each checkpoint as one file in ``path`` (created if missing). The default.
 
-    def __init__(self, path: Path | str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    Bounded: after each write only the newest ``keep_per_session`` files of that
+    session are kept (a checkpoint supersedes the ones before it)."""
+
+    def __init__(self, path: Path | str, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 keep_per_session: int = 5) -> None:
+        if keep_per_session < 1:
+            raise ValueError("keep_per_session must be at least 1")
         self.path = Path(path)
         self.max_bytes = max_bytes
+        self.keep_per_session = keep_per_session
 
     def __repr__(self) -> str:
         return f"DirectorySink({str(self.path)!r})"
@@ -100,11 +107,28 @@ class DirectorySink:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        self._prune(name)
         dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+    def _prune(self, written: str) -> None:
+        """Drop this session's older checkpoints beyond ``keep_per_session``."""
+        session = written.rsplit("-t", 1)[0]
+        mine: list[tuple[int, Path]] = []
+        for p in self.path.glob(f"{session}-t*.json"):
+            if p.name.rsplit("-t", 1)[0] != session:
+                continue  # another session whose id merely starts the same way
+            try:
+                mine.append((p.stat().st_mtime_ns, p))
+            except FileNotFoundError:
+                continue
+        mine.sort()
+        for _, old in mine[:-self.keep_per_session]:
+            if old.name != written:
+                old.unlink(missing_ok=True)
 
 
 class HttpSink:
