@@ -14,10 +14,12 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 from broker import protocol
 from broker.faults import FrameFaults
+from broker.security import CurveServer, KeyFileError
 from broker.server import Broker, BrokerConfig
 from broker.state import Limits
 
@@ -54,9 +56,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "e.g. 'frame_drop,frame_delay,frame_duplicate[:rate=0.02]'")
     parser.add_argument("--faults-seed", type=int, default=0,
                         help="seed of the fault injector (same seed, same decisions)")
+    parser.add_argument("--curve-secret", type=Path, default=None, metavar="FILE",
+                        help="the broker's CURVE key pair (NAME.key_secret): tcp:// endpoints "
+                        "then require CURVE and an allowed client key (ipc:// stays plain)")
+    parser.add_argument("--allow-dir", type=Path, default=None, metavar="DIR",
+                        help="allow-list of public key files (re-read on change and SIGHUP)")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
+    if (args.curve_secret is None) != (args.allow_dir is None):
+        parser.error("--curve-secret and --allow-dir go together")
+    args.curve = None
+    if args.curve_secret is not None:
+        try:
+            args.curve = CurveServer.from_files(args.curve_secret, args.allow_dir)
+        except KeyFileError as exc:
+            parser.error(str(exc))
     try:
         args.faults = FrameFaults.parse(args.faults, seed=args.faults_seed)
     except ValueError as exc:
@@ -80,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queued_bytes=args.max_queued_bytes,
     )
     broker = Broker(BrokerConfig(args.frontend, args.backend, limits, args.max_message_bytes,
-                                 args.faults))
+                                 args.faults, curve=args.curve))
     if args.faults is not None:
         logging.getLogger("broker").warning("frame faults enabled: %s (rate %.3f, seed %d)",
                                             sorted(args.faults.kinds), args.faults.rate,
@@ -92,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if broker.guard is not None:
+        guard = broker.guard
+        # Only sets a flag; the poll loop (never re-entered) does the reload.
+        signal.signal(signal.SIGHUP, lambda signum, frame: guard.request_reload())
     ready = {"event": "ready", "frontend": frontend, "backend": backend,
              "pid": os.getpid(), "broker_id": broker.broker_id}
     sys.stdout.write(json.dumps(ready) + "\n")

@@ -34,6 +34,7 @@ from typing import Any, Final
 from broker import protocol
 from broker.errors import BrokerUnavailable, RequestFailed
 from broker.protocol import FailureKind
+from broker.security import CurveClient
 from broker.transport import AsyncDealer
 
 log = logging.getLogger(__name__)
@@ -135,11 +136,12 @@ class BrokerClient:
     def __init__(
         self, endpoint: str, *, heartbeat_interval_s: float = 0.25, liveness: int = 4,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
-        identity: bytes | None = None,
+        identity: bytes | None = None, curve: CurveClient | None = None,
     ) -> None:
         if heartbeat_interval_s <= 0 or liveness < 1:
             raise ValueError("heartbeat_interval_s must be > 0 and liveness >= 1")
         self.endpoint = endpoint
+        self.curve = curve
         self.heartbeat_interval_s = heartbeat_interval_s
         self.liveness = liveness
         self.max_message_bytes = max_message_bytes
@@ -159,7 +161,7 @@ class BrokerClient:
 
     async def __aenter__(self) -> BrokerClient:
         self._sock = AsyncDealer(self.endpoint, identity=self.identity,
-                                 max_message_bytes=self.max_message_bytes)
+                                 max_message_bytes=self.max_message_bytes, curve=self.curve)
         self._sock.send_message(protocol.Heartbeat(self.instance_id))
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()

@@ -33,6 +33,7 @@ import zmq
 from broker import protocol
 from broker.faults import DELAY, DROP, DUPLICATE, FrameFaults
 from broker.protocol import FailureKind
+from broker.security import CurveServer, Guard
 from broker.state import Dispatcher, Limits, Send, Side, new_broker_id
 from broker.transport import readable, recv_frames, send_frames
 
@@ -52,6 +53,8 @@ class BrokerConfig:
     limits: Limits = field(default_factory=Limits)
     max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES
     faults: FrameFaults | None = None  # chaos runs only (``--faults``)
+    # CURVE + ZAP on the tcp:// endpoints (ipc:// stays plain); see broker/security.py.
+    curve: CurveServer | None = None
 
 
 # Request traffic the fault injector may touch, per side of the broker it arrives on.
@@ -89,6 +92,8 @@ class Broker:
         self.broker_id = broker_id or new_broker_id()
         self.state = Dispatcher(self.broker_id, config.limits, time.monotonic())
         self._ctx = zmq.Context()
+        # The ZAP socket is bound before any CURVE socket exists (else: no authentication).
+        self.guard = Guard(self._ctx, config.curve) if config.curve is not None else None
         self._front = self._router()
         self._back = self._router()
         self._stopping = False
@@ -114,6 +119,11 @@ class Broker:
 
     def bind(self) -> tuple[str, str]:
         """Bind both sockets; return the real endpoints (tcp port 0 resolved)."""
+        if self.guard is not None:
+            for sock, ep, domain in ((self._front, self.config.frontend, "frontend"),
+                                     (self._back, self.config.backend, "backend")):
+                if ep.startswith("tcp://"):
+                    self.guard.secure(sock, domain)
         self._front.bind(self.config.frontend)
         self._back.bind(self.config.backend)
         self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -129,6 +139,9 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self._front, zmq.POLLIN)
         poller.register(self._back, zmq.POLLIN)
+        guard = self.guard
+        for extra in guard.poll_sockets() if guard is not None else ():
+            poller.register(extra, zmq.POLLIN)
         front, back, state = self._front, self._back, self.state
         log.info("broker %s serving frontend=%s backend=%s", self.broker_id,
                  self.frontend_endpoint, self.backend_endpoint)
@@ -144,8 +157,10 @@ class Broker:
             for sock, _ in ready:
                 if sock is front:
                     self._drain(front, self._on_frontend)
-                else:
+                elif sock is back:
                     self._drain(back, self._on_backend)
+                elif guard is not None:
+                    guard.on_ready(sock)
             now = time.monotonic()
             while delayed and delayed[0][0] <= now:
                 _, side, identity, msg = delayed.popleft()
@@ -160,6 +175,8 @@ class Broker:
         for sock in (self._front, self._back):
             sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
             sock.close()
+        if self.guard is not None:
+            self.guard.close()
         self._ctx.term()
 
     # ------------------------------------------------------------------ input

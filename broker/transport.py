@@ -28,6 +28,7 @@ import zmq
 
 from broker import protocol
 from broker.errors import BrokerUnavailable
+from broker.security import CurveClient
 
 HWM: Final = 20_000
 # Plain ints: pyzmq's send_multipart/recv_multipart combine IntFlag enums per frame,
@@ -79,7 +80,8 @@ class AsyncDealer:
     """One connected DEALER socket used from one asyncio loop."""
 
     def __init__(self, endpoint: str, *, identity: bytes,
-                 max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+                 curve: CurveClient | None = None) -> None:
         self.endpoint = endpoint
         self._loop = asyncio.get_running_loop()
         self._readable = asyncio.Event()
@@ -92,6 +94,8 @@ class AsyncDealer:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + protocol.MAX_META_BYTES + 1024)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if curve is not None and endpoint.startswith("tcp://"):
+                curve.apply(sock)  # ipc:// stays plain (broker/security.py)
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             raise BrokerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc

@@ -43,6 +43,7 @@ from typing import Any, Final, TypeAlias
 from broker import protocol
 from broker.errors import BrokerUnavailable, HandlerError
 from broker.protocol import FailureKind
+from broker.security import CurveClient
 from broker.transport import AsyncDealer
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class BrokerWorker:
         self, endpoint: str, handlers: Mapping[str, Handler], *, capacity: int = 1,
         info: Mapping[str, Any] | None = None, heartbeat_interval_s: float = 0.25,
         liveness: int = 4, max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
-        identity: bytes | None = None,
+        identity: bytes | None = None, curve: CurveClient | None = None,
     ) -> None:
         if not handlers:
             raise ValueError("a worker needs at least one handler")
@@ -111,6 +112,7 @@ class BrokerWorker:
         if heartbeat_interval_s <= 0 or liveness < 1:
             raise ValueError("heartbeat_interval_s must be > 0 and liveness >= 1")
         self.endpoint = endpoint
+        self.curve = curve
         self.handlers = dict(handlers)
         self.capacity = capacity
         self.info: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(),
@@ -219,7 +221,7 @@ class BrokerWorker:
         """One socket, one TaskGroup; returns why it ended."""
         loop = asyncio.get_running_loop()
         sock = AsyncDealer(self.endpoint, identity=self.identity,
-                           max_message_bytes=self.max_message_bytes)
+                           max_message_bytes=self.max_message_bytes, curve=self.curve)
         self._sock = sock
         self._acknowledged = False
         self._session_end = loop.create_future()
