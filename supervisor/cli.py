@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     _home(p)
     p.add_argument("file", type=Path)
     p.add_argument("--session", default=None, help="the new session id (default: same)")
+    p.add_argument("--workspace", type=Path, default=None,
+                   help="the imported session's workspace (default: the current directory)")
+    p.add_argument("--model", default=None,
+                   help="route name from corral.toml (default: the configured default route)")
+    p.add_argument("--approval", default=None, choices=["ask", "allow", "deny"],
+                   help="the approval policy the session ran with, when it was not the "
+                   "corral.toml default (it is part of the checkpoint's capability binding)")
     _json(p)
 
     p = sub.add_parser("fake-llm", help="run the scripted provider (a real HTTP server)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -202,19 +203,28 @@ def cmd_run(ns: Namespace) -> int:
 
 
 def cmd_export(ns: Namespace) -> int:
-    code, doc = _with_farm(ns, "describe", session_id=ns.session)
+    code, result = _with_farm(ns, "export", session_id=ns.session)
     if code != EXIT_OK:
         return code
-    latest = (doc or {}).get("latest_export")
-    if not latest:
-        print(f"corral: session {ns.session} has no checkpoint yet (one is made at each "
-              "completed tool round)", file=sys.stderr)
+    doc = result["checkpoint"]
+    out: Path = ns.out
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, sort_keys=True, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"corral: cannot write {out}: {exc.strerror}; choose another --out",
+              file=sys.stderr)
         return EXIT_FAILED
-    ns.out.write_text(json.dumps(latest, sort_keys=True))
+    descriptor = doc["descriptor"]
     if ns.json:
-        _print_json({"ok": True, "path": str(ns.out)})
+        _print_json({"ok": True, "path": str(out), "digest": descriptor["digest"],
+                     "run_id": descriptor["run_id"], "turn": descriptor["turn"],
+                     "source": result.get("source")})
     else:
-        print(f"wrote {ns.out}")
+        print(f"wrote {out} (run {descriptor['run_id']}, tool round {descriptor['turn']}, "
+              f"{descriptor['digest']}); check it with: corral verify {out}")
     return EXIT_OK
 
 

@@ -180,9 +180,61 @@ async def _ask(payload: dict[str, Any]) -> str:
             return choices[answer]
 
 
+def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The session config an import creates in the farm at HOME (its corral.toml
+    defaults, route, workspace, ``--approval``) and the capability binding that
+    config gives the session; raises ``ConfigError`` saying what is wrong."""
+    from supervisor import config as config_mod
+    from supervisor.engine.config import SessionSpec
+    from supervisor.engine.tooling import tool_schemas
+    from supervisor.export import capability_binding
+    from supervisor.main import session_defaults
+
+    home: Path = ns.home.resolve()
+    config_mod.write_default(home)
+    cfg = config_mod.load(home)
+    routes = set(cfg.routes)
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        routes |= set(json.loads((home / "routes.json").read_text()))
+    route = ns.model or cfg.default_route
+    if route not in routes:
+        raise ConfigError(f"unknown model route {route!r}; routes of this farm: "
+                          f"{sorted(routes)} (add one to {home / 'corral.toml'} or pass --model)")
+    workspace = (ns.workspace or Path.cwd()).resolve()
+    if not workspace.is_dir():
+        raise ConfigError(f"workspace {workspace} is not a directory; create it or pass "
+                          "--workspace")
+    values: dict[str, Any] = {**session_defaults(cfg), "workspace": str(workspace),
+                              "route": route}
+    if ns.approval:
+        values["approval"] = ns.approval
+    spec = SessionSpec(**values)
+    binding = capability_binding(tool_schemas(spec.tools),
+                                 {"approval": spec.approval,
+                                  "tool_policy": dict(spec.tool_policy)})
+    return spec.to_config(), binding
+
+
+def _binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
+    try:
+        have = doc["content"]["logical_resume"]["capability_binding"]
+        parts = []
+        mine = {t["name"]: t["schema_digest"] for t in expected["tools"]}
+        theirs = {t["name"]: t["schema_digest"] for t in have["tools"]}
+        if mine != theirs:
+            changed = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
+            parts.append(f"tools differ ({', '.join(changed)})")
+        if have.get("policy_digest") != expected.get("policy_digest"):
+            parts.append("the approval/tool policy differs")
+        return "; ".join(parts) or "the binding differs"
+    except (KeyError, TypeError):
+        return "the binding is malformed"
+
+
 def import_checkpoint(ns: Namespace) -> int:
+    from supervisor.export import BindingMismatch, CheckpointInvalid
     from supervisor.export import import_checkpoint as do_import
-    from supervisor.store import Store
+    from supervisor.store import Store, StoreError
 
     try:
         doc = json.loads(ns.file.read_text())
@@ -190,8 +242,13 @@ def import_checkpoint(ns: Namespace) -> int:
         print(f"corral: cannot read {ns.file}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if running_farm(ns.home) is not None:
-        print("corral: stop the farm first (corral down): the supervisor is the store's only "
-              "writer", file=sys.stderr)
+        print(f"corral: stop the farm first (corral down --home {ns.home}): the supervisor "
+              "is the store's only writer", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config, binding = import_spec(ns)
+    except ConfigError as exc:
+        print(f"corral: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
     async def go() -> str:
@@ -199,14 +256,30 @@ def import_checkpoint(ns: Namespace) -> int:
         paths.prepare()
         store = await Store.open(paths.db)
         try:
-            return str(await do_import(store, doc, new_session_id=ns.session))
+            record = await do_import(store, doc, expected_binding=binding,
+                                     new_session_id=ns.session, config=config)
+            return str(record.session_id)
         finally:
             await store.close()
 
     try:
         session = asyncio.run(go())
-    except Exception as exc:  # the import's typed refusals carry the reason
-        print(f"corral: import refused: {exc}", file=sys.stderr)
+    except CheckpointInvalid as exc:
+        print(f"corral: import refused: {exc}; see every problem with: corral verify "
+              f"{ns.file}", file=sys.stderr)
+        return EXIT_FAILED
+    except BindingMismatch:
+        print(f"corral: import refused: the checkpoint was made with other capabilities than "
+              f"this farm would give the session: {_binding_difference(doc, binding)}. A "
+              "checkpoint never resumes under other tools or policy: import it into a farm "
+              "with the same [session]/[sandbox] settings in corral.toml, or pass the "
+              "--approval the session ran with", file=sys.stderr)
+        return EXIT_FAILED
+    except StoreError as exc:
+        hint = (" pass --session NEW_ID to import it under another id"
+                if getattr(exc, "kind", "") == "session_exists" else "")
+        print(f"corral: import refused: {exc};{hint}" if hint else
+              f"corral: import refused: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if ns.json:
         sys.stdout.write(json.dumps({"ok": True, "session_id": session}) + "\n")

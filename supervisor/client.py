@@ -244,6 +244,10 @@ class SupervisorClient:
     async def status(self) -> Any:
         return await self.call("status")
 
+    async def export(self, session_id: str) -> Any:
+        """The session's latest portable checkpoint: ``{"checkpoint": doc, "source"}``."""
+        return await self.call("export", session_id=session_id)
+
     async def history(self, session_id: str, *, after_sequence: int = 0,
                       limit: int = 500) -> Any:
         return await self.call("history", session_id=session_id,

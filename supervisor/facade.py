@@ -9,10 +9,15 @@ Invariants:
   under their spec string and persisted in ``HOME/routes.json`` so sessions
   using them survive a supervisor restart. They never carry a key.
 - Every answer is plain msgpack-friendly data.
+- ``export`` answers the latest checkpoint of a session: the one under export
+  in the store while a turn runs (``load_loop_checkpoint``), else the newest
+  file of that session in the farm's directory sinks; never one that fails
+  ``verify`` and never one above ``MAX_EXPORT_ANSWER_BYTES``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -23,8 +28,11 @@ from typing import Any
 
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, ModelRoute
+from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, UnknownSession
+from supervisor.export import CheckpointInvalid, file_name, load_loop_checkpoint, verify
+from supervisor.export.canonical import canonical_bytes
 from supervisor.server import CallError
 from supervisor.store import Store
 from supervisor.store.records import EventRecord, SessionId
@@ -36,6 +44,50 @@ _SPEC_KEYS = {"workspace", "route", "route_spec", "approval", "instructions", "h
               "tool_policy", "compaction_threshold_tokens", "stream", "session_id",
               "child_route", "parent_session_id"}
 _ROUTE_KEYS = set(ModelRoute.__annotations__)
+# A checkpoint answer must fit in one client-protocol message (8 MiB) with room to spare.
+MAX_EXPORT_ANSWER_BYTES = 6 * 1024 * 1024
+MAX_EXPORT_FILES_SCANNED = 1000
+
+
+def export_dirs(home: Path) -> list[Path]:
+    """The farm's directory export sinks (HOME/exports when none is configured)."""
+    try:
+        sinks = config_mod.load(home).export_sinks
+    except config_mod.ConfigError:
+        sinks = ()
+    dirs = []
+    for sink in sinks:
+        if sink.get("type") == "directory":
+            path = Path(str(sink.get("path", "exports")))
+            dirs.append(path if path.is_absolute() else home / path)
+    return dirs or [home / "exports"]
+
+
+def _newest_export(dirs: list[Path], session_id: str) -> tuple[dict[str, Any], Path] | None:
+    """The newest checkpoint file of ``session_id`` that verifies (blocking; run in a thread)."""
+    stem = file_name({"descriptor": {"session_id": session_id, "turn": 0,
+                                     "digest": ""}}).rsplit("-t0000-", 1)[0]
+    found: list[tuple[float, Path]] = []
+    for d in dirs:
+        try:
+            with os.scandir(d) as it:
+                for entry in it:
+                    if len(found) >= MAX_EXPORT_FILES_SCANNED:
+                        break
+                    if entry.name.startswith(stem + "-t") and entry.name.endswith(".json"):
+                        found.append((entry.stat().st_mtime, Path(entry.path)))
+        except OSError:
+            continue
+    for _, path in sorted(found, reverse=True):
+        try:
+            if path.stat().st_size > MAX_EXPORT_ANSWER_BYTES:
+                continue
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not verify(doc) and doc["descriptor"]["session_id"] == session_id:
+            return doc, path
+    return None
 
 
 def event_to_wire(e: EventRecord) -> dict[str, Any]:
@@ -57,6 +109,7 @@ class Facade:
         self.broker = broker
         self.engine_config = engine_config
         self.routes_file = home / "routes.json"
+        self.export_dirs = export_dirs(home)
         self._load_inline_routes()
 
     # -- routes -------------------------------------------------------------
@@ -182,6 +235,32 @@ class Facade:
         page = await self.store.events_page(SessionId(session_id),
                                             after_sequence=after_sequence, limit=limit)
         return {"events": [event_to_wire(e) for e in page.items], "next": page.next_cursor}
+
+    async def export(self, session_id: str, tenant: str | None) -> Any:
+        await self._check_tenant(session_id, tenant)
+        doc: dict[str, Any] | None
+        try:
+            doc = await load_loop_checkpoint(self.store, SessionId(session_id))
+        except CheckpointInvalid as exc:
+            log.warning("session %s: the checkpoint under export is inconsistent: %s",
+                        session_id, exc)
+            doc = None
+        source = "store"
+        if doc is None:
+            newest = await asyncio.to_thread(_newest_export, self.export_dirs, session_id)
+            if newest is None:
+                raise CallError(ErrorKind.NOT_FOUND,
+                                f"session {session_id} has no checkpoint yet: one is made at "
+                                "the end of each tool round of a turn; run a turn with a tool "
+                                "call first")
+            doc, path = newest
+            source = str(path)
+        size = len(canonical_bytes(doc))
+        if size > MAX_EXPORT_ANSWER_BYTES:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"the checkpoint is {size} bytes, too large for one answer; copy "
+                            f"it from the export directory {self.export_dirs[0]}")
+        return {"checkpoint": doc, "source": source}
 
     async def status(self) -> Any:
         try:

@@ -58,6 +58,7 @@ class Backend(Protocol):
     async def history(self, session_id: str, after_sequence: int, limit: int,
                       tenant: str | None) -> Any: ...
     async def status(self) -> Any: ...
+    async def export(self, session_id: str, tenant: str | None) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -296,6 +297,8 @@ class ClientServer:
             return await b.history(self._arg(args, "session_id", str),
                                    self._arg(args, "after_sequence", int, 0),
                                    min(self._arg(args, "limit", int, 500), 5000), tenant)
+        if call == "export":
+            return await b.export(self._arg(args, "session_id", str), tenant)
         if call == "status":
             status = await b.status()
             status["client_endpoint"] = {"clients": len(self._clients), **self.counters}

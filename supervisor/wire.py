@@ -8,7 +8,8 @@ over one ZeroMQ DEALER → ROUTER connection. Each message is two frames::
 
 Client → supervisor: ``{"id": int, "call": str, "args": {...}}``. Calls:
 ``hello``, ``ping``, ``create_session``, ``submit``, ``subscribe``,
-``unsubscribe``, ``list_sessions``, ``describe``, ``status``, ``history``.
+``unsubscribe``, ``list_sessions``, ``describe``, ``status``, ``history``,
+``export`` (a session's latest portable checkpoint: ``{"checkpoint", "source"}``).
 
 Supervisor → client:
 - a call's answer: ``{"id": int, "ok": true, "result": ...}`` or
@@ -36,7 +37,7 @@ HEADER: Final = b"CORRAL-SESSIONS/1"
 MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
 CALLS: Final = frozenset({
     "hello", "ping", "create_session", "submit", "subscribe", "unsubscribe",
-    "list_sessions", "describe", "status", "history",
+    "list_sessions", "describe", "status", "history", "export",
 })
 
 
@@ -47,6 +48,7 @@ class ErrorKind:
     FORBIDDEN = "forbidden"  # another tenant's session
     SLOW_CONSUMER = "slow_consumer"  # subscription dropped; resubscribe from last sequence
     UNAVAILABLE = "unavailable"  # supervisor shutting down or not ready
+    NOT_FOUND = "not_found"  # the thing asked for does not exist (yet), e.g. a checkpoint
     INTERNAL = "internal"
 
 
