@@ -50,6 +50,7 @@ from sandbox_worker.tools.shell import render, run_shell
 
 MODEL_TIMEOUT_S = 60.0
 TOOL_REMAINING_S = 600.0
+PROCESSES = 2048  # the same tool policy the supervisor path sends
 INSTRUCTIONS = "You are a helpful coding agent."
 
 
@@ -76,6 +77,9 @@ class Loop:
         self.tools = tools
         self.http = http
         self.limits = ToolLimits(**DEFAULT_LIMITS)
+        # RLIMIT_NPROC counts every process of the sandbox uid on the host, not
+        # one call's: the default (256) fails forks with ~60 calls in flight.
+        self.limits["processes"] = PROCESSES
         # every tool is offered, as the supervisor does (same request size)
         self.schemas = [{"type": "function", "name": s["name"], "description": s["description"],
                          "parameters": s["parameters"]} for s in SCHEMAS]
@@ -106,7 +110,8 @@ class Loop:
                                   call_id=call["call_id"], remaining_s=TOOL_REMAINING_S,
                                   on_chunk=None, grace_s=2.0)
         if run.outcome.exit_code != 0:
-            raise TurnFailed(f"the tool call exited {run.outcome.exit_code}")
+            raise TurnFailed(f"the tool call exited {run.outcome.exit_code}: "
+                             f"{render(run, self.limits)[:300]!r}")
         return render(run, self.limits)
 
     async def session(self, turns: int) -> None:

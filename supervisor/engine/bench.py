@@ -61,7 +61,7 @@ from typing import Any
 import psutil
 
 from broker.client import BrokerClient
-from sandbox_worker.api import ModelRoute
+from sandbox_worker.api import ModelRoute, ToolLimits, ToolPolicy
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.manager import SessionManager
 from supervisor.store import Store
@@ -70,6 +70,10 @@ from supervisor.store.records import EventRecord, SessionId
 READY_TIMEOUT_S = 60.0
 TURN_TIMEOUT_S = 300.0
 MINIMAL_TIMEOUT_S = 1800.0
+# RLIMIT_NPROC counts every process of the sandbox uid on the host, not one
+# call's: the default (256) fails forks with ~60 calls in flight. Both paths
+# send this (benchmarks/sessions_minimal.py: PROCESSES).
+TOOL_POLICY = ToolPolicy(limits=ToolLimits(processes=2048))
 REPO = Path(__file__).resolve().parents[2]
 QUICK_LEVELS = ((1, 10), (100, 3))
 FULL_LEVELS = ((1, 30), (100, 5), (1000, 2))
@@ -123,9 +127,12 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.stdout.close()
 
 
-def spawn(procs: list[subprocess.Popen[bytes]], *argv: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+def spawn(procs: list[subprocess.Popen[bytes]], *argv: str,
+          stderr: Path | None = None) -> subprocess.Popen[bytes]:
+    with contextlib.ExitStack() as stack:
+        err = stack.enter_context(stderr.open("wb")) if stderr else subprocess.DEVNULL
+        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
+                                stderr=err, start_new_session=True, cwd=REPO)
     procs.append(proc)
     return proc
 
@@ -175,6 +182,10 @@ class CpuMeter:
                 for k in before}
 
 
+def _spec(ws: str) -> SessionSpec:
+    return SessionSpec(workspace=ws, approval="allow", tool_policy=TOOL_POLICY)
+
+
 async def _drive(manager: SessionManager, sid: SessionId, turns: int) -> None:
     """Run ``turns`` turns of one session, one at a time, checking each."""
     it = manager.subscribe(sid, after_sequence=0).__aiter__()
@@ -201,7 +212,7 @@ async def _drive(manager: SessionManager, sid: SessionId, turns: int) -> None:
 
 async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter, n: int,
                             m: int) -> dict[str, Any]:
-    sids = [await manager.create_session(SessionSpec(workspace=ws, approval="allow"))
+    sids = [await manager.create_session(_spec(ws))
             for _ in range(n)]
     before = meter.sample()
     started = time.monotonic()
@@ -228,14 +239,14 @@ async def _idle_memory(manager: SessionManager, ws: str, n: int) -> dict[str, An
     await _settle(manager)
     rss0 = me.memory_info().rss
     for _ in range(n):
-        await manager.create_session(SessionSpec(workspace=ws, approval="allow"))
+        await manager.create_session(_spec(ws))
     await _settle(manager)
     rss1 = me.memory_info().rss
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
         for _ in range(n):
-            await manager.create_session(SessionSpec(workspace=ws, approval="allow"))
+            await manager.create_session(_spec(ws))
         await _settle(manager)
         after = tracemalloc.take_snapshot()
     finally:
@@ -246,16 +257,18 @@ async def _idle_memory(manager: SessionManager, ws: str, n: int) -> dict[str, An
 
 
 def _minimal(procs: list[subprocess.Popen[bytes]], url: str, ws: str,
-             levels: tuple[tuple[int, int], ...], slots: int) -> dict[str, Any]:
+             levels: tuple[tuple[int, int], ...], slots: int, log: Path) -> dict[str, Any]:
     spec = ",".join(f"{n}:{m}" for n, m in levels)
     proc = spawn(procs, "benchmarks.sessions_minimal", "--url", url, "--workspace", ws,
-                 "--levels", spec, "--slots", str(slots))
-    ready = read_json_line(proc, READY_TIMEOUT_S)
-    if ready.get("event") != "ready":
-        raise BenchFailed(f"the minimal loop did not start: {ready}")
-    result = read_json_line(proc, MINIMAL_TIMEOUT_S)
-    proc.wait(timeout=30)
-    if result.get("event") != "result" or proc.returncode != 0:
+                 "--levels", spec, "--slots", str(slots), stderr=log)
+    try:
+        ready = read_json_line(proc, READY_TIMEOUT_S)
+        result = read_json_line(proc, MINIMAL_TIMEOUT_S)
+        proc.wait(timeout=30)
+    except BenchFailed as exc:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        raise BenchFailed(f"the minimal loop failed: {exc}: {' / '.join(tail)}") from None
+    if ready.get("event") != "ready" or result.get("event") != "result" or proc.returncode:
         raise BenchFailed(f"the minimal loop failed (rc {proc.returncode}): {result}")
     out: dict[str, Any] = result["levels"]
     out["tier"] = ready.get("tier")
@@ -284,7 +297,8 @@ async def bench(tmp: Path, quick: bool, workers: int, capacity: int,
         route = ModelRoute(name="main", provider="openai-responses", model="scripted",
                            base_url=llm["url"], max_retries=0)
         results: dict[str, Any] = {"workers": workers, "capacity_per_worker": capacity}
-        results["minimal"] = _minimal(procs, llm["url"], str(ws), levels, workers * capacity)
+        results["minimal"] = _minimal(procs, llm["url"], str(ws), levels, workers * capacity,
+                                     tmp / "minimal.log")
         store = await Store.open(tmp / "bench.sqlite3")
         try:
             async with BrokerClient(b["frontend"]) as client:
@@ -356,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object and write bench-results/sessions.json")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--capacity", type=int, default=64, help="per worker")
+    parser.add_argument("--capacity", type=int, default=32, help=(
+        "per worker; keep workers x capacity x 3 under the tools' per-uid process limit (256)"))
     parser.add_argument("--idle", type=int, default=0,
                         help="idle sessions for the memory figure (default 1000, --quick 300)")
     args = parser.parse_args(argv)
