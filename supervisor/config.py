@@ -104,6 +104,8 @@ class FarmConfig:
     ask: tuple[str, ...] = ()
     max_model_steps: int = 256
     turn_timeout_s: float = 1800.0
+    model_call_budget_s: float = 300.0  # the deadline sent with each model request
+    tool_call_budget_s: float = 600.0  # the deadline sent with each tool request
     compaction_threshold_tokens: int = 100_000
     instructions: str = "You are a careful coding agent. Use the tools to do the work."
     routes: dict[str, ModelRoute] = field(default_factory=dict)  # incl. script routes
@@ -176,7 +178,8 @@ def load(home: Path) -> FarmConfig:
     session = raw.get("session", {})
     _check_keys(path, "session", session, {
         "default_route", "approval", "allow", "deny", "ask", "max_model_steps",
-        "turn_timeout_s", "compaction_threshold_tokens", "instructions"})
+        "turn_timeout_s", "compaction_threshold_tokens", "instructions",
+        "model_call_budget_s", "tool_call_budget_s"})
     approval = _typed(path, "session", session, "approval", str, "ask")
     if approval not in ("ask", "allow", "deny"):
         raise _fail(path, "session.approval", "must be ask, allow or deny")
@@ -211,6 +214,10 @@ def load(home: Path) -> FarmConfig:
         max_model_steps=_typed(path, "session", session, "max_model_steps", int, 256),
         turn_timeout_s=float(_typed(path, "session", session, "turn_timeout_s",
                                     (int, float), 1800.0)),
+        model_call_budget_s=float(_typed(path, "session", session, "model_call_budget_s",
+                                         (int, float), 300.0)),
+        tool_call_budget_s=float(_typed(path, "session", session, "tool_call_budget_s",
+                                        (int, float), 600.0)),
         compaction_threshold_tokens=_typed(path, "session", session,
                                            "compaction_threshold_tokens", int, 100_000),
         instructions=_typed(path, "session", session, "instructions", str,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.client import BrokerClient
+from broker.lifeline import watch_parent
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig
@@ -64,6 +65,8 @@ def engine_config(cfg: config_mod.FarmConfig, route_urls: dict[str, str]) -> Eng
         instructions=cfg.instructions,
         max_model_steps=cfg.max_model_steps,
         max_turn_s=cfg.turn_timeout_s,
+        model_call_budget_s=cfg.model_call_budget_s,
+        tool_call_budget_s=cfg.tool_call_budget_s,
         compaction_threshold_tokens=cfg.compaction_threshold_tokens,
     )
 
@@ -140,4 +143,5 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    watch_parent()  # exit if the farm's root dies without stopping us
     return asyncio.run(serve(ns))

@@ -9,8 +9,11 @@ the scheduled faults; when the fault phase ends, let every session finish,
 then run one more turn per session (it must complete: nothing is wedged);
 stop the farm; open the store and check.
 
-Recovery is measured per fault from the fault to the next progress event
-(any durable event) of each session that had a turn running at that moment.
+Faults are fired at real targets by ``targets.Injector`` (worker faults by
+what the worker is doing, from the broker's STATUS); a fault with no target
+in the wanted state is recorded as skipped. Recovery is measured per fault,
+for the sessions it really affected (``recovery.py``), from the fault to
+their next progress event.
 
 Invariants:
 - Every wait has a deadline; a session that does not finish a turn within
@@ -21,23 +24,24 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import signal
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker.client import BrokerClient
 from supervisor.chaos import invariants as inv
-from supervisor.chaos.schedule import Fault, make_schedule, parse_faults
+from supervisor.chaos import recovery
+from supervisor.chaos.schedule import FRAME_FAULTS, Fault, make_schedule, parse_faults
+from supervisor.chaos.targets import Injector
 from supervisor.chaos.workload import count_markers, write_script
 from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.farm.root import Farm
+from supervisor.store import slowdisk
 from supervisor.store.records import SessionId
 
 log = logging.getLogger(__name__)
@@ -81,14 +85,15 @@ class Report:
     violations: list[inv.Violation] = field(default_factory=list)
     exports: int = 0
     recovery: dict[str, list[float]] = field(default_factory=dict)
+    unrecovered: dict[str, int] = field(default_factory=dict)
+    continuous: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         rec = {}
-        for kind, times in sorted(self.recovery.items()):
-            rec[kind] = {"count": len(times),
-                         "p50_s": round(statistics.median(times), 3) if times else None,
-                         "p99_s": round(_p99(times), 3) if times else None}
+        for group, times in sorted(self.recovery.items()):
+            rec[group] = {**recovery.summarize(times),
+                          "unrecovered": self.unrecovered.get(group, 0)}
         tool_calls = sum(1 for s in self.sessions for _, e in s.live
                          if e.get("type") == "tool_call_end")
         return {
@@ -99,20 +104,19 @@ class Report:
                 "turns": sum(len(s.submissions) for s in self.sessions),
                 "tool_calls": tool_calls,
                 "faults_scheduled": len(self.schedule),
-                "faults_injected": len(self.injected),
+                "faults_injected": sum(1 for f in self.injected if "skipped" not in f),
+                "faults_skipped": sum(1 for f in self.injected if "skipped" in f),
                 "exports_verified": self.exports,
                 "sessions_final_turn_ok": sum(s.final_ok for s in self.sessions),
             },
             "faults": self.injected,
+            "continuous_faults": self.continuous,
             "recovery": rec,
             "elapsed_s": round(self.elapsed_s, 1),
         }
 
 
-def _p99(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
-
+STORE_SLOW_DELAY_S = 0.2  # per write transaction while a store_slow fault is on
 
 CONFIG = """\
 [farm]
@@ -126,6 +130,10 @@ tier_min = "{tier_min}"
 default_route = "chaos"
 approval = "allow"
 turn_timeout_s = 300
+# Short request deadlines: a frame the broker drops on purpose must end its
+# call within the run (the caller's deadline), not after the 5-10 min defaults.
+model_call_budget_s = 10
+tool_call_budget_s = 10
 
 [routes.chaos]
 script = "{script}"
@@ -149,7 +157,8 @@ class Harness:
         self.pids: set[int] = set()
         self.farm: Farm | None = None
         self.faults_over = asyncio.Event()
-        self._work: asyncio.TaskGroup | None = None
+        self.marks: list[tuple[int, recovery.FaultMark]] = []  # (index in injected, mark)
+        self.slow_flag = self.home / "chaos-slow-disk.flag"
 
     # -- set-up -------------------------------------------------------------
 
@@ -173,9 +182,15 @@ class Harness:
     async def run(self) -> Report:
         started = time.monotonic()
         self.prepare()
-        frame = [k for k in self.kinds if k.startswith("frame_")]
+        frame = [k for k in self.kinds if k in FRAME_FAULTS]
+        env = None
+        if "store_slow" in self.kinds:
+            env = {slowdisk.DELAY_ENV: str(STORE_SLOW_DELAY_S),
+                   slowdisk.FLAG_ENV: str(self.slow_flag)}
         self.farm = Farm(self.home, workers=self.opts.workers,
-                         broker_faults=",".join(frame) or None, log_level="INFO",
+                         broker_faults=",".join(frame) or None,
+                         broker_faults_seed=self.opts.seed, supervisor_env=env,
+                         log_level="INFO",
                          on_change=self._track_pids)  # every pid the farm ever ran
         ready = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
@@ -184,15 +199,18 @@ class Harness:
                 await ready.wait()
             self._track_pids()
             endpoint = self.farm.paths.supervisor_endpoint
-            async with SupervisorClient(endpoint, timeout_s=15) as sv:
+            async with SupervisorClient(endpoint, timeout_s=15) as sv, \
+                    BrokerClient(self.farm.paths.broker_frontend) as broker:
+                injector = Injector(self.farm, broker, self.slow_flag)
                 runs = [await self._create(sv, i) for i in range(self.opts.sessions)]
                 self.report.sessions = runs
                 async with asyncio.TaskGroup() as work:
-                    self._work = work
                     collectors = [work.create_task(self._collect(sv, r)) for r in runs]
                     drivers = [work.create_task(self._drive(sv, r)) for r in runs]
-                    await self._inject(t0=time.monotonic())
+                    await self._inject(injector, t0=time.monotonic())
                     self.faults_over.set()
+                    if frame:
+                        self.report.continuous["frame"] = await _frame_counts(broker)
                     await asyncio.gather(*drivers)
                     # Not wedged: one more turn each, all at once, which must complete.
                     finals = await asyncio.gather(*(self._turn(sv, r) for r in runs))
@@ -203,6 +221,7 @@ class Harness:
                         c.cancel()
             farm_task.cancel()
         await asyncio.sleep(0)
+        self._recovery()
         await self._check()
         self.report.elapsed_s = time.monotonic() - started
         return self.report
@@ -248,73 +267,41 @@ class Harness:
 
     # -- faults -------------------------------------------------------------
 
-    async def _inject(self, t0: float) -> None:
+    async def _inject(self, injector: Injector, t0: float) -> None:
         for fault in self.schedule:
             wait = t0 + fault.at_s - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            record = await self._fire(fault)
-            if record is not None:
-                record["at_s"] = round(time.monotonic() - t0, 3)
-                self.report.injected.append(record)
-                self._measure_recovery(fault.kind, time.monotonic())
+            index = len(self.report.injected)
+            at_s = round(time.monotonic() - t0, 3)
+
+            def mark(service: str | None, kind: str = fault.kind, index: int = index) -> None:
+                group = "worker" if kind.startswith("worker_") else kind.split("_")[0]
+                marks = {r.session_id: len(r.live) for r in self.report.sessions}
+                self.marks.append((index, recovery.FaultMark(group, time.monotonic(),
+                                                             service, marks)))
+
+            record = await injector.fire(fault, mark)
+            record["at_s"] = at_s
+            self.report.injected.append(record)
+            log.info("chaos: %s", record)
         rest = t0 + self.opts.duration_s - time.monotonic()
         if rest > 0:
             await asyncio.sleep(rest)
 
-    def _child(self, prefix: str, pick: int) -> Any:
-        assert self.farm is not None
-        live = [c for c in self.farm.tree.children.values()
-                if c.spec.name.startswith(prefix) and c.pid and c.state == "running"]
-        return live[pick % len(live)] if live else None
-
-    async def _fire(self, fault: Fault) -> dict[str, Any] | None:
-        kind = fault.kind
-        if kind.startswith("worker_") or kind in ("broker_kill", "supervisor_kill"):
-            prefix = "worker-" if kind.startswith("worker_") else kind.split("_")[0]
-            child = self._child(prefix, fault.pick)
-            if child is None:
-                return None
-            pid = child.pid
-            if kind == "worker_hang":
-                os.kill(pid, signal.SIGSTOP)
-                await asyncio.sleep(fault.duration_s)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            return {"kind": kind, "target": child.spec.name, "pid": pid}
-        if kind == "store_busy":
-            await asyncio.to_thread(_hold_write_lock, self.home / "corral.db", fault.duration_s)
-            return {"kind": kind, "duration_s": fault.duration_s}
-        # frame_* faults are applied inside the broker (its --faults hook) and
-        # store_slow inside the store; both run for the whole fault phase.
-        return None
-
-    def _measure_recovery(self, kind: str, at: float) -> None:
-        group = kind.split("_")[0] if not kind.startswith("worker_") else "worker"
-        active = [r for r in self.report.sessions if r.busy]
-
-        async def measure() -> None:
-            times = []
-            deadline = at + 60
-            pending = {r.session_id: r for r in active}
-            while pending and time.monotonic() < deadline:
-                for sid, r in list(pending.items()):
-                    for t, e in reversed(r.live):
-                        if t < at:
-                            break
-                        if e.get("sequence", 0) > 0:
-                            times.append(t - at)
-                            del pending[sid]
-                            break
-                await asyncio.sleep(0.05)
-            if times:
-                self.report.recovery.setdefault(group, []).append(min(times))
-
-        assert self._work is not None
-        self._work.create_task(measure())
+    def _recovery(self) -> None:
+        lives = {r.session_id: r.live for r in self.report.sessions}
+        for index, fm in self.marks:
+            hit = recovery.affected(fm, lives)
+            record = self.report.injected[index]
+            record["affected"] = {sid: None if t is None else round(t, 3)
+                                  for sid, t in sorted(hit.items())}
+            times = [t for t in hit.values() if t is not None]
+            self.report.recovery.setdefault(fm.group, []).extend(times)
+            missing = sum(1 for t in hit.values() if t is None)
+            if missing:
+                self.report.unrecovered[fm.group] = (
+                    self.report.unrecovered.get(fm.group, 0) + missing)
 
     # -- checking -----------------------------------------------------------
 
@@ -349,17 +336,14 @@ def _wire(e: Any) -> dict[str, Any]:
             "submission_id": e.submission_id}
 
 
-def _hold_write_lock(db: Path, seconds: float) -> None:
-    """Hold SQLite's write lock from another connection (SQLITE_BUSY for the store)."""
-    import sqlite3
-
-    con = sqlite3.connect(db, timeout=5)
+async def _frame_counts(broker: BrokerClient) -> dict[str, Any]:
+    """The broker's frame-fault counters (since its last start: a broker kill resets them)."""
     try:
-        con.execute("BEGIN IMMEDIATE")
-        time.sleep(seconds)
-        con.rollback()
-    finally:
-        con.close()
+        status = await broker.status(timeout_s=2.0)
+    except Exception as exc:  # a report field, not a failure of the run
+        return {"error": str(exc)}
+    counters = status.get("counters") or {}
+    return {"since_last_broker_start": counters.get("faults", {}), "rate": 0.02}
 
 
 async def _retry(make: Any, *, attempts: int = 60) -> Any:

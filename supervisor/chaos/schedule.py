@@ -6,7 +6,9 @@ the times (offsets in seconds from the start of the fault phase) and the
 target choices (as indices resolved against the live farm when the fault
 fires). Provider faults are not scheduled in time: they are written into
 the scripted provider's script (``provider_faults``), keyed by the script
-entry they hit, so they too are a pure function of the seed.
+entry they hit, so they too are a pure function of the seed. Frame faults
+are not scheduled in time either: the broker applies them for the whole run
+from its own RNG, seeded with the run's seed (``--faults-seed``).
 
 Invariants:
 - Faults are spaced by at least ``min_gap_s`` so each recovery can be
@@ -27,6 +29,7 @@ PROCESS_FAULTS: Final = (
     "worker_hang",  # SIGSTOP a worker (the broker must expire it); SIGCONT later
     "broker_kill",  # SIGKILL the broker (the farm restarts it)
     "supervisor_kill",  # SIGKILL the supervisor (the farm restarts it)
+    "provider_kill",  # SIGKILL the scripted provider (the farm restarts it, same port)
 )
 FRAME_FAULTS: Final = ("frame_drop", "frame_delay", "frame_duplicate")
 PROVIDER_FAULTS: Final = ("provider_429", "provider_500", "provider_hang", "provider_cut")
@@ -61,7 +64,7 @@ def parse_faults(spec: str) -> tuple[str, ...]:
 def make_schedule(seed: int, duration_s: float, faults: tuple[str, ...], *,
                   min_gap_s: float = 2.5, max_faults: int = 400) -> list[Fault]:
     rng = random.Random(seed)
-    timed = [k for k in faults if k not in PROVIDER_FAULTS]
+    timed = [k for k in faults if k not in PROVIDER_FAULTS and k not in FRAME_FAULTS]
     out: list[Fault] = []
     if not timed:
         return out
@@ -71,7 +74,7 @@ def make_schedule(seed: int, duration_s: float, faults: tuple[str, ...], *,
         duration = 0.0
         if kind == "worker_hang":
             duration = rng.uniform(1.0, 3.0)
-        elif kind in FRAME_FAULTS or kind in STORE_FAULTS:
+        elif kind in STORE_FAULTS:
             duration = rng.uniform(0.5, 2.0)
         out.append(Fault(round(t, 3), kind, rng.randrange(1 << 16), round(duration, 3)))
         t += min_gap_s + rng.expovariate(1 / min_gap_s)

@@ -93,10 +93,15 @@ def default_workers() -> int:
 
 
 def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None,
-                log_level: str = "INFO", broker_faults: str | None = None) -> list[ChildSpec]:
+                log_level: str = "INFO", broker_faults: str | None = None,
+                broker_faults_seed: int = 0,
+                supervisor_env: dict[str, str] | None = None) -> list[ChildSpec]:
     """The farm's children in start order: scripted providers, broker, workers,
     supervisor (stopped in reverse: the supervisor checkpoints first, workers
-    drain, the broker goes last)."""
+    drain, the broker goes last).
+
+    ``broker_faults`` (with its seed) and ``supervisor_env`` are for chaos runs
+    only: the broker's frame-fault hook and the store's slow-disk hook."""
     py = sys.executable
     hb = ["--heartbeat-interval-s", str(cfg.heartbeat_interval_s),
           "--liveness", str(cfg.liveness)]
@@ -114,7 +119,7 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
     broker_argv = [py, "-m", "broker", "--frontend", paths.broker_frontend,
                    "--backend", paths.broker_backend, *hb, "--log-level", log_level]
     if broker_faults:
-        broker_argv += ["--faults", broker_faults]
+        broker_argv += ["--faults", broker_faults, "--faults-seed", str(broker_faults_seed)]
     specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0))
     n = workers or cfg.workers or default_workers()
     for i in range(1, n + 1):
@@ -136,7 +141,7 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
         return [*sup_argv, *urls]
 
     specs.append(ChildSpec("supervisor", sup_argv, shutdown_timeout_s=10.0,
-                           dynamic_argv=supervisor_argv))
+                           env=supervisor_env, dynamic_argv=supervisor_argv))
     return specs
 
 

@@ -38,14 +38,17 @@ VERSION = "0.1.0"
 
 class Farm:
     def __init__(self, home: Path, *, workers: int | None = None, log_level: str = "INFO",
-                 broker_faults: str | None = None, max_restarts: int = 20,
+                 broker_faults: str | None = None, broker_faults_seed: int = 0,
+                 supervisor_env: dict[str, str] | None = None, max_restarts: int = 20,
                  within_s: float = 60.0, on_change: Callable[[], None] | None = None) -> None:
         self.paths = FarmPaths.of(home)
         self.paths.prepare()
         config_mod.write_default(self.paths.home)
         self.config = config_mod.load(self.paths.home)
         self.specs = child_specs(self.config, self.paths, workers=workers, log_level=log_level,
-                                 broker_faults=broker_faults)
+                                 broker_faults=broker_faults,
+                                 broker_faults_seed=broker_faults_seed,
+                                 supervisor_env=supervisor_env)
         self.tree = SupervisionTree(self.specs, log_dir=self.paths.logs,
                                     max_restarts=max_restarts, within_s=within_s,
                                     on_change=self._write_state)

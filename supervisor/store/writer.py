@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.store import reader
+from supervisor.store import reader, slowdisk
 from supervisor.store.codec import Limits, encode, encode_items
 from supervisor.store.errors import (
     InvalidRequest,
@@ -412,6 +412,7 @@ def apply_group(
             else:
                 conn.execute("RELEASE op")
                 results.append((True, value))
+        slowdisk.stall()  # chaos only: off unless CORRAL_CHAOS_STORE_DELAY_S is set
         conn.execute("COMMIT")
     except BaseException:
         sids.rolled_back()
