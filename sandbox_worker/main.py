@@ -23,8 +23,11 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Protocol
 
+from broker.lifeline import watch_parent
+from broker.security import CurveClient, KeyFileError
 from broker.worker import BrokerWorker, RequestContext
 from sandbox_worker.api import SERVICE_MODEL, SERVICE_TOOL
 
@@ -74,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="missed heartbeats before the broker counts as gone")
     parser.add_argument("--drain-s", type=float, default=5.0,
                         help="on SIGTERM, seconds to let in-flight work finish")
+    parser.add_argument("--server-key", type=Path, default=None, metavar="FILE",
+                        help="the broker's public key file (CURVE on a tcp:// broker)")
+    parser.add_argument("--key", type=Path, default=None, metavar="FILE",
+                        help="this worker's key pair (NAME.key_secret), on the broker's "
+                        "allow-list with role worker")
     parser.add_argument("--log-level", default="INFO")
     for load, _cls in SERVICE_MODULES.values():
         with contextlib.suppress(ImportError):
@@ -103,7 +111,17 @@ async def serve(ns: argparse.Namespace) -> int:
         for svc in services.values():
             await svc.aclose()
         return 3
-    info: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    curve = None
+    if ns.server_key is not None or ns.key is not None:
+        try:
+            if ns.server_key is None or ns.key is None:
+                raise KeyFileError("give both, or neither")
+            curve = CurveClient.from_files(ns.server_key, ns.key)
+        except KeyFileError as exc:
+            print(f"error: --server-key and --key: {exc}", file=sys.stderr)
+            return 2
+    info: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(),
+                            "capacity": ns.capacity}
     for name, svc in services.items():
         info[name] = svc.info()
     handlers: dict[str, Callable[[RequestContext], Awaitable[bytes]]] = {
@@ -111,7 +129,7 @@ async def serve(ns: argparse.Namespace) -> int:
     }
     worker = BrokerWorker(
         ns.broker, handlers, capacity=ns.capacity, info=info,
-        heartbeat_interval_s=ns.heartbeat_interval_s, liveness=ns.liveness,
+        heartbeat_interval_s=ns.heartbeat_interval_s, liveness=ns.liveness, curve=curve,
     )
 
     def ready() -> None:
@@ -150,4 +168,5 @@ def main(argv: list[str] | None = None) -> int:
         level=ns.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
     )
+    watch_parent()  # exit if the farm's root dies without stopping us
     return asyncio.run(serve(ns))

@@ -139,14 +139,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
 
+    _remote_commands(sub)
+
     p = sub.add_parser("chaos", help="run a farm under injected faults and check invariants")
     _home(p)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of faults")
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--faults", default="all", help="comma list, or 'all'")
+    p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
     _json(p)
     return parser
+
+
+def _remote_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``corral keys`` and ``corral worker`` (implemented in ``cli_remote.py``)."""
+    p = sub.add_parser("keys", help="CURVE keys and the allow-list of a farm",
+                       description="Key management for farms across hosts: see "
+                       "docs/multihost.md.")
+    keys = p.add_subparsers(dest="keys_command", metavar="KEYS_COMMAND", required=True)
+    k = keys.add_parser("init", help="write the farm's broker and supervisor key pairs")
+    _home(k)
+    _json(k)
+    k = keys.add_parser("new", help="write a key pair NAME.key and NAME.key_secret (0600)")
+    k.add_argument("name")
+    k.add_argument("--dir", type=Path, default=Path("."), help="where (default: here)")
+    _json(k)
+    k = keys.add_parser("allow", help="put a public key on the farm's allow-list",
+                        description="Copies the public key of FILE into HOME/keys/allowed; "
+                        "the running broker and supervisor pick it up without a restart.")
+    _home(k)
+    k.add_argument("file", type=Path, help="a NAME.key file")
+    k.add_argument("--tenant", default=None, help="bind a client key to this tenant")
+    k.add_argument("--role", default=None, choices=["worker", "client", "supervisor"],
+                   help="what the key may do (default: client with --tenant, else worker)")
+    k.add_argument("--name", default=None, help="name on the allow-list (default: file stem)")
+    _json(k)
+
+    p = sub.add_parser("worker", help="run sandbox workers for a farm on another host",
+                       description="Become a sandbox worker process serving a remote "
+                       "broker over CURVE; reconnects forever, drains on SIGTERM.")
+    p.add_argument("--broker", required=True, help="the broker's backend, tcp://HOST:PORT")
+    p.add_argument("--server-key", type=Path, default=None, help="the broker's public key")
+    p.add_argument("--key", type=Path, default=None, help="this worker's NAME.key_secret")
+    p.add_argument("--services", default="tool,model", help="default: tool,model")
+    p.add_argument("--tier-min", default=None, help="lowest sandbox tier to accept, e.g. T2")
+    p.add_argument("--capacity", type=int, default=4, help="requests at once (default 4)")
+    p.add_argument("--drain-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument("--heartbeat-interval-s", type=float, default=None)
+    p.add_argument("--liveness", type=int, default=None)
+    p.add_argument("--worker-log-level", default="INFO")
 
 
 def main(argv: list[str] | None = None) -> int:

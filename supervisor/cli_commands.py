@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from supervisor.cli_remote import cmd_keys, cmd_worker, render_hosts  # noqa: F401 (commands)
 from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.config import ConfigError
 from supervisor.farm.layout import FarmPaths
@@ -108,6 +109,8 @@ def cmd_status(ns: Namespace) -> int:
     for service, w in sorted(broker.get("workers", {}).items()):
         print(f"  service {service:<8} workers idle {w.get('idle', 0)} busy {w.get('busy', 0)} "
               f"queued {queues.get(service, 0)}")
+    for line in render_hosts(broker):
+        print(line)
     sessions = sup.get("sessions", {})
     if sessions:
         print("  sessions " + ", ".join(f"{k} {v}" for k, v in sorted(sessions.items())))

@@ -42,7 +42,7 @@ async def _running(worker: BrokerWorker) -> AsyncIterator[BrokerWorker]:
 
 async def _worker_count(client: BrokerClient) -> int:
     status = await client.status(timeout_s=2.0)
-    return len(status.get("workers", []))
+    return int(status["worker_count"])
 
 
 async def test_allowed_keys_serve_and_strangers_are_refused(procs: Procs,
