@@ -6,9 +6,13 @@ edit it, read the results). Mid-run a worker, the broker and the supervisor
 are each SIGKILLed once. At the end the chaos harness's invariants are
 checked and a table is printed; every number in it is counted.
 
-``--no-chaos`` runs the same work without faults; ``--model ROUTE`` runs it
-against a real provider (``PROVIDER:MODEL`` with ``--base-url``); ``--echo``
-runs the foundation demo (broker and echo workers only).
+``--no-chaos`` runs the same work without faults; ``--faults`` chooses the
+processes to kill (one every 8 s, in order; ``provider_kill`` kills the
+scripted provider); ``--model PROVIDER:MODEL`` (with ``--base-url``) runs the
+same sessions against a real provider: the model then improvises, so the
+checks that count the script's markers on disk do not apply and the table
+says which checks ran; ``--echo`` runs the foundation demo (broker and echo
+workers only).
 """
 
 from __future__ import annotations
@@ -22,8 +26,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sandbox_worker.api import parse_route
 from supervisor.chaos.harness import ChaosOptions, Harness
-from supervisor.chaos.schedule import Fault
+from supervisor.chaos.schedule import PROCESS_FAULTS, Fault
+
+DEFAULT_FAULTS = "worker_kill_tool,broker_kill,supervisor_kill"
+FAULT_GAP_S = 8.0
+REAL_MODEL_PROMPT = (
+    "Work in the current directory. Step {n}: create app/calc.py with a function "
+    "combine(x, y) that returns x + y and prints combine(6, 7) when run; run it with "
+    "python3 and save the output to build/out.txt; then append the line 'step {n} done' "
+    "to effects.log with the shell tool. Reply with one short sentence when done.")
 
 CALC = '''import sys
 
@@ -83,6 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=20, help="sessions to run (default 20)")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
     p.add_argument("--no-chaos", action="store_true", help="run without killing anything")
+    p.add_argument("--faults", default=DEFAULT_FAULTS,
+                   help=f"processes to SIGKILL, one every {FAULT_GAP_S:.0f} s in this order "
+                   f"(default {DEFAULT_FAULTS}; kinds: {', '.join(PROCESS_FAULTS)})")
     p.add_argument("--model", default=None,
                    help="run against this route instead of the scripted provider, e.g. "
                    "openai-chat:qwen2.5 (with --base-url)")
@@ -101,28 +117,40 @@ def main(argv: list[str] | None = None) -> int:
         from broker.demo import main as echo_main
 
         return echo_main(["--json"] if ns.json else [])
+    route = None
     if ns.model:
-        print("scripts/demo: --model runs the same sessions against a real provider; "
-              "configure it as a route in HOME/corral.toml and use 'corral run --model' for "
-              "now.", file=sys.stderr)
+        try:
+            route = dict(parse_route(ns.model, ns.base_url, name="chaos"))
+        except ValueError as exc:
+            print(f"scripts/demo: {exc}", file=sys.stderr)
+            return 2
+        if "script" in route:
+            print("scripts/demo: --model takes a real PROVIDER:MODEL route (the scripted "
+                  "provider is the default)", file=sys.stderr)
+            return 2
+        route.pop("name", None)
+    kinds = [k.strip() for k in ns.faults.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in PROCESS_FAULTS]
+    if unknown:
+        print(f"scripts/demo: unknown fault(s) {unknown}; choose from "
+              f"{', '.join(PROCESS_FAULTS)}", file=sys.stderr)
         return 2
     home = ns.home or Path(tempfile.mkdtemp(prefix="corral-demo-"))
     schedule = [] if ns.no_chaos else [
-        Fault(6.0, "worker_kill_tool", 0),
-        Fault(14.0, "broker_kill", 0),
-        Fault(22.0, "supervisor_kill", 0),
-    ]
+        Fault(6.0 + FAULT_GAP_S * i, kind, 0) for i, kind in enumerate(kinds)]
     # Enough scripted turns that every session keeps working through the faults.
     turns = 40
-    opts = ChaosOptions(seed=1, duration_s=28.0 if not ns.no_chaos else 4.0,
+    duration_s = (schedule[-1].at_s + 6.0) if schedule else 4.0
+    opts = ChaosOptions(seed=1, duration_s=duration_s,
                         sessions=ns.sessions, workers=ns.workers, faults="process",
-                        home=home, schedule=schedule, script=demo_script(turns), turns=turns)
+                        home=home, schedule=schedule, script=demo_script(turns), turns=turns,
+                        route=route, prompt=REAL_MODEL_PROMPT if route else
+                        ChaosOptions.prompt)
     if not ns.json:
         print(f"demo: {ns.sessions} sessions on {ns.workers} sandbox workers, farm home {home}",
               file=sys.stderr)
-        if schedule:
-            print("demo: will SIGKILL a worker mid-tool at 6 s, the broker at 14 s and the "
-                  "supervisor at 22 s", file=sys.stderr)
+        for f in schedule:
+            print(f"demo: will {f.kind} at {f.at_s:.0f} s", file=sys.stderr)
     harness = Harness(opts)
     report = asyncio.run(harness.run()).as_dict()
     export = _verified_export(home)
@@ -162,13 +190,15 @@ def render(r: dict[str, Any]) -> str:
         ("sessions completed", f"{c['sessions_final_turn_ok']} / {c['sessions']}"),
         ("turns", c["turns"]),
         ("tool calls", c["tool_calls"]),
-        ("faults injected", ", ".join(f["kind"] for f in r["faults"]) or "none"),
+        ("faults injected", ", ".join(f["kind"] + (" (skipped)" if "skipped" in f else "")
+                                      for f in r["faults"]) or "none"),
     ]
     for group, rec in r["recovery"].items():
         rows.append((f"recovery after {group} kill", f"p50 {rec['p50_s']} s, "
                      f"p99 {rec['p99_s']} s (n={rec['count']})"))
     rows += [
         ("violations", len(r["violations"])),
+        ("checks applied", ", ".join(r["checks"])),
         ("sandbox tier", r["sandbox_tier"]),
         ("exported checkpoint", r["export"]["path"] or "none"),
         ("corral verify", "ok" if r["export"]["ok"] else f"FAILED {r['export']['detail']}"),

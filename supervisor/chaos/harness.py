@@ -63,6 +63,10 @@ class ChaosOptions:
     schedule: list[Fault] | None = None
     script: dict[str, Any] | None = None
     max_turns_per_session: int | None = None
+    # A real provider instead of the scripted one (``PROVIDER:MODEL`` route
+    # fields); then the workload is not scripted, so the marker checks are off.
+    route: dict[str, Any] | None = None
+    prompt: str = "do the next step ({n})"
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Report:
     recovery: dict[str, list[float]] = field(default_factory=dict)
     unrecovered: dict[str, int] = field(default_factory=dict)
     continuous: dict[str, Any] = field(default_factory=dict)
+    checks: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -98,6 +103,7 @@ class Report:
                          if e.get("type") == "tool_call_end")
         return {
             "seed": self.seed,
+            "checks": self.checks,
             "violations": [v.as_dict() for v in self.violations],
             "counts": {
                 "sessions": len(self.sessions),
@@ -136,9 +142,7 @@ model_call_budget_s = 10
 tool_call_budget_s = 10
 
 [routes.chaos]
-script = "{script}"
-read_timeout_s = 3.0
-connect_timeout_s = 2.0
+{route}
 
 [[export.sinks]]
 type = "directory"
@@ -169,7 +173,17 @@ class Harness:
             script.write_text(json.dumps(self.opts.script))
         else:
             write_script(script, self.opts.turns, self.opts.steps, self.opts.seed, self.kinds)
-        (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, script=script))
+        if self.opts.route is not None:
+            route = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.opts.route.items())
+        else:
+            route = (f"script = {json.dumps(str(script))}\n"
+                     "read_timeout_s = 3.0\nconnect_timeout_s = 2.0")
+        (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, route=route))
+
+    @property
+    def marker_checks(self) -> bool:
+        """Marker-based checks need the scripted workload (a real model improvises)."""
+        return self.opts.route is None
 
     def _track_pids(self) -> None:
         if self.farm is not None:
@@ -243,7 +257,7 @@ class Harness:
         run.busy = True
         try:
             sub = await _retry(lambda: sv.submit(run.session_id, {
-                "type": "user_input", "text": f"do the next step ({len(run.submissions)})"}))
+                "type": "user_input", "text": self.opts.prompt.format(n=len(run.submissions))}))
             run.submissions.append(str(sub))
             log.debug("session %s: submitted %s", run.session_id, sub)
             deadline = time.monotonic() + self.opts.turn_deadline_s
@@ -309,6 +323,8 @@ class Harness:
         from supervisor.store import Store
 
         v = self.report.violations
+        self.report.checks = [c for c in inv.ALL_CHECKS
+                              if self.marker_checks or c not in inv.MARKER_CHECKS]
         v.extend(inv.no_orphans(self.pids, None if not self.opts.check_sandbox_uid else 0))
         store = await Store.open(self.home / "corral.db")
         try:
@@ -322,7 +338,8 @@ class Harness:
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
-                v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace)))
+                if self.marker_checks:
+                    v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace)))
                 v.extend(inv.replay_equals_live(r.session_id, live, replay))
         finally:
             await store.close()
@@ -372,8 +389,8 @@ def render(report: dict[str, Any]) -> str:
 
 def main(ns: Any) -> int:
     opts = ChaosOptions(seed=ns.seed, duration_s=ns.duration, sessions=ns.sessions,
-                        faults=ns.faults, home=ns.home if ns.home != Path.home() / ".corral"
-                        else None)
+                        faults=ns.faults, workers=getattr(ns, "workers", 3),
+                        home=ns.home if ns.home != Path.home() / ".corral" else None)
     try:
         report = asyncio.run(Harness(opts).run()).as_dict()
     except ValueError as exc:

@@ -35,6 +35,10 @@ from typing import Any
 
 import psutil
 
+ALL_CHECKS = ("turn_ends_once", "not_wedged", "one_output_per_call", "effect_at_most_once",
+              "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans")
+# These count the scripted workload's markers on disk; a real model improvises.
+MARKER_CHECKS = ("effect_at_most_once", "unknown_reported")
 MARKER_ARG_RE = re.compile(r"echo m-(\d+) >> effects\.log")
 MAY_HAVE_RUN = {"unknown", "timeout", "cancelled", "error", "failed"}
 

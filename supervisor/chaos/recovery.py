@@ -15,13 +15,14 @@ Which sessions a fault *affected* (had work on the killed process):
   finished normally, so they are not counted;
 - the broker: sessions with a model step or tool call open (in flight
   through the broker) at the fault;
-- the scripted provider: sessions with a model step open at the fault;
+- the scripted provider: sessions with a model step open at the fault whose
+  step then ended ``retrying`` (its stream or connection broke);
 - the supervisor: sessions with a turn running at the fault.
 
 Recovery time: from the fault to the affected session's next progress
 event, a durable event received after the fault that is not the report of
-the loss itself (for worker faults, the first durable event after the
-loss report; otherwise the first durable event after the fault).
+the loss itself (for worker and provider faults, the first durable event
+after the loss report; otherwise the first durable event after the fault).
 
 Invariant: an affected session that never progressed is counted in
 ``unrecovered``, never silently left out.
@@ -92,6 +93,9 @@ def _loss_report(after: list[tuple[float, dict[str, Any]]], work: OpenWork,
         elif (service == "model" and e.get("type") == "model_step_completed"
               and p.get("step") == work.model_step):
             return i if _lost((p.get("diagnostics") or {}).get("error")) else None
+        elif (service == "provider" and e.get("type") == "model_step_completed"
+              and p.get("step") == work.model_step):
+            return i if p.get("outcome") == "retrying" else None
         elif e.get("type") in ("turn_complete", "turn_aborted"):
             return None
     return None
@@ -122,10 +126,14 @@ def affected(fault: FaultMark, lives: dict[str, LiveLog]) -> dict[str, float | N
             nxt = after[i + 1:i + 2]
             out[sid] = nxt[0][0] - fault.at if nxt else None
             continue
+        if fault.group == "provider":
+            j = _loss_report(after, work, "provider") if work.model_step is not None else None
+            if j is not None:
+                nxt = after[j + 1:j + 2]
+                out[sid] = nxt[0][0] - fault.at if nxt else None
+            continue
         if fault.group == "broker":
             hit = work.model_step is not None or bool(work.tool_calls)
-        elif fault.group == "provider":
-            hit = work.model_step is not None
         else:
             hit = work.turn_running
         if hit:
