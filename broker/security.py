@@ -296,6 +296,24 @@ class ZapHandler:
         return [b"1.0", request_id, b"200", b"OK", user.encode(), b""]
 
 
+def recv_frames_user(sock: zmq.Socket[Any]) -> tuple[list[bytes], bytes]:
+    """Like ``broker.transport.recv_frames`` (non-blocking; ``zmq.Again`` if nothing
+    waits), plus the ZAP User-Id of the connection the message came on (``b""`` on
+    a connection without one, e.g. plain ipc://)."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames: list[bytes] = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+    # Read it off a frame that came through the pipe (a ROUTER's identity frame
+    # is made locally and carries no metadata).
+    try:
+        user = str(frame.get("User-Id")).encode()
+    except zmq.ZMQError:  # no such property: not a ZAP-authenticated connection
+        user = b""
+    return frames, user
+
+
 @dataclass(frozen=True, slots=True)
 class CurveServer:
     """A server's key pair plus the allow-list its clients are checked against."""

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from broker.errors import BrokerUnavailable
+from broker.security import CurveClient
 from broker.transport import AsyncDealer
 from supervisor import wire
 
@@ -72,8 +73,10 @@ class SupervisorClient:
         *,
         timeout_s: float = 10.0,
         liveness_s: float = 3.0,
+        curve: CurveClient | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve  # CURVE keys towards a tcp:// supervisor (docs/multihost.md)
         self.timeout_s = timeout_s
         self.liveness_s = liveness_s
         self._sock: AsyncDealer | None = None
@@ -118,7 +121,7 @@ class SupervisorClient:
         if self._sock is not None:
             self._sock.close()
         self._sock = AsyncDealer(self.endpoint, identity=os.urandom(8),
-                                 max_message_bytes=wire.MAX_MESSAGE_BYTES)
+                                 max_message_bytes=wire.MAX_MESSAGE_BYTES, curve=self.curve)
 
     async def _send(self, msg: dict[str, Any]) -> None:
         """Send now or fail: with no connected peer a DEALER would block, and

@@ -20,14 +20,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from broker.client import BrokerClient
 from broker.lifeline import watch_parent
+from broker.security import CurveClient, Guard, KeyFileError
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
 from supervisor.export import DirectorySink, HttpSink
 from supervisor.facade import Facade
+from supervisor.keys import farm_keys
 from supervisor.server import ClientServer
 from supervisor.store import Store
 
@@ -49,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL of a scripted route's provider (given by the farm)")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
     p.add_argument("--liveness", type=int, default=4)
+    p.add_argument("--curve", action="store_true",
+                   help="CURVE + ZAP with the farm's keys (HOME/keys, see docs/multihost.md) "
+                   "on a tcp:// --listen, and towards a tcp:// --broker")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -107,15 +114,20 @@ async def serve(ns: argparse.Namespace) -> int:
         return 2
     urls = dict(item.split("=", 1) for item in ns.route_url)
     econf = engine_config(cfg, urls)
+    try:
+        guard, broker_curve = _security(ns, home)
+    except KeyFileError as exc:
+        print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
+        return 2
     store = await Store.open(ns.db or home / "corral.db")
     try:
         async with BrokerClient(ns.broker, heartbeat_interval_s=ns.heartbeat_interval_s,
-                                liveness=ns.liveness) as broker:
+                                liveness=ns.liveness, curve=broker_curve) as broker:
             manager = SessionManager(store=store, broker=broker, config=econf,
                                      export_sinks=export_sinks(cfg))
             facade = Facade(manager=manager, store=store, broker=broker,
                             engine_config=econf, home=home, defaults=session_defaults(cfg))
-            server = ClientServer(facade, ns.listen)
+            server = ClientServer(facade, ns.listen, guard=guard)
             bound = server.bind()
             if bound.startswith("ipc://"):
                 with contextlib.suppress(OSError):
@@ -124,6 +136,8 @@ async def serve(ns: argparse.Namespace) -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
+            if guard is not None:
+                loop.add_signal_handler(signal.SIGHUP, guard.request_reload)
             async with asyncio.TaskGroup() as tg:
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
@@ -136,7 +150,19 @@ async def serve(ns: argparse.Namespace) -> int:
                 manager_task.cancel()
     finally:
         await store.close()
+        if guard is not None:
+            guard.close()
     return 0
+
+
+def _security(ns: argparse.Namespace, home: Path) -> tuple[Guard | None, CurveClient | None]:
+    """The client endpoint's guard and the broker connection's keys (``--curve``)."""
+    if not ns.curve:
+        return None, None
+    fk = farm_keys(home)
+    guard = Guard(zmq.Context.instance(), fk.supervisor_server())
+    curve = fk.supervisor_as_client() if ns.broker.startswith("tcp://") else None
+    return guard, curve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from broker.security import Guard, recv_frames_user, tenant_of_user_id
 from broker.transport import readable, recv_frames, send_frames
 from supervisor import wire
 from supervisor.wire import ErrorKind
@@ -80,6 +81,7 @@ class ClientServer:
         client_liveness_s: float = 10.0,
         tenant_of: Callable[[bytes], str | None] | None = None,
         configure_socket: Callable[[zmq.Socket[Any]], None] | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.backend = backend
         self.endpoint = endpoint
@@ -89,6 +91,10 @@ class ClientServer:
         self.client_liveness_s = client_liveness_s
         self._tenant_of = tenant_of
         self._configure_socket = configure_socket
+        # CURVE + ZAP on a tcp:// endpoint; each message's tenant then comes from
+        # the ZAP User-Id of its connection (broker/security.py), never from the
+        # client-chosen routing identity.
+        self._guard = guard
         self._clients: dict[bytes, _Client] = {}
         self._sock: zmq.Socket[bytes] | None = None
         self._readable = asyncio.Event()
@@ -109,6 +115,8 @@ class ClientServer:
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
         if self._configure_socket is not None:
             self._configure_socket(sock)
+        if self._guard is not None and self.endpoint.startswith("tcp://"):
+            self._guard.secure(sock, "clients")
         sock.bind(self.endpoint)
         self._sock = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -125,6 +133,8 @@ class ClientServer:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 tg.create_task(self._heartbeat_loop())
+                if self._guard is not None:
+                    tg.create_task(self._guard.run())
                 await self._read_loop()
         finally:
             loop.remove_reader(fd)
@@ -177,10 +187,13 @@ class ClientServer:
         while True:
             for _ in range(_DRAIN_BATCH):
                 try:
-                    frames = recv_frames(sock)
+                    if self._guard is None:
+                        frames, user = recv_frames(sock), None
+                    else:
+                        frames, user = recv_frames_user(sock)
                 except zmq.Again:
                     break
-                await self._on_frames(frames)
+                await self._on_frames(frames, user)
             else:
                 await asyncio.sleep(0)  # a full batch: let the other tasks run
                 continue
@@ -189,17 +202,27 @@ class ClientServer:
                 continue
             await self._readable.wait()
 
-    async def _on_frames(self, frames: list[bytes]) -> None:
+    async def _on_frames(self, frames: list[bytes], user: bytes | None = None) -> None:
         if len(frames) < 2:
             self.counters["bad_frames"] += 1
             return
         identity, rest = frames[0], frames[1:]
         client = self._clients.get(identity)
+        tenant = tenant_of_user_id(user) if user is not None else None
+        if user is not None and client is not None and client.tenant != tenant:
+            # Another principal took this routing identity over (ROUTER_HANDOVER):
+            # nothing of the old client's carries over to it.
+            log.warning("refused: identity %s reused by tenant %r (was %r); "
+                        "dropping the old client's state", identity.hex()[:16], tenant,
+                        client.tenant)
+            self._drop_client(client, "taken over by another key")
+            client = None
         if client is None:
             if len(self._clients) >= MAX_CLIENTS:
                 self.counters["bad_frames"] += 1
                 return
-            tenant = self._tenant_of(identity) if self._tenant_of else None
+            if user is None and self._tenant_of is not None:
+                tenant = self._tenant_of(identity)
             client = _Client(identity, tenant, time.monotonic())
             self._clients[identity] = client
         client.last_seen = time.monotonic()

@@ -1,0 +1,89 @@
+"""Tenants over CURVE: a client key bound to tenant A drives its own sessions and
+cannot list, read, subscribe to or drive tenant B's; a key off the allow-list
+cannot reach the supervisor at all. One host, every endpoint tcp:// + CURVE."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.client import SupervisorClient, SupervisorError, SupervisorUnavailable
+from tests.helpers import Procs
+from tests.multihost.farm import Farm, make_home
+
+pytestmark = pytest.mark.timeout(150)
+
+
+async def run_turn(sv: SupervisorClient, sid: str, text: str) -> list[dict[str, Any]]:
+    sub = await sv.submit(sid, {"type": "user_input", "text": text})
+    seen: list[dict[str, Any]] = []
+    async with asyncio.timeout(60):
+        async for e in sv.events(sid):
+            seen.append(e)
+            if e.get("submission_id") == sub and e["type"] in ("turn_complete", "turn_aborted"):
+                return seen
+    raise AssertionError("event stream ended")
+
+
+async def drain(sv: SupervisorClient, sid: str) -> None:
+    async with asyncio.timeout(10):
+        async for _ in sv.events(sid):
+            pass
+
+
+async def test_tenant_isolation_over_curve(procs: Procs, tmp_path: Path,
+                                           workspace_root: Path) -> None:
+    home = make_home(tmp_path / "home", workers=("worker1",),
+                     clients={"alice": "a", "bob": "b", "admin": None})
+    farm = Farm(home, procs)
+    b = farm.broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    url = farm.fakellm("127.0.0.1")
+    farm.worker("worker1", b["backend"])
+    s = farm.supervisor(b["frontend"], "tcp://127.0.0.1:0", url)
+    listen = s["listen"]
+    assert listen.startswith("tcp://")
+    ws = workspace_root / "ws-a"
+    ws.mkdir()
+    async with (SupervisorClient(listen, curve=farm.client_keys("alice")) as alice,
+                SupervisorClient(listen, curve=farm.client_keys("bob")) as bob):
+        assert (await alice.call("hello"))["tenant"] == "a"
+        assert (await bob.call("hello"))["tenant"] == "b"
+        sid = await alice.create_session(workspace=str(ws))
+        events = await run_turn(alice, sid, "note the host")
+        assert events[-1]["type"] == "turn_complete", events[-1]
+        tool_end = next(e for e in events if e["type"] == "tool_call_end")
+        assert tool_end["payload"]["outcome"] == "ok", tool_end
+        assert (ws / "hosts.txt").exists()
+
+        listed = await bob.call("list_sessions")
+        assert sid not in [x["session_id"] for x in listed["sessions"]]
+        assert sid in [x["session_id"] for x in (await alice.call("list_sessions"))["sessions"]]
+        for call, args in (("describe", {}), ("history", {}),
+                           ("submit", {"op": {"type": "user_input", "text": "steal"}})):
+            with pytest.raises(SupervisorError) as info:
+                await bob.call(call, session_id=sid, **args)
+            assert info.value.kind == "unknown_session", (call, info.value)
+        with pytest.raises(SupervisorError):
+            await drain(bob, sid)
+        history = await alice.history(sid)
+        assert not any("steal" in str(e.get("payload")) for e in history["events"])
+    log = procs.log(farm.proc["supervisor"])
+    assert "refused: tenant 'b' tried to reach session" in log
+
+    # A client without a tenant (admin) sees no tenant's sessions either.
+    async with SupervisorClient(listen, curve=farm.client_keys("admin")) as admin:
+        assert sid not in [x["session_id"] for x in (await admin.call("list_sessions"))[
+            "sessions"]]
+    # A key that is not on the allow-list never gets an answer.
+    from broker.security import CurveClient, write_key_pair
+
+    write_key_pair(tmp_path, "mallory")
+    mallory = CurveClient.from_files(farm.keys_dir / "supervisor.key",
+                                     tmp_path / "mallory.key_secret")
+    with pytest.raises(SupervisorUnavailable):
+        async with SupervisorClient(listen, curve=mallory, timeout_s=2.0) as m:
+            await m.call("list_sessions", timeout_s=2.0)
+    assert "unknown key (not on the allow-list)" in procs.log(farm.proc["supervisor"])
