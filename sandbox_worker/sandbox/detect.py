@@ -1,7 +1,8 @@
 """Tier detection by *trying* each layer at worker start-up.
 
 For each tier, the real argv chain (``Profile.build``) is run with a probe
-command, as the sandbox uid, in a scratch workspace; a tier works when the
+command, as a per-call uid leased from the pool like any call's, in a
+scratch workspace; a tier works when the
 probe exits 0 and reports what it should. Nothing is inferred from version
 numbers. Every tier is tried, so a forced lower tier (tests, operators) is
 known to work too.
@@ -72,8 +73,8 @@ async def _try(argv: list[str], env: dict[str, str], pass_fds: list[int]) -> tup
     return proc.returncode if proc.returncode is not None else 1, text.strip()
 
 
-async def detect(base: Profile) -> Detection:
-    """Try every tier with ``base``'s user, filters and cgroup."""
+async def detect(base: Profile, uid: int) -> Detection:
+    """Try every tier with ``base``'s group, filters and cgroup, as ``uid``."""
     result = Detection()
     for tool in ("setpriv", "prlimit"):
         if shutil.which(tool) is None:
@@ -82,7 +83,7 @@ async def detect(base: Profile) -> Detection:
             return result
     scratch = tempfile.mkdtemp(prefix="corral-probe-", dir=base.tmp_root)
     try:
-        os.chown(scratch, base.user.uid, base.user.gid)
+        os.chown(scratch, uid, base.user.gid)
         os.chmod(scratch, 0o700)
         for tier in TIERS:
             if tier in ("T2", "T2-") and shutil.which("bwrap") is None:
@@ -94,7 +95,7 @@ async def detect(base: Profile) -> Detection:
                 command = ["/bin/sh", "-c", "test -r /proc/self/status"]
             else:
                 command = ["/bin/true"]
-            chain = probe.build(command, scratch, DEFAULT_LIMITS, network=False,
+            chain = probe.build(command, scratch, DEFAULT_LIMITS, network=False, uid=uid,
                                 tmpdir=scratch)
             if tier == "T1":
                 dash = chain.argv.index("--", chain.argv.index("-S"))

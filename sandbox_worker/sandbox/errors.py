@@ -20,7 +20,8 @@ Exception tree::
         ├── OutsideWorkspace           "outside_workspace": .., absolute, symlink escape
         ├── FileProblem                "not_found", "is_a_directory", "too_large",
         │                              "hardlinked", "permission_denied", "not_utf8", ...
-        └── EditMismatch               "old_not_found" / "old_ambiguous"
+        ├── EditMismatch               "old_not_found" / "old_ambiguous"
+        └── UidPoolExhausted           "uid_pool_exhausted": no free per-call uid
 """
 
 from __future__ import annotations
@@ -79,3 +80,9 @@ class FileProblem(ToolError):
 
 class EditMismatch(ToolError):
     kind = "old_not_found"
+
+
+class UidPoolExhausted(ToolError):
+    """Every per-call uid of the range is in use (or held by leftover processes)."""
+
+    kind = "uid_pool_exhausted"

@@ -3,7 +3,7 @@
 Every shell call is started as one argv chain with no ``preexec_fn``::
 
     [sh -c <join worker cgroup>]            when the worker cgroup applied
-    setpriv --reuid U --regid G --clear-groups --inh-caps=-all
+    setpriv --reuid U --regid G --clear-groups --inh-caps=-all      U: the call's own uid
             --bounding-set=-all --no-new-privs --
     prlimit --cpu --as --nproc --fsize --nofile --core=0 --
     T2/T2-: bwrap --unshare-all [--share-net] --unshare-user --disable-userns
@@ -17,6 +17,9 @@ Every shell call is started as one argv chain with no ``preexec_fn``::
 Invariants:
 - The uid drop is always the first confining link: bwrap and the launcher
   never run as uid 0.
+- U is the call's own uid from the worker's ``UidPool`` (``uid=``), G the
+  shared sandbox group; U is never 0 (checked here) and never the file
+  tools' uid.
 - ``isolation`` describes exactly what ``build`` applies for the same inputs
   (tier, network grant, limits, cgroup), so every result's record is true.
 """
@@ -37,6 +40,10 @@ from sandbox_worker.sandbox.user import SandboxUser
 
 # The launcher runs as ``python -I -S -c <source>``: the sandbox uid needs no
 # access to the worker's installation, only to some interpreter.
+# Calls run as different uids, so a repository one call created is "owned by
+# someone else" for the next; git refuses that unless told otherwise.
+GIT_SAFE_ENV: Final = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
+                       "GIT_CONFIG_VALUE_0": "*"}
 LAUNCHER_SOURCE: Final = Path(__file__).with_name("launch.py").read_text()
 SANDBOX_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SYSTEM_DIRS: Final = ("/usr", "/etc", "/opt")
@@ -106,17 +113,21 @@ class Profile:
     extra_degraded: list[str] = field(default_factory=list)
 
     def build(self, command: list[str], workspace: str, limits: ToolLimits, *,
-              network: bool, tmpdir: str | None = None, call_id: str = "",
+              network: bool, uid: int, tmpdir: str | None = None, call_id: str = "",
               workdir: str = ".") -> Chain:
-        """The argv chain running ``command`` in ``workspace``; fds in ``pass_fds``
-        belong to the caller, who closes them once the chain has started."""
+        """The argv chain running ``command`` in ``workspace`` as ``uid`` (the
+        call's own, from the uid pool) and the sandbox group; fds in
+        ``pass_fds`` belong to the caller, who closes them once the chain has
+        started."""
+        if uid <= 0:
+            raise ValueError(f"refusing to run a tool as uid {uid}")
         head = self.cgroup.join_prefix() if self.cgroup is not None else []
-        head += ["setpriv", f"--reuid={self.user.uid}", f"--regid={self.user.gid}",
+        head += ["setpriv", f"--reuid={uid}", f"--regid={self.user.gid}",
                  "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
                  "--no-new-privs", "--"]
         head += prlimit_argv(limits)
         env_inside = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", "TERM": "dumb",
-                      "CORRAL_SANDBOX": self.tier, "CORRAL_CALL_ID": call_id}
+                      "CORRAL_SANDBOX": self.tier, "CORRAL_CALL_ID": call_id, **GIT_SAFE_ENV}
         pass_fds: list[int] = []
         if self.tier in ("T2", "T2-"):
             argv = [*head, "bwrap", "--unshare-all"]
@@ -177,7 +188,7 @@ class Profile:
             out.append(self.cgroup.reason or "worker cgroup not applied")
         return out + self.extra_degraded
 
-    def isolation(self, limits: ToolLimits, *, network: bool) -> IsolationRecord:
+    def isolation(self, limits: ToolLimits, *, network: bool, uid: int) -> IsolationRecord:
         """The record of a shell call built by ``build`` with the same inputs."""
         if self.tier in ("T2", "T2-"):
             filesystem = "ro-system+rw-workspace+tmpfs"
@@ -192,12 +203,13 @@ class Profile:
             tier=self.tier, filesystem=filesystem, network=net,  # type: ignore[typeddict-item]
             pid_namespace=self.tier in ("T2", "T2-"),
             seccomp=self.filters is not None and self.tier != "T0",
-            uid=self.user.uid, limits=ToolLimits(**limits),
+            uid=uid, limits=ToolLimits(**limits),
             degraded=self.degraded(), unsandboxed_opt_in=self.unsandboxed_opt_in,
         )
 
     def file_isolation(self, limits: ToolLimits) -> IsolationRecord:
-        """The record of a file tool: worker-side, confined by openat2, as the sandbox uid."""
+        """The record of a file tool: worker-side, confined by openat2, with the
+        file tools' fsuid (the sandbox user's uid, outside the per-call range)."""
         return IsolationRecord(
             tier=self.tier, filesystem="workspace-openat2", network="none",
             pid_namespace=False, seccomp=False, uid=self.user.uid,

@@ -5,14 +5,15 @@ exit status through an eventfd and exits at once, before its child -- the
 namespace's init -- has been reaped. That init is re-parented to the nearest
 subreaper, by default the host's pid 1. A pid 1 that reaps lazily (as in
 containers and micro-VMs) then holds one zombie per call for seconds, and
-those zombies count against the sandbox uid's RLIMIT_NPROC: under load, new
+those zombies count against the call uid's RLIMIT_NPROC (and keep that uid
+in the pool's quarantine, ``uidpool.py``): under load, new
 calls failed with "Creating new namespace failed: Resource temporarily
 unavailable" (measured here with 32 calls in flight). Rarely, a bwrap helper
 whose fork failed is left sleeping outside any namespace.
 
 So the tool service makes the worker a child subreaper (``install``) and, on
-every SIGCHLD, sweeps its children: a child running as the sandbox uid that
-is not a chain head being awaited is a remnant of a finished call -- a zombie
+every SIGCHLD, sweeps its children: a child running as a uid of the per-call
+range that is not a chain head being awaited is a remnant of a finished call -- a zombie
 is reaped by pid, a live one is SIGKILLed (and reaped on the next SIGCHLD).
 
 Invariants:
@@ -20,8 +21,8 @@ Invariants:
   ``MANAGED_HEADS`` before it exits; no sweep runs while a spawn is in
   progress (a missed sweep runs right after), so a head is never reaped or
   killed here and asyncio always gets its exit status.
-- Only children whose real uid is the sandbox uid are touched; chain heads
-  start as root (the uid drop is their second link).
+- Only children whose real uid lies in the per-call uid range are touched;
+  chain heads start as root (the uid drop is their second link).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def _status(pid: int) -> tuple[bool, int] | None:
 class OrphanReaper:
     """Subreaper + SIGCHLD sweep for remnants of finished calls."""
 
-    def __init__(self, sandbox_uid: int) -> None:
-        self.sandbox_uid = sandbox_uid
+    def __init__(self, uids: range) -> None:
+        self.uids = uids
         self.reaped = 0
         self.killed = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,7 +112,7 @@ class OrphanReaper:
             if pid in MANAGED_HEADS:
                 continue
             st = _status(pid)
-            if st is None or st[1] != self.sandbox_uid:
+            if st is None or st[1] not in self.uids:
                 continue
             if st[0]:
                 with contextlib.suppress(ChildProcessError):

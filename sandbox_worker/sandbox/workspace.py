@@ -1,15 +1,19 @@
-"""Giving a user's workspace to the sandbox uid with POSIX ACLs.
+"""Giving a user's workspace to the sandbox group with POSIX ACLs.
 
 A workspace is typically owned by its user (root included), mode 0755, so
-the non-root sandbox uid could not write to it. Instead of running tools as
-the owner or chowning files, the worker (root) adds ACL entries, once per
-workspace (until its root carries the grant, ``is_granted``):
+the non-root tool processes could not write to it. Every shell call runs as
+its own uid (``uidpool.py``) but all share the sandbox group (their real,
+effective and only gid), and the file tools use the sandbox user's uid with
+that group. So instead of running tools as the owner or chowning files, the
+worker (root) adds *group* ACL entries, once per workspace (until its root
+carries the grant, ``is_granted``):
 
-- on every directory: ``user:<sandbox>:rwx`` and a *default* ACL with
-  ``user:<sandbox>:rwx`` and ``user:<owner>:rwx``, so files created later by
-  either side stay usable by both (new files are owned by the sandbox uid and
-  the owner reaches them through the default ACL entry);
-- on every regular file with one link: ``user:<sandbox>:rw`` (plus x when
+- on every directory: ``group:<sandbox>:rwx`` and a *default* ACL with
+  ``group:<sandbox>:rwx`` and ``user:<owner>:rwx``, so files created later by
+  any call's uid, by the file tools or by the owner stay usable by all (a new
+  file is owned by its creator's uid; the others reach it through the
+  inherited entries);
+- on every regular file with one link: ``group:<sandbox>:rw`` (plus x when
   the file is executable by anyone).
 
 ACLs are written as the ``system.posix_acl_*`` xattrs on file descriptors
@@ -81,10 +85,10 @@ def _from_mode(mode: int) -> Entries:
             (ACL_OTHER, UNDEFINED_ID): mode & 7}
 
 
-def _with_users(entries: Entries, users: dict[int, int]) -> Entries:
+def _with_entries(entries: Entries, named: dict[tuple[int, int], int]) -> Entries:
     out = dict(entries)
-    for uid, perm in users.items():
-        out[(ACL_USER, uid)] = out.get((ACL_USER, uid), 0) | perm
+    for key, perm in named.items():
+        out[key] = out.get(key, 0) | perm
     # The mask bounds every group-class entry; recompute it as their union,
     # as setfacl does, so the named entries are effective.
     mask = 0
@@ -104,37 +108,39 @@ def _read_acl(path: str, name: str, mode: int) -> Entries | None:
         raise
 
 
-def grant_entry(fd: int, st: os.stat_result, sandbox_uid: int, owner_uid: int) -> bool:
-    """Add the sandbox (and owner default) entries to one O_PATH fd; True if changed."""
+def grant_entry(fd: int, st: os.stat_result, sandbox_gid: int, owner_uid: int) -> bool:
+    """Add the sandbox group (and owner default) entries to one O_PATH fd;
+    True if changed."""
     path = f"/proc/self/fd/{fd}"
+    group = (ACL_GROUP, sandbox_gid)
     if stat.S_ISDIR(st.st_mode):
-        users = {sandbox_uid: 7}
+        named = {group: 7}
     elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-        users = {sandbox_uid: 6 | (1 if st.st_mode & 0o111 else 0)}
+        named = {group: 6 | (1 if st.st_mode & 0o111 else 0)}
     else:
         return False
     access = _read_acl(path, XATTR_ACCESS, st.st_mode)
     if access is None:
         return False
-    new = _with_users(access, users)
+    new = _with_entries(access, named)
     changed = False
     if new != access:
         os.setxattr(path, XATTR_ACCESS, encode_acl(new))
         changed = True
     if stat.S_ISDIR(st.st_mode):
         default = _read_acl(path, XATTR_DEFAULT, st.st_mode) or _from_mode(0o755)
-        dusers = {sandbox_uid: 7}
+        dnamed = {group: 7}
         if owner_uid != 0:
-            dusers[owner_uid] = 7
-        dnew = _with_users(default, dusers)
+            dnamed[(ACL_USER, owner_uid)] = 7
+        dnew = _with_entries(default, dnamed)
         if dnew != default:
             os.setxattr(path, XATTR_DEFAULT, encode_acl(dnew))
             changed = True
     return changed
 
 
-def is_granted(root: str, sandbox_uid: int) -> bool:
-    """True when the workspace root already carries the sandbox's access and
+def is_granted(root: str, sandbox_gid: int) -> bool:
+    """True when the workspace root already carries the sandbox group's access and
     default entries (the mark of a completed ``grant_tree``). One syscall pair,
     so it is checked on every call rather than cached by inode (inodes of
     deleted workspaces are reused)."""
@@ -143,8 +149,8 @@ def is_granted(root: str, sandbox_uid: int) -> bool:
         default = decode_acl(os.getxattr(root, XATTR_DEFAULT, follow_symlinks=False))
     except (OSError, ValueError):
         return False
-    return access.get((ACL_USER, sandbox_uid), 0) == 7 and \
-        default.get((ACL_USER, sandbox_uid), 0) == 7 and \
+    return access.get((ACL_GROUP, sandbox_gid), 0) == 7 and \
+        default.get((ACL_GROUP, sandbox_gid), 0) == 7 and \
         access.get((ACL_MASK, UNDEFINED_ID), 0) == 7
 
 
@@ -156,20 +162,20 @@ class GrantReport:
     complete: bool = True
 
 
-def grant_tree(root: str, sandbox_uid: int) -> GrantReport:
-    """Grant the sandbox uid the workspace tree (see the module docstring). Blocking."""
+def grant_tree(root: str, sandbox_gid: int) -> GrantReport:
+    """Grant the sandbox group the workspace tree (see the module docstring). Blocking."""
     try:
-        return _grant_tree(root, sandbox_uid)
+        return _grant_tree(root, sandbox_gid)
     except OSError as exc:
         hint = ("mount its filesystem with POSIX ACL support, or make the workspace "
-                f"writable by uid {sandbox_uid} yourself"
+                f"writable by group {sandbox_gid} yourself"
                 if exc.errno in (errno.EOPNOTSUPP, errno.ENOTSUP)
                 else "check that the worker runs as root and the filesystem is writable")
         raise WorkspaceUnusable(f"cannot grant workspace {root} to the sandbox user: "
                                 f"{exc.strerror or exc}", hint=hint) from exc
 
 
-def _grant_tree(root: str, sandbox_uid: int) -> GrantReport:
+def _grant_tree(root: str, sandbox_gid: int) -> GrantReport:
     report = GrantReport()
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -180,7 +186,7 @@ def _grant_tree(root: str, sandbox_uid: int) -> GrantReport:
             try:
                 st = os.fstat(dfd)
                 report.entries += 1
-                report.changed += grant_entry(dfd, st, sandbox_uid, owner)
+                report.changed += grant_entry(dfd, st, sandbox_gid, owner)
                 # O_PATH fds cannot list; reopen this very directory for reading.
                 rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
                 try:
@@ -204,7 +210,7 @@ def _grant_tree(root: str, sandbox_uid: int) -> GrantReport:
                         if stat.S_ISREG(cst.st_mode) and cst.st_nlink > 1:
                             report.skipped_links += 1
                         else:
-                            report.changed += grant_entry(fd, cst, sandbox_uid, owner)
+                            report.changed += grant_entry(fd, cst, sandbox_gid, owner)
                     finally:
                         os.close(fd)
             finally:

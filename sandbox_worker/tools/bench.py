@@ -42,6 +42,7 @@ from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
 from sandbox_worker.sandbox.profile import Profile
 from sandbox_worker.sandbox.reaper import PR_SET_CHILD_SUBREAPER
 from sandbox_worker.sandbox.seccomp import SeccompFilters
+from sandbox_worker.sandbox.uidpool import DEFAULT_UID_COUNT, DEFAULT_UID_START, UidPool
 from sandbox_worker.sandbox.user import SandboxUser, ensure_user
 from sandbox_worker.sandbox.workspace import grant_tree
 
@@ -66,6 +67,24 @@ def bench_subprocess(n: int) -> list[float]:
     return out
 
 
+def bench_uid_lease(user: SandboxUser, n: int) -> list[float]:
+    """One per-call uid lease: flock + /proc scan, then release (+ scan)."""
+    pool = UidPool(DEFAULT_UID_START, DEFAULT_UID_COUNT, user.gid)
+    pool.setup(reserved_uids=(user.uid,))
+    out = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            lease = pool.try_acquire()
+            if lease is None:
+                raise RuntimeError("no free sandbox uid")
+            pool.release(lease)
+            out.append(time.perf_counter() - t)
+    finally:
+        pool.close()
+    return out
+
+
 class BareChain:
     """The worker's exact T2 chain for ``true``, run without broker or worker. The
     orphaned namespace inits are reaped here as the worker does (subreaper)."""
@@ -76,12 +95,20 @@ class BareChain:
         self.cgroup = WorkerCgroup(8 << 30, 2048)
         self.cgroup.setup()
         self.profile = Profile("T2", user, self.filters, self.cgroup)
+        # The bare chain runs as one leased uid throughout (no per-call lease).
+        self.pool = UidPool(DEFAULT_UID_START, DEFAULT_UID_COUNT, user.gid)
+        self.pool.setup(reserved_uids=(user.uid,))
+        lease = self.pool.try_acquire()
+        if lease is None:
+            raise RuntimeError("no free sandbox uid for the bare chain")
+        self.lease = lease
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
     async def once(self) -> float:
         t = time.perf_counter()
-        chain = self.profile.build(["true"], self.workspace, DEFAULT_LIMITS, network=False)
+        chain = self.profile.build(["true"], self.workspace, DEFAULT_LIMITS, network=False,
+                                   uid=self.lease.uid)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *chain.argv, env=chain.env, pass_fds=chain.pass_fds, start_new_session=True,
@@ -100,6 +127,7 @@ class BareChain:
         _reap_orphans()
         self.cgroup.close()
         self.filters.close()
+        self.pool.close()
 
 
 def _reap_orphans() -> None:
@@ -241,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(workspace, 0o755)
     try:
         user = asyncio.run(ensure_user())
-        grant_tree(workspace, user.uid)
+        grant_tree(workspace, user.gid)
         sub = bench_subprocess(n)
+        lease_s = bench_uid_lease(user, n)
         bare = BareChain(workspace, user)
         try:
             with Stack(1, 1) as one:
@@ -258,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "bwrap_chain_true_p50_ms": round(_median_ms(bw), 3),
         "e2e_shell_true_p50_ms": round(_median_ms(e2e), 3),
         "e2e_shell_true_p90_ms": round(_p90_ms(e2e), 3),
+        "uid_lease_acquire_release_p50_ms": round(_median_ms(lease_s), 3),
         "calls_per_s_4_workers_32_in_flight": round(tput, 1),
         "samples": n,
         "throughput_calls": total,
@@ -266,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "e2e_vs_bwrap": round(_median_ms(e2e) / _median_ms(bw), 3),
         "e2e_vs_subprocess": round(_median_ms(e2e) / _median_ms(sub), 3),
         "bwrap_vs_subprocess": round(_median_ms(bw) / _median_ms(sub), 3),
+        "uid_lease_vs_bwrap": round(_median_ms(lease_s) / _median_ms(bw), 3),
     }
     doc = {"name": "tools", "machine": machine(), "results": results, "ratios": ratios,
            "quick": ns.quick}

@@ -2,8 +2,9 @@
 at the worker's sandbox tier, streams its output and replies with a
 ``ToolCallResult`` carrying the isolation record.
 
-Start-up (``start``) ensures the sandbox user, compiles seccomp once, sets up
-the worker cgroup, detects the working tiers by trying them, and refuses
+Start-up (``start``) ensures the sandbox user, checks the per-call uid range,
+compiles seccomp once, sets up the worker cgroup, detects the working tiers by
+trying them, and refuses
 (``TierUnavailable``) when the best one is below ``tier_min`` -- or T0
 without ``allow_unsandboxed``.
 
@@ -16,6 +17,10 @@ Invariants:
 - The worker process never runs tool code: shell calls are child process
   trees (``sandbox.process``), file tools are worker code confined by
   openat2 in sandbox-uid threads; the event loop is never blocked.
+- Every shell call runs as its own uid leased from the ``UidPool`` for the
+  call's whole life and given back only after its process tree is gone
+  (``process.run``'s guarantee); file tools run with the sandbox user's
+  uid, which is outside the range. All share the sandbox group.
 - ``aclose`` cancels the calls still running, which kills their trees.
 """
 
@@ -56,6 +61,13 @@ from sandbox_worker.sandbox.process import StreamName
 from sandbox_worker.sandbox.profile import TIERS, Profile, tier_at_least
 from sandbox_worker.sandbox.reaper import OrphanReaper
 from sandbox_worker.sandbox.seccomp import SeccompFilters
+from sandbox_worker.sandbox.uidpool import (
+    DEFAULT_LOCK_DIR,
+    DEFAULT_UID_COUNT,
+    DEFAULT_UID_START,
+    UidPool,
+    parse_range,
+)
 from sandbox_worker.sandbox.user import DEFAULT_SANDBOX_USER, SandboxUser, ensure_user
 from sandbox_worker.sandbox.workspace import (
     check_reachable,
@@ -89,6 +101,9 @@ class ToolServiceConfig:
     sandbox_user: str = DEFAULT_SANDBOX_USER
     sandbox_uid: int | None = None  # a fixed uid with no passwd entry, instead of the user
     sandbox_gid: int | None = None
+    uid_range_start: int = DEFAULT_UID_START  # per-call uids (uidpool.py)
+    uid_range_count: int = DEFAULT_UID_COUNT
+    uid_lock_dir: str = DEFAULT_LOCK_DIR
     workspace_root: str | None = None
     grace_s: float = 2.0
     cgroup: bool = True
@@ -113,6 +128,7 @@ class ToolService:
         self._grant_lock = asyncio.Lock()
         self._calls: set[asyncio.Task[Any]] = set()
         self._reaper: OrphanReaper | None = None
+        self.pool: UidPool | None = None
         self._flimits = files.FileLimits(config.read_limit_bytes, config.write_limit_bytes)
 
     # -- life cycle ---------------------------------------------------------
@@ -120,6 +136,9 @@ class ToolService:
         cfg = self.config
         user = await ensure_user(cfg.sandbox_user, fixed_uid=cfg.sandbox_uid,
                                  fixed_gid=cfg.sandbox_gid)
+        pool = UidPool(cfg.uid_range_start, cfg.uid_range_count, user.gid, cfg.uid_lock_dir)
+        await asyncio.to_thread(pool.setup, reserved_uids=(user.uid,))
+        self.pool = pool
         degraded: list[str] = []
         try:
             self._filters = SeccompFilters.compile()
@@ -130,11 +149,15 @@ class ToolService:
             await asyncio.to_thread(self._cgroup.setup)
         # Remnants of finished calls (bwrap's orphaned namespace inits) are
         # reaped or killed by this process (reaper.py).
-        self._reaper = OrphanReaper(user.uid)
+        self._reaper = OrphanReaper(pool.uids)
         self._reaper.install()
         base = Profile("T2", user, self._filters, self._cgroup, cfg.tmp_root,
                        extra_degraded=degraded)
-        self.detection = await detect(base)
+        lease = await pool.acquire(timeout_s=30.0)
+        try:
+            self.detection = await detect(base, lease.uid)
+        finally:
+            await pool.give_back(lease)
         tier = self._choose_tier(self.detection)
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
                                unsandboxed_opt_in=tier == "T0", extra_degraded=degraded)
@@ -145,8 +168,9 @@ class ToolService:
         fsuid, _ = await asyncio.to_thread(self.fs.whoami)
         if fsuid != user.uid:
             raise TierUnavailable(f"file-tool threads run with fsuid {fsuid}, not {user.uid}")
-        log.info("tool sandbox ready: tier %s (working: %s), uid %d, cgroup %s", tier,
-                 ", ".join(self.detection.working) or "none", user.uid,
+        log.info("tool sandbox ready: tier %s (working: %s), call uids %d+%d, file-tool "
+                 "uid %d, gid %d, cgroup %s", tier, ", ".join(self.detection.working) or "none",
+                 pool.start, pool.count, user.uid, user.gid,
                  "applied" if self._cgroup and self._cgroup.applied else "not applied")
 
     def _choose_tier(self, det: Detection) -> Tier:
@@ -193,6 +217,8 @@ class ToolService:
             self.fs = None
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.close)
+        if self.pool is not None:
+            self.pool.close()
         if self._filters is not None:
             self._filters.close()
             self._filters = None
@@ -212,8 +238,11 @@ class ToolService:
             "seccomp": self._filters is not None,
             "cgroup": {"applied": bool(cg and cg.applied), "version": cg.version if cg else "",
                        "reason": cg.reason if cg else "disabled"},
-            "sandbox_uid": p.user.uid if p else None,
+            "sandbox_uid": p.user.uid if p else None,  # the file tools' uid
             "sandbox_user": p.user.name if p else None,
+            "sandbox_gid": p.user.gid if p else None,
+            "sandbox_uid_range": ([self.pool.start, self.pool.count] if self.pool else None),
+            "uid_pool": self.pool.info() if self.pool else {},
             "unsandboxed_opt_in": bool(p and p.unsandboxed_opt_in),
             "tools": [s["name"] for s in SCHEMAS],
         }
@@ -309,13 +338,13 @@ class ToolService:
 
     async def _workspace(self, path: str) -> str:
         real = validate_workspace(path, self.config.workspace_root)
-        uid = self.profile.user.uid  # type: ignore[union-attr]
-        if not is_granted(real, uid):
+        gid = self.profile.user.gid  # type: ignore[union-attr]
+        if not is_granted(real, gid):
             async with self._grant_lock:
-                if not is_granted(real, uid):
+                if not is_granted(real, gid):
                     check_reachable(real)
-                    report = await asyncio.to_thread(grant_tree, real, uid)
-                    log.info("granted workspace %s to the sandbox uid (%d entries, %d "
+                    report = await asyncio.to_thread(grant_tree, real, gid)
+                    log.info("granted workspace %s to the sandbox group (%d entries, %d "
                              "changed, %d hard-linked files skipped)", real, report.entries,
                              report.changed, report.skipped_links)
         return real
@@ -326,9 +355,18 @@ class ToolService:
         async def on_chunk(stream: StreamName, data: bytes) -> None:
             await ctx.send_partial(pack(ToolOutputChunk(stream=stream, data=data)))
 
-        run: ShellRun = await run_shell(
-            profile, args, workspace, limits, network=network, call_id=req["call_id"],
-            remaining_s=ctx.remaining_s(), on_chunk=on_chunk, grace_s=self.config.grace_s)
+        pool = self.pool
+        if pool is None:
+            raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
+        lease = await pool.acquire(timeout_s=max(0.0, ctx.remaining_s() - 1.0))
+        try:
+            run: ShellRun = await run_shell(
+                profile, args, workspace, limits, network=network, uid=lease.uid,
+                call_id=req["call_id"], remaining_s=ctx.remaining_s(), on_chunk=on_chunk,
+                grace_s=self.config.grace_s)
+        finally:
+            # run_shell returns (or raises) only once the call's tree is gone.
+            await pool.give_back(lease)
         o = run.outcome
         applied = ToolLimits(**limits)
         applied["wall_s"] = run.wall_s
@@ -347,7 +385,7 @@ class ToolService:
             is_error=outcome != "ok", output=render(run, limits), exit_code=o.exit_code,
             signal=o.signal, duration_s=time.monotonic() - start,
             stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes, truncated=o.truncated,
-            isolation=profile.isolation(applied, network=network))
+            isolation=profile.isolation(applied, network=network, uid=lease.uid))
         if kind is not None:
             result["error_kind"] = kind
         return result
@@ -378,8 +416,10 @@ class ToolService:
 
     def _error(self, call_id: str, tool: str, kind: str, message: str, profile: Profile,
                limits: ToolLimits, network: bool, start: float) -> ToolCallResult:
-        isolation: IsolationRecord = (profile.isolation(limits, network=network)
-                                      if tool == "shell" else profile.file_isolation(limits))
+        # No process ran for a tool error: the record names the sandbox user's uid.
+        isolation: IsolationRecord = (
+            profile.isolation(limits, network=network, uid=profile.user.uid)
+            if tool == "shell" else profile.file_isolation(limits))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="error", is_error=True, output=message,
             exit_code=None, signal=None, duration_s=time.monotonic() - start,
@@ -398,7 +438,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sandbox-user", default=DEFAULT_SANDBOX_USER,
                    help="system user the tools run as (created if missing)")
     g.add_argument("--sandbox-uid", type=int, default=None,
-                   help="use this fixed non-root uid (no passwd entry) instead of a user")
+                   help="use this fixed non-root uid (no passwd entry) instead of a user "
+                   "for the file tools (shell calls use --sandbox-uid-range)")
+    g.add_argument("--sandbox-uid-range", default=f"{DEFAULT_UID_START}:{DEFAULT_UID_COUNT}",
+                   metavar="START:COUNT",
+                   help="each running shell call gets its own uid from this range, no "
+                   "passwd entries needed (default: %(default)s)")
+    g.add_argument("--sandbox-uid-lock-dir", default=DEFAULT_LOCK_DIR,
+                   help="root-only directory of the per-uid lock files shared by all workers "
+                   "of the host (default: %(default)s)")
     g.add_argument("--workspace-root", default=None,
                    help="only accept workspaces beneath this directory")
     g.add_argument("--tool-wall-s", type=float, default=DEFAULT_LIMITS["wall_s"])
@@ -416,12 +464,18 @@ def config_from_args(ns: argparse.Namespace) -> ToolServiceConfig:
     limits = ToolLimits(**DEFAULT_LIMITS)
     limits["wall_s"] = ns.tool_wall_s
     limits["output_bytes"] = ns.tool_output_bytes
+    try:
+        uid_start, uid_count = parse_range(ns.sandbox_uid_range)
+    except ValueError as exc:
+        raise SystemExit(f"--sandbox-uid-range: {exc}") from exc
     return ToolServiceConfig(
         tier_min=ns.tier_min, allow_unsandboxed=ns.allow_unsandboxed,
         force_tier=ns.force_tier, limits=limits, sandbox_user=ns.sandbox_user,
         sandbox_uid=ns.sandbox_uid, workspace_root=ns.workspace_root,
         grace_s=ns.tool_grace_s, cgroup=not ns.no_worker_cgroup,
-        cgroup_memory_bytes=ns.cgroup_memory_bytes, cgroup_pids=ns.cgroup_pids)
+        cgroup_memory_bytes=ns.cgroup_memory_bytes, cgroup_pids=ns.cgroup_pids,
+        uid_range_start=uid_start, uid_range_count=uid_count,
+        uid_lock_dir=ns.sandbox_uid_lock_dir)
 
 
 __all__ = ["SandboxUser", "ToolService", "ToolServiceConfig", "add_arguments",

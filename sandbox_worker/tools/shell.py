@@ -58,15 +58,16 @@ def effective_wall_s(args: dict[str, Any], limits: ToolLimits, remaining_s: floa
 
 
 async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
-                    limits: ToolLimits, *, network: bool, call_id: str, remaining_s: float,
-                    on_chunk: OnChunk | None, grace_s: float) -> ShellRun:
+                    limits: ToolLimits, *, network: bool, uid: int, call_id: str,
+                    remaining_s: float, on_chunk: OnChunk | None, grace_s: float) -> ShellRun:
+    """Run one shell call as ``uid`` (the call's own, leased by the caller)."""
     argv = command_argv(args["command"])
     workdir = check_relative(args.get("workdir", "."))
     wall = effective_wall_s(args, limits, remaining_s)
     tmpdir: str | None = None
     if profile.tier in ("T1", "T0"):
-        tmpdir = await asyncio.to_thread(_make_tmp, profile)
-    chain = profile.build(argv, workspace, limits, network=network, tmpdir=tmpdir,
+        tmpdir = await asyncio.to_thread(_make_tmp, profile, uid)
+    chain = profile.build(argv, workspace, limits, network=network, uid=uid, tmpdir=tmpdir,
                           call_id=call_id, workdir=workdir)
     spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
                    output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
@@ -86,11 +87,11 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
 TMP_PREFIX = "corral-call-"
 
 
-def _make_tmp(profile: Profile) -> str:
+def _make_tmp(profile: Profile, uid: int) -> str:
     # The worker's pid in the name lets a later worker remove what a killed one
     # left behind (remove_stale_tmp).
     path = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=profile.tmp_root)
-    os.chown(path, profile.user.uid, profile.user.gid)
+    os.chown(path, uid, profile.user.gid)
     return path
 
 

@@ -46,7 +46,14 @@ class Stack:
 
     @property
     def uid(self) -> int:
+        """The file tools' uid (the sandbox user's)."""
         return int(self.info["sandbox_uid"])
+
+    @property
+    def uids(self) -> range:
+        """The per-call uid range shell calls run in."""
+        start, count = self.info["sandbox_uid_range"]
+        return range(int(start), int(start) + int(count))
 
 
 @dataclass
@@ -151,12 +158,14 @@ async def shell(client: BrokerClient, command: str | list[str], workspace: Path,
     return await call_tool(client, "shell", {"command": command}, workspace, policy, **kw)
 
 
-def call_processes(uid: int, call_id: str | None = None) -> list[psutil.Process]:
-    """Live processes of the sandbox uid (of one call, by its CORRAL_CALL_ID marker)."""
+def call_processes(uid: int | range, call_id: str | None = None) -> list[psutil.Process]:
+    """Live processes of a sandbox uid or uid range (of one call, by its
+    CORRAL_CALL_ID marker)."""
+    uids = range(uid, uid + 1) if isinstance(uid, int) else uid
     found = []
     for p in psutil.process_iter(["uids", "status"]):
         try:
-            if p.info["uids"].real != uid or p.info["status"] == psutil.STATUS_ZOMBIE:
+            if p.info["uids"].real not in uids or p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             if call_id is not None and p.environ().get("CORRAL_CALL_ID") != call_id:
                 continue
@@ -166,7 +175,7 @@ def call_processes(uid: int, call_id: str | None = None) -> list[psutil.Process]
     return found
 
 
-async def no_call_processes(uid: int, call_id: str, timeout_s: float = 5.0) -> None:
+async def no_call_processes(uid: int | range, call_id: str, timeout_s: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while call_processes(uid, call_id):

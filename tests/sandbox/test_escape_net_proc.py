@@ -97,15 +97,17 @@ async def test_granted_network_reaches_the_host(client: BrokerClient, workspace:
 
 @pytest.fixture
 def outside_proc(stack: Stack, tmp_path: Path) -> Iterator[psutil.Process]:
-    """A host process running as the sandbox uid (so only isolation protects it),
-    with a secret in its environment."""
+    """A host process running as a uid of the per-call range, as another call's
+    process would (the pool will not hand that uid out while it lives), with a
+    secret in its environment."""
     procs = Procs(tmp_path / "outside")
-    proc = procs.spawn(["setpriv", f"--reuid={stack.uid}", f"--regid={stack.uid}",
+    uid = stack.uids[-1]
+    proc = procs.spawn(["setpriv", f"--reuid={uid}", f"--regid={stack.info['sandbox_gid']}",
                         "--clear-groups", "--", "sleep", "120"], name="outside",
                        env={"OUTSIDE_SECRET": "outside-" + uuid.uuid4().hex})
     try:
         p = psutil.Process(proc.pid)
-        wait_until(lambda: p.name() == "sleep" and p.uids().real == stack.uid,
+        wait_until(lambda: p.name() == "sleep" and p.uids().real == uid,
                    what="the outside process to drop to the sandbox uid")
         yield p
     finally:
@@ -159,7 +161,7 @@ async def test_double_forked_daemon_does_not_outlive_call(stack: Stack, client: 
     res = await shell(client, cmd, workspace, call_id=call_id)
     assert res.result["outcome"] == "ok"
     assert "spawned" in res.result["output"]
-    await no_call_processes(stack.uid, call_id, timeout_s=5.0)
+    await no_call_processes(stack.uids, call_id, timeout_s=5.0)
 
 
 async def test_worker_secrets_are_invisible(stack: Stack, client: BrokerClient,
@@ -187,11 +189,11 @@ async def test_cancel_kills_everything_and_keeps_partial_output(
             got.append(unpack(chunk))
             if b"before-sleep" in b"".join(c["data"] for c in got):  # type: ignore[misc]
                 break
-    assert call_processes(stack.uid, call_id), "the call should be running"
+    assert call_processes(stack.uids, call_id), "the call should be running"
     await call.cancel()
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    await no_call_processes(stack.uid, call_id, timeout_s=3.0)
+    await no_call_processes(stack.uids, call_id, timeout_s=3.0)
     assert loop.time() - t0 <= 3.0
     assert got[0]["stream"] == "stdout"
 
@@ -207,5 +209,5 @@ async def test_worker_keeps_heartbeating_during_long_call(stack: Stack, client: 
 
 def test_outside_proc_helper_runs_as_sandbox_uid(stack: Stack,
                                                  outside_proc: psutil.Process) -> None:
-    assert outside_proc.uids().real == stack.uid
+    assert outside_proc.uids().real in stack.uids
     assert outside_proc.environ()["OUTSIDE_SECRET"].startswith("outside-")

@@ -38,7 +38,7 @@ async def test_fork_bomb_is_contained(stack: Stack, client: BrokerClient,
     assert res.result["is_error"]
     assert "Resource temporarily unavailable" in res.result["output"]  # fork hit the limit
     assert res.result["isolation"]["limits"]["processes"] == 64
-    await no_call_processes(stack.uid, call_id, timeout_s=10.0)
+    await no_call_processes(stack.uids, call_id, timeout_s=10.0)
     # The uid can still start processes once the call is over (no leaked zombies).
     after = await shell(client, "echo alive", workspace)
     assert after.result["outcome"] == "ok"
@@ -54,7 +54,7 @@ async def test_memory_bomb_is_stopped(stack: Stack, client: BrokerClient,
     assert res.result["is_error"]
     assert "MemoryError" in res.result["output"]
     assert res.result["isolation"]["limits"]["address_space_bytes"] == 512 * MIB
-    await no_call_processes(stack.uid, call_id)
+    await no_call_processes(stack.uids, call_id)
 
 
 async def test_cpu_spin_is_stopped(stack: Stack, client: BrokerClient,
@@ -66,7 +66,7 @@ async def test_cpu_spin_is_stopped(stack: Stack, client: BrokerClient,
     assert res.result["outcome"] == "error"  # stopped by RLIMIT_CPU, not by the wall clock
     assert "SIGXCPU" in res.result["output"] or "SIGKILL" in res.result["output"]
     assert res.result["duration_s"] < 30
-    await no_call_processes(stack.uid, call_id)
+    await no_call_processes(stack.uids, call_id)
 
 
 @pytest.mark.timeout(60)
@@ -83,7 +83,7 @@ async def test_output_flood_is_capped_and_killed(stack: Stack, client: BrokerCli
     assert "truncated at 1048576 bytes" in r["output"]
     assert len(res.streamed("stdout")) == MIB  # what streamed is what was kept
     assert r["duration_s"] < 30
-    await no_call_processes(stack.uid, call_id)
+    await no_call_processes(stack.uids, call_id)
 
 
 async def test_wall_timeout_keeps_partial_output(stack: Stack, client: BrokerClient,
@@ -95,7 +95,7 @@ async def test_wall_timeout_keeps_partial_output(stack: Stack, client: BrokerCli
     assert r["error_kind"] == "timeout"
     assert "before" in r["output"]
     assert "timed out after 1 s" in r["output"]
-    await no_call_processes(stack.uid, call_id)
+    await no_call_processes(stack.uids, call_id)
 
 
 async def call_timeout(client: BrokerClient, workspace: Path, call_id: str) -> object:
@@ -118,4 +118,4 @@ async def test_disk_fill_stops_at_file_size_limit(stack: Stack, client: BrokerCl
     assert not host_exists(workspace / "big")
     # Free space is back (within what other users of this shared disk may do).
     assert shutil.disk_usage(workspace).free > free_before - 64 * MIB
-    await no_call_processes(stack.uid, call_id)
+    await no_call_processes(stack.uids, call_id)

@@ -27,6 +27,7 @@ from sandbox_worker.sandbox.profile import Profile
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.user import SandboxUser, ensure_user
 from sandbox_worker.sandbox.workspace import (
+    ACL_GROUP,
     ACL_USER,
     XATTR_ACCESS,
     XATTR_DEFAULT,
@@ -131,13 +132,13 @@ def test_grant_tree_skips_links_and_sets_defaults(ws: Path, user: SandboxUser,
         os.link(target, ws / "hl")
         (ws / "sl").symlink_to(outside)
         os.chown(ws, 4242, 4242)  # a user's workspace, not root's
-        report = grant_tree(str(ws), user.uid)
+        report = grant_tree(str(ws), user.gid)
         assert report.skipped_links == 1
-        assert is_granted(str(ws), user.uid)
+        assert is_granted(str(ws), user.gid)
         f_acl = decode_acl(os.getxattr(ws / "sub" / "f", XATTR_ACCESS))
-        assert f_acl[(ACL_USER, user.uid)] == 6
+        assert f_acl[(ACL_GROUP, user.gid)] == 6
         default = decode_acl(os.getxattr(ws, XATTR_DEFAULT))
-        assert default[(ACL_USER, user.uid)] == 7
+        assert default[(ACL_GROUP, user.gid)] == 7
         assert default[(ACL_USER, 4242)] == 7  # the owner can use what tools create
         for path in (target, outside):
             with pytest.raises(OSError, match="No data available"):
@@ -161,7 +162,7 @@ def test_openat2_refuses_escapes(ws: Path) -> None:
 
 
 def test_detection_finds_t2_here(user: SandboxUser, filters: SeccompFilters) -> None:
-    result = asyncio.run(detect(Profile("T2", user, filters, None)))
+    result = asyncio.run(detect(Profile("T2", user, filters, None), user.uid))
     assert result.best == "T2", result.failures
     assert "T1" in result.working
     assert result.landlock_abi >= 1
@@ -194,7 +195,7 @@ def test_chain_kills_double_forked_daemon_on_exit(tier: str, user: SandboxUser,
     tmp = tempfile.mkdtemp(dir="/var/tmp")
     os.chown(tmp, user.uid, user.gid)
     chain = profile.build(["/bin/bash", "-c", f"(setsid sleep 300 {tag} &) ; echo up"],
-                          str(ws), DEFAULT_LIMITS, network=False, tmpdir=tmp)
+                          str(ws), DEFAULT_LIMITS, network=False, uid=user.uid, tmpdir=tmp)
     try:
         out = asyncio.run(run(RunSpec(chain.argv, chain.env, 30.0, 1 << 20, chain.pass_fds)))
     finally:
@@ -214,7 +215,7 @@ def test_run_cancel_kills_tree_and_reaps(user: SandboxUser, filters: SeccompFilt
     profile = Profile("T2", user, filters, None)
     call_id = f"layers-cancel-{os.getpid()}"
     chain = profile.build(["/bin/bash", "-c", "echo go; sleep 600"], str(ws), DEFAULT_LIMITS,
-                          network=False, call_id=call_id)
+                          network=False, uid=user.uid, call_id=call_id)
     seen: list[bytes] = []
 
     async def go() -> None:
@@ -249,11 +250,12 @@ def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: Seccomp
     profile = Profile("T2", user, filters, None)
 
     async def go() -> int:
-        reaper = OrphanReaper(user.uid)
+        reaper = OrphanReaper(range(user.uid, user.uid + 1))
         assert reaper.install()
         try:
             for _ in range(8):
-                chain = profile.build(["true"], str(ws), DEFAULT_LIMITS, network=False)
+                chain = profile.build(["true"], str(ws), DEFAULT_LIMITS, network=False,
+                                      uid=user.uid)
                 try:
                     out = await run(RunSpec(chain.argv, chain.env, 30.0, 1 << 20,
                                             chain.pass_fds))
@@ -279,7 +281,7 @@ def test_failing_output_sink_ends_the_call(user: SandboxUser, filters: SeccompFi
     call_id = f"layers-sink-{os.getpid()}"
     chain = Profile("T2", user, filters, None).build(
         ["/bin/bash", "-c", "echo go; sleep 600"], str(ws), DEFAULT_LIMITS, network=False,
-        call_id=call_id)
+        uid=user.uid, call_id=call_id)
 
     async def broken_sink(stream: str, data: bytes) -> None:
         raise RuntimeError("the broker is not reading")

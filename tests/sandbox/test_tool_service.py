@@ -62,7 +62,7 @@ async def test_file_and_shell_files_are_consistent(stack: Stack, client: BrokerC
     await call_tool(client, "write_file", {"path": "by_tool", "content": "t"}, workspace)
     await shell(client, "echo s > by_shell", workspace)
     assert os.stat(workspace / "by_tool").st_uid == stack.uid
-    assert os.stat(workspace / "by_shell").st_uid == stack.uid
+    assert os.stat(workspace / "by_shell").st_uid in stack.uids  # the call's own uid
     r = await shell(client, "cat by_tool; echo more >> by_tool", workspace)
     assert r.result["outcome"] == "ok"
     r = await call_tool(client, "edit_file", {"path": "by_shell", "old": "s", "new": "S"},
@@ -129,7 +129,8 @@ async def test_isolation_record_is_complete(stack: Stack, client: BrokerClient,
     assert set(iso) == {"tier", "filesystem", "network", "pid_namespace", "seccomp", "uid",
                         "limits", "degraded", "unsandboxed_opt_in"}
     assert iso["tier"] == stack.tier
-    assert iso["uid"] == stack.uid != 0
+    assert iso["uid"] in stack.uids
+    assert iso["uid"] != 0
     assert iso["seccomp"] is True
     assert iso["network"] == "none"
     assert iso["limits"]["cpu_s"] == 7
@@ -222,7 +223,7 @@ async def test_call_runs_in_the_worker_cgroup(stack: Stack, client: BrokerClient
     async with asyncio.timeout(20):
         async for _chunk in call:
             break
-    procs = call_processes(stack.uid, call_id)
+    procs = call_processes(stack.uids, call_id)
     assert procs
     group = f"corral/worker-{stack.worker.pid}"
     for p in procs:
@@ -234,4 +235,4 @@ async def test_call_runs_in_the_worker_cgroup(stack: Stack, client: BrokerClient
         else:
             assert controllers[""].endswith(group)
     await call.cancel()
-    await no_call_processes(stack.uid, call_id)
+    await no_call_processes(stack.uids, call_id)
