@@ -19,6 +19,7 @@ from types import FrameType
 
 from broker import protocol
 from broker.faults import FrameFaults
+from broker.lifeline import watch_parent
 from broker.security import CurveServer, KeyFileError
 from broker.server import Broker, BrokerConfig
 from broker.state import Limits
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_parent()  # exit if the farm's root dies without stopping us
     limits = Limits(
         heartbeat_interval_s=args.heartbeat_interval_s, liveness=args.liveness,
         queue_limit=args.queue_limit, max_workers=args.max_workers,

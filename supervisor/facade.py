@@ -18,11 +18,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,23 @@ def _newest_export(dirs: list[Path], session_id: str) -> tuple[dict[str, Any], P
         if not verify(doc) and doc["descriptor"]["session_id"] == session_id:
             return doc, path
     return None
+
+
+@contextlib.contextmanager
+def _engine_errors(session_id: str) -> Iterator[None]:
+    """Translate the engine's caller errors into typed answers (one boundary)."""
+    try:
+        yield
+    except BadOp as exc:
+        raise CallError(ErrorKind.BAD_OP, str(exc)) from None
+    except UnknownSession:
+        raise CallError(ErrorKind.UNKNOWN_SESSION,
+                        f"no session {session_id!r}; list them with: corral sessions") from None
+    except SessionClosed as exc:
+        raise CallError(ErrorKind.BAD_OP, f"session {session_id} is closed: {exc}") from None
+    except EngineNotRunning:
+        raise CallError(ErrorKind.UNAVAILABLE, "the supervisor is starting or stopping; "
+                        "try again in a moment") from None
 
 
 def event_to_wire(e: EventRecord) -> dict[str, Any]:
@@ -178,25 +196,16 @@ class Facade:
         fields = {f.name for f in dataclasses.fields(SessionSpec)}
         session_spec = SessionSpec(**{k: v for k, v in spec.items() if k in fields})
         session_spec.tenant = tenant
-        return str(await self.manager.create_session(session_spec))
+        with _engine_errors(session_spec.session_id or ""):
+            return str(await self.manager.create_session(session_spec))
 
     async def submit(self, session_id: str, op: dict[str, Any], tenant: str | None) -> str:
         await self._check_tenant(session_id, tenant)
         if op.get("type") == "set_model" and "route_spec" in op:
             op = dict(op)
             op["route"] = self.register_route(op.pop("route_spec"))
-        try:
+        with _engine_errors(session_id):
             return str(await self.manager.submit(SessionId(session_id), op))
-        except BadOp as exc:
-            raise CallError(ErrorKind.BAD_OP, str(exc)) from None
-        except UnknownSession:
-            raise CallError(ErrorKind.UNKNOWN_SESSION,
-                            f"no session {session_id!r}; list them with: corral sessions") from None
-        except SessionClosed as exc:
-            raise CallError(ErrorKind.BAD_OP, f"session {session_id} is closed: {exc}") from None
-        except EngineNotRunning:
-            raise CallError(ErrorKind.UNAVAILABLE, "the supervisor is starting or stopping; "
-                            "try again in a moment") from None
 
     def subscribe(self, session_id: str, after_sequence: int,
                   tenant: str | None) -> AsyncIterator[dict[str, Any]]:

@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from broker.lifeline import watch_parent
 from sandbox_worker.fakellm.script import ScriptError, load_script
 from sandbox_worker.fakellm.server import DEFAULT_MAX_RECORDED, FakeLLM
 
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_parent()  # exit if the farm's root dies without stopping us
     return asyncio.run(_serve(ns))
 
 

@@ -94,6 +94,11 @@ class SessionSpec:
             if value is not None and value not in config.routes:
                 raise BadOp(f"spec {key!r}: unknown route {value!r}; "
                             f"known: {sorted(config.routes)}")
+        if self.route is None and config.default_route not in config.routes:
+            raise BadOp("no model route: the default route "
+                        f"{config.default_route!r} is not configured; add [routes."
+                        f"{config.default_route}] to corral.toml, or pass a route "
+                        "(corral run --model PROVIDER:MODEL --base-url URL)")
         try:
             parse_policy(self.approval)
         except (ValueError, TypeError) as exc:

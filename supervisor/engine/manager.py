@@ -79,8 +79,8 @@ class SessionManager:
                  middleware_factory: MiddlewareFactory | None = None,
                  usage_observer: UsageObserver | None = None,
                  export_sinks: Sequence[Any] = ()) -> None:
-        if config.default_route not in config.routes:
-            raise ValueError(f"default route {config.default_route!r} is not in routes")
+        # A farm may start with no route configured yet (the default corral.toml):
+        # sessions then name one (or register one inline), else create fails.
         self.store = store
         self.broker = broker
         self.config = config
@@ -185,7 +185,9 @@ class SessionManager:
         return session
 
     async def submit(self, session_id: SessionId, op: dict[str, Any]) -> SubmissionId:
-        if self._tg is None:
+        if self._tg is None or not self._started.is_set():
+            # Still resuming the stored sessions after a restart: a session not
+            # resumed yet is not unknown, so answer "not running" (retryable).
             raise EngineNotRunning("SessionManager.run is not running")
         session = self._session(session_id)
         parsed = parse_op(op)
@@ -248,10 +250,20 @@ class SessionManager:
 
     def subscribe(self, session_id: SessionId, *,
                   after_sequence: int = 0) -> AsyncIterator[EventRecord]:
+        if not self._started.is_set():
+            # Resuming after a restart: wait for it, or a live session would be
+            # served as replay-only (its stream would end instead of following).
+            return self._subscribe_when_started(session_id, after_sequence)
         session = self.sessions.get(SessionId(session_id))
         if session is None:
             return self._replay_only(session_id, after_sequence)
         return session.subscribe(after_sequence)
+
+    async def _subscribe_when_started(self, session_id: SessionId,
+                                      after_sequence: int) -> AsyncIterator[EventRecord]:
+        await self._started.wait()
+        async for record in self.subscribe(session_id, after_sequence=after_sequence):
+            yield record
 
     async def _replay_only(self, session_id: str,
                            after_sequence: int) -> AsyncIterator[EventRecord]:

@@ -120,7 +120,10 @@ class SupervisionTree:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=err,
                 stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(child.spec.env or {})},
+                # CORRAL_PARENT_PID: the child's lifeline (broker.lifeline) makes it
+                # stop if this process dies without stopping it.
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "CORRAL_PARENT_PID": str(os.getpid()),
+                     **(child.spec.env or {})},
                 start_new_session=True,
             )
         finally:

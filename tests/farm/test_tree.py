@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -113,3 +115,44 @@ async def test_a_child_that_never_gets_ready_fails_the_start_cleanly(tmp_path: P
         await tree.start()
     for child in tree.children.values():
         assert child.proc is None or child.proc.returncode is not None
+
+
+def test_children_stop_when_the_farm_root_is_sigkilled(tmp_path: Path) -> None:
+    """A farm root killed without stopping its children leaves no orphan: each
+    child's lifeline notices the new parent and stops it."""
+    import json as _json
+    import subprocess as _subprocess
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "corral.toml").write_text("[sandbox]\ntier_min = 'T0'\nallow_unsandboxed = true\n")
+    root = _subprocess.Popen([sys.executable, "-m", "supervisor.farm", "--home", str(home),
+                              "--workers", "1"], stdout=_subprocess.DEVNULL,
+                             stderr=_subprocess.DEVNULL, start_new_session=True)
+    try:
+        farm_json = home / "farm.json"
+        deadline = time.monotonic() + 90
+        while not farm_json.exists() and time.monotonic() < deadline and root.poll() is None:
+            time.sleep(0.05)
+        info = _json.loads(farm_json.read_text())
+        pids = [c["pid"] for c in info["children"]]
+        assert pids
+        os.kill(root.pid, signal.SIGKILL)
+        root.wait(10)
+        deadline = time.monotonic() + 30
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in pids if not _gone_now(p)]
+            time.sleep(0.05)
+        assert not alive, f"children outlived their root: {alive}"
+    finally:
+        for pid in [root.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _gone_now(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
