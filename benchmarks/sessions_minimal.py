@@ -10,7 +10,8 @@ same scripted provider:
 2. run the function call it returns with the worker's own code: the tool
    sandbox profile is built by ``ToolService.start`` (same tier detection,
    seccomp filter, cgroup and uid as a worker) and the call goes through
-   ``run_shell`` (the same argv chain: setpriv, prlimit, bwrap);
+   ``run_shell`` (the same argv chain: setpriv, prlimit, bwrap) as a uid
+   leased from the service's ``UidPool``, as the worker does;
 3. POST again with the call and its output, read the final answer.
 
 Concurrent model and tool calls are bounded by ``--slots`` (the bench passes
@@ -101,14 +102,19 @@ class Loop:
         raise TurnFailed("the stream ended without response.completed")
 
     async def shell(self, call: dict[str, Any]) -> str:
-        profile = self.tools.profile
-        if profile is None:
+        profile, pool = self.tools.profile, self.tools.pool
+        if profile is None or pool is None:
             raise TurnFailed("the tool sandbox is not started")
         args = json.loads(call["arguments"])
         async with self.slots:
-            run = await run_shell(profile, args, self.workspace, self.limits, network=False,
-                                  call_id=call["call_id"], remaining_s=TOOL_REMAINING_S,
-                                  on_chunk=None, grace_s=2.0)
+            # as the worker does: one leased uid per call, given back once its tree is gone
+            lease = await pool.acquire(timeout_s=TOOL_REMAINING_S)
+            try:
+                run = await run_shell(profile, args, self.workspace, self.limits,
+                                      network=False, uid=lease.uid, call_id=call["call_id"],
+                                      remaining_s=TOOL_REMAINING_S, on_chunk=None, grace_s=2.0)
+            finally:
+                await pool.give_back(lease)
         if run.outcome.exit_code != 0:
             raise TurnFailed(f"the tool call exited {run.outcome.exit_code}: "
                              f"{render(run, self.limits)[:300]!r}")

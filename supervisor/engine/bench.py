@@ -275,9 +275,8 @@ def _minimal(procs: list[subprocess.Popen[bytes]], url: str, ws: str,
     return out
 
 
-async def bench(tmp: Path, quick: bool, workers: int, capacity: int,
+async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, capacity: int,
                 idle: int) -> dict[str, Any]:
-    levels = QUICK_LEVELS if quick else FULL_LEVELS
     script = tmp / "script.json"
     write_script(script, max(m for _, m in levels) + 1)
     ws = tmp / "ws"
@@ -363,6 +362,16 @@ def print_table(results: dict[str, Any], ratios: dict[str, float]) -> None:
           f"over {idle['idle_sessions']} sessions; sandbox tier {mini.get('tier')}")
 
 
+def _levels(text: str) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for part in text.split(","):
+        n, _, m = part.partition(":")
+        if not (n.isdigit() and m.isdigit()) or int(n) < 1 or int(m) < 1:
+            raise argparse.ArgumentTypeError(f"level {part!r} is not N:M (positive integers)")
+        out.append((int(n), int(m)))
+    return tuple(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m supervisor.engine.bench",
                                      description=__doc__.split("\n\n")[0])
@@ -374,11 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         "per worker; keep workers x capacity x 3 under the tools' per-uid process limit (256)"))
     parser.add_argument("--idle", type=int, default=0,
                         help="idle sessions for the memory figure (default 1000, --quick 300)")
+    parser.add_argument("--levels", type=_levels, default=None,
+                        help="N:M[,N:M...] instead of the default levels (for profiling)")
     args = parser.parse_args(argv)
     idle = args.idle or (300 if args.quick else 1000)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
-        results = asyncio.run(bench(Path(tmp), args.quick, args.workers, args.capacity, idle))
+        levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
+        results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle))
     results["seconds"] = round(time.monotonic() - started, 1)
     headline, ratios = summarize(results)
     results.update(headline)
