@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from collections import deque
@@ -94,11 +95,13 @@ class SupervisionTree:
         max_restarts: int = 10,
         within_s: float = 60.0,
         on_change: Callable[[], None] | None = None,
+        max_log_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"child names must be unique: {names}")
         self.children = {s.name: ChildState(s) for s in specs}
+        self.max_log_bytes = max_log_bytes
         self.log_dir = log_dir
         self.max_restarts = max_restarts
         self.within_s = within_s
@@ -176,8 +179,20 @@ class SupervisionTree:
             async with asyncio.TaskGroup() as tg:
                 for child in self.children.values():
                     tg.create_task(self._watch(child))
+                tg.create_task(self._bound_logs())
         finally:
             await self.stop()
+
+    async def _bound_logs(self, interval_s: float = 5.0) -> None:
+        """Keep every child's log under ``max_log_bytes``: a log over the bound is
+        copied to NAME.log.1 (replacing the previous one) and truncated in place.
+        Children write with O_APPEND, so they carry on at the new end; lines
+        written between the copy and the truncation are lost (a small window)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for name in self.children:
+                path = self.log_dir / f"{name}.log"
+                await asyncio.to_thread(_rotate_if_large, path, self.max_log_bytes)
 
     async def _watch(self, child: ChildState) -> None:
         while True:
@@ -279,6 +294,16 @@ class SupervisionTree:
              "last_exit": c.last_exit, "ready": c.ready}
             for c in self.children.values()
         ]
+
+
+def _rotate_if_large(path: Path, max_bytes: int) -> None:
+    try:
+        if path.stat().st_size <= max_bytes:
+            return
+        shutil.copyfile(path, path.with_name(path.name + ".1"))
+        os.truncate(path, 0)
+    except FileNotFoundError:
+        return
 
 
 async def _exited(pid: int) -> None:

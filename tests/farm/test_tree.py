@@ -156,3 +156,30 @@ def _gone_now(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+async def test_a_chatty_child_log_stays_bounded(tmp_path: Path) -> None:
+    chatty = ChildSpec("chatty", [sys.executable, "-c",
+                                  "import json, sys, time\n"
+                                  "print(json.dumps({'event': 'ready'}), flush=True)\n"
+                                  "while True:\n"
+                                  "    sys.stderr.write('x' * 1023 + '\\n'); sys.stderr.flush()\n"
+                                  "    time.sleep(0.0005)\n"])
+    tree = SupervisionTree([chatty], log_dir=tmp_path / "logs", max_log_bytes=200_000)
+    ready = asyncio.Event()
+    task = asyncio.create_task(tree.run(on_ready=ready.set))
+    log = tmp_path / "logs" / "chatty.log"
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+
+        async def rotated() -> bool:
+            return log.with_name("chatty.log.1").exists()
+
+        await eventually(rotated, timeout_s=30, what="the log to rotate")
+        await asyncio.sleep(0.2)
+        # Bounded by the limit plus what one check interval lets through.
+        assert log.with_name("chatty.log.1").stat().st_size < 50_000_000
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
