@@ -119,6 +119,18 @@ async def _run(ns: Namespace) -> int:
             route_spec = dict(route)
         endpoint = await stack.enter_async_context(farm_for(ns.home, ns.workers, say))
         sv = await stack.enter_async_context(SupervisorClient(endpoint))
+        if ns.session and not model:
+            # A session on a script: route outlives the provider an earlier run
+            # started for it; start one again for this run.
+            described = await sv.describe(ns.session)
+            current = str(described.get("route") or "")
+            if current.startswith("script:"):
+                route = parse_route(current, None, name=current)
+                script = Path(str(route.get("script", "")))
+                if await asyncio.to_thread(script.is_file):
+                    route["base_url"] = await stack.enter_async_context(
+                        scripted_provider(script, ns.home))
+                    model, route_spec = current, dict(route)
         async with asyncio.timeout(ns.timeout_s):
             return await _drive(ns, sv, model, route_spec, say)
     return EXIT_FAILED  # pragma: no cover - the stack re-raises
@@ -234,7 +246,8 @@ def _binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
 def import_checkpoint(ns: Namespace) -> int:
     from supervisor.export import BindingMismatch, CheckpointInvalid
     from supervisor.export import import_checkpoint as do_import
-    from supervisor.store import Store, StoreError
+    from supervisor.store import SessionId, Store, StoreError
+    from supervisor.store.errors import SessionExists
 
     try:
         doc = json.loads(ns.file.read_text())
@@ -256,6 +269,9 @@ def import_checkpoint(ns: Namespace) -> int:
         paths.prepare()
         store = await Store.open(paths.db)
         try:
+            wanted = ns.session or doc.get("descriptor", {}).get("session_id")
+            if isinstance(wanted, str) and await store.get_session(SessionId(wanted)):
+                raise SessionExists(f"session {wanted} already exists in {ns.home}")
             record = await do_import(store, doc, expected_binding=binding,
                                      new_session_id=ns.session, config=config)
             return str(record.session_id)
