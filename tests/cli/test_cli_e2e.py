@@ -9,6 +9,7 @@ home, and the CLI processes the test spawned (``procs``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -110,7 +111,7 @@ def sandbox_processes_in(ws: Path) -> list[psutil.Process]:
 
 def alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 
@@ -174,6 +175,7 @@ def test_up_status_down_with_a_restart_and_no_orphans(
     os.kill(worker["pid"], signal.SIGKILL)
     status = wait_until(lambda: _restarted_status(home), timeout_s=30,
                         what="status --json to show the worker's restart")
+    assert status is not None
     assert status["farm"]["restarts"][0]["child"] == "worker-1"
     assert "SIGKILL" in status["farm"]["restarts"][0]["why"]
     shown = corral(home, "status")
@@ -187,6 +189,7 @@ def test_up_status_down_with_a_restart_and_no_orphans(
                what="the tool call to start in the sandbox")
     busy = wait_until(lambda: _busy_status(home), timeout_s=30,
                       what="status to show a busy tool worker and a running turn")
+    assert busy is not None
     assert busy["supervisor"]["sessions"]["turns_running"] == 1
     assert sandbox_processes_in(ws), "the tool's sandboxed process should be running"
     final = _farm_json(home)
@@ -302,6 +305,7 @@ def test_approve_from_another_process(homes: list[Path], workspace_root: Path,
     hint = wait_until(lambda: re.search(r"corral approve (\S+) (\S+) --decision",
                                         log.read_text()), timeout_s=60,
                       what="the run to print the approve command")
+    assert hint is not None
     assert not (ws / "effects.log").exists(), "nothing runs before the approval"
     r = corral(home, "approve", hint.group(1), hint.group(2), "--decision", "approved")
     assert r.returncode == 0, r.stderr
@@ -426,3 +430,38 @@ def test_export_verify_tamper_import_and_continue(
     assert mismatch.returncode == 1
     assert "policy differs" in mismatch.stderr
     assert "corral.toml" in mismatch.stderr
+
+
+async def test_export_during_a_turn_comes_from_the_store(
+        homes: list[Path], workspace_root: Path) -> None:
+    from supervisor.client import SupervisorClient, SupervisorError
+    from supervisor.export import verify
+    from tests.helpers import eventually
+
+    home = make_home(workspace_root, "home", [shell("echo m-1 >> effects.log"),
+                                              shell("sleep 60"), text("never")])
+    homes.append(home)
+    ws = make_ws(workspace_root)
+    info = await asyncio.to_thread(_up, home)
+    async with SupervisorClient(info["endpoints"]["supervisor"]) as sv:
+        sid = await sv.create_session(workspace=str(ws))
+        with pytest.raises(SupervisorError) as none_yet:
+            await sv.export(sid)
+        assert none_yet.value.kind == "not_found"
+        assert "tool round" in none_yet.value.message
+        await sv.submit(sid, {"type": "user_input", "text": "go"})
+
+        async def second_call_running() -> bool:
+            history = await sv.history(sid)
+            return bool(sum(e["type"] == "tool_call_begin" for e in history["events"]) == 2)
+        await eventually(second_call_running, timeout_s=60, what="the second tool round")
+        answer = await sv.export(sid)
+        assert answer["source"] == "store"
+        doc = answer["checkpoint"]
+        assert verify(doc) == []
+        assert doc["descriptor"]["turn"] == 1
+        described = await sv.describe(sid)
+        turn_id = described["active_turn"]["turn_id"]
+        assert doc["descriptor"]["run_id"] == turn_id
+        await sv.submit(sid, {"type": "interrupt", "turn_id": turn_id})
+    assert (await asyncio.to_thread(corral, home, "down")).returncode == 0
