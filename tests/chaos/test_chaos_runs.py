@@ -1,0 +1,55 @@
+"""``corral chaos`` with three fixed seeds, 60 s of faults each: 0 violations.
+
+Each run is a real farm (scripted provider, broker, workers, supervisor) in
+its own process tree, sized small (3 sessions on 2 workers) so the three runs
+fit a 2-core CI machine; they are separate parametrized tests so xdist
+spreads them over its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, Procs
+
+SEEDS = (11, 23, 37)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_chaos_60s_has_no_violation(seed: int, workspace_root: Path, procs: Procs) -> None:
+    home = workspace_root / f"chaos-{seed}"
+    proc = procs.spawn([PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(seed),
+                        "--duration", "60", "--sessions", "3", "--workers", "2",
+                        "--json", "--home", str(home)],
+                       name=f"chaos-{seed}", stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=450)
+    lines = out.decode().strip().splitlines()
+    assert lines, f"no report; log:\n{procs.log(proc)[-3000:]}"
+    report = json.loads(lines[0])
+    assert report["violations"] == [], (report["violations"][:3], lines[1:])
+    assert proc.returncode == 0
+    counts = report["counts"]
+    assert report["seed"] == seed
+    assert counts["sessions_final_turn_ok"] == counts["sessions"] == 3
+    assert counts["turns"] > counts["sessions"]
+    assert counts["tool_calls"] > 0
+    assert counts["faults_injected"] > 0
+    injected = [f for f in report["faults"] if "skipped" not in f]
+    # Every injected process fault names its target; worker faults what it held.
+    for f in injected:
+        if f["kind"].endswith("_kill") or f["kind"].startswith("worker_"):
+            assert f["pid"] > 0
+            assert f["target"]
+        if f["kind"] in ("worker_kill_model", "worker_kill_tool"):
+            assert f["kind"].split("_")[-1] in f["in_flight"]
+        if f["kind"] == "worker_kill_idle":
+            assert f["in_flight"] == []
+    assert report["checks"][0] == "turn_ends_once"
+    # No process outlived the run: every pid the farm ever ran is checked (no_orphans).
+    assert "no_orphans" in report["checks"]
