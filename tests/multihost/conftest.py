@@ -18,6 +18,7 @@ import pytest
 
 from broker.security import CurveClient, read_key_file, write_allowed, write_key_pair
 from tests.helpers import Procs, read_line_with_deadline
+from tests.multihost.netns import hosts  # noqa: F401 (the fixture)
 
 HB_S = 0.25
 LIVENESS = 3
