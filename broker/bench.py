@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="print one JSON object and write bench-results/broker.json")
     parser.add_argument("--repeat", type=int, default=0,
                         help="runs per configuration (default 1 with --quick, else 3)")
+    parser.add_argument("--curve", action="store_true",
+                        help="instead: plain tcp vs CURVE + ZAP through our broker "
+                        "(broker/bench_curve.py; bench-results/broker_curve.json)")
     parser.add_argument("--role", choices=["worker", "proxy"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -330,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "proxy":
         run_proxy(args.frontend, args.backend)
         return 0
+    if args.curve:
+        from broker import bench_curve
+
+        return bench_curve.main(args.quick, args.json, args.repeat)
     repeat = args.repeat or (1 if args.quick else 3)
     started = time.monotonic()
     results = run(args.quick, repeat)
