@@ -157,10 +157,13 @@ async def test_fork_bomb_does_not_starve_other_calls_or_workers(
                                    timeout_s=20.0, interval_s=0.1,
                                    what="the fork bomb to reach its process limit"))
             # Started during the bomb, on the bomb's worker and on another one;
-            # each forks 30 times.
+            # each forks 30 times, under the same process limit as the bomb (with
+            # a shared uid, bwrap itself failed: "Creating new namespace failed").
             work = "for i in $(seq 30); do /bin/true; done; id -u; echo fine"
-            same, other = await asyncio.gather(shell(ca, work, workspace, timeout_s=45),
-                                               shell(cb, work, workspace, timeout_s=45))
+            same_limit = {"limits": {"processes": 64}}
+            same, other = await asyncio.gather(
+                shell(ca, work, workspace, same_limit, timeout_s=45),
+                shell(cb, work, workspace, same_limit, timeout_s=45))
             assert not bomb.done(), "the bomb must still be running"
             assert len(call_processes(a.uids, bomb_id)) >= 32
         finally:
@@ -240,3 +243,28 @@ async def test_two_workers_never_hold_the_same_uid(stacks: Callable[..., Stack],
     assert recorded == sorted(uids)  # the record says the uid the command ran as
     assert fifth.result["outcome"] == "ok"
     assert int(fifth.result["output"].strip()) in range(start, start + 4)
+
+
+@pytest.mark.timeout(90)
+async def test_worker_never_runs_a_call_as_a_uid_with_a_leftover(
+        stacks: Callable[..., Stack], procs: Procs, workspace: Path, tmp_path: Path,
+        gid: int) -> None:
+    start = _narrow_range()
+    leftover = _as_uid(procs, start, gid, "leftover-of-a-killed-call")
+    st = stacks("--sandbox-uid-range", f"{start}:2", "--sandbox-uid-lock-dir",
+                str(tmp_path / "locks"))
+    async with BrokerClient(st.frontend, heartbeat_interval_s=HB_S) as client:
+        # Two at once: the second waits for the one usable uid.
+        both = await asyncio.gather(shell(client, "sleep 0.5; id -u", workspace),
+                                    shell(client, "sleep 0.5; id -u", workspace))
+        later = await shell(client, "id -u", workspace)
+        assert leftover.is_running()
+        leftover.kill()
+        leftover.wait(10)
+        # Once the leftover is gone, its uid is usable again.
+        after = await asyncio.gather(shell(client, "sleep 0.5; id -u", workspace),
+                                     shell(client, "sleep 0.5; id -u", workspace))
+    for r in (*both, later):
+        assert r.result["outcome"] == "ok", r.result["output"]
+        assert r.result["output"].strip() == str(start + 1)
+    assert sorted(int(r.result["output"]) for r in after) == [start, start + 1]
