@@ -73,8 +73,12 @@ async def _try(argv: list[str], env: dict[str, str], pass_fds: list[int]) -> tup
     return proc.returncode if proc.returncode is not None else 1, text.strip()
 
 
-async def detect(base: Profile, uid: int) -> Detection:
-    """Try every tier with ``base``'s group, filters and cgroup, as ``uid``."""
+async def detect(base: Profile, uid: int | None = None) -> Detection:
+    """Try every tier with ``base``'s group, filters and cgroup, as ``uid`` (the
+    worker passes a leased per-call uid; default: the sandbox user's uid, for
+    stand-alone diagnosis such as the test summary)."""
+    if uid is None:
+        uid = base.user.uid
     result = Detection()
     for tool in ("setpriv", "prlimit"):
         if shutil.which(tool) is None:
