@@ -46,8 +46,9 @@ def _narrow_range() -> int:
 
 @pytest.fixture
 def stacks(procs: Procs) -> Iterator[Callable[..., Stack]]:
-    """Starts T2 stacks (broker + worker); closes their pipes at the end."""
-    yield lambda *extra: start_stack(procs, "T2", *extra)
+    """Starts stacks (broker + worker, T2 unless ``tier=``); closes their pipes
+    at the end."""
+    yield lambda *extra, tier="T2": start_stack(procs, tier, *extra)
     for proc in procs.started:
         if proc.stdout is not None:
             proc.stdout.close()
@@ -178,10 +179,11 @@ async def test_fork_bomb_does_not_starve_other_calls_or_workers(
     assert host_read(workspace / "bomb-started") == ""
 
 
+@pytest.mark.parametrize("tier", ["T2", "T1"])
 async def test_files_are_shared_across_call_uids_and_the_owner(
-        stacks: Callable[..., Stack], workspace: Path) -> None:
+        stacks: Callable[..., Stack], workspace: Path, tier: str) -> None:
     os.chown(workspace, 4242, 4242)  # a user's workspace, not root's
-    st = stacks()
+    st = stacks(tier=tier)
     async with BrokerClient(st.frontend, heartbeat_interval_s=HB_S) as client:
         a = await shell(client, "mkdir -p d/sub && echo a > d/f && echo top > g && "
                         "echo x > d/sub/h", workspace)
@@ -268,3 +270,18 @@ async def test_worker_never_runs_a_call_as_a_uid_with_a_leftover(
         assert r.result["outcome"] == "ok", r.result["output"]
         assert r.result["output"].strip() == str(start + 1)
     assert sorted(int(r.result["output"]) for r in after) == [start, start + 1]
+
+
+@pytest.mark.parametrize(("uid_range", "expected"), [
+    ("1:100000", "belongs to a user"),
+    ("5", "START:COUNT"),
+])
+def test_worker_refuses_a_bad_uid_range(procs: Procs, tmp_path: Path, uid_range: str,
+                                        expected: str) -> None:
+    worker = procs.python("sandbox_worker", "--broker", f"ipc://{tmp_path}/b", "--services",
+                          "tool", "--sandbox-uid-range", uid_range, "--sandbox-uid-lock-dir",
+                          str(tmp_path / "locks"), name="worker")
+    assert worker.wait(timeout=60) != 0
+    log = procs.log(worker)
+    assert expected in log
+    assert "Traceback" not in log
