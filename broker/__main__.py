@@ -62,11 +62,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "then require CURVE and an allowed client key (ipc:// stays plain)")
     parser.add_argument("--allow-dir", type=Path, default=None, metavar="DIR",
                         help="allow-list of public key files (re-read on change and SIGHUP)")
+    parser.add_argument("--frontend-tcp", default=None, metavar="EP",
+                        help="also bind this tcp:// endpoint, with CURVE, for clients "
+                        "(besides a plain ipc:// --frontend; needs --curve-secret)")
+    parser.add_argument("--backend-tcp", default=None, metavar="EP",
+                        help="also bind this tcp:// endpoint, with CURVE, for workers")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     if (args.curve_secret is None) != (args.allow_dir is None):
         parser.error("--curve-secret and --allow-dir go together")
+    for extra in (args.frontend_tcp, args.backend_tcp):
+        if extra is not None and (args.curve_secret is None or not extra.startswith("tcp://")):
+            parser.error("--frontend-tcp/--backend-tcp take tcp:// endpoints and need "
+                         "--curve-secret and --allow-dir")
     args.curve = None
     if args.curve_secret is not None:
         try:
@@ -97,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         max_queued_bytes=args.max_queued_bytes,
     )
     broker = Broker(BrokerConfig(args.frontend, args.backend, limits, args.max_message_bytes,
-                                 args.faults, curve=args.curve))
+                                 args.faults, curve=args.curve,
+                                 frontend_tcp=args.frontend_tcp,
+                                 backend_tcp=args.backend_tcp))
     if args.faults is not None:
         logging.getLogger("broker").warning("frame faults enabled: %s (rate %.3f, seed %d)",
                                             sorted(args.faults.kinds), args.faults.rate,
@@ -115,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGHUP, lambda signum, frame: guard.request_reload())
     ready = {"event": "ready", "frontend": frontend, "backend": backend,
              "pid": os.getpid(), "broker_id": broker.broker_id}
+    if broker.tcp_endpoints:
+        ready["tcp"] = broker.tcp_endpoints
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()
     try:

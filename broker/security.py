@@ -364,6 +364,7 @@ class Guard:
         self._zap_sock.setsockopt(zmq.LINGER, 0)
         self._zap_sock.bind(ZAP_ENDPOINT)
         self._monitors: dict[zmq.Socket[bytes], str] = {}
+        self._secured: list[zmq.Socket[Any]] = []
 
     @property
     def rejected(self) -> collections.Counter[str]:
@@ -384,6 +385,9 @@ class Guard:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.server.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.server.secret)
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        if sock in self._secured:
+            return  # already monitored (one monitor per socket)
+        self._secured.append(sock)
         mon: zmq.Socket[bytes] = sock.get_monitor_socket(_MONITORED)
         mon.setsockopt(zmq.LINGER, 0)
         self._monitors[mon] = domain
@@ -452,6 +456,7 @@ class Guard:
         for s in self._sock_list():
             s.close(linger=0)
         self._monitors.clear()
+        self._secured.clear()
 
     def _sock_list(self) -> Iterable[zmq.Socket[Any]]:
         return [self._zap_sock, *self._monitors]

@@ -55,6 +55,10 @@ class BrokerConfig:
     faults: FrameFaults | None = None  # chaos runs only (``--faults``)
     # CURVE + ZAP on the tcp:// endpoints (ipc:// stays plain); see broker/security.py.
     curve: CurveServer | None = None
+    # Extra tcp:// endpoints bound with CURVE on the same sockets, besides plain ipc://
+    # ones: libzmq takes CURVE options per bind, so earlier binds stay plain.
+    frontend_tcp: str | None = None
+    backend_tcp: str | None = None
 
 
 # Request traffic the fault injector may touch, per side of the broker it arrives on.
@@ -103,6 +107,7 @@ class Broker:
             collections.deque())
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
+        self.tcp_endpoints: dict[str, str] = {}
 
     def _router(self) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
@@ -128,7 +133,22 @@ class Broker:
         self._back.bind(self.config.backend)
         self.frontend_endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.tcp_endpoints = self._bind_extra_tcp()
         return self.frontend_endpoint, self.backend_endpoint
+
+    def _bind_extra_tcp(self) -> dict[str, str]:
+        """Bind ``frontend_tcp``/``backend_tcp`` with CURVE; return side → real endpoint."""
+        bound: dict[str, str] = {}
+        for sock, ep, domain in ((self._front, self.config.frontend_tcp, "frontend"),
+                                 (self._back, self.config.backend_tcp, "backend")):
+            if ep is None:
+                continue
+            if self.guard is None or not ep.startswith("tcp://"):
+                raise ValueError(f"{domain}_tcp needs a tcp:// endpoint and CURVE keys")
+            self.guard.secure(sock, domain)
+            sock.bind(ep)
+            bound[domain] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return bound
 
     def request_stop(self) -> None:
         """Ask the loop to stop at its next wake-up (safe from a signal handler)."""

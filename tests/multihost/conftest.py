@@ -72,12 +72,12 @@ class BrokerProc:
 
 def start_curve_broker(procs: Procs, keys: FarmKeys, *, frontend: str = "tcp://127.0.0.1:0",
                        backend: str = "tcp://127.0.0.1:0", prefix: list[str] | None = None,
-                       log_level: str = "INFO") -> BrokerProc:
+                       log_level: str = "INFO", extra: list[str] | None = None) -> BrokerProc:
     proc = procs.spawn(
         [*(prefix or []), *procs_python(), "-m", "broker", "--frontend", frontend,
          "--backend", backend, "--heartbeat-interval-s", str(HB_S), "--liveness",
          str(LIVENESS), "--curve-secret", str(keys.secret("broker")),
-         "--allow-dir", str(keys.allow_dir), "--log-level", log_level],
+         "--allow-dir", str(keys.allow_dir), "--log-level", log_level, *(extra or [])],
         name="broker", stdout=subprocess.PIPE)
     ready = json.loads(read_line_with_deadline(proc, 20.0))
     if ready.get("event") != "ready":

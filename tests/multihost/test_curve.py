@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -71,7 +74,8 @@ async def test_allowed_keys_serve_and_strangers_are_refused(procs: Procs,
             await eventually(all_rejected, timeout_s=10, what="three rejections logged")
             assert await _worker_count(client) == 1
             for w in (w_unknown, w_plain, w_wrong):
-                assert w.phase == "registering", w.phase
+                assert w.phase in ("registering", "backoff"), w.phase  # never "ready"
+                assert w.broker_id is None
         log = procs.log(broker.proc)
         stranger_pub = read_key_file(keys.pub("stranger")).public.decode()
         assert stranger_pub in log  # the unknown key is named in the log
@@ -93,7 +97,7 @@ async def test_a_worker_key_cannot_be_a_broker_client(procs: Procs, keys: FarmKe
     async with _running(_worker(broker.backend, keys.client("supervisor"))) as w:
         await eventually(lambda: _logged(procs, broker, "key supervisor has role supervisor"),
                          timeout_s=10, what="role refusal logged")
-        assert w.phase == "registering"
+        assert w.phase in ("registering", "backoff")  # never "ready"
 
 
 async def _logged(procs: Procs, broker: object, text: str) -> bool:
@@ -111,7 +115,7 @@ async def test_allow_list_reloads_without_restart(procs: Procs, keys: FarmKeys) 
                 _running(_worker(broker.backend, keys.client("newcomer"))) as w):
         await eventually(lambda: _logged(procs, broker, UNKNOWN), timeout_s=10,
                          what="newcomer refused first")
-        assert w.phase == "registering"
+        assert w.phase in ("registering", "backoff")  # never "ready"
         keys.allow("newcomer", "worker")  # no restart, no signal: the directory changed
         await eventually(lambda: _ready(w), timeout_s=10, what="newcomer admitted after allow")
         assert await client.request(SERVICE, b"x", timeout_s=5) == b"x"
@@ -161,3 +165,30 @@ def test_key_files_have_safe_modes(keys: FarmKeys) -> None:
     assert public == read_key_file(keys.pub("worker1")).public
 
 
+
+
+async def test_ipc_stays_plain_beside_a_curve_tcp_endpoint(procs: Procs,
+                                                            keys: FarmKeys) -> None:
+    """One socket, two binds: ipc:// plain for local workers, tcp:// CURVE for remote."""
+    run = Path(tempfile.mkdtemp(prefix="cmh-", dir="/tmp"))
+    try:
+        broker = start_curve_broker(procs, keys, frontend=f"ipc://{run}/f",
+                                    backend=f"ipc://{run}/b",
+                                    extra=["--backend-tcp", "tcp://127.0.0.1:0"])
+        tcp_backend = broker.ready["tcp"]["backend"]
+        assert tcp_backend.startswith("tcp://127.0.0.1:")
+        async with (BrokerClient(broker.frontend, heartbeat_interval_s=HB_S,
+                                 liveness=LIVENESS) as client,
+                    _running(_worker(broker.backend, None)) as local,
+                    _running(_worker(tcp_backend, keys.client("worker1"))) as remote,
+                    _running(_worker(tcp_backend, None)) as plain_tcp):
+            await eventually(lambda: _ready(local), timeout_s=10, what="plain ipc worker")
+            await eventually(lambda: _ready(remote), timeout_s=10, what="CURVE tcp worker")
+            await eventually(lambda: _logged(procs, broker, PLAIN), timeout_s=10,
+                             what="plain tcp worker refused")
+            assert plain_tcp.phase in ("registering", "backoff")  # never "ready"
+            assert await _worker_count(client) == 2
+            for _ in range(4):
+                assert await client.request(SERVICE, b"x", timeout_s=5) == b"x"
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
