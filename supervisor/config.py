@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,9 @@ DEFAULT_CONFIG = """\
 # workers = 2
 heartbeat_interval_s = 0.25
 liveness = 4                 # missed heartbeats before a peer counts as dead
+# Remote workers: the broker also binds this HOST:PORT, with CURVE + ZAP
+# (keys in HOME/keys, made at start; allow workers with corral keys allow).
+# backend_tcp = "0.0.0.0:5556"
 
 [sandbox]
 tier_min = "T2"              # refuse to run tools below this tier (T0 < T1 < T2- < T2)
@@ -93,6 +97,7 @@ class FarmConfig:
     workers: int | None = None
     heartbeat_interval_s: float = 0.25
     liveness: int = 4
+    backend_tcp: str | None = None  # HOST:PORT for remote workers (docs/multihost.md)
     tier_min: str = "T2"
     allow_unsandboxed: bool = False
     network: bool = False
@@ -167,7 +172,11 @@ def load(home: Path) -> FarmConfig:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     _check_keys(path, "top level", raw, _SECTIONS)
     farm = raw.get("farm", {})
-    _check_keys(path, "farm", farm, {"workers", "heartbeat_interval_s", "liveness"})
+    _check_keys(path, "farm", farm, {"workers", "heartbeat_interval_s", "liveness",
+                                     "backend_tcp"})
+    backend_tcp = _typed(path, "farm", farm, "backend_tcp", str, None)
+    if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
+        raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
     sandbox = raw.get("sandbox", {})
     _check_keys(path, "sandbox", sandbox, {"tier_min", "allow_unsandboxed", "network", "limits"})
     limits = sandbox.get("limits", {})
@@ -201,6 +210,7 @@ def load(home: Path) -> FarmConfig:
         heartbeat_interval_s=float(_typed(path, "farm", farm, "heartbeat_interval_s",
                                           (int, float), 0.25)),
         liveness=_typed(path, "farm", farm, "liveness", int, 4),
+        backend_tcp=backend_tcp,
         tier_min=tier_min,
         allow_unsandboxed=_typed(path, "sandbox", sandbox, "allow_unsandboxed", bool, False),
         network=_typed(path, "sandbox", sandbox, "network", bool, False),

@@ -120,7 +120,12 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
                    "--backend", paths.broker_backend, *hb, "--log-level", log_level]
     if broker_faults:
         broker_argv += ["--faults", broker_faults, "--faults-seed", str(broker_faults_seed)]
-    specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0))
+    broker_dynamic = None
+    if cfg.backend_tcp:
+        broker_argv += _curve_backend_args(paths.home, cfg.backend_tcp)
+        broker_dynamic = _pin_backend_tcp(broker_argv)
+    specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0,
+                           dynamic_argv=broker_dynamic))
     n = workers or cfg.workers or default_workers()
     for i in range(1, n + 1):
         argv = [py, "-m", "sandbox_worker", "--broker", paths.broker_backend, *hb,
@@ -143,6 +148,32 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
     specs.append(ChildSpec("supervisor", sup_argv, shutdown_timeout_s=10.0,
                            env=supervisor_env, dynamic_argv=supervisor_argv))
     return specs
+
+
+def _curve_backend_args(home: Path, host_port: str) -> list[str]:
+    """``[farm] backend_tcp``: the broker also binds a CURVE tcp:// backend for remote
+    workers (docs/multihost.md); the farm's keys are made on first use."""
+    from supervisor.keys import ensure_farm_keys
+
+    keys = ensure_farm_keys(home)
+    return ["--backend-tcp", f"tcp://{host_port}",
+            "--curve-secret", str(keys.secret("broker")), "--allow-dir", str(keys.allow_dir)]
+
+
+def _pin_backend_tcp(argv: list[str]) -> Callable[[dict[str, dict[str, Any]]], list[str]]:
+    """Restart the broker on the tcp port it got at its first start (remote workers
+    reconnect to the same address)."""
+
+    def argv_fn(ready: dict[str, dict[str, Any]]) -> list[str]:
+        bound = ready.get("broker", {}).get("tcp", {})
+        endpoint = bound.get("backend") if isinstance(bound, dict) else None
+        if not isinstance(endpoint, str):
+            return argv
+        out = list(argv)
+        out[out.index("--backend-tcp") + 1] = endpoint
+        return out
+
+    return argv_fn
 
 
 def _pin_port(name: str, argv: list[str]) -> Callable[[dict[str, dict[str, Any]]], list[str]]:
