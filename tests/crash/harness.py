@@ -153,6 +153,26 @@ async def check_invariants(watch: Watch, ws: Path, db: Path) -> list[dict[str, A
     return replay
 
 
+def unclosed(replay: list[dict[str, Any]]) -> list[str]:
+    """Things a client was shown as started that never got their end: a model
+    step without ``model_step_completed``, a notice block never ``complete``,
+    a tool call without ``tool_call_end``."""
+    out: list[str] = []
+    steps = {(e["payload"]["turn_id"], e["payload"]["step"]) for e in replay
+             if e["type"] == "model_step_started"}
+    steps -= {(e["payload"]["turn_id"], e["payload"]["step"]) for e in replay
+              if e["type"] == "model_step_completed"}
+    out += [f"model step {step} of {turn} never completed" for turn, step in sorted(steps)]
+    blocks = [e["payload"]["block"] for e in replay if e["type"] == "frontend_render"]
+    done = {b["id"] for b in blocks if b["state"] == "complete"}
+    out += [f"notice {b['id']} ({b['title']}) never completed" for b in blocks
+            if b["id"] not in done and b["state"] == "pending"]
+    calls = {e["payload"]["call_id"] for e in replay if e["type"] == "tool_call_begin"}
+    calls -= {e["payload"]["call_id"] for e in replay if e["type"] == "tool_call_end"}
+    out += [f"tool call {c} never ended" for c in sorted(calls)]
+    return out
+
+
 def _marker(begin: dict[str, Any] | None) -> str | None:
     if begin is None:
         return None

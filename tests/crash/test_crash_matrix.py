@@ -20,7 +20,14 @@ from typing import Any
 import pytest
 
 from supervisor.client import SupervisorClient
-from tests.crash.harness import Watch, call_retrying, check_invariants, effects, shell_call
+from tests.crash.harness import (
+    Watch,
+    call_retrying,
+    check_invariants,
+    effects,
+    shell_call,
+    unclosed,
+)
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,40 +125,54 @@ async def test_supervisor_sigkilled_at_a_crash_point(
         assert len(compacted) == 1, "one committed compaction, one marker"
         renders = [e["payload"]["block"] for e in replay if e["type"] == "frontend_render"]
         assert renders[-1]["state"] == "complete"
+        assert [r["state"] for r in renders].count("complete") == 1
     print(f"\ncrash-recovery point={case.point} restart_s={restarted_at - killed_at:.2f} "
           f"turn_end_s={ended_at - killed_at:.2f}")
+    left_open = unclosed(replay)
+    assert not [u for u in left_open if u.startswith("tool call")]
+    if left_open:
+        # Everything above held. This is a known engine defect (reported): the
+        # resumed turn re-issues the step or compaction under a new step number /
+        # notice id, and what the client was shown before the crash never ends.
+        pytest.xfail("shown as started, never ended after the restart: "
+                     + "; ".join(left_open))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 async def test_supervisor_sigkilled_at_random_instants(
         seed: int, start_farm: Callable[..., Any], workspace_root: Path) -> None:
     rng = random.Random(seed)
-    script = {"responses": [{"tool_calls": [shell_call(1, "sleep 0.3; echo one")]},
+    script = {"responses": [{"tool_calls": [shell_call(1, "sleep 1; echo one")]},
                             {"tool_calls": [shell_call(2)]},
                             {"text": "streamed " * 10, "chunk_delay_s": 0.01,
                              "usage": {"input": 10, "output": 10}}]}
     farm = await start_farm(script)
     ws = workspace_root / "ws"
     ws.mkdir()
-    kills = rng.randint(1, 2)
+    kills = 1 + seed % 2  # seeds 1 and 3 kill twice if the turn is still running
     async with SupervisorClient(farm.endpoint) as sv:
         sid = await sv.create_session(workspace=str(ws))
         watch = Watch(sv, sid)
         watch.start()
         try:
             sub = await sv.submit(sid, {"type": "user_input", "text": "go"})
+            killed = 0
             for _ in range(kills):
-                await asyncio.sleep(rng.uniform(0.0, 0.8))
+                await asyncio.sleep(rng.uniform(0.0, 0.6))
                 if _first_sync(watch, sub):
                     break
                 old = farm.pid("supervisor")
                 os.kill(old, signal.SIGKILL)
+                killed += 1
                 await _await_restart(farm, old)
             end = await watch.terminal(sub)
         finally:
             await watch.stop()
         replay = await check_invariants(watch, ws, farm.home / "corral.db")
     assert end["type"] in ("turn_complete", "turn_aborted")
+    assert killed >= 1, "the turn (at least 1 s of tool time) ended before any kill"
+    assert farm.farm.tree.children["supervisor"].restarts == killed
+    print(f"\nrandom-kill seed={seed} kills={killed} end={end['type']}")
     counts = effects(ws)
     assert set(counts) <= {"m-1", "m-2"}
     for e in replay:
