@@ -142,10 +142,11 @@ def test_uid_is_never_reused_while_a_process_of_it_lives(
 
 
 @pytest.mark.timeout(110)
+@pytest.mark.parametrize("tier", ["T2", "T1"])
 async def test_fork_bomb_does_not_starve_other_calls_or_workers(
-        stacks: Callable[..., Stack], workspace: Path) -> None:
-    a = stacks()
-    b = stacks()
+        stacks: Callable[..., Stack], workspace: Path, tier: str) -> None:
+    a = stacks(tier=tier)
+    b = stacks(tier=tier)
     bomb_id = f"bomb-{uuid.uuid4().hex[:8]}"
     async with BrokerClient(a.frontend, heartbeat_interval_s=HB_S) as ca, \
             BrokerClient(b.frontend, heartbeat_interval_s=HB_S) as cb:
