@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import time
 from collections import Counter
@@ -151,6 +152,18 @@ async def check_invariants(watch: Watch, ws: Path, db: Path) -> list[dict[str, A
         assert got == want or (isinstance(want, tuple) and got in want), \
             f"turn {turn_id}: execution record {got!r}, terminal {finals[0]['type']}"
     return replay
+
+
+def exported_checkpoints(home: Path, sid: str) -> int:
+    """Every checkpoint file the farm exported verifies; returns how many."""
+    from supervisor.export import verify
+
+    files = sorted((home / "exports").glob("*.json"))
+    for f in files:
+        doc = json.loads(f.read_text())
+        assert verify(doc) == [], f"{f.name} does not verify: {verify(doc)}"
+        assert doc["descriptor"]["session_id"] == sid
+    return len(files)
 
 
 def unclosed(replay: list[dict[str, Any]]) -> list[str]:

@@ -25,6 +25,7 @@ from tests.crash.harness import (
     call_retrying,
     check_invariants,
     effects,
+    exported_checkpoints,
     shell_call,
     unclosed,
 )
@@ -115,6 +116,8 @@ async def test_supervisor_sigkilled_at_a_crash_point(
     assert end["type"] == "turn_complete", end
     assert farm.farm.tree.children["supervisor"].restarts == 1
     assert sum(effects(ws).values()) == case.effect
+    # One checkpoint per completed tool round, each verifying, across the crash.
+    assert exported_checkpoints(farm.home, sid) == (1 if case.tool_outcome else 0)
     ends = [e for e in replay if e["type"] == "tool_call_end"]
     if case.tool_outcome is None:
         assert ends == []
@@ -175,6 +178,7 @@ async def test_supervisor_sigkilled_at_random_instants(
     print(f"\nrandom-kill seed={seed} kills={killed} end={end['type']}")
     counts = effects(ws)
     assert set(counts) <= {"m-1", "m-2"}
+    assert exported_checkpoints(farm.home, sid) <= 2
     for e in replay:
         if e["type"] == "tool_call_end" and e["payload"]["outcome"] == "unknown":
             # never re-run: the model was told the effect is unknown
