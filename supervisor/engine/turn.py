@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from supervisor.engine.session import Session, Work
 
 log = logging.getLogger(__name__)
+_MAX_RESUME_PAGES = 100  # events read to find what a crash left open (1,000 a page)
 
 
 class TurnRejected(Exception):
@@ -202,6 +203,8 @@ class Turn:
     async def _body(self) -> None:
         from supervisor.engine.toolround import tool_round
 
+        if self.resumed:
+            await self._close_what_the_crash_left_open()
         if not self.resumed:
             if self.kind == "compact":
                 await self.session.commit(
@@ -220,6 +223,49 @@ class Turn:
         while not await self._step():
             pass
         await self._finish_completed()
+
+    async def _close_what_the_crash_left_open(self) -> None:
+        """After a supervisor restart, end what clients were shown as started and
+        the crash cut off: a model step (``interrupted``; the resumed turn re-issues
+        it as a new step) and a compaction notice (``Context compaction
+        cancelled``; a retried compaction gets a notice of its own). Tool calls are
+        resolved by the tool round from their durable state."""
+        s = self.session
+        started: dict[int, int] = {}
+        blocks: dict[str, str] = {}
+        after = self.first_sequence - 1
+        for _ in range(_MAX_RESUME_PAGES):
+            page = await s.manager.store.events_page(s.sid, after_sequence=after, limit=1000)
+            for e in page.items:
+                p = e.payload
+                if p.get("turn_id") not in (None, self.turn_id):
+                    continue
+                if e.type == ev.MODEL_STEP_STARTED:
+                    started[int(p.get("step", 0))] = e.sequence
+                elif e.type == ev.MODEL_STEP_COMPLETED and p.get("outcome") != ev.STEP_RETRYING:
+                    started.pop(int(p.get("step", 0)), None)
+                elif e.type == ev.FRONTEND_RENDER:
+                    block = p.get("block") or {}
+                    if block.get("state") == "pending":
+                        blocks[str(block.get("id"))] = str(block.get("title"))
+                    else:
+                        blocks.pop(str(block.get("id")), None)
+            if not page.items or page.next_cursor is None:
+                break
+            after = page.items[-1].sequence
+        closing: list[tuple[str, dict[str, Any], SubmissionId | None]] = [
+            (ev.MODEL_STEP_COMPLETED, {
+                "turn_id": self.turn_id, "step": step, "outcome": ev.STEP_INTERRUPTED,
+                "diagnostics": {"reason": "supervisor_restarted",
+                                "message": "the supervisor restarted during this step; "
+                                           "the turn re-issues it"}}, self.submission_id)
+            for step in sorted(started)]
+        closing += [(ev.FRONTEND_RENDER, ev.render_block(
+            block, ev.COMPACTION_CANCELLED_TITLE, complete=True,
+            text="the supervisor restarted; compaction is tried again"), self.submission_id)
+            for block in blocks]
+        if closing:
+            await s.commit(closing)
 
     def _force_phase(self, phase: TurnPhase) -> Any:
         def mutate(st: Any) -> None:
