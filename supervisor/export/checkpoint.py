@@ -233,6 +233,12 @@ def _turn_problems(logical: dict[str, Any], events: list[Any]) -> list[str]:
              and isinstance(e.get("payload"), dict)}
     outputs = {m.get("call_id") for m in messages
                if isinstance(m, dict) and m.get("type") == "function_call_output"}
+    # A compaction inside the turn folds its earlier rounds into the compaction
+    # item: a call gone from the context entirely is compacted, not missing
+    # (a call still in the context must still have its output).
+    compacted = any(isinstance(m, dict) and m.get("type") == "compaction" for m in messages)
+    calls = {m.get("call_id") for m in messages
+             if isinstance(m, dict) and m.get("type") == "function_call"}
     problems = []
     for i, r in enumerate(rounds):
         if not isinstance(r, dict) or r.get("round") != i + 1 or not isinstance(
@@ -242,6 +248,6 @@ def _turn_problems(logical: dict[str, Any], events: list[Any]) -> list[str]:
         for call_id in r["call_ids"]:
             if call_id not in ended:
                 problems.append(f"round {i + 1}: call {call_id!r} has no {TOOL_END_EVENT} event")
-            if call_id not in outputs:
+            if call_id not in outputs and not (compacted and call_id not in calls):
                 problems.append(f"round {i + 1}: call {call_id!r} has no function_call_output")
     return problems
