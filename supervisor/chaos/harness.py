@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.client import BrokerClient
+from broker.errors import BrokerError
 from supervisor.chaos import invariants as inv
 from supervisor.chaos import recovery
 from supervisor.chaos.schedule import FRAME_FAULTS, Fault, make_schedule, parse_faults
@@ -357,7 +358,7 @@ async def _frame_counts(broker: BrokerClient) -> dict[str, Any]:
     """The broker's frame-fault counters (since its last start: a broker kill resets them)."""
     try:
         status = await broker.status(timeout_s=2.0)
-    except Exception as exc:  # a report field, not a failure of the run
+    except (BrokerError, TimeoutError) as exc:  # a report field, not a failure of the run
         return {"error": str(exc)}
     counters = status.get("counters") or {}
     return {"since_last_broker_start": counters.get("faults", {}), "rate": 0.02}
