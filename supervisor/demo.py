@@ -102,7 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="run against this route instead of the scripted provider, e.g. "
                    "openai-chat:qwen2.5 (with --base-url)")
-    p.add_argument("--base-url", default=None)
+    p.add_argument("--base-url", default=None,
+                   help="the provider's base URL for --model (API key from CORRAL_API_KEY, "
+                   "OPENAI_API_KEY or ANTHROPIC_API_KEY)")
     p.add_argument("--home", type=Path, default=None,
                    help="keep the farm's files here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     home = ns.home or Path(tempfile.mkdtemp(prefix="corral-demo-"))
     schedule = [] if ns.no_chaos else [
-        Fault(6.0 + FAULT_GAP_S * i, kind, 0) for i, kind in enumerate(kinds)]
+        Fault(6.0 + FAULT_GAP_S * i, kind, 0, 2.0 if kind == "worker_hang" else 0.0)
+        for i, kind in enumerate(kinds)]
     # Enough scripted turns that every session keeps working through the faults.
     turns = 40
     duration_s = (schedule[-1].at_s + 6.0) if schedule else 4.0
