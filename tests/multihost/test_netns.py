@@ -127,6 +127,8 @@ def test_farm_across_four_hosts(procs: Procs, hosts: Hosts, tmp_path: Path,
     wait_until(lambda: client.run("alice", "status")["hosts"] == ["w2"], timeout_s=30,
                interval_s=0.05, what="w1's worker expired")
     expired_after_s = time.monotonic() - cut_at
+    print(f"w1's worker gone from STATUS {expired_after_s:.2f}s after the cut (upper bound: "
+          "includes starting a status client process per probe)")
     result = json.loads(read_line_with_deadline(turns, 120))
     turns.wait(timeout=30)
     ends = [r["end"] for r in result["results"]]
