@@ -216,6 +216,9 @@ class ClientServer:
                         "dropping the old client's state", identity.hex()[:16], tenant,
                         client.tenant)
             self._drop_client(client, "taken over by another key")
+            # Calls of the old client still running answer to no one (an empty
+            # routing id is unroutable), never to the new principal.
+            client.identity = b""
             client = None
         if client is None:
             if len(self._clients) >= MAX_CLIENTS:

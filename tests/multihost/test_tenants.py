@@ -5,11 +5,15 @@ cannot reach the supervisor at all. One host, every endpoint tcp:// + CURVE."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
+from broker.security import CurveClient
+from supervisor import wire
 from supervisor.client import SupervisorClient, SupervisorError, SupervisorUnavailable
 from tests.helpers import Procs
 from tests.multihost.farm import Farm, make_home
@@ -26,6 +30,26 @@ async def run_turn(sv: SupervisorClient, sid: str, text: str) -> list[dict[str, 
             if e.get("submission_id") == sub and e["type"] in ("turn_complete", "turn_aborted"):
                 return seen
     raise AssertionError("event stream ended")
+
+
+async def _raw_hello(endpoint: str, curve: CurveClient, identity: bytes) -> str:
+    """One ``hello`` from a DEALER with a chosen routing identity; the answer's tenant."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        curve.apply(sock)
+        sock.connect(endpoint)
+        sock.send_multipart(wire.encode({"id": 1, "call": "hello", "args": {}}))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(sock.poll, 200):
+                msg = wire.decode(sock.recv_multipart())
+                if msg.get("id") == 1:
+                    return str(msg["result"]["tenant"])
+        raise AssertionError("no answer to hello")
+    finally:
+        sock.close()
 
 
 async def drain(sv: SupervisorClient, sid: str) -> None:
@@ -77,8 +101,14 @@ async def test_tenant_isolation_over_curve(procs: Procs, tmp_path: Path,
     async with SupervisorClient(listen, curve=farm.client_keys("admin")) as admin:
         assert sid not in [x["session_id"] for x in (await admin.call("list_sessions"))[
             "sessions"]]
+    # The tenant belongs to the connection's key, not to the routing identity: a
+    # connection of tenant b that takes over tenant a's identity is tenant b.
+    assert [await _raw_hello(listen, farm.client_keys(k), b"same-id!") for k in
+            ("alice", "bob")] == ["a", "b"]
+    assert "reused by tenant 'b' (was 'a')" in procs.log(farm.proc["supervisor"])
+
     # A key that is not on the allow-list never gets an answer.
-    from broker.security import CurveClient, write_key_pair
+    from broker.security import write_key_pair
 
     write_key_pair(tmp_path, "mallory")
     mallory = CurveClient.from_files(farm.keys_dir / "supervisor.key",
