@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import AsyncIterator
@@ -192,3 +194,20 @@ async def test_ipc_stays_plain_beside_a_curve_tcp_endpoint(procs: Procs,
                 assert await client.request(SERVICE, b"x", timeout_s=5) == b"x"
     finally:
         shutil.rmtree(run, ignore_errors=True)
+
+
+async def test_sighup_rereads_the_allow_list(procs: Procs, keys: FarmKeys) -> None:
+    """An in-place edit does not change the directory's mtime; SIGHUP makes it count."""
+    broker = start_curve_broker(procs, keys)
+    entry = keys.allow_dir / "worker2.key"
+    text = entry.read_text()
+    entry.write_text(text.replace('role = "worker"', 'role = "client"'))  # in place
+    keys.allow_dir.touch()  # the broker reloads once: worker2 is now a client key
+    async with _running(_worker(broker.backend, keys.client("worker2"))) as w:
+        await eventually(lambda: _logged(procs, broker, "key worker2 has role client"),
+                         timeout_s=10, what="worker2 refused as a client key")
+        stamp = keys.allow_dir.stat().st_mtime_ns
+        entry.write_text(text)  # back to role worker, in place: the mtime stays
+        os.utime(keys.allow_dir, ns=(stamp, stamp))
+        broker.proc.send_signal(signal.SIGHUP)
+        await eventually(lambda: _ready(w), timeout_s=10, what="worker2 admitted after SIGHUP")
