@@ -65,10 +65,10 @@ from sandbox_worker.api import ModelRoute, ToolLimits, ToolPolicy
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.manager import SessionManager
 from supervisor.store import Store
-from supervisor.store.records import EventRecord, SessionId
+from supervisor.store.records import EventRecord, SessionId, StepWrite
 
 READY_TIMEOUT_S = 60.0
-TURN_TIMEOUT_S = 300.0
+TURN_TIMEOUT_S = 120.0
 MINIMAL_TIMEOUT_S = 1800.0
 # RLIMIT_NPROC counts every process of the sandbox uid on the host, not one
 # call's: the default (256) fails forks with ~60 calls in flight. Both paths
@@ -193,27 +193,50 @@ async def _drive(manager: SessionManager, sid: SessionId, turns: int) -> None:
         for t in range(turns):
             sub = await manager.submit(sid, {"type": "user_input", "text": f"turn {t}"})
             ok_calls = 0
-            async with asyncio.timeout(TURN_TIMEOUT_S):
-                while True:
-                    e: EventRecord = await anext(it)
-                    if e.submission_id != sub:
-                        continue
-                    if e.type == "tool_call_end" and e.payload.get("outcome") == "ok":
-                        ok_calls += 1
-                    if e.type == "turn_aborted":
-                        raise BenchFailed(f"session {sid} turn {t} aborted: {e.payload}")
-                    if e.type == "turn_complete":
-                        break
+            seen: list[str] = []
+            try:
+                async with asyncio.timeout(TURN_TIMEOUT_S):
+                    while True:
+                        e: EventRecord = await anext(it)
+                        if e.submission_id != sub:
+                            continue
+                        seen.append(e.type)
+                        if e.type == "tool_call_end" and e.payload.get("outcome") == "ok":
+                            ok_calls += 1
+                        if e.type == "turn_aborted":
+                            raise BenchFailed(f"session {sid} turn {t} aborted: {e.payload}")
+                        if e.type == "turn_complete":
+                            break
+            except TimeoutError:
+                st = manager.sessions[sid].state
+                raise BenchFailed(
+                    f"session {sid} turn {t} did not end within {TURN_TIMEOUT_S:g} s; "
+                    f"events {seen[-6:]}, turn {st.active_turn}, "
+                    f"tool calls {st.pending_tool_calls}") from None
             if ok_calls != 1:
                 raise BenchFailed(f"session {sid} turn {t}: {ok_calls} ok tool calls, not 1")
     finally:
         await it.aclose()  # type: ignore[attr-defined]
 
 
-async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter, n: int,
-                            m: int) -> dict[str, Any]:
-    sids = [await manager.create_session(_spec(ws))
-            for _ in range(n)]
+class StepCounter:
+    """Counts the steps the engine commits (each a ``StepWrite`` with its events)."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.steps = self.events = 0
+        inner = manager.store_commit
+
+        async def counted(step: StepWrite) -> None:
+            self.steps += 1
+            self.events += len(step.events)
+            await inner(step)
+        manager.store_commit = counted  # type: ignore[method-assign]
+
+
+async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter,
+                            counter: StepCounter, n: int, m: int) -> dict[str, Any]:
+    sids = [await manager.create_session(_spec(ws)) for _ in range(n)]
+    steps0, events0 = counter.steps, counter.events
     before = meter.sample()
     started = time.monotonic()
     async with asyncio.TaskGroup() as tg:
@@ -223,7 +246,9 @@ async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter, n
     after = meter.sample()
     turns = n * m
     return {"sessions": n, "turns_each": m, "turns": turns, "wall_s": round(wall, 3),
-            "turns_per_s": round(turns / wall, 2), **CpuMeter.per_turn_ms(before, after, turns)}
+            "turns_per_s": round(turns / wall, 2), **CpuMeter.per_turn_ms(before, after, turns),
+            "commits_per_turn": round((counter.steps - steps0) / turns, 2),
+            "durable_events_per_turn": round((counter.events - events0) / turns, 2)}
 
 
 async def _settle(manager: SessionManager) -> None:
@@ -309,10 +334,12 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                         async with asyncio.timeout(READY_TIMEOUT_S):
                             await manager.started()
                         results["idle"] = await _idle_memory(manager, str(ws), idle)
-                        await _supervisor_level(manager, str(ws), meter, 1, 1)  # warm-up
+                        counter = StepCounter(manager)
+                        await _supervisor_level(manager, str(ws), meter, counter, 1, 1)  # warm
                         sup: dict[str, Any] = {}
                         for n, m in levels:
-                            sup[str(n)] = await _supervisor_level(manager, str(ws), meter, n, m)
+                            sup[str(n)] = await _supervisor_level(manager, str(ws), meter,
+                                                                  counter, n, m)
                         results["supervisor"] = sup
                     finally:
                         task.cancel()
