@@ -4,6 +4,8 @@ engine (``SessionManager``), the store and the broker, and enforces tenants.
 Invariants:
 - A client sees only sessions of its own tenant (a client without a tenant
   sees only sessions without one); every refusal is logged.
+- Tenants never share a workspace: a new session's workspace may not be,
+  contain or lie inside a workspace of another tenant's session.
 - Inline routes (``route_spec`` from ``corral run --model PROVIDER:MODEL``)
   are validated with ``sandbox_worker.api.parse_route`` rules, registered
   under their spec string and persisted in ``HOME/routes.json`` so sessions
@@ -108,6 +110,16 @@ def _engine_errors(session_id: str) -> Iterator[None]:
                         "try again in a moment") from None
 
 
+def _overlap(workspace: str, others: list[str]) -> str | None:
+    """The first of ``others`` that is, contains or lies inside ``workspace``."""
+    wanted = os.path.realpath(workspace).rstrip(os.sep) + os.sep
+    for other in others:
+        theirs = os.path.realpath(other).rstrip(os.sep) + os.sep
+        if wanted.startswith(theirs) or theirs.startswith(wanted):
+            return other
+    return None
+
+
 def event_to_wire(e: EventRecord) -> dict[str, Any]:
     out = {"session_id": e.session_id, "sequence": e.sequence, "type": e.type,
            "payload": e.payload, "created_at": e.created_at}
@@ -174,6 +186,30 @@ class Facade:
             raise CallError(ErrorKind.UNKNOWN_SESSION,
                             f"no session {session_id!r}; list them with: corral sessions")
 
+    async def _check_workspace(self, workspace: str, tenant: str | None) -> None:
+        """Tenants never share a workspace: refuse a path that is, contains or lies in
+        a workspace of another tenant's session (symlinks resolved, on the
+        supervisor's view of the shared storage)."""
+        others: dict[str, tuple[str, Any]] = {}
+        after: str | None = None
+        while True:
+            page = await self.store.list_sessions(after=after, limit=1000)
+            for r in page.items:
+                other = r.config.get("workspace")
+                if r.config.get("tenant") != tenant and isinstance(other, str):
+                    others[other] = (r.session_id, r.config.get("tenant"))
+            if not isinstance(page.next_cursor, str):
+                break
+            after = page.next_cursor
+        clash = await asyncio.to_thread(_overlap, workspace, list(others))
+        if clash is not None:
+            sid, owner = others[clash]
+            log.warning("refused: tenant %r asked for workspace %s, which overlaps session "
+                        "%s of tenant %r", tenant, workspace, sid, owner)
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"workspace {workspace} is not available to this client "
+                            "(another tenant works there); choose another directory")
+
     # -- calls --------------------------------------------------------------
 
     async def create_session(self, spec: dict[str, Any], tenant: str | None) -> str:
@@ -193,6 +229,7 @@ class Facade:
         workspace = spec.get("workspace")
         if not isinstance(workspace, str) or not os.path.isabs(workspace):
             raise CallError(ErrorKind.BAD_REQUEST, "workspace must be an absolute path")
+        await self._check_workspace(workspace, tenant)
         fields = {f.name for f in dataclasses.fields(SessionSpec)}
         session_spec = SessionSpec(**{k: v for k, v in spec.items() if k in fields})
         session_spec.tenant = tenant

@@ -92,6 +92,14 @@ async def test_tenant_isolation_over_curve(procs: Procs, tmp_path: Path,
             assert info.value.kind == "unknown_session", (call, info.value)
         with pytest.raises(SupervisorError):
             await drain(bob, sid)
+        # Tenants never share a workspace, not even through a symlink.
+        (workspace_root / "link").symlink_to(ws)
+        for taken in (ws, ws / "sub", workspace_root / "link"):
+            with pytest.raises(SupervisorError) as refused:
+                await bob.create_session(workspace=str(taken))
+            assert refused.value.kind == "bad_request", refused.value
+        (workspace_root / "ws-b").mkdir()
+        assert await bob.create_session(workspace=str(workspace_root / "ws-b"))
         history = await alice.history(sid)
         assert not any("steal" in str(e.get("payload")) for e in history["events"])
     log = procs.log(farm.proc["supervisor"])
