@@ -93,6 +93,7 @@ class Report:
     unrecovered: dict[str, int] = field(default_factory=dict)
     continuous: dict[str, Any] = field(default_factory=dict)
     checks: list[str] = field(default_factory=list)
+    repeated_requests: int = 0  # markers the model asked for twice (not a violation)
     elapsed_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,6 +116,7 @@ class Report:
                 "faults_skipped": sum(1 for f in self.injected if "skipped" in f),
                 "exports_verified": self.exports,
                 "sessions_final_turn_ok": sum(s.final_ok for s in self.sessions),
+                "repeated_requests": self.repeated_requests,
             },
             "faults": self.injected,
             "continuous_faults": self.continuous,
@@ -341,6 +343,7 @@ class Harness:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
                 if self.marker_checks:
                     v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace)))
+                    self.report.repeated_requests += inv.repeated_requests(replay)
                 v.extend(inv.replay_equals_live(r.session_id, live, replay))
         finally:
             await store.close()

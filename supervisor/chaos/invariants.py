@@ -13,8 +13,9 @@ The invariants (issue 7):
    faults stopped.
 3. ``one_output_per_call``: every function call in every context has exactly
    one output, and no output lacks its call.
-4. ``effect_at_most_once``: no non-idempotent tool effect happened twice
-   (markers counted on disk); an ``ok`` call's effect happened exactly once.
+4. ``effect_at_most_once``: no non-idempotent tool effect happened more
+   often than the model requested it (markers counted on disk, requests are
+   ``tool_call_begin`` events); every ``ok`` call's effect is on disk.
 5. ``unknown_reported``: an effect on disk whose call did not end ``ok`` was
    reported as ``unknown`` (or as a failure that may have run), never as
    "not run"; an effect with no ``tool_call_end`` at all is a violation.
@@ -87,10 +88,18 @@ def one_output_per_call(sid: str, items: list[dict[str, Any]]) -> list[Violation
 
 
 def effects(sid: str, replay: list[dict[str, Any]], markers: Counter[int]) -> list[Violation]:
-    """Invariants 4 and 5, from tool_call_begin/end events and the marker counts."""
+    """Invariants 4 and 5, from tool_call_begin/end events and the marker counts.
+
+    The unit is a *request*: one ``tool_call_begin`` (the engine never re-runs
+    a non-idempotent call itself, so each begin is one request from the model).
+    If the model asks for the same marker twice (a resumed turn can ask the
+    scripted model again), two effects are right, so effects are compared with
+    the requests: never more effects than requests, and every request that
+    ended ``ok`` left its effect.
+    """
     out: list[Violation] = []
+    requests: Counter[int] = Counter()
     k_of_call: dict[str, int] = {}
-    begin_seq: dict[str, int] = {}
     outcomes: dict[int, list[tuple[str, int]]] = {}
     for e in replay:
         p = e["payload"]
@@ -98,32 +107,46 @@ def effects(sid: str, replay: list[dict[str, Any]], markers: Counter[int]) -> li
             m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
             if m:
                 k_of_call[p["call_id"]] = int(m.group(1))
-                begin_seq[p["call_id"]] = e["sequence"]
+                requests[int(m.group(1))] += 1
         elif e["type"] == "tool_call_end" and p.get("call_id") in k_of_call:
             k = k_of_call[p["call_id"]]
             outcomes.setdefault(k, []).append((str(p.get("outcome")), e["sequence"]))
     for k, n in sorted(markers.items()):
-        if n > 1:
+        if n > max(requests[k], 1):
             out.append(Violation("effect_at_most_once", sid, None,
-                                 f"shell effect m-{k} happened {n} times"))
+                                 f"shell effect m-{k} happened {n} times for "
+                                 f"{requests[k]} request(s)"))
         if n >= 1 and k not in outcomes:
             out.append(Violation("unknown_reported", sid, None,
                                  f"shell effect m-{k} is on disk but no tool_call_end "
                                  "reports its call"))
     for k, ends in sorted(outcomes.items()):
+        oks = sum(1 for o, _ in ends if o == "ok")
         for outcome, seq in ends:
-            if outcome == "ok" and markers[k] != 1:
-                out.append(Violation("effect_at_most_once", sid, seq,
-                                     f"call m-{k} ended ok but its effect happened "
-                                     f"{markers[k]} times"))
-            elif outcome not in ("ok", *MAY_HAVE_RUN):
+            if outcome not in ("ok", *MAY_HAVE_RUN):
                 out.append(Violation("unknown_reported", sid, seq,
                                      f"call m-{k} ended with unexpected outcome {outcome!r}"))
-        oks = sum(1 for o, _ in ends if o == "ok")
-        if oks > 1:
+        if oks > requests[k]:
             out.append(Violation("effect_at_most_once", sid, ends[-1][1],
-                                 f"call m-{k} ended ok {oks} times"))
+                                 f"call m-{k} ended ok {oks} times for {requests[k]} "
+                                 "request(s)"))
+        if oks and markers[k] < oks:
+            out.append(Violation("effect_at_most_once", sid, ends[-1][1],
+                                 f"call m-{k} ended ok {oks} time(s) but its effect is on "
+                                 f"disk {markers[k]} time(s)"))
     return out
+
+
+def repeated_requests(replay: list[dict[str, Any]]) -> int:
+    """Markers the model asked for more than once (reported, not a violation)."""
+    seen: Counter[int] = Counter()
+    for e in replay:
+        p = e["payload"]
+        if e["type"] == "tool_call_begin" and p.get("name") == "shell":
+            m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
+            if m:
+                seen[int(m.group(1))] += 1
+    return sum(1 for n in seen.values() if n > 1)
 
 
 def replay_equals_live(sid: str, live: list[dict[str, Any]],
