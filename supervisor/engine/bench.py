@@ -54,7 +54,8 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,9 @@ TOOL_POLICY = ToolPolicy(limits=ToolLimits(processes=2048))
 REPO = Path(__file__).resolve().parents[2]
 QUICK_LEVELS = ((1, 10), (100, 3))
 FULL_LEVELS = ((1, 30), (100, 5), (1000, 2))
+
+
+STUCK_REPORTED: list[bool] = []
 
 
 class BenchFailed(RuntimeError):
@@ -186,7 +190,8 @@ def _spec(ws: str) -> SessionSpec:
     return SessionSpec(workspace=ws, approval="allow", tool_policy=TOOL_POLICY)
 
 
-async def _drive(manager: SessionManager, sid: SessionId, turns: int) -> None:
+async def _drive(manager: SessionManager, sid: SessionId, turns: int,
+                 on_stuck: Callable[[], None] = lambda: None) -> None:
     """Run ``turns`` turns of one session, one at a time, checking each."""
     it = manager.subscribe(sid, after_sequence=0).__aiter__()
     try:
@@ -208,6 +213,7 @@ async def _drive(manager: SessionManager, sid: SessionId, turns: int) -> None:
                         if e.type == "turn_complete":
                             break
             except TimeoutError:
+                on_stuck()
                 st = manager.sessions[sid].state
                 raise BenchFailed(
                     f"session {sid} turn {t} did not end within {TURN_TIMEOUT_S:g} s; "
@@ -234,14 +240,15 @@ class StepCounter:
 
 
 async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter,
-                            counter: StepCounter, n: int, m: int) -> dict[str, Any]:
+                            counter: StepCounter, n: int, m: int,
+                            on_stuck: Callable[[], None]) -> dict[str, Any]:
     sids = [await manager.create_session(_spec(ws)) for _ in range(n)]
     steps0, events0 = counter.steps, counter.events
     before = meter.sample()
     started = time.monotonic()
     async with asyncio.TaskGroup() as tg:
         for sid in sids:
-            tg.create_task(_drive(manager, sid, m))
+            tg.create_task(_drive(manager, sid, m, on_stuck))
     wall = time.monotonic() - started
     after = meter.sample()
     turns = n * m
@@ -335,17 +342,36 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                             await manager.started()
                         results["idle"] = await _idle_memory(manager, str(ws), idle)
                         counter = StepCounter(manager)
-                        await _supervisor_level(manager, str(ws), meter, counter, 1, 1)  # warm
+                        def on_stuck() -> None:
+                            _report_stuck(llm["url"], client)
+                        await _supervisor_level(manager, str(ws), meter, counter, 1, 1,
+                                                on_stuck)  # warm-up
                         sup: dict[str, Any] = {}
                         for n, m in levels:
                             sup[str(n)] = await _supervisor_level(manager, str(ws), meter,
-                                                                  counter, n, m)
+                                                                  counter, n, m, on_stuck)
                         results["supervisor"] = sup
                     finally:
                         task.cancel()
         finally:
             await store.close()
     return results
+
+
+def _report_stuck(url: str, client: BrokerClient) -> None:
+    """When a turn is stuck, say where the model calls stand (stderr, best effort,
+    once per run)."""
+    if STUCK_REPORTED:
+        return
+    STUCK_REPORTED.append(True)
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/_corral/stats", timeout=5) as resp:
+            stats = json.loads(resp.read())
+        print(f"provider: {stats.get('requests')} requests served, {stats.get('active')} "
+              f"active, by status {stats.get('by_status')}; broker client: "
+              f"{len(client._calls)} calls in flight", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"provider stats unavailable: {exc}", file=sys.stderr)
 
 
 def machine() -> dict[str, Any]:
