@@ -60,3 +60,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         terminalreporter.section("corral sandbox")
         terminalreporter.write_line(f"detected sandbox tier: {best} (working tiers: {working}; "
                                     f"landlock ABI {abi}; failures: {failures})")
+
+
+# Tests that each load the whole 2-core machine (a farm under faults, 1,000
+# sessions, fork bombs, network namespaces). Under xdist they share one group
+# (``--dist loadgroup`` in scripts/test), so they run one after another on one
+# worker instead of starving each other, while the other worker takes the rest.
+HEAVY = ("tests/chaos/", "tests/demo/", "test_scale.py::test_a_thousand",
+         "test_uid_pool.py::test_fork_bomb", "tests/multihost/test_netns.py",
+         "tests/crash/", "test_escape_resources.py::test_fork_bomb")
+
+
+def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(part in item.nodeid for part in HEAVY):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
