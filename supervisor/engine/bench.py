@@ -55,7 +55,7 @@ import tempfile
 import time
 import tracemalloc
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +191,7 @@ def _spec(ws: str) -> SessionSpec:
 
 
 async def _drive(manager: SessionManager, sid: SessionId, turns: int,
-                 on_stuck: Callable[[], None] = lambda: None) -> None:
+                 on_stuck: Callable[[], Awaitable[None]] | None = None) -> None:
     """Run ``turns`` turns of one session, one at a time, checking each."""
     it = manager.subscribe(sid, after_sequence=0).__aiter__()
     try:
@@ -213,7 +213,8 @@ async def _drive(manager: SessionManager, sid: SessionId, turns: int,
                         if e.type == "turn_complete":
                             break
             except TimeoutError:
-                on_stuck()
+                if on_stuck is not None:
+                    await on_stuck()
                 st = manager.sessions[sid].state
                 raise BenchFailed(
                     f"session {sid} turn {t} did not end within {TURN_TIMEOUT_S:g} s; "
@@ -241,7 +242,7 @@ class StepCounter:
 
 async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter,
                             counter: StepCounter, n: int, m: int,
-                            on_stuck: Callable[[], None]) -> dict[str, Any]:
+                            on_stuck: Callable[[], Awaitable[None]]) -> dict[str, Any]:
     sids = [await manager.create_session(_spec(ws)) for _ in range(n)]
     steps0, events0 = counter.steps, counter.events
     before = meter.sample()
@@ -342,8 +343,8 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                             await manager.started()
                         results["idle"] = await _idle_memory(manager, str(ws), idle)
                         counter = StepCounter(manager)
-                        def on_stuck() -> None:
-                            _report_stuck(llm["url"], client)
+                        async def on_stuck() -> None:
+                            await _report_stuck(llm["url"], client)
                         await _supervisor_level(manager, str(ws), meter, counter, 1, 1,
                                                 on_stuck)  # warm-up
                         sup: dict[str, Any] = {}
@@ -358,20 +359,29 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
     return results
 
 
-def _report_stuck(url: str, client: BrokerClient) -> None:
-    """When a turn is stuck, say where the model calls stand (stderr, best effort,
-    once per run)."""
+async def _report_stuck(url: str, client: BrokerClient) -> None:
+    """When a turn is stuck, say where the model calls stand: the provider's
+    counters, the broker's STATUS (without worker info) and the client's calls
+    in flight. On stderr, best effort, once per run."""
     if STUCK_REPORTED:
         return
     STUCK_REPORTED.append(True)
-    try:
+
+    def provider() -> Any:
         with urllib.request.urlopen(url.rstrip("/") + "/_corral/stats", timeout=5) as resp:
-            stats = json.loads(resp.read())
+            return json.loads(resp.read())
+    try:
+        stats = await asyncio.to_thread(provider)
         print(f"provider: {stats.get('requests')} requests served, {stats.get('active')} "
               f"active, by status {stats.get('by_status')}; broker client: "
               f"{len(client._calls)} calls in flight", file=sys.stderr)
-    except (OSError, ValueError) as exc:
-        print(f"provider stats unavailable: {exc}", file=sys.stderr)
+        status = await client.status(timeout_s=5)
+        for svc in status.get("services", {}).values():
+            for w in svc.get("workers", []):
+                w.pop("info", None)
+        print(f"broker status: {json.dumps(status, default=str)[:4000]}", file=sys.stderr)
+    except Exception as exc:  # diagnostics only: the stuck turn fails the run anyway
+        print(f"stuck-turn diagnostics unavailable: {exc!r}", file=sys.stderr)
 
 
 def machine() -> dict[str, Any]:
