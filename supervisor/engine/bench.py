@@ -247,9 +247,13 @@ async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter,
     steps0, events0 = counter.steps, counter.events
     before = meter.sample()
     started = time.monotonic()
-    async with asyncio.TaskGroup() as tg:
-        for sid in sids:
-            tg.create_task(_drive(manager, sid, m, on_stuck))
+    # gather, not a TaskGroup: one stuck session must not cancel the others
+    # (nor the diagnostics of the first one) before they all report
+    outcomes = await asyncio.gather(*(_drive(manager, sid, m, on_stuck) for sid in sids),
+                                    return_exceptions=True)
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    if failures:
+        raise BenchFailed(f"{len(failures)} of {n} sessions failed; the first: {failures[0]}")
     wall = time.monotonic() - started
     after = meter.sample()
     turns = n * m
