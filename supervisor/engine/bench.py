@@ -380,10 +380,12 @@ async def _report_stuck(url: str, client: BrokerClient) -> None:
               f"active, by status {stats.get('by_status')}; broker client: "
               f"{len(client._calls)} calls in flight", file=sys.stderr)
         status = await client.status(timeout_s=5)
-        for svc in status.get("services", {}).values():
-            for w in svc.get("workers", []):
-                w.pop("info", None)
-        print(f"broker status: {json.dumps(status, default=str)[:4000]}", file=sys.stderr)
+        brief = {k: status.get(k) for k in ("queues", "requests_tracked", "queued_bytes",
+                                            "counters", "clients")}
+        brief["workers"] = {svc: [(w.get("in_flight"), w.get("answered"))
+                                  for w in entry.get("workers", [])]
+                            for svc, entry in status.get("workers", {}).items()}
+        print(f"broker status: {json.dumps(brief, default=str)[:4000]}", file=sys.stderr)
     except Exception as exc:  # diagnostics only: the stuck turn fails the run anyway
         print(f"stuck-turn diagnostics unavailable: {exc!r}", file=sys.stderr)
 
