@@ -17,6 +17,7 @@ Points (each placed right AFTER the named state is committed to the store):
 | ``tool_result`` | a call's ``tool_call_end`` and output committed, the next model call not sent |
 | ``approval_wait`` | ``exec_approval_request`` committed (the turn waits for the user) |
 | ``compaction`` | the compaction call answered; the new context held provisionally, not durable |
+| ``final_answer`` | the final answer committed (phase ``stopping``), ``turn_complete`` not yet |
 
 Firing once: a restarted supervisor inherits its parent's environment, so
 with the variable alone it would crash again at the same place until the
@@ -45,7 +46,7 @@ ENV: Final = "CORRAL_CRASHPOINT"
 ONCE_ENV: Final = "CORRAL_CRASHPOINT_ONCE"
 POINTS: Final = frozenset({
     "model_call_before", "model_stream", "model_reply", "tool_running", "tool_result",
-    "approval_wait", "compaction",
+    "approval_wait", "compaction", "final_answer",
 })
 
 

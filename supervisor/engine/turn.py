@@ -217,6 +217,12 @@ class Turn:
                 await self._start_with_input()
         if self.phase in (TurnPhase.AWAITING_APPROVAL, TurnPhase.TOOLS):
             await tool_round(self)
+        elif self.phase is TurnPhase.STOPPING:
+            # The final answer is durable: finish the turn from it.
+            self.last_message = _last_assistant_text(self.session.context)
+            if await self._stopping():
+                await self._finish_completed()
+                return
         elif self.phase is not TurnPhase.PREPARING:
             # mid model call / compaction / stop hooks: re-issue the step
             await self.session.commit(mutate=self._force_phase(TurnPhase.PREPARING))
@@ -347,12 +353,20 @@ class Turn:
             crashpoints.reach("model_reply")
             await tool_round(self)
             return False
-        await self._commit_model_result(result, [])
-        await s.commit(mutate=self.moving_to(TurnPhase.STOPPING))
+        # The final answer and the move to STOPPING are one commit: a restart
+        # after it finishes the turn and never asks the model again.
+        await self._commit_model_result(result, [],
+                                        mutate_more=self.moving_to(TurnPhase.STOPPING))
+        crashpoints.reach("final_answer")
+        return await self._stopping()
+
+    async def _stopping(self) -> bool:
+        """Stop hooks after the final answer; True when the turn is done."""
+        s = self.session
         stop = await s.hooks.run(HookEvent.STOP, s.sid, self.turn_id,
                                  {"last_message": self.last_message,
                                   "continuations": self.continuations})
-        if stop.continue_with and self.continuations < cfg.stop_continuations:
+        if stop.continue_with and self.continuations < s.config.stop_continuations:
             self.continuations += 1
             await s.commit(items=[context_item("stop_hook", stop.continue_with)],
                            mutate=self.moving_to(TurnPhase.PREPARING))
@@ -613,3 +627,10 @@ async def run_session_start(session: Session, source: str) -> None:
         await session.warn(folded.stop, None, hook="session_start", source=source)
     for text in folded.push_inputs:
         await session.admit(text, [], None)
+
+
+def _last_assistant_text(context: list[dict[str, Any]]) -> str:
+    for item in reversed(context):
+        if item.get("type") == "message" and item.get("role") == "assistant":
+            return _message_text(item)
+    return ""

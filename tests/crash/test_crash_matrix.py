@@ -63,6 +63,10 @@ CASES = [
     Case("approval_wait", [{"tool_calls": [shell_call(1)]}, TEXT], approval="ask",
          tool_outcome="ok", effect=1),
     Case("compaction", [TEXT, TEXT], compact=True),
+    # The final answer is durable: the restarted turn completes from it and never
+    # asks the model again (the script has no third answer to give).
+    Case("final_answer", [{"tool_calls": [shell_call(1)]}, TEXT], tool_outcome="ok",
+         effect=1),
 ]
 NATIVE_COMPACTION = "native_compaction = true\n"
 
