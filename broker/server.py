@@ -12,7 +12,9 @@ Invariants:
   message is caught at the message boundary, counted (``internal_error``) and
   logged (rate-limited), and the loop carries on.
 - Sends never block: ``ROUTER_MANDATORY`` plus ``NOBLOCK``. A full peer pipe
-  (EAGAIN) or an unknown identity (EHOSTUNREACH) is counted and dropped.
+  (EAGAIN) holds the message in that peer's ordered backlog, retried at every
+  wake-up (bounded in messages and bytes; past the bound it is dropped and
+  counted); an unknown identity (EHOSTUNREACH) is counted and dropped.
 - Every queue is bounded: socket HWMs here, request and queue limits in the
   dispatcher, and ``MAXMSGSIZE`` so libzmq refuses (by disconnecting the
   peer) any single frame far beyond the protocol limit before it is buffered.
@@ -42,6 +44,11 @@ log = logging.getLogger(__name__)
 BATCH: Final = 512  # messages drained per socket per wake-up
 MAX_POLL_S: Final = 0.1  # wake at least this often to notice a stop request
 HWM: Final = 20_000
+# Messages held while a peer's pipe is full, across all peers (then dropped).
+MAX_BACKLOG_MESSAGES: Final = 200_000
+MAX_BACKLOG_BYTES: Final = 256 * 1024 * 1024
+BACKLOG_RETRY_S: Final = 0.002
+_Held = tuple[zmq.Socket[bytes], list[bytes], int]  # socket, frames, size
 DROP_LOG_EVERY_S: Final = 5.0
 _REQUEST_KINDS: Final = (bytes((protocol.Kind.REQUEST,)), bytes((protocol.Kind.STATUS,)))
 
@@ -103,6 +110,9 @@ class Broker:
         self._stopping = False
         self._drops = _DropLog()
         self._faults = config.faults
+        self._backlog: dict[tuple[Side, bytes], collections.deque[_Held]] = {}
+        self._backlog_count = 0
+        self._backlog_bytes = 0
         self._delayed: collections.deque[tuple[float, Side, bytes, protocol.Message]] = (
             collections.deque())
         self.frontend_endpoint = ""
@@ -172,6 +182,10 @@ class Broker:
                 wake = delayed[0][0]
             wait_s = wake - time.monotonic()
             wait_s = 0.0 if wait_s < 0 else min(wait_s, MAX_POLL_S)
+            if self._backlog:
+                self._flush_backlog()
+                if self._backlog:
+                    wait_s = min(wait_s, BACKLOG_RETRY_S)
             # Round up: poll(0) for a timer less than 1 ms away would spin.
             ready = poller.poll(math.ceil(wait_s * 1000))
             for sock, _ in ready:
@@ -302,14 +316,60 @@ class Broker:
     def _perform(self, actions: list[Send]) -> None:
         front, back = self._front, self._back
         encode = protocol.encode
+        backlog = self._backlog
         for action in actions:
             sock = front if action.side is Side.CLIENT else back
+            key = (action.side, action.identity)
+            frames = [action.identity, *encode(action.msg)]
+            if key in backlog:
+                # Keep the peer's order: once one message waits, the rest wait too.
+                self._hold(key, sock, frames, action)
+                continue
             try:
-                send_frames(sock, [action.identity, *encode(action.msg)])
+                send_frames(sock, frames)
             except zmq.Again:
-                self.state.drop("send_would_block")
-                self._drops.note("send_would_block", f"to {action.side.value}")
+                # The peer's pipe is full for now (a slow reader, a burst): hold the
+                # message, bounded, and retry each wake-up, instead of dropping an
+                # answer the caller would then wait for until its deadline.
+                self._hold(key, sock, frames, action)
             except zmq.ZMQError as exc:
                 reason = "unroutable" if exc.errno == zmq.EHOSTUNREACH else "send_error"
                 self.state.drop(reason)
                 self._drops.note(reason, f"to {action.side.value}: {exc}")
+
+    def _hold(self, key: tuple[Side, bytes], sock: zmq.Socket[bytes], frames: list[bytes],
+              action: Send) -> None:
+        size = sum(len(f) for f in frames)
+        if (self._backlog_count >= MAX_BACKLOG_MESSAGES
+                or self._backlog_bytes + size > MAX_BACKLOG_BYTES):
+            self.state.drop("send_would_block")
+            self._drops.note("send_would_block", f"to {action.side.value} (backlog full)")
+            return
+        self._backlog.setdefault(key, collections.deque()).append((sock, frames, size))
+        self._backlog_count += 1
+        self._backlog_bytes += size
+
+    def _flush_backlog(self) -> None:
+        """Retry held messages in order, per peer, until a pipe is full again."""
+        for key in list(self._backlog):
+            queue = self._backlog[key]
+            while queue:
+                sock, frames, size = queue[0]
+                try:
+                    send_frames(sock, frames)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:  # the peer is gone: drop what it had waiting
+                    reason = "unroutable" if exc.errno == zmq.EHOSTUNREACH else "send_error"
+                    for _ in range(len(queue)):
+                        self.state.drop(reason)
+                    self._drops.note(reason, f"to {key[0].value}: {exc}")
+                    self._backlog_count -= len(queue)
+                    self._backlog_bytes -= sum(item[2] for item in queue)
+                    queue.clear()
+                    break
+                queue.popleft()
+                self._backlog_count -= 1
+                self._backlog_bytes -= size
+            if not queue:
+                del self._backlog[key]
