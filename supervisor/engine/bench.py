@@ -16,7 +16,7 @@ model outputs already in the request).
   behind ``SupervisorClient``) so that the process measured for CPU and
   memory is exactly the one running the engine, and tracemalloc can see it;
   the client/server wire in front of it is not part of the per-turn cost.
-- ``minimal``: ``python -m benchmarks.sessions_minimal`` in a child process:
+- ``minimal``: ``python -m sandbox_worker.bench_minimal`` in a child process:
   httpx to the same provider (same wire format, streamed), the same tool run
   with the worker's own sandbox code (``run_shell``: setpriv, prlimit, bwrap),
   no broker, no persistence. Its concurrent calls are bounded by the farm's
@@ -73,7 +73,7 @@ TURN_TIMEOUT_S = 120.0
 MINIMAL_TIMEOUT_S = 1800.0
 # RLIMIT_NPROC counts every process of the sandbox uid on the host, not one
 # call's: the default (256) fails forks with ~60 calls in flight. Both paths
-# send this (benchmarks/sessions_minimal.py: PROCESSES).
+# send this (sandbox_worker/bench_minimal.py: PROCESSES).
 TOOL_POLICY = ToolPolicy(limits=ToolLimits(processes=2048))
 REPO = Path(__file__).resolve().parents[2]
 QUICK_LEVELS = ((1, 10), (100, 3))
@@ -296,7 +296,7 @@ async def _idle_memory(manager: SessionManager, ws: str, n: int) -> dict[str, An
 def _minimal(procs: list[subprocess.Popen[bytes]], url: str, ws: str,
              levels: tuple[tuple[int, int], ...], slots: int, log: Path) -> dict[str, Any]:
     spec = ",".join(f"{n}:{m}" for n, m in levels)
-    proc = spawn(procs, "benchmarks.sessions_minimal", "--url", url, "--workspace", ws,
+    proc = spawn(procs, "sandbox_worker.bench_minimal", "--url", url, "--workspace", ws,
                  "--levels", spec, "--slots", str(slots), stderr=log)
     try:
         ready = read_json_line(proc, READY_TIMEOUT_S)
