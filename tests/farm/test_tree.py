@@ -26,10 +26,10 @@ CHILD = textwrap.dedent("""
         sys.exit(0)
     signal.signal(signal.SIGTERM, term)
     if len(sys.argv) > 3 and sys.argv[3] == "grandchild":
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     print(json.dumps({"event": "ready", "name": name, "pid": os.getpid()}), flush=True)
     while True:
-        time.sleep(1)
+        signal.pause()  # SIGTERM's handler exits
 """)
 
 
@@ -108,7 +108,7 @@ async def test_restart_intensity_escalates_and_stops_everything(tmp_path: Path) 
 
 
 async def test_a_child_that_never_gets_ready_fails_the_start_cleanly(tmp_path: Path) -> None:
-    silent = ChildSpec("silent", [sys.executable, "-c", "import time; time.sleep(600)"],
+    silent = ChildSpec("silent", [sys.executable, "-c", "import signal; signal.pause()"],
                        ready_timeout_s=1.0)
     tree = SupervisionTree([spec(tmp_path, "first"), silent], log_dir=tmp_path / "logs")
     with pytest.raises(ChildFailedToStart, match="silent did not report ready"):

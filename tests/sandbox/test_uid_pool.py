@@ -86,7 +86,7 @@ def test_lock_held_by_another_process_is_skipped_until_it_dies(
     start, locks = _narrow_range(), str(tmp_path / "locks")
     code = ("import sys, time; from sandbox_worker.sandbox.uidpool import UidPool; "
             f"p = UidPool({start}, 2, {gid}, {locks!r}); p.setup(); l = p.try_acquire(); "
-            "print(l.uid, flush=True); time.sleep(120)")
+            "print(l.uid, flush=True); import signal; signal.pause()")
     other = procs.spawn([sys.executable, "-c", code], name="other-worker",
                         stdout=subprocess.PIPE)
     held = int(read_line_with_deadline(other, 20.0))
