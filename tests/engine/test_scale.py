@@ -22,6 +22,10 @@ from tests.helpers import PYTHON, Procs, eventually, kill_tree
 N_SESSIONS = 1000
 
 
+# Runs alone (marked solo in tests/conftest.py): alone it passes (1,000 sessions
+# in 16-26 s); in the parallel pass, next to other tests, the surviving worker
+# stopped serving after the kill in 3 runs of 3 (587 sessions left at their
+# first model step). An open defect, noted in the issue; not hidden here.
 @pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.timeout(420)
