@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
@@ -103,11 +103,18 @@ def run_proxy(frontend: str, backend: str) -> None:
 
 # ---------------------------------------------------------------------- client loop
 
-def client_run(endpoint: str, in_flight: int, total: int, warmup: int) -> dict[str, float]:
-    """The blocking client loop: keep ``in_flight`` requests outstanding."""
+def client_run(endpoint: str, in_flight: int, total: int, warmup: int, *,
+               configure: Callable[[zmq.Socket[bytes]], None] | None = None,
+               ) -> dict[str, float]:
+    """The blocking client loop: keep ``in_flight`` requests outstanding.
+
+    ``configure`` sets up the socket before it connects (the CURVE bench uses it
+    to apply the client's keys), so every variant measures the same loop."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if configure is not None:
+        configure(sock)
     sock.connect(endpoint)
     header, packb, unpackb = protocol.HEADER, msgpack.packb, msgpack.unpackb
     sent_at: dict[str, float] = {}

@@ -76,61 +76,11 @@ def run_worker(endpoint: str, key_dir: Path | None) -> None:
             next_beat = time.monotonic() + 0.25
 
 
-def _client_socket(endpoint: str, curve: CurveClient | None) -> zmq.Socket[bytes]:
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve is not None:
-        curve.apply(sock)
-    sock.connect(endpoint)
-    return sock
-
-
 def client_run(endpoint: str, curve: CurveClient | None, in_flight: int, total: int,
                warmup: int) -> dict[str, float]:
-    """``broker.bench.client_run`` with the client's CURVE keys applied."""
-    sock = _client_socket(endpoint, curve)
-    header, packb, unpackb = protocol.HEADER, msgpack.packb, msgpack.unpackb
-    sent_at: dict[str, float] = {}
-    latencies: list[float] = []
-    next_id = 0
-
-    def send() -> None:
-        nonlocal next_id
-        next_id += 1
-        rid = f"{next_id:x}"
-        sent_at[rid] = time.perf_counter()
-        sock.send_multipart([header, bench.REQUEST_KIND,
-                             packb({"id": rid, "svc": "echo", "b": 30.0, "a": 1}), bench.BODY])
-
-    try:
-        for _ in range(min(in_flight, warmup + total)):
-            send()
-        done = 0
-        started = time.perf_counter()
-        while done < warmup + total:
-            if not sock.poll(10_000):
-                raise RuntimeError(f"no reply within 10 s ({done} done) via {endpoint}")
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if frames[1] != bench.REPLY_KIND:
-                    continue
-                t1 = time.perf_counter()
-                t0 = sent_at.pop(unpackb(frames[2])["id"])
-                done += 1
-                if done == warmup:
-                    started = t1
-                    latencies.clear()
-                elif done > warmup:
-                    latencies.append(t1 - t0)
-                if next_id < warmup + total:
-                    send()
-        elapsed = time.perf_counter() - started
-    finally:
-        sock.close()
-    return bench._summary(latencies, total / elapsed)
+    """``broker.bench.client_run`` (the same loop) with the client's CURVE keys."""
+    return bench.client_run(endpoint, in_flight, total, warmup,
+                            configure=curve.apply if curve is not None else None)
 
 
 def connect_cost(endpoint: str, curve: CurveClient | None, n: int) -> dict[str, float]:
