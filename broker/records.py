@@ -45,6 +45,7 @@ class Limits:
     max_clients: int = 4096
     max_requests: int = 200_000  # queued + held, over all clients
     max_queued_bytes: int = 512 * 1024 * 1024  # request bodies waiting in queues
+    max_expired_clients: int = 1024  # expired clients whose dropped requests are remembered
 
     @property
     def window_s(self) -> float:

@@ -73,6 +73,9 @@ class Dispatcher:
         self._sweep_s = limits.heartbeat_interval_s / 4
         self._next_sweep = now + self._sweep_s
         self._disconnect_sent: dict[bytes, float] = {}
+        # expired client -> (its open request ids, silence); oldest first, bounded
+        self._expired_clients: dict[bytes, tuple[list[str], float]] = {}
+        self._expired_rids = 0
         self._now = now  # the latest time given to any entry point
         self.counters: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -87,6 +90,9 @@ class Dispatcher:
         client = self._clients.get(identity)
         if client is None:
             if isinstance(msg, protocol.Disconnect):
+                entry = self._expired_clients.pop(identity, None)
+                if entry is not None:
+                    self._expired_rids -= len(entry[0])
                 return out
             if len(self._clients) >= self.limits.max_clients:
                 self.dropped["too_many_clients"] += 1
@@ -98,6 +104,7 @@ class Dispatcher:
             # First contact: tell the client our id at once, so it notices a
             # broker restart without waiting for the next heartbeat round.
             out.append(Send(Side.CLIENT, identity, self._heartbeat))
+            self._fail_expired(identity, out)
         client.last_seen = now
         if isinstance(msg, protocol.Request):
             self._on_request(client, msg, now, out)
@@ -288,6 +295,37 @@ class Dispatcher:
             self._close(req, out)
         client.pending.clear()
 
+    def _remember_expired(self, client: ClientEntry, silent_s: float) -> None:
+        """Keep the ids of an expired client's open requests, so that if it was
+        only stalled (not dead) it learns they were dropped (``_fail_expired``)."""
+        rids = list(client.pending)
+        if not rids:
+            return
+        expired = self._expired_clients
+        expired.pop(client.identity, None)
+        expired[client.identity] = (rids, silent_s)
+        self._expired_rids += len(rids)
+        while expired and (len(expired) > self.limits.max_expired_clients
+                           or self._expired_rids > self.limits.max_requests):
+            oldest = next(iter(expired))
+            self._expired_rids -= len(expired.pop(oldest)[0])
+            self.dropped["expired_client_forgotten"] += 1
+
+    def _fail_expired(self, identity: bytes, out: list[Send]) -> None:
+        """A client the broker expired is back: answer each request it dropped
+        then with FAILURE(worker_lost, retryable). Without this a client whose
+        loop stalled past the liveness window would wait for them forever."""
+        entry = self._expired_clients.pop(identity, None)
+        if entry is None:
+            return
+        rids, silent_s = entry
+        self._expired_rids -= len(rids)
+        self.counters["expired_requests_failed"] += len(rids)
+        message = (f"the broker expired this client after {silent_s:.2f}s of silence and "
+                   "cancelled the request at its worker; its effect is unknown")
+        for rid in rids:
+            self._fail_direct(identity, rid, FailureKind.WORKER_LOST, message, out)
+
     # ------------------------------------------------------------------ workers
 
     def _register(self, identity: bytes, msg: protocol.Ready, now: float,
@@ -415,7 +453,8 @@ class Dispatcher:
                      out: list[Send]) -> None:
         """Answer a request the broker never tracked."""
         self.failures[kind] += 1
-        retryable = kind in (FailureKind.OVERLOADED, FailureKind.TIMEOUT)
+        retryable = kind in (FailureKind.OVERLOADED, FailureKind.TIMEOUT,
+                             FailureKind.WORKER_LOST)
         out.append(Send(Side.CLIENT, identity,
                         protocol.Failure(client_rid, kind, message, retryable)))
 
@@ -460,6 +499,7 @@ class Dispatcher:
             self._remove_worker(worker, f"worker silent for {silent:.2f}s", out)
         for client in [c for c in self._clients.values() if c.last_seen < cutoff]:
             self.counters["client_expiries"] += 1
+            self._remember_expired(client, now - client.last_seen)
             self._remove_client(client, out)
 
     # ------------------------------------------------------------------ views
@@ -506,7 +546,8 @@ class Dispatcher:
                 **{k: self.counters[k] for k in (
                     "requests", "replies", "partials", "cancels", "registrations",
                     "worker_expiries", "client_expiries", "worker_disconnects",
-                    "client_disconnects", "client_restarts", "cancel_resends")},
+                    "client_disconnects", "client_restarts", "cancel_resends",
+                    "expired_requests_failed")},
                 "failures": dict(self.failures),
                 "dropped": dict(self.dropped),
                 "faults": {k.removeprefix("fault_"): v for k, v in self.counters.items()
@@ -558,6 +599,10 @@ class Dispatcher:
         open_reqs = [r for r in self._requests.values() if not r.closed]
         if sum(len(c.pending) for c in self._clients.values()) != len(open_reqs):
             fail("open requests and client pending maps disagree")
+        if self._expired_rids != sum(len(r) for r, _ in self._expired_clients.values()):
+            fail("the count of remembered expired requests is wrong")
+        if len(self._expired_clients) > self.limits.max_expired_clients:
+            fail("too many expired clients remembered")
 
     def registered_workers(self) -> set[bytes]:
         return set(self._workers)

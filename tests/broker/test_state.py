@@ -191,3 +191,51 @@ def test_queued_bodies_are_bounded_in_bytes_and_not_kept_after_dispatch() -> Non
     assert d.status(0.1)["queued_bytes"] == 0
     d.on_client(b"c", protocol.Request("b", "s", 5.0, b"y" * 600), 0.2)  # fits again
     d.check_invariants()
+
+
+def test_a_stalled_client_that_comes_back_learns_its_expired_requests_failed() -> None:
+    d = new()
+    d.on_worker(b"w", protocol.Ready(("s",), 1), 0.0)
+    d.on_client(b"c", protocol.Heartbeat("proc"), 0.0)
+    d.on_client(b"c", protocol.Request("held", "s", 60.0), 0.0)
+    d.on_client(b"c", protocol.Request("queued", "s", 60.0), 0.0)
+    (rid,) = d.held_by(b"w")
+    out: list[Send] = []
+    now = 0.0
+    while now < 1.2:  # the client's loop stalls past the 1 s window; the worker beats on
+        now = d.next_wakeup()
+        d.on_worker(b"w", protocol.Heartbeat("w"), now)
+        out += d.tick(now)
+    assert d.counters["client_expiries"] == 1
+    # Expiry cancels the held request at its worker and says nothing to the (silent) client.
+    assert [a.msg for a in out if a.side is Side.WORKER and
+            isinstance(a.msg, protocol.Cancel)] == [protocol.Cancel(rid)]
+    assert client_msgs(out) == []
+    # The client's loop resumes: its next message brings a FAILURE for each
+    # request the broker dropped, so none waits forever.
+    back = d.on_client(b"c", protocol.Heartbeat("proc"), 1.5)
+    failures = {m.request_id: (m.kind, m.retryable) for m in client_msgs(back)
+                if isinstance(m, protocol.Failure)}
+    assert failures == {"held": ("worker_lost", True), "queued": ("worker_lost", True)}
+    assert d.counters["expired_requests_failed"] == 2
+    # Only once: the next message brings nothing more.
+    assert client_msgs(d.on_client(b"c", protocol.Heartbeat("proc"), 1.6)) == []
+    d.check_invariants()
+
+
+def test_remembered_expired_clients_are_bounded() -> None:
+    limits = Limits(heartbeat_interval_s=0.25, liveness=4, max_expired_clients=3)
+    d = Dispatcher("0123456789abcdef", limits, 0.0)
+    for i in range(5):
+        d.on_client(f"c{i}".encode(), protocol.Request("r", "s", 60.0), 0.0)
+    now = 0.0
+    while now < 1.2:
+        now = d.next_wakeup()
+        d.tick(now)
+    assert d.counters["client_expiries"] == 5
+    assert d.dropped["expired_client_forgotten"] == 2
+    d.check_invariants()
+    answered = [i for i in range(5)
+                if client_msgs(d.on_client(f"c{i}".encode(), protocol.Heartbeat("x"), 1.5))]
+    assert answered == [2, 3, 4]  # the oldest two were forgotten (their calls time out locally)
+    d.check_invariants()
