@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, KeyFileError
+from broker.taskdump import install_task_dump
 from broker.worker import BrokerWorker, RequestContext
 from sandbox_worker.api import SERVICE_MODEL, SERVICE_TOOL
 
@@ -142,6 +143,7 @@ async def serve(ns: argparse.Namespace) -> int:
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    install_task_dump(loop)
     try:
         async with asyncio.TaskGroup() as tg:
             run_task = tg.create_task(worker.run(on_ready=ready))

@@ -25,6 +25,7 @@ import zmq
 from broker.client import BrokerClient
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, Guard, KeyFileError
+from broker.taskdump import install_task_dump
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig
@@ -138,6 +139,7 @@ async def serve(ns: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
             if guard is not None:
                 loop.add_signal_handler(signal.SIGHUP, guard.request_reload)
+            install_task_dump(loop)
             async with asyncio.TaskGroup() as tg:
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
