@@ -18,6 +18,8 @@ Invariants:
   FAILURE(internal, retryable=false, one-line message; traceback only in the
   local log), CANCEL → FAILURE(cancelled), past budget → FAILURE(timeout),
   stop() past its drain → FAILURE(worker_lost)), unless it was abandoned.
+  A done-callback on each request task answers for a task that was
+  cancelled before its first step (its handler body never ran).
   An answer the socket cannot take at once is retried from the heartbeat
   task, so a slot at the broker is never leaked by a full pipe.
 - Every answer fits the protocol's field bounds (kinds and messages are
@@ -79,7 +81,7 @@ class RequestContext:
 
 
 class _Job:
-    __slots__ = ("abandoned", "cancel_kind", "ctx", "next_seq", "task", "worker")
+    __slots__ = ("abandoned", "answered", "cancel_kind", "ctx", "next_seq", "task", "worker")
 
     def __init__(self, worker: BrokerWorker, msg: protocol.Request) -> None:
         self.worker = worker
@@ -88,6 +90,7 @@ class _Job:
         self.task: asyncio.Task[None] | None = None
         self.cancel_kind = FailureKind.CANCELLED
         self.abandoned = False
+        self.answered = False
         self.next_seq = 0
 
 
@@ -371,6 +374,7 @@ class BrokerWorker:
         job = _Job(self, msg)
         self._jobs[rid] = job
         job.task = self._tg.create_task(self._serve(job), name=f"request-{rid}")
+        job.task.add_done_callback(lambda _task: self._job_done(job))
 
     async def _serve(self, job: _Job) -> None:
         rid = job.ctx.request_id
@@ -417,7 +421,22 @@ class BrokerWorker:
                                     False)
         return protocol.Reply(rid, body)
 
+    def _job_done(self, job: _Job) -> None:
+        """Backstop when a request task ends: a task cancelled before its first
+        step (a CANCEL read in the same batch as its REQUEST) never runs
+        ``_serve``, so nothing answered it, and the broker would hold its slot
+        forever. Answer it here, once."""
+        rid = job.ctx.request_id
+        if self._jobs.get(rid) is job:
+            del self._jobs[rid]
+        if not job.answered:
+            kind = job.cancel_kind
+            retryable = kind in (FailureKind.WORKER_LOST, FailureKind.TIMEOUT)
+            self._answer(job, protocol.Failure(rid, kind, f"request {kind} at the worker",
+                                               retryable))
+
     def _answer(self, job: _Job, msg: protocol.Reply | protocol.Failure) -> None:
+        job.answered = True
         if job.abandoned:
             return
         frames = protocol.encode(msg)

@@ -122,6 +122,30 @@ async def test_cancel_cancels_the_handler_and_answers_cancelled(
     assert worker.in_flight == 0
 
 
+async def test_cancel_right_behind_its_request_is_still_answered(
+    setup: Setup
+) -> None:
+    # A REQUEST and its CANCEL read in one batch: the handler's task is cancelled
+    # before its first step, so its body (and any finally) never runs. The worker
+    # must still answer, or the broker holds the slot forever (a leaked slot seen
+    # in the 1,000-session test after the broker expired a stalled client).
+    fake, worker, _ = setup
+    for i in range(20):
+        await fake.sock.send_multipart([fake.worker, *protocol.encode(
+            protocol.Request(f"r{i}", "hold", 30.0, b""))])
+        await fake.send(protocol.Cancel(f"r{i}"))
+    answers = {}
+    for _ in range(20):
+        msg = await fake.next()
+        assert isinstance(msg, protocol.Failure)
+        answers[msg.request_id] = msg.kind
+    assert answers == {f"r{i}": "cancelled" for i in range(20)}
+
+    async def idle() -> bool:
+        return worker.in_flight == 0
+    await eventually(idle, timeout_s=5, what="no job left at the worker")
+
+
 async def test_disconnect_abandons_work_and_reregisters(
     setup: Setup
 ) -> None:
