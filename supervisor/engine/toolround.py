@@ -67,9 +67,19 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
     pcs: list[dict[str, Any]] = []
     contexts: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    renamed: list[tuple[str, str]] = []
     for raw in calls:
         call_id = raw.get("call_id") if isinstance(raw.get("call_id"), str) else None
         call_id = call_id or ev.new_id("call")
+        if call_id in seen:
+            # Calls and their outputs are matched by call_id: a second call under
+            # the same id would get the first one's output (or be lost). It runs
+            # under a fresh id, in the context the model sees next, too.
+            fresh = ev.new_id("call")
+            renamed.append((call_id, fresh))
+            call_id = fresh
+        seen.add(call_id)
         name = str(raw["name"]) if isinstance(raw.get("name"), str) else ""
         item = {"type": "function_call", "call_id": call_id, "name": name,
                 "arguments": raw.get("arguments") if isinstance(raw.get("arguments"), str)
@@ -100,6 +110,10 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
         st.pending_tool_calls = pcs
         st.active_turn["phase"] = str(TurnPhase.TOOLS)  # requested, not yet decided
     await turn._commit_model_result(result, items, extra_items=contexts, mutate_more=mutate)
+    for old, fresh in renamed:
+        await s.warn(f"the model gave call_id {old[:100]!r} to more than one call in one step; "
+                     f"the later call runs as {fresh!r}", turn.submission_id,
+                     call_id=old[:200], renamed_to=fresh)
 
 
 async def tool_round(turn: Turn) -> None:

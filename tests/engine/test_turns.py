@@ -42,6 +42,33 @@ async def test_parallel_calls_of_one_step_run_concurrently_on_several_workers(
         assert execution.sandbox_tier in tiers  # the record says what the calls ran under
 
 
+@pytest.mark.sandbox
+async def test_a_call_id_given_twice_in_one_step_runs_both_calls_apart(
+        procs: Procs, tmp_path: Path) -> None:
+    script = {"responses": [
+        {"tool_calls": [
+            {"name": "shell", "call_id": "dup", "arguments": {"command": "echo first"}},
+            {"name": "shell", "call_id": "dup", "arguments": {"command": "echo second"}}]},
+        {"text": "done"}]}
+    farm = start_farm(procs, tmp_path, script)
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="allow")
+        events = await eng.run_until(sid, {"type": "user_input", "text": "go"})
+        assert events[-1].type == "turn_complete"
+        ends = {e.payload["call_id"]: e.payload["output"].strip()
+                for e in events if e.type == "tool_call_end"}
+        (warning,) = [e.payload for e in events if e.type == "warning"]
+        fresh = warning["renamed_to"]
+        assert warning["call_id"] == "dup" and fresh != "dup"
+        assert ends == {"dup": "first", fresh: "second"}
+        # The next request carries each call with its own output.
+        body = farm.llm_requests()[-1]["body"]
+        pairs = {(i["type"], i["call_id"]) for i in body["input"]
+                 if i.get("type") in ("function_call", "function_call_output")}
+        assert pairs == {("function_call", "dup"), ("function_call_output", "dup"),
+                         ("function_call", fresh), ("function_call_output", fresh)}
+
+
 async def test_model_step_limit_fails_the_turn(procs: Procs, tmp_path: Path) -> None:
     call = {"tool_calls": [{"name": "teleport", "arguments": {}}]}
     farm = start_farm(procs, tmp_path, {"responses": [call] * 10}, services="model")
