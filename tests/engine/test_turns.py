@@ -59,7 +59,8 @@ async def test_a_call_id_given_twice_in_one_step_runs_both_calls_apart(
                 for e in events if e.type == "tool_call_end"}
         (warning,) = [e.payload for e in events if e.type == "warning"]
         fresh = warning["renamed_to"]
-        assert warning["call_id"] == "dup" and fresh != "dup"
+        assert warning["call_id"] == "dup"
+        assert fresh != "dup"
         assert ends == {"dup": "first", fresh: "second"}
         # The next request carries each call with its own output.
         body = farm.llm_requests()[-1]["body"]
