@@ -79,10 +79,28 @@ def _ready_line(proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
     return ready
 
 
+def _autogroup_nice(pid: int, nice: int) -> bool:
+    """Give ``pid``'s autogroup the nice value ``nice``; True if it took.
+
+    With ``kernel.sched_autogroup_enabled`` (the default on desktop and many
+    server kernels) every session is a scheduling group, and a process's own
+    nice only weighs it against its own session. The children are started in
+    new sessions, so ``nice -n`` alone leaves the provider competing with the
+    worker, broker and reader as an equal; the group's nice is what counts.
+    """
+    path = Path(f"/proc/{pid}/autogroup")
+    try:
+        path.write_text(str(nice))
+    except OSError:
+        return False  # no autogroup support: the process nice is the one that counts
+    return True
+
+
 @contextmanager
 def _children(tmp: Path, tokens: int, pace_s: float, nice: int
-              ) -> Iterator[tuple[str, str]]:
-    """Yield (provider URL, broker frontend); stop and reap every child after."""
+              ) -> Iterator[tuple[str, str, bool]]:
+    """Yield (provider URL, broker frontend, provider's autogroup niced); stop and
+    reap every child after."""
     script = tmp / "script.json"
     # Entry 0: unpaced; entry 1: paced (selected by one prior output, k = 1).
     script.write_text(json.dumps({"responses": [
@@ -100,10 +118,11 @@ def _children(tmp: Path, tokens: int, pace_s: float, nice: int
         # ours: at a lower priority it competes less with the measured path.
         prefix = ("nice", "-n", str(nice)) if nice else ()
         url = spawn("sandbox_worker.fakellm", "--script", str(script), prefix=prefix)["url"]
+        grouped = bool(nice) and _autogroup_nice(procs[-1].pid, nice)
         broker = spawn("broker", "--frontend", f"ipc://{tmp}/f", "--backend", f"ipc://{tmp}/b")
         spawn("sandbox_worker", "--broker", broker["backend"], "--services", SERVICE_MODEL,
               "--log-level", "WARNING")
-        yield str(url), str(broker["frontend"])
+        yield str(url), str(broker["frontend"]), grouped
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -130,12 +149,14 @@ def _request(url: str, *, paced: bool) -> ModelCallRequest:
 
 
 async def _direct(client: httpx.AsyncClient, req: ModelCallRequest) -> tuple[float, float, int]:
-    content = json.dumps(body_for(req, True), separators=(",", ":")).encode()
-    headers = headers_for(req, None, 1, True)
     parser = SSEParser()
     first = 0.0
     chars = 0
+    # The clock starts before the body is built, as the brokered path's does
+    # (the worker builds the same body inside its timed path).
     started = time.perf_counter()
+    content = json.dumps(body_for(req, True), separators=(",", ":")).encode()
+    headers = headers_for(req, None, 1, True)
     async with client.stream("POST", f"{req['route']['base_url']}/responses",
                              content=content, headers=headers) as resp:
         async for chunk in resp.aiter_bytes():
@@ -225,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = ns.rounds or (15 if ns.quick else 60)
     paced_rounds = ns.paced_rounds or (3 if ns.quick else 10)
     with tempfile.TemporaryDirectory(prefix="corral-bench-") as tmp, \
-            _children(Path(tmp), ns.tokens, ns.pace_s, ns.provider_nice) as (url, frontend):
+            _children(Path(tmp), ns.tokens, ns.pace_s, ns.provider_nice) as (url, frontend,
+                                                                             grouped):
         res = asyncio.run(_run(url, frontend, rounds, paced_rounds))
     ratios = {"first_token_vs_direct": res["unpaced"]["first_token_vs_direct"],
               "stream_vs_direct": res["unpaced"]["stream_vs_direct"],
@@ -233,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
               "paced_stream_vs_direct": res["paced"]["stream_vs_direct"]}
     out = {"name": "model", "machine": _machine(),
            "results": {"tokens": ns.tokens, "pace_s": ns.pace_s,
-                       "provider_nice": ns.provider_nice, **res},
+                       "provider_nice": ns.provider_nice,
+                       "provider_autogroup_niced": grouped, **res},
            "ratios": ratios}
     Path("bench-results").mkdir(exist_ok=True)
     Path("bench-results/model.json").write_text(json.dumps(out, indent=2) + "\n")
