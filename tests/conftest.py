@@ -71,14 +71,7 @@ HEAVY = ("tests/chaos/test_chaos_runs.py", "tests/demo/", "test_scale.py::test_a
          "tests/crash/", "test_escape_resources.py::test_fork_bomb")
 
 
-# Tests that must have the machine to themselves: scripts/test runs them in a
-# second pass, alone, after the parallel one (see the note in test_scale.py).
-SOLO = ("test_scale.py::test_a_thousand",)
-
-
 def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None:
     for item in items:
-        if any(part in item.nodeid for part in SOLO):
-            item.add_marker(pytest.mark.solo)
-        elif any(part in item.nodeid for part in HEAVY):
+        if any(part in item.nodeid for part in HEAVY):
             item.add_marker(pytest.mark.xdist_group("heavy"))

@@ -22,10 +22,11 @@ from tests.helpers import PYTHON, Procs, eventually, kill_tree
 N_SESSIONS = 1000
 
 
-# Runs alone (marked solo in tests/conftest.py): alone it passes (1,000 sessions
-# in 16-26 s); in the parallel pass, next to other tests, the surviving worker
-# stopped serving after the kill in 3 runs of 3 (587 sessions left at their
-# first model step). An open defect, noted in the issue; not hidden here.
+# In the heavy xdist group (tests/conftest.py). It once failed only in the
+# parallel pass: the loaded machine stalled the engine's loop past the 0.5 s
+# liveness window, the broker expired its client and dropped ~600 requests
+# without a word, and a REQUEST cancelled in the same batch leaked worker slots.
+# Both are fixed (broker/state.py _fail_expired, broker/worker.py _job_done).
 @pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.timeout(420)
@@ -94,9 +95,12 @@ async def test_a_thousand_sessions_with_a_hung_one_and_a_killed_worker(
         assert m.sessions[hung].turn is not None  # still hung, bothering nobody
         stats = m.stats()
         assert stats["turns_running"] == 1
+        counters = (await eng.client.status())["counters"]
         print(f"\n{N_SESSIONS} sessions (tool call + 2 model steps each) in {elapsed:.1f}s; "
               f"first quarter {quarter_s:.1f}s, the rest after the kill {rest_s:.1f}s, "
-              f"{in_window} completed in the 3 s after the kill")
+              f"{in_window} completed in the 3 s after the kill; broker: "
+              f"{counters['worker_expiries']} worker and {counters['client_expiries']} client "
+              f"expiries, {counters['failures']}")
         await m.submit(hung, {"type": "interrupt",
                               "turn_id": str(m.sessions[hung].turn.turn_id)})  # type: ignore[union-attr]
 
