@@ -11,9 +11,35 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.store.records import EventRecord
-from tests.engine.farm import engine, start_farm
+from supervisor.store.records import EventRecord, SessionId
+from tests.engine.farm import Engine, engine, start_farm
 from tests.helpers import Procs, kill_tree
+
+
+async def _turn_losing_the_first_worker(eng: Engine, sid: SessionId, text: str, *,
+                                        kill_at: str, services: str) -> list[EventRecord]:
+    """The events of one user turn (``text``) of ``sid``, up to its terminal event.
+
+    At the turn's first ``kill_at`` event a replacement worker serving ``services`` is
+    started, then the farm's first worker is SIGKILLed (once)."""
+    first = eng.farm.workers[0]
+    it = eng.manager.subscribe(sid)
+    sub = await eng.manager.submit(sid, {"type": "user_input", "text": text})
+    events: list[EventRecord] = []
+    killed = False
+    async with asyncio.timeout(60):
+        async for e in it:
+            if e.submission_id != sub:
+                continue
+            events.append(e)
+            if e.type == kill_at and not killed:
+                killed = True
+                await asyncio.to_thread(eng.farm.add_worker, services)
+                kill_tree(first.pid, signal.SIGKILL)
+            if e.type in ("turn_complete", "turn_aborted"):
+                break
+    await it.aclose()  # type: ignore[attr-defined]
+    return events
 
 
 @pytest.mark.timeout(90)
@@ -24,25 +50,11 @@ async def test_lost_model_call_is_retried_on_another_worker(procs: Procs,
     farm = start_farm(procs, tmp_path, {"responses": [{"text_tokens": 40,
                                                        "chunk_delay_s": 0.05}]},
                       services="model")
-    first = farm.workers[0]
     async with engine(farm) as eng:
         sid = await eng.session()
-        it = eng.manager.subscribe(sid)
-        sub = await eng.manager.submit(sid, {"type": "user_input", "text": "hi"})
-        events: list[EventRecord] = []
-        killed = False
-        async with asyncio.timeout(60):
-            async for e in it:
-                if e.submission_id != sub:
-                    continue
-                events.append(e)
-                if e.type == "agent_message_delta" and not killed:
-                    killed = True
-                    await asyncio.to_thread(farm.add_worker, "model")
-                    kill_tree(first.pid, signal.SIGKILL)
-                if e.type in ("turn_complete", "turn_aborted"):
-                    break
-        await it.aclose()  # type: ignore[attr-defined]
+        events = await _turn_losing_the_first_worker(eng, sid, "hi",
+                                                     kill_at="agent_message_delta",
+                                                     services="model")
         assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events]
         outcomes = [e.payload["outcome"] for e in events if e.type == "model_step_completed"]
         assert outcomes == ["retrying", "completed"]
@@ -62,25 +74,11 @@ async def test_lost_tool_call_is_unknown_and_never_rerun(procs: Procs, tmp_path:
                                              "arguments": {"command": command}}]},
                             {"text": "noted"}]}
     farm = start_farm(procs, tmp_path, script, services="tool,model")
-    first = farm.workers[0]
     async with engine(farm) as eng:
         sid = await eng.session(approval="allow")
-        it = eng.manager.subscribe(sid)
-        sub = await eng.manager.submit(sid, {"type": "user_input", "text": "do it"})
-        events: list[EventRecord] = []
-        killed = False
-        async with asyncio.timeout(60):
-            async for e in it:
-                if e.submission_id != sub:
-                    continue
-                events.append(e)
-                if e.type == "tool_call_output_delta" and not killed:
-                    killed = True
-                    await asyncio.to_thread(farm.add_worker, "tool,model")
-                    kill_tree(first.pid, signal.SIGKILL)
-                if e.type in ("turn_complete", "turn_aborted"):
-                    break
-        await it.aclose()  # type: ignore[attr-defined]
+        events = await _turn_losing_the_first_worker(eng, sid, "do it",
+                                                     kill_at="tool_call_output_delta",
+                                                     services="tool,model")
         assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events]
         begins = [e for e in events if e.type == "tool_call_begin"]
         assert len(begins) == 1  # never re-dispatched
