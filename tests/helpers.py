@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psutil
 
@@ -149,3 +151,35 @@ def read_line_with_deadline(proc: subprocess.Popen[bytes], timeout_s: float) -> 
         buf += chunk
     sel.close()
     return buf.decode().strip()
+
+
+def read_ready(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> dict[str, Any]:
+    """A child's first stdout line, which must be its JSON ``{"event": "ready", ...}`` line."""
+    ready = json.loads(read_line_with_deadline(proc, timeout_s))
+    if ready.get("event") != "ready":
+        raise AssertionError(f"unexpected readiness line {ready}")
+    return dict(ready)
+
+
+@dataclass
+class BrokerProc:
+    """A broker process and the readiness line it printed (its bound endpoints)."""
+
+    proc: subprocess.Popen[bytes]
+    ready: dict[str, Any]
+
+    @property
+    def frontend(self) -> str:
+        return str(self.ready["frontend"])
+
+    @property
+    def backend(self) -> str:
+        return str(self.ready["backend"])
+
+
+def spawn_broker(procs: Procs, *args: str, prefix: Sequence[str] = ()) -> BrokerProc:
+    """``python -m broker *args`` (run through ``prefix``, e.g. ``ip netns exec NS``),
+    returned once it printed its readiness line."""
+    proc = procs.spawn([*prefix, PYTHON, "-m", "broker", *args], name="broker",
+                       stdout=subprocess.PIPE)
+    return BrokerProc(proc, read_ready(proc))

@@ -19,24 +19,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Procs, read_line_with_deadline
+from tests.helpers import BrokerProc, Procs, read_line_with_deadline, read_ready, spawn_broker
 
 HB_S = 0.25  # heartbeat interval used by the tests
 LIVENESS = 3  # 0.75 s window: kill detection within 3 intervals + 0.5 s
-
-
-@dataclass
-class BrokerProc:
-    proc: subprocess.Popen[bytes]
-    ready: dict[str, Any]
-
-    @property
-    def frontend(self) -> str:
-        return str(self.ready["frontend"])
-
-    @property
-    def backend(self) -> str:
-        return str(self.ready["backend"])
 
 
 @dataclass
@@ -61,15 +47,8 @@ def ipc_dir() -> Iterator[Path]:
 
 def start_broker(procs: Procs, frontend: str, backend: str, *extra: str,
                  hb_s: float = HB_S, liveness: int = LIVENESS) -> BrokerProc:
-    proc = procs.python(
-        "broker", "--frontend", frontend, "--backend", backend,
-        "--heartbeat-interval-s", str(hb_s), "--liveness", str(liveness), *extra,
-        name="broker", stdout=subprocess.PIPE,
-    )
-    ready = json.loads(read_line_with_deadline(proc, 20.0))
-    if ready.get("event") != "ready":
-        raise AssertionError(f"unexpected readiness line {ready}")
-    return BrokerProc(proc, ready)
+    return spawn_broker(procs, "--frontend", frontend, "--backend", backend,
+                        "--heartbeat-interval-s", str(hb_s), "--liveness", str(liveness), *extra)
 
 
 def start_echo(procs: Procs, backend: str, *extra: str, capacity: int = 1,
@@ -79,10 +58,7 @@ def start_echo(procs: Procs, backend: str, *extra: str, capacity: int = 1,
         "--heartbeat-interval-s", str(hb_s), "--liveness", str(liveness), *extra,
         name="echo", stdout=subprocess.PIPE,
     )
-    ready = json.loads(read_line_with_deadline(proc, 20.0))
-    if ready.get("event") != "ready":
-        raise AssertionError(f"unexpected readiness line {ready}")
-    return EchoProc(proc, str(ready["identity"]))
+    return EchoProc(proc, str(read_ready(proc)["identity"]))
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from broker import (
     protocol,
 )
 from broker.echo import make_echo_handler
-from tests.broker.conftest import HB_S, LIVENESS, BrokerProc, start_echo
-from tests.helpers import Procs, eventually
+from tests.broker.conftest import HB_S, LIVENESS, start_echo
+from tests.helpers import BrokerProc, Procs, eventually
 
 
 def client_for(b: BrokerProc) -> BrokerClient:

@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from broker import BrokerClient, RequestFailed, protocol
-from tests.broker.conftest import HB_S, LIVENESS, BrokerProc, start_echo
-from tests.helpers import Procs, eventually
+from tests.broker.conftest import HB_S, LIVENESS, start_echo
+from tests.helpers import BrokerProc, Procs, eventually
 
 
 class RawWorker:

@@ -18,11 +18,10 @@ from broker import BrokerClient, RequestFailed, protocol
 from tests.broker.conftest import (
     HB_S,
     LIVENESS,
-    BrokerProc,
     start_broker,
     start_echo,
 )
-from tests.helpers import Procs, eventually, read_line_with_deadline
+from tests.helpers import BrokerProc, Procs, eventually, read_line_with_deadline
 
 DETECT_BOUND_S = 3 * HB_S + 0.5  # the acceptance bar: 3 heartbeat intervals + 0.5 s
 

@@ -12,8 +12,8 @@ from typing import Any
 import zmq
 
 from broker import BrokerClient, protocol
-from tests.broker.conftest import HB_S, LIVENESS, BrokerProc, start_broker, start_echo
-from tests.helpers import Procs, eventually
+from tests.broker.conftest import HB_S, LIVENESS, start_broker, start_echo
+from tests.helpers import BrokerProc, Procs, eventually
 
 TOTAL = 20_000
 IN_FLIGHT = 64

@@ -7,17 +7,14 @@ on the allow-list, and a stranger pair that is not.
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from broker.security import CurveClient, read_key_file, write_allowed, write_key_pair
-from tests.helpers import Procs, read_line_with_deadline
+from tests.helpers import BrokerProc, Procs, spawn_broker
 from tests.multihost.netns import hosts  # noqa: F401 (the fixture)
 
 HB_S = 0.25
@@ -56,39 +53,14 @@ def keys(tmp_path: Path) -> FarmKeys:
     return fk
 
 
-@dataclass
-class BrokerProc:
-    proc: subprocess.Popen[bytes]
-    ready: dict[str, Any]
-
-    @property
-    def frontend(self) -> str:
-        return str(self.ready["frontend"])
-
-    @property
-    def backend(self) -> str:
-        return str(self.ready["backend"])
-
-
 def start_curve_broker(procs: Procs, keys: FarmKeys, *, frontend: str = "tcp://127.0.0.1:0",
                        backend: str = "tcp://127.0.0.1:0", prefix: list[str] | None = None,
                        log_level: str = "INFO", extra: list[str] | None = None) -> BrokerProc:
-    proc = procs.spawn(
-        [*(prefix or []), *procs_python(), "-m", "broker", "--frontend", frontend,
-         "--backend", backend, "--heartbeat-interval-s", str(HB_S), "--liveness",
-         str(LIVENESS), "--curve-secret", str(keys.secret("broker")),
-         "--allow-dir", str(keys.allow_dir), "--log-level", log_level, *(extra or [])],
-        name="broker", stdout=subprocess.PIPE)
-    ready = json.loads(read_line_with_deadline(proc, 20.0))
-    if ready.get("event") != "ready":
-        raise AssertionError(f"unexpected readiness line {ready}")
-    return BrokerProc(proc, ready)
-
-
-def procs_python() -> list[str]:
-    from tests.helpers import PYTHON
-
-    return [PYTHON]
+    return spawn_broker(
+        procs, "--frontend", frontend, "--backend", backend, "--heartbeat-interval-s",
+        str(HB_S), "--liveness", str(LIVENESS), "--curve-secret", str(keys.secret("broker")),
+        "--allow-dir", str(keys.allow_dir), "--log-level", log_level, *(extra or []),
+        prefix=prefix or ())
 
 
 @pytest.fixture(autouse=True)
