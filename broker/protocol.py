@@ -33,6 +33,7 @@ Exception tree::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Final, TypeAlias
@@ -162,6 +163,9 @@ Message: TypeAlias = (
 )
 
 
+_unpackb: Final = msgpack.unpackb
+
+
 def pack(obj: Any) -> bytes:
     """Encode an application payload (a msgpack-friendly object)."""
     return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
@@ -183,37 +187,97 @@ def _kind_byte(kind: Kind) -> bytes:
 
 _KIND_FRAMES: Final = {k: _kind_byte(k) for k in Kind}
 _KIND_BY_FRAME: Final = {frame: k for k, frame in _KIND_FRAMES.items()}
+# The kind frames of the two messages on the broker's hot path (see broker/server.py).
+REQUEST_FRAME: Final = _KIND_FRAMES[Kind.REQUEST]
+REPLY_FRAME: Final = _KIND_FRAMES[Kind.REPLY]
+_PARTIAL_FRAME: Final = _KIND_FRAMES[Kind.PARTIAL]
+_FAILURE_FRAME: Final = _KIND_FRAMES[Kind.FAILURE]
+_HEARTBEAT_FRAME: Final = _KIND_FRAMES[Kind.HEARTBEAT]
+_CANCEL_FRAME: Final = _KIND_FRAMES[Kind.CANCEL]
+_READY_FRAME: Final = _KIND_FRAMES[Kind.READY]
+_DISCONNECT_FRAME: Final = _KIND_FRAMES[Kind.DISCONNECT]
+_STATUS_FRAME: Final = _KIND_FRAMES[Kind.STATUS]
+
+_Pack: TypeAlias = Callable[[Any], bytes]
+
+
+def _encode_request(m: Request, pack: _Pack) -> list[bytes]:
+    meta = {"id": m.request_id, "svc": m.service, "b": m.budget_s, "a": m.attempt}
+    return [HEADER, REQUEST_FRAME, pack(meta), m.body]
+
+
+def _encode_reply(m: Reply, pack: _Pack) -> list[bytes]:
+    return [HEADER, REPLY_FRAME, pack({"id": m.request_id}), m.body]
+
+
+def _encode_partial(m: Partial, pack: _Pack) -> list[bytes]:
+    return [HEADER, _PARTIAL_FRAME, pack({"id": m.request_id, "n": m.seq}), m.body]
+
+
+def _encode_failure(m: Failure, pack: _Pack) -> list[bytes]:
+    meta = {"id": m.request_id, "k": m.kind, "m": m.message, "r": m.retryable}
+    return [HEADER, _FAILURE_FRAME, pack(meta), m.body]
+
+
+def _encode_heartbeat(m: Heartbeat, pack: _Pack) -> list[bytes]:
+    return [HEADER, _HEARTBEAT_FRAME, pack({"p": m.peer_id})]
+
+
+def _encode_cancel(m: Cancel, pack: _Pack) -> list[bytes]:
+    return [HEADER, _CANCEL_FRAME, pack({"id": m.request_id})]
+
+
+def _encode_ready(m: Ready, pack: _Pack) -> list[bytes]:
+    return [HEADER, _READY_FRAME, pack({"s": list(m.services), "c": m.capacity, "i": m.info})]
+
+
+def _encode_disconnect(m: Disconnect, pack: _Pack) -> list[bytes]:
+    return [HEADER, _DISCONNECT_FRAME, pack({"r": m.reason})]
+
+
+def _encode_status(m: Status, pack: _Pack) -> list[bytes]:
+    return [HEADER, _STATUS_FRAME, pack({"id": m.request_id})]
+
+
+# One dict lookup on the exact type instead of a chain of class patterns.
+_ENCODERS: Final[dict[type, Callable[[Any, _Pack], list[bytes]]]] = {
+    Request: _encode_request,
+    Reply: _encode_reply,
+    Partial: _encode_partial,
+    Failure: _encode_failure,
+    Heartbeat: _encode_heartbeat,
+    Cancel: _encode_cancel,
+    Ready: _encode_ready,
+    Disconnect: _encode_disconnect,
+    Status: _encode_status,
+}
+
+
+def _encoder(cls: type) -> Callable[[Any, _Pack], list[bytes]]:
+    for base in cls.__mro__:
+        enc = _ENCODERS.get(base)
+        if enc is not None:
+            return enc
+    raise TypeError(f"not a protocol message: {cls.__name__}")
 
 
 def encode(msg: Message) -> list[bytes]:
     """Encode a message as frames (without any routing identity)."""
-    match msg:
-        case Request(request_id, service, budget_s, body, attempt):
-            return [
-                HEADER,
-                _KIND_FRAMES[Kind.REQUEST],
-                pack({"id": request_id, "svc": service, "b": budget_s, "a": attempt}),
-                body,
-            ]
-        case Partial(request_id, seq, body):
-            return [HEADER, _KIND_FRAMES[Kind.PARTIAL], pack({"id": request_id, "n": seq}), body]
-        case Reply(request_id, body):
-            return [HEADER, _KIND_FRAMES[Kind.REPLY], pack({"id": request_id}), body]
-        case Failure(request_id, kind, message, retryable, body):
-            meta = {"id": request_id, "k": kind, "m": message, "r": retryable}
-            return [HEADER, _KIND_FRAMES[Kind.FAILURE], pack(meta), body]
-        case Heartbeat(peer_id):
-            return [HEADER, _KIND_FRAMES[Kind.HEARTBEAT], pack({"p": peer_id})]
-        case Cancel(request_id):
-            return [HEADER, _KIND_FRAMES[Kind.CANCEL], pack({"id": request_id})]
-        case Ready(services, capacity, info):
-            meta = {"s": list(services), "c": capacity, "i": info}
-            return [HEADER, _KIND_FRAMES[Kind.READY], pack(meta)]
-        case Disconnect(reason):
-            return [HEADER, _KIND_FRAMES[Kind.DISCONNECT], pack({"r": reason})]
-        case Status(request_id):
-            return [HEADER, _KIND_FRAMES[Kind.STATUS], pack({"id": request_id})]
-    raise TypeError(f"not a protocol message: {type(msg).__name__}")  # pragma: no cover
+    return (_ENCODERS.get(type(msg)) or _encoder(type(msg)))(msg, pack)
+
+
+class Encoder:
+    """``encode`` with a msgpack packer of its own, reused for every message:
+    about half the cost of ``msgpack.packb``, which builds a packer per call.
+
+    Not thread-safe (the packer has one buffer): one per thread. The broker's
+    single-threaded loop owns one."""
+
+    def __init__(self) -> None:
+        self._pack: _Pack = msgpack.Packer(use_bin_type=True).pack
+
+    def __call__(self, msg: Message) -> list[bytes]:
+        return (_ENCODERS.get(type(msg)) or _encoder(type(msg)))(msg, self._pack)
 
 
 def check_header(frame: bytes) -> None:
@@ -251,16 +315,33 @@ def decode(
         if len(kind_frame) != 1:
             raise MalformedMessage("kind frame must be exactly one byte")
         raise UnknownKind(f"unknown message kind {kind_frame[0]}")
-    if len(frames[2]) > MAX_META_BYTES:
-        raise Oversized(f"metadata of {len(frames[2])} bytes exceeds {MAX_META_BYTES}")
+    meta = _meta(frames[2])
+    body = bytes(frames[3]) if len(frames) == 4 else b""
+    return _BUILDERS[kind](meta, body)
+
+
+def _meta(frame: bytes) -> dict[str, Any]:
+    if len(frame) > MAX_META_BYTES:
+        raise Oversized(f"metadata of {len(frame)} bytes exceeds {MAX_META_BYTES}")
     try:
-        meta = msgpack.unpackb(frames[2], raw=False, strict_map_key=True)
+        meta = _unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:
         raise MalformedMessage(f"metadata is not valid msgpack: {type(exc).__name__}") from exc
     if not isinstance(meta, dict):
         raise MalformedMessage("metadata must be a map")
-    body = bytes(frames[3]) if len(frames) == 4 else b""
-    return _build(kind, meta, body)
+    return meta
+
+
+def request_fields(meta: bytes) -> tuple[str, str, float, int]:
+    """The checked fields of a REQUEST's metadata frame: (request_id, service,
+    budget_s, attempt). For a receiver that routes without building the message
+    (the broker); raises ``ProtocolError`` exactly where ``decode`` would."""
+    return _request_fields(_meta(meta))
+
+
+def reply_id(meta: bytes) -> str:
+    """The checked request id of a REPLY's metadata frame (see ``request_fields``)."""
+    return _str(_meta(meta), "id")
 
 
 def _str(meta: dict[str, Any], key: str, *, limit: int = MAX_ID_CHARS, empty: bool = False) -> str:
@@ -277,56 +358,92 @@ def _int(meta: dict[str, Any], key: str, *, low: int, high: int) -> int:
     return value
 
 
-def _build(kind: Kind, meta: dict[str, Any], body: bytes) -> Message:
-    if kind is Kind.REQUEST:
-        budget = meta.get("b")
-        if (
-            not isinstance(budget, int | float)
-            or isinstance(budget, bool)
-            or not math.isfinite(budget)
-            or budget < 0
-        ):
-            raise MalformedMessage("field 'b' (budget_s) must be a finite number >= 0")
-        return Request(
-            _str(meta, "id"),
-            _str(meta, "svc"),
-            float(budget),
-            body,
-            _int(meta, "a", low=1, high=1_000_000),
-        )
-    if kind is Kind.PARTIAL:
-        return Partial(_str(meta, "id"), _int(meta, "n", low=0, high=2**62), body)
-    if kind is Kind.REPLY:
-        return Reply(_str(meta, "id"), body)
-    if kind is Kind.FAILURE:
-        retryable = meta.get("r")
-        if not isinstance(retryable, bool):
-            raise MalformedMessage("field 'r' (retryable) must be a boolean")
-        return Failure(
-            _str(meta, "id"),
-            _str(meta, "k", limit=64),
-            _str(meta, "m", limit=MAX_TEXT_CHARS, empty=True),
-            retryable,
-            body,
-        )
-    if kind is Kind.HEARTBEAT:
-        return Heartbeat(_str(meta, "p", empty=True))
-    if kind is Kind.CANCEL:
-        return Cancel(_str(meta, "id"))
-    if kind is Kind.READY:
-        services = meta.get("s")
-        if (
-            not isinstance(services, list)
-            or not 1 <= len(services) <= 64
-            or not all(isinstance(s, str) and 0 < len(s) <= 64 for s in services)
-        ):
-            raise MalformedMessage("field 's' (services) must list 1..64 service names")
-        info = meta.get("i", {})
-        if not isinstance(info, dict):
-            raise MalformedMessage("field 'i' (info) must be a map")
-        return Ready(tuple(services), _int(meta, "c", low=1, high=4096), info)
-    if kind is Kind.DISCONNECT:
-        return Disconnect(_str(meta, "r", limit=MAX_TEXT_CHARS, empty=True))
-    if kind is Kind.STATUS:
-        return Status(_str(meta, "id"))
-    raise UnknownKind(f"unknown message kind {kind}")  # pragma: no cover
+def _request_fields(meta: dict[str, Any]) -> tuple[str, str, float, int]:
+    budget = meta.get("b")
+    if (
+        not isinstance(budget, int | float)
+        or isinstance(budget, bool)
+        or not math.isfinite(budget)
+        or budget < 0
+    ):
+        raise MalformedMessage("field 'b' (budget_s) must be a finite number >= 0")
+    # Inlined _str/_int checks: this runs for every request the broker routes.
+    rid = meta.get("id")
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_CHARS:
+        raise MalformedMessage(f"field 'id' must be a string of 1..{MAX_ID_CHARS} characters")
+    service = meta.get("svc")
+    if not isinstance(service, str) or not 0 < len(service) <= MAX_ID_CHARS:
+        raise MalformedMessage(f"field 'svc' must be a string of 1..{MAX_ID_CHARS} characters")
+    attempt = meta.get("a")
+    if type(attempt) is not int or not 1 <= attempt <= 1_000_000:
+        raise MalformedMessage("field 'a' must be an integer in [1, 1000000]")
+    return rid, service, float(budget), attempt
+
+
+def _build_request(meta: dict[str, Any], body: bytes) -> Message:
+    rid, service, budget_s, attempt = _request_fields(meta)
+    return Request(rid, service, budget_s, body, attempt)
+
+
+def _build_partial(meta: dict[str, Any], body: bytes) -> Message:
+    return Partial(_str(meta, "id"), _int(meta, "n", low=0, high=2**62), body)
+
+
+def _build_reply(meta: dict[str, Any], body: bytes) -> Message:
+    return Reply(_str(meta, "id"), body)
+
+
+def _build_failure(meta: dict[str, Any], body: bytes) -> Message:
+    retryable = meta.get("r")
+    if not isinstance(retryable, bool):
+        raise MalformedMessage("field 'r' (retryable) must be a boolean")
+    return Failure(
+        _str(meta, "id"),
+        _str(meta, "k", limit=64),
+        _str(meta, "m", limit=MAX_TEXT_CHARS, empty=True),
+        retryable,
+        body,
+    )
+
+
+def _build_heartbeat(meta: dict[str, Any], body: bytes) -> Message:
+    return Heartbeat(_str(meta, "p", empty=True))
+
+
+def _build_cancel(meta: dict[str, Any], body: bytes) -> Message:
+    return Cancel(_str(meta, "id"))
+
+
+def _build_ready(meta: dict[str, Any], body: bytes) -> Message:
+    services = meta.get("s")
+    if (
+        not isinstance(services, list)
+        or not 1 <= len(services) <= 64
+        or not all(isinstance(s, str) and 0 < len(s) <= 64 for s in services)
+    ):
+        raise MalformedMessage("field 's' (services) must list 1..64 service names")
+    info = meta.get("i", {})
+    if not isinstance(info, dict):
+        raise MalformedMessage("field 'i' (info) must be a map")
+    return Ready(tuple(services), _int(meta, "c", low=1, high=4096), info)
+
+
+def _build_disconnect(meta: dict[str, Any], body: bytes) -> Message:
+    return Disconnect(_str(meta, "r", limit=MAX_TEXT_CHARS, empty=True))
+
+
+def _build_status(meta: dict[str, Any], body: bytes) -> Message:
+    return Status(_str(meta, "id"))
+
+
+_BUILDERS: Final[dict[Kind, Callable[[dict[str, Any], bytes], Message]]] = {
+    Kind.REQUEST: _build_request,
+    Kind.PARTIAL: _build_partial,
+    Kind.REPLY: _build_reply,
+    Kind.FAILURE: _build_failure,
+    Kind.HEARTBEAT: _build_heartbeat,
+    Kind.CANCEL: _build_cancel,
+    Kind.READY: _build_ready,
+    Kind.DISCONNECT: _build_disconnect,
+    Kind.STATUS: _build_status,
+}
