@@ -107,7 +107,8 @@ class Dispatcher:
             self._fail_expired(identity, out)
         client.last_seen = now
         if isinstance(msg, protocol.Request):
-            self._on_request(client, msg, now, out)
+            self._on_request(client, msg.request_id, msg.service, msg.budget_s, msg.body,
+                             msg.attempt, now, out)
         elif isinstance(msg, protocol.Heartbeat):
             if msg.peer_id != client.instance:
                 if client.instance and msg.peer_id:
@@ -147,8 +148,10 @@ class Dispatcher:
             self._ask_to_register(identity, now, out)
             return out
         worker.last_seen = now
-        if isinstance(msg, protocol.Reply | protocol.Failure):
-            self._on_answer(worker, msg, now, out)
+        if isinstance(msg, protocol.Reply):
+            self._on_answer(worker, msg.request_id, msg.body, None, now, out)
+        elif isinstance(msg, protocol.Failure):
+            self._on_answer(worker, msg.request_id, msg.body, msg, now, out)
         elif isinstance(msg, protocol.Partial):
             req = worker.in_flight.get(msg.request_id)
             if req is None:
@@ -166,6 +169,31 @@ class Dispatcher:
             self._remove_worker(worker, f"worker disconnected: {msg.reason}"[:200], out)
         else:
             self.dropped["wrong_direction"] += 1
+        return out
+
+    def on_request(self, identity: bytes, request_id: str, service: str, budget_s: float,
+                   body: bytes, attempt: int, now: float) -> list[Send]:
+        """``on_client`` with a REQUEST given as its fields (the broker's hot path:
+        no message object is built for it). Same effect, same actions."""
+        client = self._clients.get(identity)
+        if client is None:  # first contact: the general path registers the client
+            return self.on_client(
+                identity, protocol.Request(request_id, service, budget_s, body, attempt), now)
+        self._now = now
+        client.last_seen = now
+        out: list[Send] = []
+        self._on_request(client, request_id, service, budget_s, body, attempt, now, out)
+        return out
+
+    def on_reply(self, identity: bytes, request_id: str, body: bytes, now: float) -> list[Send]:
+        """``on_worker`` with a REPLY given as its fields (see ``on_request``)."""
+        worker = self._workers.get(identity)
+        if worker is None:
+            return self.on_worker(identity, protocol.Reply(request_id, body), now)
+        self._now = now
+        worker.last_seen = now
+        out: list[Send] = []
+        self._on_answer(worker, request_id, body, None, now, out)
         return out
 
     def drop(self, reason: str) -> None:
@@ -229,55 +257,55 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ clients
 
-    def _on_request(self, client: ClientEntry, msg: protocol.Request, now: float,
-                    out: list[Send]) -> None:
+    def _on_request(self, client: ClientEntry, request_id: str, service: str, budget_s: float,
+                    body: bytes, attempt: int, now: float, out: list[Send]) -> None:
         self.counters["requests"] += 1
         cid = client.identity
-        if msg.request_id in client.pending:
+        if request_id in client.pending:
             self.dropped["duplicate_request_id"] += 1
             return
-        if msg.budget_s <= 0:
-            self._fail_direct(cid, msg.request_id, FailureKind.TIMEOUT,
+        if budget_s <= 0:
+            self._fail_direct(cid, request_id, FailureKind.TIMEOUT,
                               "request arrived with no budget left", out)
             return
         if len(self._requests) >= self.limits.max_requests:
-            self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+            self._fail_direct(cid, request_id, FailureKind.OVERLOADED,
                               "broker is tracking too many requests", out)
             return
-        service = msg.service
         queue = self._queues.get(service)
-        idle = self._idle.get(service)
-        if queue is None and idle:
-            req = self._new_request(client, msg, now)
-            self._dispatch(req, self._workers[next(iter(idle))], now, out)
-            return
-        if self._queued_bytes + len(msg.body) > self.limits.max_queued_bytes:
-            self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+        if queue is None:
+            idle = self._idle.get(service)
+            if idle:
+                req = self._new_request(client, request_id, service, body, attempt,
+                                        now + budget_s)
+                self._dispatch(req, self._workers[next(iter(idle))], now, out)
+                return
+        if self._queued_bytes + len(body) > self.limits.max_queued_bytes:
+            self._fail_direct(cid, request_id, FailureKind.OVERLOADED,
                               "queued request bodies are over the broker's byte bound", out)
             return
         if queue is None:
             if len(self._queues) >= self.limits.max_queued_services:
-                self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+                self._fail_direct(cid, request_id, FailureKind.OVERLOADED,
                                   "too many services with queued requests", out)
                 return
             queue = self._queues[service] = {}
         elif len(queue) >= self.limits.queue_limit:
-            self._fail_direct(cid, msg.request_id, FailureKind.OVERLOADED,
+            self._fail_direct(cid, request_id, FailureKind.OVERLOADED,
                               f"queue of service {service!r} is full", out)
             return
-        req = self._new_request(client, msg, now)
+        req = self._new_request(client, request_id, service, body, attempt, now + budget_s)
         queue[req.rid] = req
-        self._queued_bytes += len(req.body)
+        self._queued_bytes += len(body)
 
-    def _new_request(self, client: ClientEntry, msg: protocol.Request, now: float) -> Req:
-        self._next_seq += 1
-        seq = self._next_seq
+    def _new_request(self, client: ClientEntry, client_rid: str, service: str, body: bytes,
+                     attempt: int, deadline: float) -> Req:
+        self._next_seq = seq = self._next_seq + 1
         rid = f"{self._rid_prefix}{seq:x}"
-        req = Req(rid, seq, client.identity, msg.request_id, msg.service, msg.body,
-                   msg.attempt, now + msg.budget_s)
+        req = Req(rid, seq, client.identity, client_rid, service, body, attempt, deadline)
         self._requests[rid] = req
-        client.pending[msg.request_id] = req
-        heapq.heappush(self._deadlines, (req.deadline, rid))
+        client.pending[client_rid] = req
+        heapq.heappush(self._deadlines, (deadline, rid))
         return req
 
     def _on_cancel(self, client: ClientEntry, client_rid: str, now: float,
@@ -350,9 +378,10 @@ class Dispatcher:
         self._disconnect_sent[identity] = now
         out.append(Send(Side.WORKER, identity, protocol.Disconnect("unknown worker: send READY")))
 
-    def _on_answer(self, worker: WorkerEntry, msg: protocol.Reply | protocol.Failure, now: float,
-                   out: list[Send]) -> None:
-        req = worker.in_flight.get(msg.request_id)
+    def _on_answer(self, worker: WorkerEntry, request_id: str, body: bytes,
+                   failure: protocol.Failure | None, now: float, out: list[Send]) -> None:
+        """A REPLY (``failure`` is None) or a FAILURE for ``request_id`` from ``worker``."""
+        req = worker.in_flight.get(request_id)
         if req is None:
             self.dropped["unknown_request"] += 1
             return
@@ -363,18 +392,21 @@ class Dispatcher:
             if client is not None:
                 del client.pending[req.client_rid]
             req.closed = True
-            if isinstance(msg, protocol.Reply):
+            if failure is None:
                 self.counters["replies"] += 1
-                answer: protocol.Message = protocol.Reply(req.client_rid, msg.body)
+                answer: protocol.Message = protocol.Reply(req.client_rid, body)
             else:
-                self.failures[msg.kind] += 1
-                answer = protocol.Failure(req.client_rid, msg.kind, msg.message,
-                                          msg.retryable, msg.body)
+                self.failures[failure.kind] += 1
+                answer = protocol.Failure(req.client_rid, failure.kind, failure.message,
+                                          failure.retryable, body)
             out.append(Send(Side.CLIENT, req.client, answer))
         worker.answered += 1
-        del worker.in_flight[req.rid]
-        del self._requests[req.rid]
-        self._fill(worker, now, out)
+        del worker.in_flight[request_id]
+        del self._requests[request_id]
+        if self._queues:
+            self._fill(worker, now, out)
+        else:
+            self._mark_idle(worker)
 
     def _recancel(self, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Repeat the CANCEL of a request whose answer has not come back within a
@@ -440,12 +472,21 @@ class Dispatcher:
             if not best:
                 del self._queues[best_req.service]
             self._dispatch(best_req, worker, now, out)
+        self._mark_idle(worker)
+
+    def _mark_idle(self, worker: WorkerEntry) -> None:
+        """If ``worker`` has a free slot, make it the most recently used idle worker
+        of each of its services."""
         if len(worker.in_flight) < worker.capacity:
             wid = worker.identity
+            idle_sets = self._idle
             for service in worker.services:
-                idle = self._idle.setdefault(service, {})
-                idle.pop(wid, None)
-                idle[wid] = None
+                idle = idle_sets.get(service)
+                if idle is None:
+                    idle_sets[service] = {wid: None}
+                else:
+                    idle.pop(wid, None)
+                    idle[wid] = None
 
     # ------------------------------------------------------------------ answers
 
