@@ -26,15 +26,6 @@ from supervisor.store import (
 from tests.store.steps import Session, execution, new_record, tool_round
 
 
-@pytest.fixture
-async def store(tmp_path: Path):  # type: ignore[no-untyped-def]
-    s = await Store.open(tmp_path / "corral.db")
-    try:
-        yield s
-    finally:
-        await s.close()
-
-
 async def test_commit_then_load_gives_context_state_and_sequences(store: Store) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))

@@ -83,15 +83,6 @@ async def _run_rounds(store: Store, s: Session, rounds: int) -> list[dict[str, A
 
 
 @pytest.fixture
-async def store(tmp_path: Path):  # type: ignore[no-untyped-def]
-    s = await Store.open(tmp_path / "live.db")
-    try:
-        yield s
-    finally:
-        await s.close()
-
-
-@pytest.fixture
 async def series(store: Store) -> list[dict[str, Any]]:
     s = Session("live")
     await store.create_session(new_record("live"))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from supervisor.store import (
@@ -15,15 +13,6 @@ from supervisor.store import (
     SubmissionId,
 )
 from tests.store.steps import Session, execution, new_record, tool_round
-
-
-@pytest.fixture
-async def store(tmp_path: Path):  # type: ignore[no-untyped-def]
-    s = await Store.open(tmp_path / "corral.db")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def _session_with_rounds(store: Store, name: str, rounds: int) -> Session:
