@@ -1,12 +1,18 @@
 """The broker process's socket loop around the pure ``Dispatcher``.
 
-A blocking ``zmq.Poller`` loop over two ROUTER sockets, no asyncio (PERF.md:
-a tight blocking loop comes within ~15 % of libzmq's C proxy; all-asyncio is
-about 2x slower). Each wake-up drains every ready message (up to a batch per
-socket, so one side cannot starve the other), then runs the timers; the poll
-timeout is the time to the dispatcher's next timer.
+A blocking loop over two ROUTER sockets, no asyncio (PERF.md: a tight
+blocking loop comes within ~15 % of libzmq's C proxy; all-asyncio is about 2x
+slower). It waits in ``select.poll`` on the sockets' ZMQ_FDs; each wake-up
+drains every ready message (up to a batch per socket, so one side cannot
+starve the other), then runs the timers; the poll timeout is the time to the
+dispatcher's next timer. REQUESTs from clients and REPLYs from workers take a
+hot path: only their metadata is decoded, into fields, and the payload frame
+is forwarded as received.
 
 Invariants:
+- The loop blocks only when every socket's last operation was an EVENTS read
+  (or a failed read) that found no input: a ZMQ_FD signals only new commands,
+  and libzmq may process (and so consume) them during any send.
 - No input can crash the loop or stop other traffic: decoding errors are
   counted by reason and dropped; an unexpected exception while handling one
   message is caught at the message boundary, counted (``internal_error``) and
@@ -25,6 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import select
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -37,7 +44,7 @@ from broker.faults import DELAY, DROP, DUPLICATE, FrameFaults
 from broker.protocol import FailureKind
 from broker.security import CurveServer, Guard
 from broker.state import Dispatcher, Limits, Send, Side, new_broker_id
-from broker.transport import readable, recv_frames, send_frames
+from broker.transport import readable, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,16 @@ MAX_BACKLOG_BYTES: Final = 256 * 1024 * 1024
 BACKLOG_RETRY_S: Final = 0.002
 _Held = tuple[zmq.Socket[bytes], list[bytes], int]  # socket, frames, size
 DROP_LOG_EVERY_S: Final = 5.0
+_NB: Final = int(zmq.NOBLOCK)
+_HEADER: Final = protocol.HEADER
+_REQUEST: Final = protocol.REQUEST_FRAME
+_REPLY: Final = protocol.REPLY_FRAME
+_MAX_META: Final = protocol.MAX_META_BYTES
+_request_fields: Final = protocol.request_fields
+_reply_id: Final = protocol.reply_id
+# Bits of ``Broker._unchecked``: sockets written to since their EVENTS were last read.
+_FRONT: Final = 1
+_BACK: Final = 2
 _REQUEST_KINDS: Final = (bytes((protocol.Kind.REQUEST,)), bytes((protocol.Kind.STATUS,)))
 
 
@@ -110,9 +127,15 @@ class Broker:
         self._stopping = False
         self._drops = _DropLog()
         self._faults = config.faults
+        # The hot path (see _on_frontend) is off in chaos runs: faults act on messages.
+        self._fast = config.faults is None
+        # Metadata plus body at most this long keep a message within max_message_bytes.
+        self._fast_limit = config.max_message_bytes - len(protocol.HEADER) - 1
+        self._encode = protocol.Encoder()
         self._backlog: dict[tuple[Side, bytes], collections.deque[_Held]] = {}
         self._backlog_count = 0
         self._backlog_bytes = 0
+        self._unchecked = _FRONT | _BACK  # see run()
         self._delayed: collections.deque[tuple[float, Side, bytes, protocol.Message]] = (
             collections.deque())
         self.frontend_endpoint = ""
@@ -166,41 +189,80 @@ class Broker:
 
     def run(self) -> None:
         """Serve until ``request_stop``; then answer open requests and disconnect workers."""
-        poller = zmq.Poller()
-        poller.register(self._front, zmq.POLLIN)
-        poller.register(self._back, zmq.POLLIN)
-        guard = self.guard
-        for extra in guard.poll_sockets() if guard is not None else ():
-            poller.register(extra, zmq.POLLIN)
         front, back, state = self._front, self._back, self.state
+        guard = self.guard
+        # select.poll on the sockets' ZMQ_FDs instead of zmq.Poller: zmq_poll does a
+        # first non-blocking pass and reads ZMQ_EVENTS of every socket twice per call,
+        # about ten system calls per wake-up where this loop needs three or four.
+        fds = select.poll()
+        front_fd: int = front.get(zmq.FD)  # type: ignore[assignment]
+        back_fd: int = back.get(zmq.FD)  # type: ignore[assignment]
+        extras: dict[int, zmq.Socket[Any]] = {}
+        for extra in guard.poll_sockets() if guard is not None else ():
+            extras[extra.get(zmq.FD)] = extra  # type: ignore[index]
+        for fd in (front_fd, back_fd, *extras):
+            fds.register(fd, select.POLLIN)
         log.info("broker %s serving frontend=%s backend=%s", self.broker_id,
                  self.frontend_endpoint, self.backend_endpoint)
         delayed = self._delayed
+        on_front, on_back = self._on_frontend, self._on_backend
+        fired = 0  # sockets whose fd signalled: read at once, without asking EVENTS first
+        self._unchecked = _FRONT | _BACK
+        pending_extras = list(extras.values())
+        monotonic = time.monotonic
         while not self._stopping:
-            wake = state.next_wakeup()
-            if delayed and delayed[0][0] < wake:
-                wake = delayed[0][0]
-            wait_s = wake - time.monotonic()
-            wait_s = 0.0 if wait_s < 0 else min(wait_s, MAX_POLL_S)
-            if self._backlog:
-                self._flush_backlog()
-                if self._backlog:
-                    wait_s = min(wait_s, BACKLOG_RETRY_S)
-            # Round up: poll(0) for a timer less than 1 ms away would spin.
-            ready = poller.poll(math.ceil(wait_s * 1000))
-            for sock, _ in ready:
-                if sock is front:
-                    self._drain(front, self._on_frontend)
-                elif sock is back:
-                    self._drain(back, self._on_backend)
-                elif guard is not None:
-                    guard.on_ready(sock)
-            now = time.monotonic()
+            todo = self._unchecked | fired
+            if todo & _FRONT:
+                if self._drain(front, on_front, fired & _FRONT):
+                    self._unchecked |= _FRONT  # batch cut short: come back before blocking
+                else:
+                    self._unchecked &= ~_FRONT
+            if todo & _BACK:
+                if self._drain(back, on_back, fired & _BACK):
+                    self._unchecked |= _BACK
+                else:
+                    self._unchecked &= ~_BACK
+            if pending_extras and guard is not None:
+                for sock in pending_extras:
+                    while readable(sock):
+                        guard.on_ready(sock)
+                pending_extras = []
+            now = monotonic()
             while delayed and delayed[0][0] <= now:
                 _, side, identity, msg = delayed.popleft()
                 self._deliver(side, identity, msg, now)
-            if now >= state.next_wakeup():
+            wake = state.next_wakeup()
+            if now >= wake:
                 self._perform(state.tick(now))
+                wake = state.next_wakeup()
+            if self._backlog:
+                self._flush_backlog()
+            fired = 0
+            unchecked = self._unchecked
+            if unchecked:
+                # A send may have consumed a socket's fd signal (libzmq processes
+                # commands while sending): ask its EVENTS again before blocking.
+                self._unchecked = 0
+                if unchecked & _FRONT and readable(front):
+                    fired |= _FRONT
+                if unchecked & _BACK and readable(back):
+                    fired |= _BACK
+                if fired:
+                    continue
+            if delayed and delayed[0][0] < wake:
+                wake = delayed[0][0]
+            wait_s = wake - now
+            wait_s = 0.0 if wait_s < 0 else min(wait_s, MAX_POLL_S)
+            if self._backlog:
+                wait_s = min(wait_s, BACKLOG_RETRY_S)
+            # Round up: poll(0) for a timer less than 1 ms away would spin.
+            for fd, _ in fds.poll(math.ceil(wait_s * 1000)):
+                if fd == front_fd:
+                    fired |= _FRONT
+                elif fd == back_fd:
+                    fired |= _BACK
+                elif fd in extras:
+                    pending_extras.append(extras[fd])
         log.info("broker %s stopping", self.broker_id)
         self._perform(state.shutdown("broker shutting down"))
 
@@ -215,22 +277,34 @@ class Broker:
 
     # ------------------------------------------------------------------ input
 
-    def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], handle: Any, fired: int) -> bool:
+        """Read and handle up to ``BATCH`` messages; True if more may be waiting.
+
+        When the socket's fd ``fired``, a message is most likely there: read it at
+        once (a failing read processes the same libzmq commands an EVENTS check
+        would). Otherwise, and before each further read, ask EVENTS first, like
+        libzmq's own proxy: cheaper than a recv that fails with EAGAIN (an
+        exception here). Either way the last operation on the socket is a check
+        that found it empty, so its fd will signal the next message."""
+        recv = sock.recv
         for i in range(BATCH):
-            # Like libzmq's own proxy, ask EVENTS before each further read: cheaper
-            # than a recv that fails with EAGAIN (an exception here).
-            if i and not readable(sock):
-                return
+            if (i or not fired) and not readable(sock):
+                return False
             try:
-                frames = recv_frames(sock)
+                frame = recv(_NB, copy=False)
+                frames = [frame.bytes]
+                while frame.more:
+                    frame = recv(_NB, copy=False)
+                    frames.append(frame.bytes)
             except zmq.Again:
-                return
+                return False
             try:
                 handle(frames)
             except Exception as exc:  # message boundary: one bad message never stops the loop
                 self.state.drop("internal_error")
                 self._drops.note("internal_error", repr(exc)[:200])
                 log.debug("internal error handling a message", exc_info=True)
+        return True
 
     def _decode(self, frames: list[bytes], side: str) -> protocol.Message | None:
         try:
@@ -250,6 +324,19 @@ class Broker:
         return None
 
     def _on_frontend(self, frames: list[bytes]) -> None:
+        if (len(frames) == 5 and frames[2] == _REQUEST and frames[1] == _HEADER
+                and self._fast and len(frames[3]) <= _MAX_META
+                and len(frames[3]) + len(frames[4]) <= self._fast_limit):
+            # The hot path: a REQUEST within the limits (everything else, including
+            # any error, takes the general path below and is counted the same way).
+            try:
+                rid, service, budget_s, attempt = _request_fields(frames[3])
+            except protocol.ProtocolError:
+                pass
+            else:
+                self._perform(self.state.on_request(frames[0], rid, service, budget_s,
+                                                    frames[4], attempt, time.monotonic()))
+                return
         if len(frames) < 2:
             self.state.drop("malformed")
             return
@@ -262,6 +349,16 @@ class Broker:
             self._inject(Side.CLIENT, frames[0], msg)
 
     def _on_backend(self, frames: list[bytes]) -> None:
+        if (len(frames) == 5 and frames[2] == _REPLY and frames[1] == _HEADER
+                and self._fast and len(frames[3]) <= _MAX_META
+                and len(frames[3]) + len(frames[4]) <= self._fast_limit):
+            try:
+                rid = _reply_id(frames[3])
+            except protocol.ProtocolError:
+                pass
+            else:
+                self._perform(self.state.on_reply(frames[0], rid, frames[4], time.monotonic()))
+                return
         if len(frames) < 2:
             self.state.drop("malformed")
             return
@@ -315,15 +412,22 @@ class Broker:
 
     def _perform(self, actions: list[Send]) -> None:
         front, back = self._front, self._back
-        encode = protocol.encode
+        encode = self._encode
         backlog = self._backlog
+        client = Side.CLIENT
         for action in actions:
-            sock = front if action.side is Side.CLIENT else back
-            key = (action.side, action.identity)
-            frames = [action.identity, *encode(action.msg)]
-            if key in backlog:
+            side, identity, msg = action
+            if side is client:
+                sock = front
+                self._unchecked |= _FRONT
+            else:
+                sock = back
+                self._unchecked |= _BACK
+            frames = encode(msg)
+            frames.insert(0, identity)
+            if backlog and (side, identity) in backlog:
                 # Keep the peer's order: once one message waits, the rest wait too.
-                self._hold(key, sock, frames, action)
+                self._hold((side, identity), sock, frames, action)
                 continue
             try:
                 send_frames(sock, frames)
@@ -331,11 +435,11 @@ class Broker:
                 # The peer's pipe is full for now (a slow reader, a burst): hold the
                 # message, bounded, and retry each wake-up, instead of dropping an
                 # answer the caller would then wait for until its deadline.
-                self._hold(key, sock, frames, action)
+                self._hold((side, identity), sock, frames, action)
             except zmq.ZMQError as exc:
                 reason = "unroutable" if exc.errno == zmq.EHOSTUNREACH else "send_error"
                 self.state.drop(reason)
-                self._drops.note(reason, f"to {action.side.value}: {exc}")
+                self._drops.note(reason, f"to {side.value}: {exc}")
 
     def _hold(self, key: tuple[Side, bytes], sock: zmq.Socket[bytes], frames: list[bytes],
               action: Send) -> None:
@@ -353,6 +457,7 @@ class Broker:
         """Retry held messages in order, per peer, until a pipe is full again."""
         for key in list(self._backlog):
             queue = self._backlog[key]
+            self._unchecked |= _FRONT if key[0] is Side.CLIENT else _BACK
             while queue:
                 sock, frames, size = queue[0]
                 try:
