@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Procs
+from tests.helpers import Procs, searchable_dir
 
 
 @pytest.fixture
@@ -26,15 +26,8 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 def workspace_root() -> Iterator[Path]:
     """A directory the sandbox uid can reach (pytest's tmp_path sits under a 0700
     directory of root, which a tool's non-root uid cannot traverse)."""
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="corral-test-", dir="/tmp"))
-    root.chmod(0o755)
-    try:
+    with searchable_dir("corral-test-", "/tmp") as root:
         yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:

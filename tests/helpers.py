@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -128,6 +130,18 @@ async def eventually(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(interval_s)
+
+
+@contextlib.contextmanager
+def searchable_dir(prefix: str, parent: str) -> Iterator[Path]:
+    """A fresh directory in ``parent``, mode 0755 so that a non-root sandbox uid can
+    enter it (pytest's tmp_path sits under a 0700 directory of root); removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def read_line_with_deadline(proc: subprocess.Popen[bytes], timeout_s: float) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 import uuid
@@ -26,7 +25,7 @@ import pytest
 
 from broker.client import BrokerClient
 from broker.protocol import pack, unpack
-from tests.helpers import Procs, read_line_with_deadline
+from tests.helpers import Procs, read_line_with_deadline, searchable_dir
 
 FAKE_KEY = "sk-test-corral-" + "7f3a9c" * 6
 HB_S = 0.25
@@ -115,23 +114,15 @@ async def client(stack: Stack) -> AsyncIterator[BrokerClient]:
 @pytest.fixture
 def workspace() -> Iterator[Path]:
     """A user's workspace: owned by root, mode 0755, under a searchable /tmp."""
-    path = Path(tempfile.mkdtemp(prefix="corral-ws-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
+    with searchable_dir("corral-ws-", "/tmp") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
 def host_dir() -> Iterator[Path]:
     """A fresh host directory outside the workspace (on the same filesystem)."""
-    path = Path(tempfile.mkdtemp(prefix="corral-host-", dir="/var/tmp"))
-    path.chmod(0o755)
-    try:
+    with searchable_dir("corral-host-", "/var/tmp") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def request_body(tool: str, args: dict[str, Any], workspace: Path,

@@ -57,16 +57,6 @@ def filters() -> Iterator[SeccompFilters]:
         f.close()
 
 
-@pytest.fixture
-def ws() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="corral-ws-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def test_sandbox_user_is_not_root(user: SandboxUser) -> None:
     assert user.uid != 0
     assert user.gid != 0
@@ -121,23 +111,23 @@ def test_acl_roundtrip() -> None:
     assert decode_acl(encode_acl(entries)) == entries
 
 
-def test_grant_tree_skips_links_and_sets_defaults(ws: Path, user: SandboxUser,
+def test_grant_tree_skips_links_and_sets_defaults(workspace: Path, user: SandboxUser,
                                                   tmp_path: Path) -> None:
     outside = Path(tempfile.mkdtemp(prefix="corral-host-", dir="/var/tmp"))
     try:
-        (ws / "sub").mkdir()
-        (ws / "sub" / "f").write_text("x")
+        (workspace / "sub").mkdir()
+        (workspace / "sub" / "f").write_text("x")
         target = outside / "t"
         target.write_text("outside")
-        os.link(target, ws / "hl")
-        (ws / "sl").symlink_to(outside)
-        os.chown(ws, 4242, 4242)  # a user's workspace, not root's
-        report = grant_tree(str(ws), user.gid)
+        os.link(target, workspace / "hl")
+        (workspace / "sl").symlink_to(outside)
+        os.chown(workspace, 4242, 4242)  # a user's workspace, not root's
+        report = grant_tree(str(workspace), user.gid)
         assert report.skipped_links == 1
-        assert is_granted(str(ws), user.gid)
-        f_acl = decode_acl(os.getxattr(ws / "sub" / "f", XATTR_ACCESS))
+        assert is_granted(str(workspace), user.gid)
+        f_acl = decode_acl(os.getxattr(workspace / "sub" / "f", XATTR_ACCESS))
         assert f_acl[(ACL_GROUP, user.gid)] == 6
-        default = decode_acl(os.getxattr(ws, XATTR_DEFAULT))
+        default = decode_acl(os.getxattr(workspace, XATTR_DEFAULT))
         assert default[(ACL_GROUP, user.gid)] == 7
         assert default[(ACL_USER, 4242)] == 7  # the owner can use what tools create
         for path in (target, outside):
@@ -147,10 +137,10 @@ def test_grant_tree_skips_links_and_sets_defaults(ws: Path, user: SandboxUser,
         shutil.rmtree(outside, ignore_errors=True)
 
 
-def test_openat2_refuses_escapes(ws: Path) -> None:
-    (ws / "link").symlink_to("/etc/passwd")
-    (ws / "f").write_text("ok")
-    fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
+def test_openat2_refuses_escapes(workspace: Path) -> None:
+    (workspace / "link").symlink_to("/etc/passwd")
+    (workspace / "f").write_text("ok")
+    fd = os.open(workspace, os.O_PATH | os.O_DIRECTORY)
     try:
         good = openat2(fd, "f", os.O_RDONLY, 0, RESOLVE)
         os.close(good)
@@ -188,14 +178,14 @@ def test_start_refuses_below_tier_min() -> None:
 
 @pytest.mark.parametrize("tier", ["T2", "T1"])
 def test_chain_kills_double_forked_daemon_on_exit(tier: str, user: SandboxUser,
-                                                  filters: SeccompFilters, ws: Path) -> None:
-    os.chown(ws, user.uid, user.gid)
+                                                  filters: SeccompFilters, workspace: Path) -> None:
+    os.chown(workspace, user.uid, user.gid)
     tag = f"corral-daemon-{os.getpid()}-{tier}"
     profile = Profile(tier, user, filters, None)
     tmp = tempfile.mkdtemp(dir="/var/tmp")
     os.chown(tmp, user.uid, user.gid)
     chain = profile.build(["/bin/bash", "-c", f"(setsid sleep 300 {tag} &) ; echo up"],
-                          str(ws), DEFAULT_LIMITS, network=False, uid=user.uid, tmpdir=tmp)
+                          str(workspace), DEFAULT_LIMITS, network=False, uid=user.uid, tmpdir=tmp)
     try:
         out = asyncio.run(run(RunSpec(chain.argv, chain.env, 30.0, 1 << 20, chain.pass_fds)))
     finally:
@@ -210,11 +200,11 @@ def test_chain_kills_double_forked_daemon_on_exit(tier: str, user: SandboxUser,
 
 
 def test_run_cancel_kills_tree_and_reaps(user: SandboxUser, filters: SeccompFilters,
-                                         ws: Path) -> None:
-    os.chown(ws, user.uid, user.gid)
+                                         workspace: Path) -> None:
+    os.chown(workspace, user.uid, user.gid)
     profile = Profile("T2", user, filters, None)
     call_id = f"layers-cancel-{os.getpid()}"
-    chain = profile.build(["/bin/bash", "-c", "echo go; sleep 600"], str(ws), DEFAULT_LIMITS,
+    chain = profile.build(["/bin/bash", "-c", "echo go; sleep 600"], str(workspace), DEFAULT_LIMITS,
                           network=False, uid=user.uid, call_id=call_id)
     seen: list[bytes] = []
 
@@ -243,10 +233,10 @@ def test_run_cancel_kills_tree_and_reaps(user: SandboxUser, filters: SeccompFilt
 
 
 def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: SeccompFilters,
-                                             ws: Path) -> None:
+                                             workspace: Path) -> None:
     from sandbox_worker.sandbox.reaper import OrphanReaper, _children, _status
 
-    os.chown(ws, user.uid, user.gid)
+    os.chown(workspace, user.uid, user.gid)
     profile = Profile("T2", user, filters, None)
 
     async def go() -> int:
@@ -254,7 +244,7 @@ def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: Seccomp
         assert reaper.install()
         try:
             for _ in range(8):
-                chain = profile.build(["true"], str(ws), DEFAULT_LIMITS, network=False,
+                chain = profile.build(["true"], str(workspace), DEFAULT_LIMITS, network=False,
                                       uid=user.uid)
                 try:
                     out = await run(RunSpec(chain.argv, chain.env, 30.0, 1 << 20,
@@ -276,11 +266,11 @@ def test_orphaned_namespace_inits_are_reaped(user: SandboxUser, filters: Seccomp
 
 
 def test_failing_output_sink_ends_the_call(user: SandboxUser, filters: SeccompFilters,
-                                           ws: Path) -> None:
-    os.chown(ws, user.uid, user.gid)
+                                           workspace: Path) -> None:
+    os.chown(workspace, user.uid, user.gid)
     call_id = f"layers-sink-{os.getpid()}"
     chain = Profile("T2", user, filters, None).build(
-        ["/bin/bash", "-c", "echo go; sleep 600"], str(ws), DEFAULT_LIMITS, network=False,
+        ["/bin/bash", "-c", "echo go; sleep 600"], str(workspace), DEFAULT_LIMITS, network=False,
         uid=user.uid, call_id=call_id)
 
     async def broken_sink(stream: str, data: bytes) -> None:
