@@ -40,7 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.25,
                         help="seconds between heartbeats (default 0.25)")
     parser.add_argument("--liveness", type=int, default=4,
-                        help="missed heartbeats before a peer is declared dead (default 4)")
+                        help="missed heartbeats before a worker is declared dead (default 4)")
+    parser.add_argument("--client-liveness", type=int, default=_DEFAULTS.client_liveness,
+                        help="missed heartbeats before a client is declared gone and its "
+                             "requests are cancelled (default 40: 10 s at 0.25 s; a false "
+                             "expiry of a stalled client fails all its calls)")
     parser.add_argument("--max-message-bytes", type=int,
                         default=protocol.DEFAULT_MAX_MESSAGE_BYTES,
                         help="largest accepted message (default 16 MiB)")
@@ -86,8 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.faults = FrameFaults.parse(args.faults, seed=args.faults_seed)
     except ValueError as exc:
         parser.error(f"--faults: {exc}")
-    if args.heartbeat_interval_s <= 0 or args.liveness < 1:
-        parser.error("--heartbeat-interval-s must be > 0 and --liveness >= 1")
+    if args.heartbeat_interval_s <= 0 or args.liveness < 1 or args.client_liveness < 1:
+        parser.error("--heartbeat-interval-s must be > 0, --liveness and --client-liveness >= 1")
     if min(args.max_message_bytes, args.queue_limit, args.max_workers, args.max_clients,
            args.max_requests, args.max_queued_bytes) < 1:
         parser.error("limits must be positive")
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # exit if the farm's root dies without stopping us
     limits = Limits(
         heartbeat_interval_s=args.heartbeat_interval_s, liveness=args.liveness,
-        queue_limit=args.queue_limit, max_workers=args.max_workers,
+        client_liveness=args.client_liveness, queue_limit=args.queue_limit,
+        max_workers=args.max_workers,
         max_clients=args.max_clients, max_requests=args.max_requests,
         max_queued_bytes=args.max_queued_bytes,
     )

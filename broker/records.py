@@ -47,10 +47,21 @@ class Limits:
     max_queued_bytes: int = 512 * 1024 * 1024  # request bodies waiting in queues
     max_expired_clients: int = 1024  # expired clients whose dropped requests are remembered
 
+    # Clients get a longer window than workers. A dead worker must be noticed
+    # fast, since its callers wait; a client's expiry only reclaims the work of
+    # a client that is gone, while a false one (a supervisor whose loop stalled
+    # under load) fails every call it has in flight.
+    client_liveness: int = 40
+
     @property
     def window_s(self) -> float:
-        """A peer silent for this long is declared dead."""
+        """A worker silent for this long is declared dead."""
         return self.heartbeat_interval_s * self.liveness
+
+    @property
+    def client_window_s(self) -> float:
+        """A client silent for this long is declared gone (never shorter than a worker's)."""
+        return self.heartbeat_interval_s * max(self.liveness, self.client_liveness)
 
 
 class Req:

@@ -538,6 +538,7 @@ class Dispatcher:
             self.counters["worker_expiries"] += 1
             silent = now - worker.last_seen
             self._remove_worker(worker, f"worker silent for {silent:.2f}s", out)
+        cutoff = now - self.limits.client_window_s
         for client in [c for c in self._clients.values() if c.last_seen < cutoff]:
             self.counters["client_expiries"] += 1
             self._remember_expired(client, now - client.last_seen)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from broker import protocol
 from broker.state import Dispatcher, Limits, Send, Side
 
-LIMITS = Limits(heartbeat_interval_s=0.25, liveness=4, queue_limit=2, max_requests=5)
+LIMITS = Limits(heartbeat_interval_s=0.25, liveness=4, client_liveness=4, queue_limit=2,
+                max_requests=5)
 
 
 def new(now: float = 0.0) -> Dispatcher:
@@ -224,7 +225,8 @@ def test_a_stalled_client_that_comes_back_learns_its_expired_requests_failed() -
 
 
 def test_remembered_expired_clients_are_bounded() -> None:
-    limits = Limits(heartbeat_interval_s=0.25, liveness=4, max_expired_clients=3)
+    limits = Limits(heartbeat_interval_s=0.25, liveness=4, client_liveness=4,
+                    max_expired_clients=3)
     d = Dispatcher("0123456789abcdef", limits, 0.0)
     for i in range(5):
         d.on_client(f"c{i}".encode(), protocol.Request("r", "s", 60.0), 0.0)
@@ -238,4 +240,20 @@ def test_remembered_expired_clients_are_bounded() -> None:
     answered = [i for i in range(5)
                 if client_msgs(d.on_client(f"c{i}".encode(), protocol.Heartbeat("x"), 1.5))]
     assert answered == [2, 3, 4]  # the oldest two were forgotten (their calls time out locally)
+    d.check_invariants()
+
+
+def test_a_client_is_given_a_longer_window_than_a_worker_by_default() -> None:
+    d = Dispatcher("0123456789abcdef", Limits(heartbeat_interval_s=0.25, liveness=4), 0.0)
+    d.on_worker(b"w", protocol.Ready(("s",), 1), 0.0)
+    d.on_client(b"c", protocol.Request("r", "s", 60.0), 0.0)
+    now = 0.0
+    while now < 9.0:  # both silent; the worker's window is 1 s, the client's 10 s
+        now = d.next_wakeup()
+        d.tick(now)
+    assert (d.counters["worker_expiries"], d.counters["client_expiries"]) == (1, 0)
+    while now < 10.2:
+        now = d.next_wakeup()
+        d.tick(now)
+    assert d.counters["client_expiries"] == 1
     d.check_invariants()

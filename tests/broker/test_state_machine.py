@@ -20,7 +20,8 @@ from broker.state import Dispatcher, Limits, Send, Side
 WORKERS = [b"w1", b"w2", b"w3"]
 CLIENTS = [b"c1", b"c2"]
 SERVICES = ["a", "b", "c"]
-LIMITS = Limits(heartbeat_interval_s=0.25, liveness=4, queue_limit=3, max_requests=12)
+LIMITS = Limits(heartbeat_interval_s=0.25, liveness=4, client_liveness=6, queue_limit=3,
+                max_requests=12)
 
 
 class DispatcherMachine(RuleBasedStateMachine):
