@@ -158,6 +158,23 @@ def write_script(path: Path, turns: int) -> None:
     path.write_text(json.dumps({"responses": responses}))
 
 
+class LoopLag:
+    """How late this process's event loop runs a 50 ms timer: the worst case per
+    level. A lag past the broker's liveness window (1 s by default) means the
+    broker client's heartbeats were late enough for the broker to expire it."""
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self.max_s = 0.0
+
+    async def run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(self.TICK_S)
+            self.max_s = max(self.max_s, time.monotonic() - t - self.TICK_S)
+
+
 class CpuMeter:
     """CPU seconds (user + system) of this process and of the farm's children."""
 
@@ -245,14 +262,22 @@ async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter,
                             on_stuck: Callable[[], Awaitable[None]]) -> dict[str, Any]:
     sids = [await manager.create_session(_spec(ws)) for _ in range(n)]
     steps0, events0 = counter.steps, counter.events
+    lag = LoopLag()
+    lag_task = asyncio.create_task(lag.run())
     before = meter.sample()
     started = time.monotonic()
     # gather, not a TaskGroup: one stuck session must not cancel the others
     # (nor the diagnostics of the first one) before they all report
-    outcomes = await asyncio.gather(*(_drive(manager, sid, m, on_stuck) for sid in sids),
-                                    return_exceptions=True)
+    try:
+        outcomes = await asyncio.gather(*(_drive(manager, sid, m, on_stuck) for sid in sids),
+                                        return_exceptions=True)
+    finally:
+        lag_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lag_task
     failures = [o for o in outcomes if isinstance(o, BaseException)]
     if failures:
+        await on_stuck()
         raise BenchFailed(f"{len(failures)} of {n} sessions failed; the first: {failures[0]}")
     wall = time.monotonic() - started
     after = meter.sample()
@@ -260,7 +285,8 @@ async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter,
     return {"sessions": n, "turns_each": m, "turns": turns, "wall_s": round(wall, 3),
             "turns_per_s": round(turns / wall, 2), **CpuMeter.per_turn_ms(before, after, turns),
             "commits_per_turn": round((counter.steps - steps0) / turns, 2),
-            "durable_events_per_turn": round((counter.events - events0) / turns, 2)}
+            "durable_events_per_turn": round((counter.events - events0) / turns, 2),
+            "loop_lag_max_s": round(lag.max_s, 3)}
 
 
 async def _settle(manager: SessionManager) -> None:
@@ -364,7 +390,7 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
 
 
 async def _report_stuck(url: str, client: BrokerClient) -> None:
-    """When a turn is stuck, say where the model calls stand: the provider's
+    """When a turn is stuck or failed, say where the model calls stand: the provider's
     counters, the broker's STATUS (without worker info) and the client's calls
     in flight. On stderr, best effort, once per run."""
     if STUCK_REPORTED:
