@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from contextlib import closing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, closing, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,79 +23,73 @@ async def _true(value: bool) -> bool:
     return value
 
 
-def _lock(path: Path) -> sqlite3.Connection:
-    """Another connection holding the database's write lock."""
+@asynccontextmanager
+async def _store_with_session(path: Path, **kw: Any) -> AsyncIterator[tuple[Store, Session]]:
+    """A store on ``path`` (opened with ``kw``) holding the new session ``s1``; closed after."""
+    store = await Store.open(path, **kw)
+    try:
+        s = Session("s1")
+        await store.create_session(new_record("s1"))
+        yield store, s
+    finally:
+        await store.close()
+
+
+@contextmanager
+def _write_locked(path: Path) -> Iterator[None]:
+    """Another connection holds the database's write lock for the block."""
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
-    return other
+    try:
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
 
 
 async def test_busy_past_the_deadline_raises_store_busy(tmp_path: Path) -> None:
     path = tmp_path / "corral.db"
-    store = await Store.open(path, busy_deadline_s=0.5)
-    try:
-        s = Session("s1")
-        await store.create_session(new_record("s1"))
-        other = _lock(path)
-        try:
+    async with _store_with_session(path, busy_deadline_s=0.5) as (store, s):
+        with _write_locked(path):
             started = time.monotonic()
             with pytest.raises(StoreBusy, match="still locked"):
                 await store.commit(s.step(tool_round(1), events=[("a", {})]))
             waited = time.monotonic() - started
             assert 0.4 <= waited < 10  # retried up to the deadline, not forever
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
         # The lock is gone: the same step now commits (nothing partial was left).
         step = Session("s1").step(tool_round(1), events=[("a", {})])
         await store.commit(step)
         loaded = await store.load(s.id)
         assert loaded is not None
         assert loaded.context == tool_round(1)
-    finally:
-        await store.close()
 
 
 async def test_busy_then_released_within_the_deadline_commits(tmp_path: Path) -> None:
     path = tmp_path / "corral.db"
-    store = await Store.open(path, busy_deadline_s=30)
-    try:
-        s = Session("s1")
-        await store.create_session(new_record("s1"))
-        other = _lock(path)
-        commit = asyncio.create_task(store.commit(s.step(tool_round(1))))
-        try:
+    async with _store_with_session(path, busy_deadline_s=30) as (store, s):
+        with _write_locked(path):
+            commit = asyncio.create_task(store.commit(s.step(tool_round(1))))
             await eventually(lambda: _true(store.busy_retries >= 3), timeout_s=30,
                              what="the commit to hit the lock and back off")
             assert not commit.done()
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
         await asyncio.wait_for(commit, 30)
         loaded = await store.load(s.id)
         assert loaded is not None
         assert loaded.last_batch_sequence == 1
-    finally:
-        await store.close()
 
 
 async def test_cancelled_commit_still_lands_and_the_retry_is_a_noop(tmp_path: Path) -> None:
     """Deterministic form of "a cancelled aiosqlite call may still commit"."""
     path = tmp_path / "corral.db"
-    store = await Store.open(path, busy_deadline_s=30)
-    try:
-        s = Session("s1")
-        await store.create_session(new_record("s1"))
+    async with _store_with_session(path, busy_deadline_s=30) as (store, s):
         step = s.step(tool_round(1), events=[("tool_call_end", {"call_id": "c1"})])
-        other = _lock(path)
-        commit = asyncio.create_task(store.commit(step))
-        await eventually(lambda: _true(store.busy_retries >= 1), timeout_s=30,
-                         what="the commit to be on the writer and blocked")
-        commit.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await commit
-        other.execute("ROLLBACK")
-        other.close()
+        with _write_locked(path):
+            commit = asyncio.create_task(store.commit(step))
+            await eventually(lambda: _true(store.busy_retries >= 1), timeout_s=30,
+                             what="the commit to be on the writer and blocked")
+            commit.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await commit
 
         async def landed() -> bool:
             loaded = await store.load(s.id)
@@ -104,8 +100,6 @@ async def test_cancelled_commit_still_lands_and_the_retry_is_a_noop(tmp_path: Pa
         assert [e.sequence for e in await store.replay_events(s.id)] == [1]
         page = await store.transcript_page(s.id)
         assert [b.sequence for b in page.items] == [1]
-    finally:
-        await store.close()
 
 
 async def test_full_database_raises_store_full_and_stays_consistent(tmp_path: Path) -> None:
