@@ -4,12 +4,13 @@ route parsing, status mapping, the selection rule, script checking."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
-from sandbox_worker.api import parse_route
+from sandbox_worker.api import ModelDelta, parse_route
 from sandbox_worker.fakellm.script import (
     ScriptError,
     compaction_token,
@@ -17,7 +18,8 @@ from sandbox_worker.fakellm.script import (
     parse_script,
 )
 from sandbox_worker.model.errors import from_httpx, from_status, parse_retry_after
-from sandbox_worker.model.sse import SSEError, SSEEvent, SSEParser
+from sandbox_worker.model.http import read_stream
+from sandbox_worker.model.sse import DEFAULT_MAX_EVENT_BYTES, SSEError, SSEEvent, SSEParser
 
 STREAM = (b"event: a\r\ndata: {\"x\": 1}\r\n\r\n: keep-alive\n\ndata: line1\ndata: line2\n\n"
           b"data: \xc3\xa9t\xc3\xa9\n\nevent: b\rdata:no-space\r\r")
@@ -163,3 +165,59 @@ def test_anthropic_decoder_ignores_unknown_blocks() -> None:
                       "content": [{"type": "output_text", "text": "hi"}]}]
     assert stop == "end_turn"
     assert usage["total"] == 8
+
+
+async def test_first_delta_leaves_before_the_rest_of_its_read_is_parsed() -> None:
+    """One large read: the first text delta, then an event over the parser's
+    bound. The first delta is relayed before the bad event is even parsed."""
+    def event(obj: dict[str, Any]) -> bytes:
+        return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
+
+    read = b"".join([
+        event({"type": "response.created", "response": {"id": "r"}}),
+        event({"type": "response.output_item.added", "output_index": 0,
+               "item": {"type": "message", "role": "assistant", "content": []}}),
+        event({"type": "response.output_text.delta", "output_index": 0, "delta": "Hel"}),
+        event({"type": "response.output_text.delta", "output_index": 0, "delta": "lo"}),
+        b"data: " + b"x" * (DEFAULT_MAX_EVENT_BYTES + 1),
+    ])
+
+    async def reads() -> AsyncIterator[bytes]:
+        yield read
+
+    relayed: list[list[ModelDelta]] = []
+
+    async def on_deltas(deltas: list[ModelDelta]) -> None:
+        relayed.append(list(deltas))
+
+    with pytest.raises(SSEError):
+        await read_stream(reads(), "openai-responses", on_deltas)
+    assert relayed == [[{"type": "text_delta", "text": "Hel"}]]
+
+
+async def test_read_stream_relays_in_order_whatever_the_reads() -> None:
+    """Any split of the stream into reads relays the same text, in order."""
+    def event(obj: dict[str, Any]) -> bytes:
+        return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
+
+    words = [f"w{i} " for i in range(40)]
+    stream = b"".join([
+        event({"type": "response.output_item.added", "output_index": 0,
+               "item": {"type": "message", "role": "assistant", "content": []}}),
+        *(event({"type": "response.output_text.delta", "output_index": 0, "delta": w})
+          for w in words),
+        event({"type": "response.completed", "response": {"status": "completed"}}),
+    ])
+    for size in (1, 5, 64, 1000, len(stream)):
+        async def reads(size: int = size) -> AsyncIterator[bytes]:
+            for i in range(0, len(stream), size):
+                yield stream[i:i + size]
+
+        relayed: list[ModelDelta] = []
+
+        async def on_deltas(deltas: list[ModelDelta], out: list[ModelDelta] = relayed) -> None:
+            out.extend(deltas)
+
+        items, _stop, _usage = await read_stream(reads(), "openai-responses", on_deltas)
+        assert "".join(d.get("text", "") for d in relayed) == "".join(words)
+        assert items[0]["content"][0]["text"] == "".join(words)
