@@ -47,6 +47,7 @@ from sandbox_worker.api import (
 )
 from sandbox_worker.model import http
 from sandbox_worker.model.errors import BadRequestError, ModelError, ModelTimeout
+from sandbox_worker.model.pool import ClientShards
 from sandbox_worker.model.relay import DeltaRelay
 from sandbox_worker.model.secrets import (
     Credentials,
@@ -157,7 +158,7 @@ class ModelService:
 
     def __init__(self, config: ModelServiceConfig) -> None:
         self.config = config
-        self._client: httpx.AsyncClient | None = None
+        self._client: ClientShards | None = None
         self._creds = Credentials({}, {})
         self.calls = 0
         self.retries = 0
@@ -167,12 +168,10 @@ class ModelService:
         file_values = load_credentials_file(cfg.credentials_file) if cfg.credentials_file else {}
         self._creds = Credentials(os.environ, file_values)
         install_log_redaction()
-        self._client = httpx.AsyncClient(
-            http2=cfg.http2, trust_env=cfg.trust_env, follow_redirects=False,
-            limits=httpx.Limits(max_connections=cfg.max_connections,
-                                max_keepalive_connections=min(32, cfg.max_connections),
-                                keepalive_expiry=30.0),
-        )
+        self._client = ClientShards(
+            max_connections=cfg.max_connections,
+            max_keepalive=min(32, cfg.max_connections), keepalive_expiry_s=30.0,
+            http2=cfg.http2, trust_env=cfg.trust_env)
 
     def info(self) -> dict[str, Any]:
         return {"providers": list(PROVIDERS), "http2": self.config.http2,
@@ -270,17 +269,18 @@ class ModelService:
             await ctx.send_partial(pack(retry))
             await asyncio.sleep(delay_s)
 
-    async def _attempt(self, client: httpx.AsyncClient, req: ModelCallRequest,
+    async def _attempt(self, shards: ClientShards, req: ModelCallRequest,
                        api_key: str | None, attempt_no: int, http_timeout: httpx.Timeout,
                        relay: DeltaRelay) -> Decoded:
         # The relay's timer is owned here: cancelled and awaited on every exit.
         # (Not a TaskGroup: its ExceptionGroup would hide the typed ModelError.)
         timer = asyncio.create_task(relay.run())
         try:
-            decoded = await http.attempt(
-                client, req, api_key=api_key, attempt_no=attempt_no,
-                http_timeout=http_timeout, on_deltas=relay.push,
-                max_response_bytes=self.config.max_response_bytes)
+            async with shards.lease() as client:
+                decoded = await http.attempt(
+                    client, req, api_key=api_key, attempt_no=attempt_no,
+                    http_timeout=http_timeout, on_deltas=relay.push,
+                    max_response_bytes=self.config.max_response_bytes)
             await relay.flush()
         finally:
             timer.cancel()
