@@ -6,7 +6,8 @@ broker and no persistence. A turn is what the supervisor path does on the
 same scripted provider:
 
 1. POST ``{url}/responses`` (OpenAI Responses wire format, streamed SSE) with
-   the session's whole context, read the stream to ``response.completed``;
+   the session's whole context, read the stream to ``response.completed``,
+   through the worker's own httpx client set-up (``model/pool.py``);
 2. run the function call it returns with the worker's own code: the tool
    sandbox profile is built by ``ToolService.start`` (same tier detection,
    seccomp filter, cgroup and uid as a worker) and the call goes through
@@ -40,10 +41,10 @@ import sys
 import time
 from typing import Any
 
-import httpx
 import psutil
 
 from sandbox_worker.api import ToolLimits
+from sandbox_worker.model.pool import ClientShards
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
 from sandbox_worker.tools.schemas import SCHEMAS
 from sandbox_worker.tools.service import ToolService, ToolServiceConfig
@@ -71,7 +72,7 @@ def parse_levels(text: str) -> list[tuple[int, int]]:
 
 class Loop:
     def __init__(self, url: str, workspace: str, slots: int, tools: ToolService,
-                 http: httpx.AsyncClient) -> None:
+                 http: ClientShards) -> None:
         self.url = url.rstrip("/") + "/responses"
         self.workspace = workspace
         self.slots = asyncio.Semaphore(slots)
@@ -88,8 +89,8 @@ class Loop:
     async def model(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         body = {"model": "scripted", "instructions": INSTRUCTIONS, "input": items,
                 "tools": self.schemas, "stream": True}
-        async with self.slots, asyncio.timeout(MODEL_TIMEOUT_S), self.http.stream(
-                "POST", self.url, json=body) as resp:
+        async with self.slots, asyncio.timeout(MODEL_TIMEOUT_S), self.http.lease() as http, \
+                http.stream("POST", self.url, json=body, timeout=MODEL_TIMEOUT_S) as resp:
             if resp.status_code != 200:
                 raise TurnFailed(f"provider answered {resp.status_code}")
             async for line in resp.aiter_lines():
@@ -144,8 +145,10 @@ async def run_levels(ns: argparse.Namespace) -> dict[str, Any]:
     try:
         print(json.dumps({"event": "ready", "tier": tools.profile.tier if tools.profile else None}),
               flush=True)
-        limits = httpx.Limits(max_connections=ns.slots, max_keepalive_connections=ns.slots)
-        async with httpx.AsyncClient(limits=limits, timeout=MODEL_TIMEOUT_S) as http:
+        # the worker's own client set-up (model/pool.py), as for the sandbox code
+        http = ClientShards(max_connections=ns.slots, max_keepalive=ns.slots,
+                            keepalive_expiry_s=30.0, http2=False, trust_env=False)
+        try:
             loop = Loop(ns.url, ns.workspace, ns.slots, tools, http)
             await loop.session(1)  # warm-up: connections, sandbox caches
             me = psutil.Process()
@@ -168,6 +171,8 @@ async def run_levels(ns: argparse.Namespace) -> dict[str, Any]:
                                    "cpu_ms_per_turn": round(own / turns * 1000, 3),
                                    "children_cpu_ms_per_turn": round(kids / turns * 1000, 3)}
             return results
+        finally:
+            await http.aclose()
     finally:
         await tools.aclose()
 
