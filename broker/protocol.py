@@ -336,12 +336,30 @@ def request_fields(meta: bytes) -> tuple[str, str, float, int]:
     """The checked fields of a REQUEST's metadata frame: (request_id, service,
     budget_s, attempt). For a receiver that routes without building the message
     (the broker); raises ``ProtocolError`` exactly where ``decode`` would."""
-    return _request_fields(_meta(meta))
+    if len(meta) <= MAX_META_BYTES:
+        # _meta inlined for the common case: one call less on the broker's hot path.
+        try:
+            fields = _unpackb(meta, raw=False, strict_map_key=True)
+        except Exception:
+            fields = None
+        if type(fields) is dict:
+            return _request_fields(fields)
+    return _request_fields(_meta(meta))  # raises the precise error
 
 
 def reply_id(meta: bytes) -> str:
     """The checked request id of a REPLY's metadata frame (see ``request_fields``)."""
-    return _str(_meta(meta), "id")
+    if len(meta) <= MAX_META_BYTES:
+        # As in request_fields, with the check of "id" inlined too.
+        try:
+            fields = _unpackb(meta, raw=False, strict_map_key=True)
+        except Exception:
+            fields = None
+        if type(fields) is dict:
+            rid = fields.get("id")
+            if type(rid) is str and 0 < len(rid) <= MAX_ID_CHARS:
+                return rid
+    return _str(_meta(meta), "id")  # raises the precise error
 
 
 def _str(meta: dict[str, Any], key: str, *, limit: int = MAX_ID_CHARS, empty: bool = False) -> str:
