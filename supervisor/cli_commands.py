@@ -111,9 +111,12 @@ def cmd_status(ns: Namespace) -> int:
               f"queued {queues.get(service, 0)}")
     for line in render_hosts(broker):
         print(line)
-    sessions = sup.get("sessions", {})
+    sessions = dict(sup.get("sessions", {}))
+    lag, lag_max = sessions.pop("loop_lag_s", None), sessions.pop("loop_lag_max_60s_s", None)
     if sessions:
         print("  sessions " + ", ".join(f"{k} {v}" for k, v in sorted(sessions.items())))
+    if lag is not None:
+        print(f"  supervisor loop lag {lag:.3f}s (worst in the last minute {lag_max:.3f}s)")
     for r in info.get("restarts", [])[-5:]:
         print(f"  restart: {r['child']} ({r['why']}) at {time.ctime(r['at'])}")
     return EXIT_OK

@@ -158,23 +158,6 @@ def write_script(path: Path, turns: int) -> None:
     path.write_text(json.dumps({"responses": responses}))
 
 
-class LoopLag:
-    """How late this process's event loop runs a 50 ms timer: the worst case per
-    level. A lag past the broker's liveness window (1 s by default) means the
-    broker client's heartbeats were late enough for the broker to expire it."""
-
-    TICK_S = 0.05
-
-    def __init__(self) -> None:
-        self.max_s = 0.0
-
-    async def run(self) -> None:
-        while True:
-            t = time.monotonic()
-            await asyncio.sleep(self.TICK_S)
-            self.max_s = max(self.max_s, time.monotonic() - t - self.TICK_S)
-
-
 class CpuMeter:
     """CPU seconds (user + system) of this process and of the farm's children."""
 
@@ -262,19 +245,14 @@ async def _supervisor_level(manager: SessionManager, ws: str, meter: CpuMeter,
                             on_stuck: Callable[[], Awaitable[None]]) -> dict[str, Any]:
     sids = [await manager.create_session(_spec(ws)) for _ in range(n)]
     steps0, events0 = counter.steps, counter.events
-    lag = LoopLag()
-    lag_task = asyncio.create_task(lag.run())
+    lag = manager.loop_lag  # the engine's own gauge (engine/looplag.py)
+    lag.reset()
     before = meter.sample()
     started = time.monotonic()
     # gather, not a TaskGroup: one stuck session must not cancel the others
     # (nor the diagnostics of the first one) before they all report
-    try:
-        outcomes = await asyncio.gather(*(_drive(manager, sid, m, on_stuck) for sid in sids),
-                                        return_exceptions=True)
-    finally:
-        lag_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await lag_task
+    outcomes = await asyncio.gather(*(_drive(manager, sid, m, on_stuck) for sid in sids),
+                                    return_exceptions=True)
     failures = [o for o in outcomes if isinstance(o, BaseException)]
     if failures:
         await on_stuck()

@@ -42,6 +42,7 @@ from supervisor.engine.errors import (
     UsageObserverFailed,
 )
 from supervisor.engine.hooks import HookEvent, HookRunner, Middleware
+from supervisor.engine.looplag import LoopLag
 from supervisor.engine.ops import (
     Compact,
     ExecApproval,
@@ -91,6 +92,7 @@ class SessionManager:
         self._closed_ids: set[SessionId] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
+        self.loop_lag = LoopLag()
 
     # ------------------------------------------------------------------ run
 
@@ -99,6 +101,7 @@ class SessionManager:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                tg.create_task(self.loop_lag.run(), name="loop-lag")
                 for sid in await self.store.active_sessions():
                     try:
                         await self._resume(sid)
@@ -307,6 +310,8 @@ class SessionManager:
             "pending_approvals": sum(1 for s in self.sessions.values()
                                      if s.state.pending_approval is not None),
             "queued_inputs": sum(len(s.state.queued_input) for s in self.sessions.values()),
+            "loop_lag_s": round(self.loop_lag.last_s, 4),
+            "loop_lag_max_60s_s": round(self.loop_lag.window_max_s, 4),
         }
 
     # -------------------------------------------------------- engine helpers

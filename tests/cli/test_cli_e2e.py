@@ -182,6 +182,8 @@ def test_up_status_down_with_a_restart_and_no_orphans(
     assert shown.returncode == 0
     assert "restart: worker-1 (killed by SIGKILL)" in shown.stdout
     assert re.search(r"service tool\s+workers idle \d busy \d queued \d", shown.stdout)
+    assert re.search(r"supervisor loop lag \d+\.\d{3}s \(worst in the last minute "
+                     r"\d+\.\d{3}s\)", shown.stdout)
 
     # A turn holds a sandboxed tool process when the farm goes down.
     run = spawn(procs, home, "run", "--workspace", str(ws), "--json", "go")
