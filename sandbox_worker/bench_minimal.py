@@ -52,7 +52,6 @@ from sandbox_worker.tools.shell import render, run_shell
 
 MODEL_TIMEOUT_S = 60.0
 TOOL_REMAINING_S = 600.0
-PROCESSES = 2048  # the same tool policy the supervisor path sends
 INSTRUCTIONS = "You are a helpful coding agent."
 
 
@@ -78,10 +77,7 @@ class Loop:
         self.slots = asyncio.Semaphore(slots)
         self.tools = tools
         self.http = http
-        self.limits = ToolLimits(**DEFAULT_LIMITS)
-        # RLIMIT_NPROC counts every process of the sandbox uid on the host, not
-        # one call's: the default (256) fails forks with ~60 calls in flight.
-        self.limits["processes"] = PROCESSES
+        self.limits = ToolLimits(**DEFAULT_LIMITS)  # as the supervisor path: the defaults
         # every tool is offered, as the supervisor does (same request size)
         self.schemas = [{"type": "function", "name": s["name"], "description": s["description"],
                          "parameters": s["parameters"]} for s in SCHEMAS]

@@ -62,7 +62,7 @@ from typing import Any
 import psutil
 
 from broker.client import BrokerClient
-from sandbox_worker.api import ModelRoute, ToolLimits, ToolPolicy
+from sandbox_worker.api import ModelRoute
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.manager import SessionManager
 from supervisor.store import Store
@@ -71,10 +71,6 @@ from supervisor.store.records import EventRecord, SessionId, StepWrite
 READY_TIMEOUT_S = 60.0
 TURN_TIMEOUT_S = 120.0
 MINIMAL_TIMEOUT_S = 1800.0
-# RLIMIT_NPROC counts every process of the sandbox uid on the host, not one
-# call's: the default (256) fails forks with ~60 calls in flight. Both paths
-# send this (sandbox_worker/bench_minimal.py: PROCESSES).
-TOOL_POLICY = ToolPolicy(limits=ToolLimits(processes=2048))
 REPO = Path(__file__).resolve().parents[2]
 QUICK_LEVELS = ((1, 10), (100, 3))
 FULL_LEVELS = ((1, 30), (100, 5), (1000, 2))
@@ -187,7 +183,7 @@ class CpuMeter:
 
 
 def _spec(ws: str) -> SessionSpec:
-    return SessionSpec(workspace=ws, approval="allow", tool_policy=TOOL_POLICY)
+    return SessionSpec(workspace=ws, approval="allow")  # the default tool limits
 
 
 async def _drive(manager: SessionManager, sid: SessionId, turns: int,
