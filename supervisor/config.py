@@ -57,6 +57,7 @@ deny = []
 ask = []
 max_model_steps = 256
 turn_timeout_s = 1800
+approval_timeout_s = 0       # > 0: an unanswered approval denies its calls after this long
 compaction_threshold_tokens = 100000
 instructions = "You are a careful coding agent. Use the tools to do the work."
 
@@ -109,6 +110,7 @@ class FarmConfig:
     ask: tuple[str, ...] = ()
     max_model_steps: int = 256
     turn_timeout_s: float = 1800.0
+    approval_timeout_s: float = 0.0  # 0: an approval waits up to the turn's time limit
     model_call_budget_s: float = 300.0  # the deadline sent with each model request
     tool_call_budget_s: float = 600.0  # the deadline sent with each tool request
     compaction_threshold_tokens: int = 100_000
@@ -187,11 +189,15 @@ def load(home: Path) -> FarmConfig:
     session = raw.get("session", {})
     _check_keys(path, "session", session, {
         "default_route", "approval", "allow", "deny", "ask", "max_model_steps",
-        "turn_timeout_s", "compaction_threshold_tokens", "instructions",
+        "turn_timeout_s", "approval_timeout_s", "compaction_threshold_tokens", "instructions",
         "model_call_budget_s", "tool_call_budget_s"})
     approval = _typed(path, "session", session, "approval", str, "ask")
     if approval not in ("ask", "allow", "deny"):
         raise _fail(path, "session.approval", "must be ask, allow or deny")
+    approval_timeout = session.get("approval_timeout_s", 0)
+    if isinstance(approval_timeout, int | float) and not 0 <= approval_timeout <= 86_400:
+        raise _fail(path, "session.approval_timeout_s",
+                    "must be 0 (wait up to the turn's time limit) or seconds up to 86400")
     routes: dict[str, ModelRoute] = {}
     for name, table in raw.get("routes", {}).items():
         if not isinstance(table, dict):
@@ -224,6 +230,8 @@ def load(home: Path) -> FarmConfig:
         max_model_steps=_typed(path, "session", session, "max_model_steps", int, 256),
         turn_timeout_s=float(_typed(path, "session", session, "turn_timeout_s",
                                     (int, float), 1800.0)),
+        approval_timeout_s=float(_typed(path, "session", session, "approval_timeout_s",
+                                        (int, float), 0.0)),
         model_call_budget_s=float(_typed(path, "session", session, "model_call_budget_s",
                                          (int, float), 300.0)),
         tool_call_budget_s=float(_typed(path, "session", session, "tool_call_budget_s",

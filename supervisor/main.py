@@ -73,6 +73,7 @@ def engine_config(cfg: config_mod.FarmConfig, route_urls: dict[str, str]) -> Eng
         instructions=cfg.instructions,
         max_model_steps=cfg.max_model_steps,
         max_turn_s=cfg.turn_timeout_s,
+        approval_timeout_s=cfg.approval_timeout_s or None,
         model_call_budget_s=cfg.model_call_budget_s,
         tool_call_budget_s=cfg.tool_call_budget_s,
         compaction_threshold_tokens=cfg.compaction_threshold_tokens,

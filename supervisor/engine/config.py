@@ -39,6 +39,9 @@ class EngineConfig:
     tool_call_budget_s: float = 600.0
     idempotent_tool_attempts: int = 3
     hook_timeout_s: float = 30.0
+    # An approval nobody answers denies its calls after this long (the model
+    # reads that, and the turn goes on); None: it waits up to max_turn_s.
+    approval_timeout_s: float | None = None
     command_hook_timeout_s: float = 10.0
     compaction_threshold_tokens: int | None = None  # None: only on the compact op
     compaction_keep_recent: int = 4  # items kept verbatim by a summary compaction

@@ -218,13 +218,24 @@ async def _await_approval(turn: Turn) -> None:
     if waiter is None or waiter.approval_id != pending["id"]:
         waiter = PendingApproval(pending["id"], turn.turn_id)
         s.approval = waiter
+    timeout_s = s.config.approval_timeout_s
     try:
-        decision = await waiter.future
+        # Nested in the turn's own timeout: if that one expires first, this
+        # block sees a CancelledError, not a TimeoutError, and the turn fails.
+        async with asyncio.timeout(timeout_s):
+            decision = await waiter.future
+    except TimeoutError:
+        decision = "timed_out"
     finally:
         s.approval = None
     asked = {c["call_id"] for c in pending["calls"]}
     if decision == "abort":
         raise TurnRejected("the user aborted the turn at the approval request")
+    events = []
+    if decision == "timed_out":
+        events = [(ev.WARNING, ev.warning(
+            f"approval request {pending['id']} was not answered within {timeout_s:g}s; "
+            "its calls were denied", approval_id=pending["id"]), turn.submission_id)]
 
     def mutate(st: Any) -> None:
         for pc in st.pending_tool_calls:
@@ -235,11 +246,14 @@ async def _await_approval(turn: Turn) -> None:
                 key = call_key(pc["name"], pc["arguments"])
                 if decision == "approved_for_session" and key not in st.approved_for_session:
                     st.approved_for_session.append(key)
+            elif decision == "timed_out":
+                pc["verdict"], pc["reason"] = "deny", (
+                    f"denied: the approval request was not answered within {timeout_s:g}s")
             else:
                 pc["verdict"], pc["reason"] = "deny", "denied by the user"
         st.pending_approval = None
         turn.moving_to(TurnPhase.TOOLS)(st)
-    await s.commit(mutate=mutate)
+    await s.commit(events, mutate=mutate)
 
 
 async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:

@@ -76,7 +76,7 @@ async def until_approval(eng: Engine, sid: str, text: str) -> tuple[EventRecord,
     raise AssertionError("no approval request")
 
 
-async def finish(eng: Engine, sid: str, sub: str, op: dict[str, Any],
+async def finish(eng: Engine, sid: str, sub: str, op: dict[str, Any] | None,
                  after: int) -> list[EventRecord]:
     events = await eng.run_until(
         sid, op,  # type: ignore[arg-type]
@@ -199,3 +199,27 @@ async def test_pending_approval_survives_a_supervisor_restart(procs: Procs,
         replay = await eng2.store.replay_events(sid)
         assert [e.sequence for e in replay] == list(range(1, len(replay) + 1))
         assert types(replay).count("exec_approval_request") == 1
+
+
+@pytest.mark.sandbox
+async def test_an_unanswered_approval_times_out_as_a_denial(procs: Procs,
+                                                           tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    async with engine(farm, approval_timeout_s=1.0) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+        events = await finish(eng, sid, sub, None, request.sequence)  # nobody answers
+        assert events[-1].type == "turn_complete"  # the model read the denials and answered
+        (warning,) = [e.payload for e in events if e.type == "warning"]
+        assert warning["approval_id"] == request.payload["id"]
+        assert "not answered within 1s" in warning["message"]
+        ends = [e.payload for e in events if e.type == "tool_call_end"]
+        assert [(p["outcome"], p["is_error"]) for p in ends] == [("deny", True)] * 2
+        assert all("not answered within 1s" in p["output"] for p in ends)
+        assert "tool_call_begin" not in types(events)
+        # an answer that comes too late is a stale one
+        late = await eng.run_until(sid, {"type": "exec_approval", "id": request.payload["id"],
+                                         "decision": "approved"},
+                                   until=lambda e: e.type == "warning",
+                                   after_sequence=events[-1].sequence)
+        assert late[-1].payload["message"] == "approval response targeted a stale request"
