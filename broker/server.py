@@ -44,7 +44,7 @@ from broker.faults import DELAY, DROP, DUPLICATE, FrameFaults
 from broker.protocol import FailureKind
 from broker.security import CurveServer, Guard
 from broker.state import Dispatcher, Limits, Send, Side, new_broker_id
-from broker.transport import readable, send_frames
+from broker.transport import _MORE_NB, _base_send, readable, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ BACKLOG_RETRY_S: Final = 0.002
 _Held = tuple[zmq.Socket[bytes], list[bytes], int]  # socket, frames, size
 DROP_LOG_EVERY_S: Final = 5.0
 _NB: Final = int(zmq.NOBLOCK)
+_CLIENT: Final = Side.CLIENT
 _HEADER: Final = protocol.HEADER
 _REQUEST: Final = protocol.REQUEST_FRAME
 _REPLY: Final = protocol.REPLY_FRAME
@@ -416,28 +417,33 @@ class Broker:
         front, back = self._front, self._back
         encode = self._encode
         backlog = self._backlog
-        client = Side.CLIENT
+        send = _base_send
         for action in actions:
             side, identity, msg = action
-            if side is client:
+            if side is _CLIENT:
                 sock = front
                 self._unchecked |= _FRONT
             else:
                 sock = back
                 self._unchecked |= _BACK
             frames = encode(msg)
-            frames.insert(0, identity)
             if backlog and (side, identity) in backlog:
                 # Keep the peer's order: once one message waits, the rest wait too.
-                self._hold((side, identity), sock, frames, action)
+                self._hold((side, identity), sock, [identity, *frames], action)
                 continue
             try:
-                send_frames(sock, frames)
+                # The identity frame first: with ROUTER_MANDATORY, a full pipe (EAGAIN)
+                # or an unknown peer (EHOSTUNREACH) is reported on it, before any
+                # frame of the message is queued.
+                send(sock, identity, _MORE_NB)
+                for frame in frames[:-1]:
+                    send(sock, frame, _MORE_NB)
+                send(sock, frames[-1], _NB)
             except zmq.Again:
                 # The peer's pipe is full for now (a slow reader, a burst): hold the
                 # message, bounded, and retry each wake-up, instead of dropping an
                 # answer the caller would then wait for until its deadline.
-                self._hold((side, identity), sock, frames, action)
+                self._hold((side, identity), sock, [identity, *frames], action)
             except zmq.ZMQError as exc:
                 reason = "unroutable" if exc.errno == zmq.EHOSTUNREACH else "send_error"
                 self.state.drop(reason)
