@@ -198,49 +198,62 @@ _READY_FRAME: Final = _KIND_FRAMES[Kind.READY]
 _DISCONNECT_FRAME: Final = _KIND_FRAMES[Kind.DISCONNECT]
 _STATUS_FRAME: Final = _KIND_FRAMES[Kind.STATUS]
 
-_Pack: TypeAlias = Callable[[Any], bytes]
+Pack: TypeAlias = Callable[[Any], bytes]
 
 
-def _encode_request(m: Request, pack: _Pack) -> list[bytes]:
-    meta = {"id": m.request_id, "svc": m.service, "b": m.budget_s, "a": m.attempt}
-    return [HEADER, REQUEST_FRAME, pack(meta), m.body]
+def request_frames(pack: Pack, request_id: str, service: str, budget_s: float, body: bytes,
+                   attempt: int) -> list[bytes]:
+    """``encode(Request(request_id, service, budget_s, body, attempt))`` from the
+    fields, with the given msgpack ``pack`` (``Encoder.pack``): for a sender that
+    has the fields and not the message (the broker's hot path)."""
+    meta = {"id": request_id, "svc": service, "b": budget_s, "a": attempt}
+    return [HEADER, REQUEST_FRAME, pack(meta), body]
 
 
-def _encode_reply(m: Reply, pack: _Pack) -> list[bytes]:
-    return [HEADER, REPLY_FRAME, pack({"id": m.request_id}), m.body]
+def reply_frames(pack: Pack, request_id: str, body: bytes) -> list[bytes]:
+    """``encode(Reply(request_id, body))`` from the fields (see ``request_frames``)."""
+    return [HEADER, REPLY_FRAME, pack({"id": request_id}), body]
 
 
-def _encode_partial(m: Partial, pack: _Pack) -> list[bytes]:
+def _encode_request(m: Request, pack: Pack) -> list[bytes]:
+    return request_frames(pack, m.request_id, m.service, m.budget_s, m.body, m.attempt)
+
+
+def _encode_reply(m: Reply, pack: Pack) -> list[bytes]:
+    return reply_frames(pack, m.request_id, m.body)
+
+
+def _encode_partial(m: Partial, pack: Pack) -> list[bytes]:
     return [HEADER, _PARTIAL_FRAME, pack({"id": m.request_id, "n": m.seq}), m.body]
 
 
-def _encode_failure(m: Failure, pack: _Pack) -> list[bytes]:
+def _encode_failure(m: Failure, pack: Pack) -> list[bytes]:
     meta = {"id": m.request_id, "k": m.kind, "m": m.message, "r": m.retryable}
     return [HEADER, _FAILURE_FRAME, pack(meta), m.body]
 
 
-def _encode_heartbeat(m: Heartbeat, pack: _Pack) -> list[bytes]:
+def _encode_heartbeat(m: Heartbeat, pack: Pack) -> list[bytes]:
     return [HEADER, _HEARTBEAT_FRAME, pack({"p": m.peer_id})]
 
 
-def _encode_cancel(m: Cancel, pack: _Pack) -> list[bytes]:
+def _encode_cancel(m: Cancel, pack: Pack) -> list[bytes]:
     return [HEADER, _CANCEL_FRAME, pack({"id": m.request_id})]
 
 
-def _encode_ready(m: Ready, pack: _Pack) -> list[bytes]:
+def _encode_ready(m: Ready, pack: Pack) -> list[bytes]:
     return [HEADER, _READY_FRAME, pack({"s": list(m.services), "c": m.capacity, "i": m.info})]
 
 
-def _encode_disconnect(m: Disconnect, pack: _Pack) -> list[bytes]:
+def _encode_disconnect(m: Disconnect, pack: Pack) -> list[bytes]:
     return [HEADER, _DISCONNECT_FRAME, pack({"r": m.reason})]
 
 
-def _encode_status(m: Status, pack: _Pack) -> list[bytes]:
+def _encode_status(m: Status, pack: Pack) -> list[bytes]:
     return [HEADER, _STATUS_FRAME, pack({"id": m.request_id})]
 
 
 # One dict lookup on the exact type instead of a chain of class patterns.
-_ENCODERS: Final[dict[type, Callable[[Any, _Pack], list[bytes]]]] = {
+_ENCODERS: Final[dict[type, Callable[[Any, Pack], list[bytes]]]] = {
     Request: _encode_request,
     Reply: _encode_reply,
     Partial: _encode_partial,
@@ -253,7 +266,7 @@ _ENCODERS: Final[dict[type, Callable[[Any, _Pack], list[bytes]]]] = {
 }
 
 
-def _encoder(cls: type) -> Callable[[Any, _Pack], list[bytes]]:
+def _encoder(cls: type) -> Callable[[Any, Pack], list[bytes]]:
     for base in cls.__mro__:
         enc = _ENCODERS.get(base)
         if enc is not None:
@@ -274,10 +287,10 @@ class Encoder:
     single-threaded loop owns one."""
 
     def __init__(self) -> None:
-        self._pack: _Pack = msgpack.Packer(use_bin_type=True).pack
+        self.pack: Pack = msgpack.Packer(use_bin_type=True).pack
 
     def __call__(self, msg: Message) -> list[bytes]:
-        return (_ENCODERS.get(type(msg)) or _encoder(type(msg)))(msg, self._pack)
+        return (_ENCODERS.get(type(msg)) or _encoder(type(msg)))(msg, self.pack)
 
 
 def check_header(frame: bytes) -> None:

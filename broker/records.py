@@ -1,7 +1,8 @@
 """Plain records of the broker's dispatch state machine (``broker.state``).
 
 - ``Limits``: the bounds and timing the dispatcher enforces.
-- ``Send`` and ``Side``: the actions it returns (send this message to that peer).
+- ``Send`` and ``Side``: the actions it returns (send this message to that peer);
+  ``Forward``: the one action of its hot path (forward what just came in).
 - ``Req``, ``WorkerEntry``, ``ClientEntry``: its bookkeeping entries. They hold
   data only; every state change is made by ``Dispatcher`` (one source of truth,
   described in its module docstring).
@@ -33,6 +34,17 @@ class Send(NamedTuple):
     side: Side
     identity: bytes
     msg: protocol.Message
+
+
+class Forward(NamedTuple):
+    """Action of the dispatcher's hot path (``on_request``/``on_reply``): forward the
+    message just received to ``identity``, under ``request_id`` (and, for a
+    request, with ``budget_s`` left). The same as one ``Send``, without building
+    the message: the socket loop frames it from the fields it already has."""
+
+    identity: bytes
+    request_id: str
+    budget_s: float
 
 
 @dataclass(frozen=True, slots=True)

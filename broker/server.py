@@ -43,7 +43,7 @@ from broker import protocol
 from broker.faults import DELAY, DROP, DUPLICATE, FrameFaults
 from broker.protocol import FailureKind
 from broker.security import CurveServer, Guard
-from broker.state import Dispatcher, Limits, Send, Side, new_broker_id
+from broker.state import Dispatcher, Forward, Limits, Send, Side, new_broker_id
 from broker.transport import _MORE_NB, _base_send, readable, send_frames
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,14 @@ _Held = tuple[zmq.Socket[bytes], list[bytes], int]  # socket, frames, size
 DROP_LOG_EVERY_S: Final = 5.0
 _NB: Final = int(zmq.NOBLOCK)
 _CLIENT: Final = Side.CLIENT
+_WORKER: Final = Side.WORKER
 _HEADER: Final = protocol.HEADER
 _REQUEST: Final = protocol.REQUEST_FRAME
 _REPLY: Final = protocol.REPLY_FRAME
-_MAX_META: Final = protocol.MAX_META_BYTES
 _request_fields: Final = protocol.request_fields
 _reply_id: Final = protocol.reply_id
+_request_frames: Final = protocol.request_frames
+_reply_frames: Final = protocol.reply_frames
 # Bits of ``Broker._unchecked``: sockets written to since their EVENTS were last read.
 _FRONT: Final = 1
 _BACK: Final = 2
@@ -133,6 +135,7 @@ class Broker:
         # Metadata plus body at most this long keep a message within max_message_bytes.
         self._fast_limit = config.max_message_bytes - len(protocol.HEADER) - 1
         self._encode = protocol.Encoder()
+        self._pack = self._encode.pack
         self._backlog: dict[tuple[Side, bytes], collections.deque[_Held]] = {}
         self._backlog_count = 0
         self._backlog_bytes = 0
@@ -328,8 +331,7 @@ class Broker:
 
     def _on_frontend(self, frames: list[bytes]) -> None:
         if (len(frames) == 5 and frames[2] == _REQUEST and frames[1] == _HEADER
-                and self._fast and len(frames[3]) <= _MAX_META
-                and len(frames[3]) + len(frames[4]) <= self._fast_limit):
+                and self._fast and len(frames[3]) + len(frames[4]) <= self._fast_limit):
             # The hot path: a REQUEST within the limits (everything else, including
             # any error, takes the general path below and is counted the same way).
             try:
@@ -337,8 +339,14 @@ class Broker:
             except protocol.ProtocolError:
                 pass
             else:
-                self._perform(self.state.on_request(frames[0], rid, service, budget_s,
-                                                    frames[4], attempt, time.monotonic()))
+                body = frames[4]
+                got = self.state.on_request(frames[0], rid, service, budget_s, body, attempt,
+                                            time.monotonic())
+                if isinstance(got, Forward):
+                    self._send(_WORKER, got.identity, _request_frames(
+                        self._pack, got.request_id, service, got.budget_s, body, attempt))
+                else:
+                    self._perform(got)
                 return
         if len(frames) < 2:
             self.state.drop("malformed")
@@ -353,14 +361,19 @@ class Broker:
 
     def _on_backend(self, frames: list[bytes]) -> None:
         if (len(frames) == 5 and frames[2] == _REPLY and frames[1] == _HEADER
-                and self._fast and len(frames[3]) <= _MAX_META
-                and len(frames[3]) + len(frames[4]) <= self._fast_limit):
+                and self._fast and len(frames[3]) + len(frames[4]) <= self._fast_limit):
             try:
                 rid = _reply_id(frames[3])
             except protocol.ProtocolError:
                 pass
             else:
-                self._perform(self.state.on_reply(frames[0], rid, frames[4], time.monotonic()))
+                body = frames[4]
+                got = self.state.on_reply(frames[0], rid, body, time.monotonic())
+                if isinstance(got, Forward):
+                    self._send(_CLIENT, got.identity,
+                               _reply_frames(self._pack, got.request_id, body))
+                else:
+                    self._perform(got)
                 return
         if len(frames) < 2:
             self.state.drop("malformed")
@@ -414,50 +427,56 @@ class Broker:
     # ------------------------------------------------------------------ output
 
     def _perform(self, actions: list[Send]) -> None:
-        front, back = self._front, self._back
         encode = self._encode
-        backlog = self._backlog
-        send = _base_send
-        for action in actions:
-            side, identity, msg = action
-            if side is _CLIENT:
-                sock = front
-                self._unchecked |= _FRONT
-            else:
-                sock = back
-                self._unchecked |= _BACK
-            frames = encode(msg)
-            if backlog and (side, identity) in backlog:
-                # Keep the peer's order: once one message waits, the rest wait too.
-                self._hold((side, identity), sock, [identity, *frames], action)
-                continue
-            try:
-                # The identity frame first: with ROUTER_MANDATORY, a full pipe (EAGAIN)
-                # or an unknown peer (EHOSTUNREACH) is reported on it, before any
-                # frame of the message is queued.
-                send(sock, identity, _MORE_NB)
-                for frame in frames[:-1]:
-                    send(sock, frame, _MORE_NB)
-                send(sock, frames[-1], _NB)
-            except zmq.Again:
-                # The peer's pipe is full for now (a slow reader, a burst): hold the
-                # message, bounded, and retry each wake-up, instead of dropping an
-                # answer the caller would then wait for until its deadline.
-                self._hold((side, identity), sock, [identity, *frames], action)
-            except zmq.ZMQError as exc:
-                reason = "unroutable" if exc.errno == zmq.EHOSTUNREACH else "send_error"
-                self.state.drop(reason)
-                self._drops.note(reason, f"to {side.value}: {exc}")
+        send = self._send
+        for side, identity, msg in actions:
+            send(side, identity, encode(msg))
 
-    def _hold(self, key: tuple[Side, bytes], sock: zmq.Socket[bytes], frames: list[bytes],
-              action: Send) -> None:
+    def _send(self, side: Side, identity: bytes, frames: list[bytes]) -> None:
+        """Send ``frames`` to the peer ``identity`` on the ``side`` socket, without
+        blocking: held in the peer's backlog if its pipe is full, counted and
+        dropped if the peer is unknown."""
+        if side is _CLIENT:
+            sock = self._front
+            self._unchecked |= _FRONT
+        else:
+            sock = self._back
+            self._unchecked |= _BACK
+        backlog = self._backlog
+        if backlog and (side, identity) in backlog:
+            # Keep the peer's order: once one message waits, the rest wait too.
+            self._hold(side, identity, sock, frames)
+            return
+        send = _base_send
+        try:
+            # The identity frame first: with ROUTER_MANDATORY, a full pipe (EAGAIN)
+            # or an unknown peer (EHOSTUNREACH) is reported on it, before any
+            # frame of the message is queued.
+            send(sock, identity, _MORE_NB)
+            for frame in frames[:-1]:
+                send(sock, frame, _MORE_NB)
+            send(sock, frames[-1], _NB)
+        except zmq.Again:
+            # The peer's pipe is full for now (a slow reader, a burst): hold the
+            # message, bounded, and retry each wake-up, instead of dropping an
+            # answer the caller would then wait for until its deadline.
+            self._hold(side, identity, sock, frames)
+        except zmq.ZMQError as exc:
+            reason = "unroutable" if exc.errno == zmq.EHOSTUNREACH else "send_error"
+            self.state.drop(reason)
+            self._drops.note(reason, f"to {side.value}: {exc}")
+
+    def _hold(self, side: Side, identity: bytes, sock: zmq.Socket[bytes],
+              frames: list[bytes]) -> None:
+        frames = [identity, *frames]
         size = sum(len(f) for f in frames)
         if (self._backlog_count >= MAX_BACKLOG_MESSAGES
                 or self._backlog_bytes + size > MAX_BACKLOG_BYTES):
             self.state.drop("send_would_block")
-            self._drops.note("send_would_block", f"to {action.side.value} (backlog full)")
+            self._drops.note("send_would_block", f"to {side.value} (backlog full)")
             return
-        self._backlog.setdefault(key, collections.deque()).append((sock, frames, size))
+        self._backlog.setdefault((side, identity), collections.deque()).append(
+            (sock, frames, size))
         self._backlog_count += 1
         self._backlog_bytes += size
 

@@ -40,6 +40,7 @@ from broker.protocol import FailureKind
 from broker.records import (
     MAX_STATUS_CLIENTS,
     ClientEntry,
+    Forward,
     Limits,
     Req,
     Send,
@@ -49,7 +50,7 @@ from broker.records import (
     peer_name,
 )
 
-__all__ = ["Dispatcher", "Limits", "Send", "Side", "new_broker_id"]
+__all__ = ["Dispatcher", "Forward", "Limits", "Send", "Side", "new_broker_id"]
 
 
 class Dispatcher:
@@ -172,29 +173,50 @@ class Dispatcher:
         return out
 
     def on_request(self, identity: bytes, request_id: str, service: str, budget_s: float,
-                   body: bytes, attempt: int, now: float) -> list[Send]:
-        """``on_client`` with a REQUEST given as its fields (the broker's hot path:
-        no message object is built for it). Same effect, same actions."""
-        client = self._clients.get(identity)
-        if client is None:  # first contact: the general path registers the client
-            return self.on_client(
-                identity, protocol.Request(request_id, service, budget_s, body, attempt), now)
-        self._now = now
-        client.last_seen = now
-        out: list[Send] = []
-        self._on_request(client, request_id, service, budget_s, body, attempt, now, out)
-        return out
+                   body: bytes, attempt: int, now: float) -> Forward | list[Send]:
+        """``on_client`` with a REQUEST given as its fields: the broker's hot path.
 
-    def on_reply(self, identity: bytes, request_id: str, body: bytes, now: float) -> list[Send]:
-        """``on_worker`` with a REPLY given as its fields (see ``on_request``)."""
+        When the request goes straight to an idle worker (a known client, no queue
+        for its service, nothing wrong with it), the state changes are the same
+        and the one action is returned as a ``Forward``: send that worker
+        ``Request(forward.request_id, service, forward.budget_s, body, attempt)``,
+        with no message object built. Anything else goes through ``on_client``
+        and returns its actions."""
+        client = self._clients.get(identity)
+        if (client is not None and budget_s > 0 and service not in self._queues
+                and request_id not in client.pending
+                and len(self._requests) < self.limits.max_requests):
+            idle = self._idle.get(service)
+            if idle:
+                self._now = now
+                client.last_seen = now
+                self.counters["requests"] += 1
+                # The body is not kept: the worker gets it now (see _dispatch).
+                req = self._new_request(client, request_id, service, b"", attempt,
+                                        now + budget_s)
+                worker = self._workers[next(iter(idle))]
+                return Forward(worker.identity, req.rid, self._assign(req, worker, now))
+        return self.on_client(
+            identity, protocol.Request(request_id, service, budget_s, body, attempt), now)
+
+    def on_reply(self, identity: bytes, request_id: str, body: bytes,
+                 now: float) -> Forward | list[Send]:
+        """``on_worker`` with a REPLY given as its fields (see ``on_request``). When
+        the answer goes to a waiting client and no queued work waits for the
+        worker's free slot, returns ``Forward(client, client_request_id, 0.0)``:
+        send that client ``Reply(forward.request_id, body)``."""
         worker = self._workers.get(identity)
-        if worker is None:
-            return self.on_worker(identity, protocol.Reply(request_id, body), now)
-        self._now = now
-        worker.last_seen = now
-        out: list[Send] = []
-        self._on_answer(worker, request_id, body, None, now, out)
-        return out
+        if worker is not None and not self._queues:
+            req = worker.in_flight.get(request_id)
+            if req is not None and not req.closed:
+                self._now = now
+                worker.last_seen = now
+                self.counters["replies"] += 1
+                self._close_answered(req)
+                self._release(worker, req)
+                self._mark_idle(worker)
+                return Forward(req.client, req.client_rid, 0.0)
+        return self.on_worker(identity, protocol.Reply(request_id, body), now)
 
     def drop(self, reason: str) -> None:
         """Count a frame the socket layer dropped before it reached the state machine."""
@@ -388,10 +410,7 @@ class Dispatcher:
         if req.closed:
             self.dropped["late_answer"] += 1
         else:
-            client = self._clients.get(req.client)
-            if client is not None:
-                del client.pending[req.client_rid]
-            req.closed = True
+            self._close_answered(req)
             if failure is None:
                 self.counters["replies"] += 1
                 answer: protocol.Message = protocol.Reply(req.client_rid, body)
@@ -400,13 +419,24 @@ class Dispatcher:
                 answer = protocol.Failure(req.client_rid, failure.kind, failure.message,
                                           failure.retryable, body)
             out.append(Send(Side.CLIENT, req.client, answer))
-        worker.answered += 1
-        del worker.in_flight[request_id]
-        del self._requests[request_id]
+        self._release(worker, req)
         if self._queues:
             self._fill(worker, now, out)
         else:
             self._mark_idle(worker)
+
+    def _close_answered(self, req: Req) -> None:
+        """The client gets its final answer now: the request is no longer pending."""
+        client = self._clients.get(req.client)
+        if client is not None:
+            del client.pending[req.client_rid]
+        req.closed = True
+
+    def _release(self, worker: WorkerEntry, req: Req) -> None:
+        """``worker`` answered ``req``: forget the request and free its slot."""
+        worker.answered += 1
+        del worker.in_flight[req.rid]
+        del self._requests[req.rid]
 
     def _recancel(self, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Repeat the CANCEL of a request whose answer has not come back within a
@@ -436,23 +466,30 @@ class Dispatcher:
 
     def _dispatch(self, req: Req, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Give the queued-or-new ``req`` to ``worker``, which has a free slot."""
-        req.worker = worker.identity
-        worker.in_flight[req.rid] = req
-        full = len(worker.in_flight) >= worker.capacity
-        wid = worker.identity
+        budget = self._assign(req, worker, now)
+        body, req.body = req.body, b""  # the worker has it now; do not keep a copy
+        out.append(Send(Side.WORKER, worker.identity, protocol.Request(
+            req.rid, req.service, budget, body, req.attempt)))
+
+    def _assign(self, req: Req, worker: WorkerEntry, now: float) -> float:
+        """Record ``req`` as held by ``worker`` (which has a free slot); return the
+        budget left to forward with it."""
+        wid = req.worker = worker.identity
+        in_flight = worker.in_flight
+        in_flight[req.rid] = req
+        full = len(in_flight) >= worker.capacity
+        idle_sets = self._idle
         for service in worker.services:
-            idle = self._idle.get(service)
+            idle = idle_sets.get(service)
             if idle is None:
                 continue
             idle.pop(wid, None)
             if not full:
                 idle[wid] = None  # most recently used goes to the end
             elif not idle:
-                del self._idle[service]
+                del idle_sets[service]
         budget = req.deadline - now
-        body, req.body = req.body, b""  # the worker has it now; do not keep a copy
-        out.append(Send(Side.WORKER, wid, protocol.Request(
-            req.rid, req.service, budget if budget > 0 else 0.0, body, req.attempt)))
+        return budget if budget > 0 else 0.0
 
     def _fill(self, worker: WorkerEntry, now: float, out: list[Send]) -> None:
         """Hand queued work to ``worker`` while it has free slots; else mark it idle."""
