@@ -58,6 +58,9 @@ BACKLOG_RETRY_S: Final = 0.002
 _Held = tuple[zmq.Socket[bytes], list[bytes], int]  # socket, frames, size
 DROP_LOG_EVERY_S: Final = 5.0
 _NB: Final = int(zmq.NOBLOCK)
+_monotonic: Final = time.monotonic
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
 _CLIENT: Final = Side.CLIENT
 _WORKER: Final = Side.WORKER
 _HEADER: Final = protocol.HEADER
@@ -121,7 +124,7 @@ class Broker:
     def __init__(self, config: BrokerConfig, *, broker_id: str | None = None) -> None:
         self.config = config
         self.broker_id = broker_id or new_broker_id()
-        self.state = Dispatcher(self.broker_id, config.limits, time.monotonic())
+        self.state = Dispatcher(self.broker_id, config.limits, _monotonic())
         self._ctx = zmq.Context()
         # The ZAP socket is bound before any CURVE socket exists (else: no authentication).
         self.guard = Guard(self._ctx, config.curve) if config.curve is not None else None
@@ -247,9 +250,9 @@ class Broker:
                 # A send may have consumed a socket's fd signal (libzmq processes
                 # commands while sending): ask its EVENTS again before blocking.
                 self._unchecked = 0
-                if unchecked & _FRONT and readable(front):
+                if unchecked & _FRONT and front.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                     fired |= _FRONT
-                if unchecked & _BACK and readable(back):
+                if unchecked & _BACK and back.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                     fired |= _BACK
                 if fired:
                     continue
@@ -292,9 +295,9 @@ class Broker:
         message per wake-up is the common case at low load); once a second
         message has come, it is a burst: read on until ``zmq.Again``, as libzmq's
         own proxy does, instead of asking EVENTS before every message."""
-        recv = sock.recv
+        recv, get = sock.recv, sock.get  # get(_EVENTS) & _POLLIN: transport.readable inlined
         for i in range(BATCH):
-            if (i == 1 or (i == 0 and not fired)) and not readable(sock):
+            if (i == 1 or (i == 0 and not fired)) and not get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 return False
             try:
                 frame = recv(_NB, copy=False)
@@ -341,7 +344,7 @@ class Broker:
             else:
                 body = frames[4]
                 got = self.state.on_request(frames[0], rid, service, budget_s, body, attempt,
-                                            time.monotonic())
+                                            _monotonic())
                 if isinstance(got, Forward):
                     self._send(_WORKER, got.identity, _request_frames(
                         self._pack, got.request_id, service, got.budget_s, body, attempt))
@@ -355,7 +358,7 @@ class Broker:
         if msg is None:
             return
         if self._faults is None:
-            self._perform(self.state.on_client(frames[0], msg, time.monotonic()))
+            self._perform(self.state.on_client(frames[0], msg, _monotonic()))
         else:
             self._inject(Side.CLIENT, frames[0], msg)
 
@@ -368,7 +371,7 @@ class Broker:
                 pass
             else:
                 body = frames[4]
-                got = self.state.on_reply(frames[0], rid, body, time.monotonic())
+                got = self.state.on_reply(frames[0], rid, body, _monotonic())
                 if isinstance(got, Forward):
                     self._send(_CLIENT, got.identity,
                                _reply_frames(self._pack, got.request_id, body))
@@ -382,7 +385,7 @@ class Broker:
         if msg is None:
             return
         if self._faults is None:
-            self._perform(self.state.on_worker(frames[0], msg, time.monotonic()))
+            self._perform(self.state.on_worker(frames[0], msg, _monotonic()))
         else:
             self._inject(Side.WORKER, frames[0], msg)
 
