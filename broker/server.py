@@ -300,8 +300,11 @@ class Broker:
             if (i == 1 or (i == 0 and not fired)) and not get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 return False
             try:
+                # A ROUTER's first frame is the peer's identity, and at least one
+                # frame always follows it: read it as bytes, without a zmq.Frame.
+                frames = [recv(_NB)]
                 frame = recv(_NB, copy=False)
-                frames = [frame.bytes]
+                frames.append(frame.bytes)
                 while frame.more:
                     frame = recv(_NB, copy=False)
                     frames.append(frame.bytes)
