@@ -95,8 +95,9 @@ def test_farm_across_four_hosts(procs: Procs, hosts: Hosts, tmp_path: Path,
     sids = [r["session"] for r in out["results"]]
     assert [r["end"] for r in out["results"]] == ["turn_complete"] * 4, out
     assert all(r["tool_outcomes"] == ["ok"] for r in out["results"]), out
-    assert set(_hosts_seen(workspaces)) == {"w1", "w2"}, _hosts_seen(workspaces)
     status = client.run("alice", "status")
+    # (the broker's view goes with a failure: which hosts were registered, expiries)
+    assert set(_hosts_seen(workspaces)) == {"w1", "w2"}, (_hosts_seen(workspaces), status)
     assert status["hosts"] == ["w1", "w2"], status
     assert any("host w1" in line for line in status["lines"]), status
 
