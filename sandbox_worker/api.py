@@ -47,6 +47,16 @@ Tier: TypeAlias = Literal["T0", "T1", "T2-", "T2"]
 TIER_ORDER: Final[dict[str, int]] = {"T0": 0, "T1": 1, "T2-": 2, "T2": 3}
 
 
+def worker_cgroup_dirs(worker_pid: int, root: str = "/sys/fs/cgroup") -> tuple[str, ...]:
+    """Where worker ``worker_pid`` keeps every process of its tool calls: its
+    cgroups, ``corral/worker-<pid>`` under the v1 ``pids`` and ``memory``
+    hierarchies or the v2 root (``sandbox/cgroup.py``; the worker removes them
+    on a clean exit). A process listed in their ``cgroup.procs`` after the
+    worker is gone is a tool process that outlived it."""
+    name = f"corral/worker-{worker_pid}"
+    return (f"{root}/pids/{name}", f"{root}/memory/{name}", f"{root}/{name}")
+
+
 class ToolLimits(TypedDict, total=False):
     wall_s: float  # wall-clock time of the call
     cpu_s: int  # RLIMIT_CPU

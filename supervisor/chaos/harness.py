@@ -59,7 +59,6 @@ class ChaosOptions:
     steps: int = 3
     home: Path | None = None
     turn_deadline_s: float = 120.0
-    check_sandbox_uid: bool = False
     # Overrides for the demo: a fixed schedule and a workload script builder.
     schedule: list[Fault] | None = None
     script: dict[str, Any] | None = None
@@ -328,7 +327,7 @@ class Harness:
         v = self.report.violations
         self.report.checks = [c for c in inv.ALL_CHECKS
                               if self.marker_checks or c not in inv.MARKER_CHECKS]
-        v.extend(inv.no_orphans(self.pids, None if not self.opts.check_sandbox_uid else 0))
+        v.extend(inv.no_orphans(self.pids))
         store = await Store.open(self.home / "corral.db")
         try:
             for r in self.report.sessions:

@@ -36,6 +36,8 @@ from typing import Any
 
 import psutil
 
+from sandbox_worker.api import worker_cgroup_dirs
+
 ALL_CHECKS = ("turn_ends_once", "not_wedged", "one_output_per_call", "effect_at_most_once",
               "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans")
 # These count the scripted workload's markers on disk; a real model improvises.
@@ -194,7 +196,10 @@ def exports_verify(export_dir: Path) -> tuple[int, list[Violation]]:
     return len(files), out
 
 
-def no_orphans(pids: set[int], sandbox_uid: int | None) -> list[Violation]:
+def no_orphans(pids: set[int], cgroup_root: str = "/sys/fs/cgroup") -> list[Violation]:
+    """No process the farm ran outlived it, and no tool process of its
+    workers did: what is left in each worker's cgroups (``worker_cgroup_dirs``;
+    precise, unlike a scan by uid: other farms on the host share the uid range)."""
     out = []
     for pid in sorted(pids):
         try:
@@ -203,12 +208,15 @@ def no_orphans(pids: set[int], sandbox_uid: int | None) -> list[Violation]:
                 out.append(Violation("no_orphans", "", None,
                                      f"pid {pid} ({' '.join(p.cmdline()[:4])}) outlived the farm"))
         except psutil.Error:
-            continue
-    if sandbox_uid is not None:
-        for p in psutil.process_iter(["uids", "pid", "name"]):
-            uids = p.info.get("uids")
-            if uids is not None and uids.real == sandbox_uid:
+            pass
+        for d in worker_cgroup_dirs(pid, cgroup_root):
+            try:
+                with open(f"{d}/cgroup.procs") as f:
+                    left = [int(x) for x in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for orphan in left:
                 out.append(Violation("no_orphans", "", None,
-                                     f"sandbox process {p.info['pid']} ({p.info['name']}) "
+                                     f"tool process {orphan} of worker {pid} (cgroup {d}) "
                                      "outlived the farm"))
     return out

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
-from supervisor.chaos.invariants import effects, repeated_requests
+from supervisor.chaos.invariants import effects, no_orphans, repeated_requests
 
 
 def begin(seq: int, k: int, call: str) -> dict[str, Any]:
@@ -42,3 +44,20 @@ def test_an_effect_with_no_reported_end_and_an_ok_without_effect() -> None:
     assert [v.invariant for v in missing] == ["effect_at_most_once"]
     unknown_ok = effects("s", [begin(1, 9, "e"), end(2, "e", "unknown")], Counter({9: 1}))
     assert unknown_ok == []
+
+
+def test_no_orphans_sees_live_farm_pids_and_tool_processes_left_in_worker_cgroups(
+        tmp_path: Path) -> None:
+    gone = 2**22 + 7  # above pid_max's default: no such process
+    left = tmp_path / "pids" / "corral" / f"worker-{gone}"
+    left.mkdir(parents=True)
+    (left / "cgroup.procs").write_text("4242\n4243\n")
+    empty = tmp_path / "memory" / "corral" / f"worker-{gone}"
+    empty.mkdir(parents=True)
+    (empty / "cgroup.procs").write_text("")
+    found = [v.detail for v in no_orphans({gone, os.getpid()}, str(tmp_path))]
+    assert len(found) == 3, found
+    assert f"pid {os.getpid()}" in found[0]  # this process is alive: it "outlived the farm"
+    assert [d.split()[2] for d in found[1:]] == ["4242", "4243"]
+    assert all(f"of worker {gone}" in d for d in found[1:])
+    assert no_orphans({gone}, str(tmp_path / "nothing")) == []
