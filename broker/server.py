@@ -59,7 +59,6 @@ _Held = tuple[zmq.Socket[bytes], list[bytes], int]  # socket, frames, size
 DROP_LOG_EVERY_S: Final = 5.0
 _NB: Final = int(zmq.NOBLOCK)
 _monotonic: Final = time.monotonic
-_EVENTS: Final = int(zmq.EVENTS)
 _POLLIN: Final = int(zmq.POLLIN)
 _CLIENT: Final = Side.CLIENT
 _WORKER: Final = Side.WORKER
@@ -143,6 +142,7 @@ class Broker:
         self._backlog_count = 0
         self._backlog_bytes = 0
         self._unchecked = _FRONT | _BACK  # see run()
+        self._checks = {sock: [(sock, _POLLIN)] for sock in (self._front, self._back)}
         self._delayed: collections.deque[tuple[float, Side, bytes, protocol.Message]] = (
             collections.deque())
         self.frontend_endpoint = ""
@@ -213,19 +213,24 @@ class Broker:
                  self.frontend_endpoint, self.backend_endpoint)
         delayed = self._delayed
         on_front, on_back = self._on_frontend, self._on_backend
-        fired = 0  # sockets whose fd signalled: read at once, without asking EVENTS first
+        # EVENTS checks go through zmq_poll(items, 0): one call for both sockets, and
+        # cheaper than Socket.get(EVENTS) even for one (get() builds an enum per call).
+        checks = {_FRONT: self._checks[front], _BACK: self._checks[back],
+                  _FRONT | _BACK: [*self._checks[front], *self._checks[back]]}
+        fired = 0  # sockets to read from now (their fd signalled, or EVENTS said so)
+        burst = 0  # ... of which EVENTS said so: read them until zmq.Again
         self._unchecked = _FRONT | _BACK
         pending_extras = list(extras.values())
         monotonic = time.monotonic
         while not self._stopping:
-            todo = self._unchecked | fired
-            if todo & _FRONT:
-                if self._drain(front, on_front, fired & _FRONT):
-                    self._unchecked |= _FRONT  # batch cut short: come back before blocking
+            # A drain ends with a check that found its socket empty (True: cut short).
+            if fired & _FRONT:
+                if self._drain(front, on_front, burst & _FRONT):
+                    self._unchecked |= _FRONT
                 else:
                     self._unchecked &= ~_FRONT
-            if todo & _BACK:
-                if self._drain(back, on_back, fired & _BACK):
+            if fired & _BACK:
+                if self._drain(back, on_back, burst & _BACK):
                     self._unchecked |= _BACK
                 else:
                     self._unchecked &= ~_BACK
@@ -247,15 +252,15 @@ class Broker:
             fired = 0
             unchecked = self._unchecked
             if unchecked:
-                # A send may have consumed a socket's fd signal (libzmq processes
-                # commands while sending): ask its EVENTS again before blocking.
+                # A socket just read from, or written to (libzmq may process commands,
+                # and so consume the fd's signal, during a send): ask its EVENTS.
                 self._unchecked = 0
-                if unchecked & _FRONT and front.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                    fired |= _FRONT
-                if unchecked & _BACK and back.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                    fired |= _BACK
+                for ready, _ in zmq.zmq_poll(checks[unchecked], 0):
+                    fired |= _FRONT if ready is front else _BACK
                 if fired:
+                    burst = fired
                     continue
+            burst = 0
             if delayed and delayed[0][0] < wake:
                 wake = delayed[0][0]
             wait_s = wake - now
@@ -284,21 +289,25 @@ class Broker:
 
     # ------------------------------------------------------------------ input
 
-    def _drain(self, sock: zmq.Socket[bytes], handle: Any, fired: int) -> bool:
-        """Read and handle up to ``BATCH`` messages; True if more may be waiting.
+    def _drain(self, sock: zmq.Socket[bytes], handle: Any, burst: int) -> bool:
+        """Read and handle the messages waiting on ``sock`` (up to ``BATCH``); return
+        True if the batch was cut short.
 
         Reading must go on until a read attempt finds the socket empty: only then
-        does libzmq signal the socket's fd for the next message. Two ways to find
-        out: ask EVENTS (a system call, about 1.5 µs) or try to read (the same
-        system call, plus a ``zmq.Again`` exception, about 3 µs). So: when the fd
-        ``fired``, read the first message at once; after it, ask EVENTS (one
-        message per wake-up is the common case at low load); once a second
-        message has come, it is a burst: read on until ``zmq.Again``, as libzmq's
-        own proxy does, instead of asking EVENTS before every message."""
-        recv, get = sock.recv, sock.get  # get(_EVENTS) & _POLLIN: transport.readable inlined
+        does libzmq signal its fd for the next message. Two ways to find out: ask
+        EVENTS (a system call) or try to read (the same system call, plus a
+        ``zmq.Again`` exception, about twice the cost). So after the first message
+        ask EVENTS once (one message per wake-up is the common case at low load);
+        a socket still readable then is in a ``burst``: read on until
+        ``zmq.Again``, as libzmq's own proxy does, instead of asking EVENTS
+        before every message. One socket's waiting messages are all handled
+        before the other's, as they arrived."""
+        recv = sock.recv
         for i in range(BATCH):
-            if (i == 1 or (i == 0 and not fired)) and not get(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                return False
+            if i == 1 and not burst:
+                if not zmq.zmq_poll(self._checks[sock], 0):
+                    return False
+                burst = 1
             try:
                 # A ROUTER's first frame is the peer's identity, and at least one
                 # frame always follows it: read it as bytes, without a zmq.Frame.
