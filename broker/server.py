@@ -142,7 +142,6 @@ class Broker:
         self._backlog_count = 0
         self._backlog_bytes = 0
         self._unchecked = _FRONT | _BACK  # see run()
-        self._checks = {sock: [(sock, _POLLIN)] for sock in (self._front, self._back)}
         self._delayed: collections.deque[tuple[float, Side, bytes, protocol.Message]] = (
             collections.deque())
         self.frontend_endpoint = ""
@@ -215,25 +214,26 @@ class Broker:
         on_front, on_back = self._on_frontend, self._on_backend
         # EVENTS checks go through zmq_poll(items, 0): one call for both sockets, and
         # cheaper than Socket.get(EVENTS) even for one (get() builds an enum per call).
-        checks = {_FRONT: self._checks[front], _BACK: self._checks[back],
-                  _FRONT | _BACK: [*self._checks[front], *self._checks[back]]}
+        checks = {_FRONT: [(front, _POLLIN)], _BACK: [(back, _POLLIN)],
+                  _FRONT | _BACK: [(front, _POLLIN), (back, _POLLIN)]}
         fired = 0  # sockets to read from now (their fd signalled, or EVENTS said so)
         burst = 0  # ... of which EVENTS said so: read them until zmq.Again
         self._unchecked = _FRONT | _BACK
         pending_extras = list(extras.values())
         monotonic = time.monotonic
+        front_first = (_FRONT, front, on_front), (_BACK, back, on_back)
+        back_first = front_first[::-1]
+        read = 0  # sockets read from in the previous round
         while not self._stopping:
-            # A drain ends with a check that found its socket empty (True: cut short).
-            if fired & _FRONT:
-                if self._drain(front, on_front, burst & _FRONT):
-                    self._unchecked |= _FRONT
-                else:
-                    self._unchecked &= ~_FRONT
-            if fired & _BACK:
-                if self._drain(back, on_back, burst & _BACK):
-                    self._unchecked |= _BACK
-                else:
-                    self._unchecked &= ~_BACK
+            # A socket read from in the previous round goes first, so that its
+            # waiting messages are handled before the other socket's, in order.
+            for bit, sock, handle in back_first if read == _BACK else front_first:
+                if fired & bit:
+                    if self._drain(sock, handle, burst & bit):
+                        self._unchecked |= bit  # read one message, or a batch cut short
+                    else:
+                        self._unchecked &= ~bit  # a read found the socket empty
+            read = fired
             if pending_extras and guard is not None:
                 for sock in pending_extras:
                     while readable(sock):
@@ -290,24 +290,19 @@ class Broker:
     # ------------------------------------------------------------------ input
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Any, burst: int) -> bool:
-        """Read and handle the messages waiting on ``sock`` (up to ``BATCH``); return
-        True if the batch was cut short.
+        """Read and handle one message, or in a ``burst`` all waiting ones (up to
+        ``BATCH``); return True if ``sock`` must be asked for EVENTS again.
 
         Reading must go on until a read attempt finds the socket empty: only then
         does libzmq signal its fd for the next message. Two ways to find out: ask
         EVENTS (a system call) or try to read (the same system call, plus a
-        ``zmq.Again`` exception, about twice the cost). So after the first message
-        ask EVENTS once (one message per wake-up is the common case at low load);
-        a socket still readable then is in a ``burst``: read on until
-        ``zmq.Again``, as libzmq's own proxy does, instead of asking EVENTS
-        before every message. One socket's waiting messages are all handled
-        before the other's, as they arrived."""
+        ``zmq.Again`` exception, about twice the cost). So at first read one
+        message and leave the check to the loop, which asks both sockets in one
+        call (one message per wake-up is the common case at low load). A socket
+        still readable then is in a burst: read on until ``zmq.Again``, as
+        libzmq's own proxy does, instead of asking EVENTS before every message."""
         recv = sock.recv
-        for i in range(BATCH):
-            if i == 1 and not burst:
-                if not zmq.zmq_poll(self._checks[sock], 0):
-                    return False
-                burst = 1
+        for _ in range(BATCH if burst else 1):
             try:
                 # A ROUTER's first frame is the peer's identity, and at least one
                 # frame always follows it: read it as bytes, without a zmq.Frame.
