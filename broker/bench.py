@@ -16,8 +16,12 @@ and 64 in flight; ratios of the broker to the proxy and to direct. Extra
 results: the full public-API path (BrokerClient → broker → BrokerWorker with
 the echo handler), to show what the asyncio layers cost.
 
-Each configuration runs ``--repeat`` times, interleaving the middles, and the
-median is reported (the machine is shared and noisy: compare within one run).
+The machine is shared and noisy (PERF.md: p50 moves 10-30 % between runs, and
+throughput at 64 in flight up to 2x), so the middles are not measured one
+after the other: all three run side by side and the client measures them in
+turn, in ``--repeat`` short slices per transport, rotating which goes first.
+Each slice starts with its own warm-up (a new client connection); the median
+over the slices is reported, and ratios are within the run.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Final
 
@@ -250,22 +254,30 @@ def api_path(tmp: Path, n1: int, n64: int) -> dict[str, dict[str, float]]:
 
 # ---------------------------------------------------------------------- the run
 
-def run(quick: bool, repeat: int) -> dict[str, Any]:
-    n1, n64 = (1500, 15_000) if quick else (5000, 50_000)
+MODES: Final = ("direct", "proxy", "broker")
+
+
+def run(quick: bool, rounds: int) -> dict[str, Any]:
+    """All three middles run side by side (idle ones only wait); the client measures
+    them in turn, in ``rounds`` short slices, rotating which goes first, so each
+    sees the same load from the rest of the machine. Medians over the slices."""
+    n1, n64 = (1500, 15_000) if quick else (10_000, 100_000)
+    per1, per64 = max(n1 // rounds, 100), max(n64 // rounds, 1000)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmpdir:
         tmp = Path(tmpdir)
         for transport in ("ipc", "tcp"):
-            runs: dict[str, list[dict[str, dict[str, float]]]] = {}
-            for _ in range(repeat):
-                for mode in ("direct", "proxy", "broker"):
-                    with middle(mode, transport, tmp) as endpoint:
-                        runs.setdefault(mode, []).append({
-                            "inflight1": client_run(endpoint, 1, n1, 200),
-                            "inflight64": client_run(endpoint, 64, n64, 2000),
+            runs: dict[str, list[dict[str, dict[str, float]]]] = {m: [] for m in MODES}
+            with ExitStack() as stack:
+                endpoints = {m: stack.enter_context(middle(m, transport, tmp)) for m in MODES}
+                for r in range(rounds):
+                    for mode in MODES[r % 3:] + MODES[:r % 3]:
+                        runs[mode].append({
+                            "inflight1": client_run(endpoints[mode], 1, per1, 50),
+                            "inflight64": client_run(endpoints[mode], 64, per64, 640),
                         })
             results[transport] = {mode: _median(r) for mode, r in runs.items()}
-        results["api_path_ipc"] = api_path(tmp, n1 // 2, n64 // 5)
+        results["api_path_ipc"] = api_path(tmp, *((750, 3000) if quick else (2500, 10_000)))
     return results
 
 
@@ -324,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object and write bench-results/broker.json")
     parser.add_argument("--repeat", type=int, default=0,
-                        help="runs per configuration (default 1 with --quick, else 3)")
+                        help="rounds of interleaved slices (default 5 with --quick, else 10); "
+                        "with --curve, runs per configuration")
     parser.add_argument("--curve", action="store_true",
                         help="instead: plain tcp vs CURVE + ZAP through our broker "
                         "(broker/bench_curve.py; bench-results/broker_curve.json)")
@@ -344,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         from broker import bench_curve
 
         return bench_curve.main(args.quick, args.json, args.repeat)
-    repeat = args.repeat or (1 if args.quick else 3)
+    repeat = args.repeat or (5 if args.quick else 10)
     started = time.monotonic()
     results = run(args.quick, repeat)
     rat = ratios(results)
