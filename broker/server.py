@@ -44,7 +44,7 @@ from broker.faults import DELAY, DROP, DUPLICATE, FrameFaults
 from broker.protocol import FailureKind
 from broker.security import CurveServer, Guard
 from broker.state import Dispatcher, Forward, Limits, Send, Side, new_broker_id
-from broker.transport import _MORE_NB, _base_send, readable, send_frames
+from broker.transport import readable, send_frames, send_routed
 
 log = logging.getLogger(__name__)
 
@@ -458,15 +458,8 @@ class Broker:
             # Keep the peer's order: once one message waits, the rest wait too.
             self._hold(side, identity, sock, frames)
             return
-        send = _base_send
         try:
-            # The identity frame first: with ROUTER_MANDATORY, a full pipe (EAGAIN)
-            # or an unknown peer (EHOSTUNREACH) is reported on it, before any
-            # frame of the message is queued.
-            send(sock, identity, _MORE_NB)
-            for frame in frames[:-1]:
-                send(sock, frame, _MORE_NB)
-            send(sock, frames[-1], _NB)
+            send_routed(sock, identity, frames)
         except zmq.Again:
             # The peer's pipe is full for now (a slow reader, a burst): hold the
             # message, bounded, and retry each wake-up, instead of dropping an

@@ -55,6 +55,17 @@ def send_frames(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
     send(sock, frames[-1], _NB)
 
 
+def send_routed(sock: zmq.Socket[bytes], identity: bytes, frames: list[bytes]) -> None:
+    """``send_frames(sock, [identity, *frames])`` on a ROUTER, without building that
+    list. With ROUTER_MANDATORY, a full pipe (``zmq.Again``) or an unknown peer
+    (EHOSTUNREACH) is raised on the identity frame, before any frame is queued."""
+    send = _base_send
+    send(sock, identity, _MORE_NB)
+    for frame in frames[:-1]:
+        send(sock, frame, _MORE_NB)
+    send(sock, frames[-1], _NB)
+
+
 def readable(sock: zmq.Socket[bytes]) -> bool:
     """A message is waiting on ``sock`` (ZMQ_EVENTS; also processes pending commands)."""
     events: int = sock.get(EVENTS_OPT)  # type: ignore[assignment]
