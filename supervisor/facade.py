@@ -272,7 +272,8 @@ class Facade:
 
     async def describe(self, session_id: str, tenant: str | None) -> Any:
         await self._check_tenant(session_id, tenant)
-        described: dict[str, Any] = dict(await self.manager.describe(SessionId(session_id)))
+        with _engine_errors(session_id):
+            described: dict[str, Any] = dict(await self.manager.describe(SessionId(session_id)))
         return described
 
     async def history(self, session_id: str, after_sequence: int, limit: int,

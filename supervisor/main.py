@@ -144,6 +144,9 @@ async def serve(ns: argparse.Namespace) -> int:
             async with asyncio.TaskGroup() as tg:
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
+                # Ready means serving: the stored sessions are resumed first, so a
+                # client's first describe or submit finds them (not a race).
+                await manager.started()
                 sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
                                              "listen": bound, "broker": ns.broker}) + "\n")
                 sys.stdout.flush()

@@ -289,6 +289,10 @@ class SessionManager:
         return await self.store.list_sessions(after=after, limit=limit)
 
     async def describe(self, session_id: SessionId) -> dict[str, Any]:
+        if not self._started.is_set():
+            # Still resuming: a session not resumed yet would be described from
+            # its record alone (no last event), so answer "not running" (retryable).
+            raise EngineNotRunning("SessionManager.run is not running")
         session = self.sessions.get(SessionId(session_id))
         if session is not None:
             return session.describe()

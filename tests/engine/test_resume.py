@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.engine import EngineNotRunning
 from supervisor.store.records import EventRecord
 from tests.engine.farm import engine, start_farm, types
 from tests.helpers import PYTHON, Procs, eventually, kill_tree, read_line_with_deadline
@@ -138,3 +139,21 @@ async def test_supervisor_sigkilled_mid_tool_call_resumes_in_a_new_process(
         replay = await eng.store.replay_events(sid)
         assert [e.sequence for e in replay] == list(range(1, len(replay) + 1))
     assert (farm.ws / "runs.txt").read_text().count("run") == 1
+
+
+async def test_a_session_is_described_only_once_the_engine_has_resumed(
+        procs: Procs, tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "hi"}]}, services="model")
+    db = tmp_path / "describe.sqlite3"
+    async with engine(farm, db=db) as eng:
+        sid = await eng.session()
+        await eng.run_until(sid, {"type": "user_input", "text": "hello"})
+        last = (await eng.manager.describe(sid))["last_event_sequence"]
+        assert last > 0
+    # Not running (as while a restarted supervisor resumes its sessions): no
+    # description from the record alone, which lacks the last event and made
+    # `corral run --session` replay the whole session.
+    with pytest.raises(EngineNotRunning):
+        await eng.manager.describe(sid)
+    async with engine(farm, db=db) as again:  # resumed: the same description
+        assert (await again.manager.describe(sid))["last_event_sequence"] == last
