@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,18 @@ def export_sinks(cfg: config_mod.FarmConfig) -> list[Any]:
     return sinks
 
 
+def broker_identity(db: Path) -> bytes:
+    """The supervisor's broker identity: the same for every process on one store.
+
+    A restarted supervisor then says HEARTBEAT under its predecessor's identity
+    with a new instance id, and the broker drops the dead process's requests at
+    once (``client_restarts``: queued ones forgotten, running ones cancelled)
+    instead of keeping them for the 10 s client window, where a queued tool
+    call could still start after the new process had resumed its session."""
+    digest = hashlib.sha256(str(db.resolve()).encode()).hexdigest()[:24]
+    return f"c-supervisor-{socket.gethostname()[:32]}-{digest}".encode()
+
+
 async def serve(ns: argparse.Namespace) -> int:
     home: Path = ns.home.resolve()
     try:
@@ -124,7 +138,9 @@ async def serve(ns: argparse.Namespace) -> int:
     store = await Store.open(ns.db or home / "corral.db")
     try:
         async with BrokerClient(ns.broker, heartbeat_interval_s=ns.heartbeat_interval_s,
-                                liveness=ns.liveness, curve=broker_curve) as broker:
+                                liveness=ns.liveness, curve=broker_curve,
+                                identity=broker_identity(ns.db or home / "corral.db"),
+                                ) as broker:
             manager = SessionManager(store=store, broker=broker, config=econf,
                                      export_sinks=export_sinks(cfg))
             facade = Facade(manager=manager, store=store, broker=broker,
@@ -145,11 +161,17 @@ async def serve(ns: argparse.Namespace) -> int:
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
                 # Ready means serving: the stored sessions are resumed first, so a
-                # client's first describe or submit finds them (not a race).
-                await manager.started()
-                sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
-                                             "listen": bound, "broker": ns.broker}) + "\n")
-                sys.stdout.flush()
+                # client's first describe or submit finds them (not a race). A stop
+                # asked meanwhile is not held up by the resume.
+                resumed = tg.create_task(manager.started())
+                stopping = tg.create_task(stop.wait())
+                await asyncio.wait({resumed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                resumed.cancel()
+                stopping.cancel()
+                if not stop.is_set():
+                    sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
+                                                 "listen": bound, "broker": ns.broker}) + "\n")
+                    sys.stdout.flush()
                 await stop.wait()
                 log.info("stopping: no new calls; sessions are checkpointed at every step")
                 server_task.cancel()

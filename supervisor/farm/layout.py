@@ -145,7 +145,10 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
                 urls += ["--route-url", f"{name}={url}"]
         return [*sup_argv, *urls]
 
+    # Its ready line waits until every stored session is resumed (supervisor/main.py):
+    # a large store on a loaded machine needs more than the default 30 s.
     specs.append(ChildSpec("supervisor", sup_argv, shutdown_timeout_s=10.0,
+                           ready_timeout_s=180.0,
                            env=supervisor_env, dynamic_argv=supervisor_argv))
     return specs
 
