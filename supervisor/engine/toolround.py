@@ -225,7 +225,10 @@ async def _await_approval(turn: Turn) -> None:
         async with asyncio.timeout(timeout_s):
             decision = await waiter.future
     except TimeoutError:
-        decision = "timed_out"
+        # An answer and the timeout in one loop iteration: the answer was taken
+        # (no stale warning went out), so it counts.
+        done = waiter.future.done() and not waiter.future.cancelled()
+        decision = waiter.future.result() if done else "timed_out"
     finally:
         s.approval = None
     asked = {c["call_id"] for c in pending["calls"]}
