@@ -18,8 +18,8 @@ warm connections.
 Invariants:
 - ``in_flight[i]`` counts the leases of shard ``i`` not yet ended; ``lease``
   always gives its count back, on any exit.
-- The limits add up to the configured ones: ``max_connections`` is split over
-  the shards (rounded up), and so is the keep-alive cap.
+- The limits add up to exactly the configured ones: ``max_connections`` and the
+  keep-alive cap are each split over the shards as evenly as integers allow.
 """
 
 from __future__ import annotations
@@ -42,19 +42,21 @@ class ClientShards:
         if max_connections < 1 or max_keepalive < 0:
             raise ValueError("max_connections must be >= 1 and max_keepalive >= 0")
         count = math.ceil(max_connections / SHARD_CONNECTIONS)
-        per_shard = math.ceil(max_connections / count)
-        keepalive = math.ceil(max_keepalive / count)
+        self.limits = [(_share(max_connections, count, i), _share(max_keepalive, count, i))
+                       for i in range(count)]
         self.clients = [
             httpx.AsyncClient(
                 http2=http2, trust_env=trust_env, follow_redirects=False,
-                limits=httpx.Limits(max_connections=per_shard,
+                limits=httpx.Limits(max_connections=connections,
                                     max_keepalive_connections=keepalive,
                                     keepalive_expiry=keepalive_expiry_s))
-            for _ in range(count)]
+            for connections, keepalive in self.limits]
         self.in_flight = [0] * count
 
     @contextlib.asynccontextmanager
     async def lease(self) -> AsyncIterator[httpx.AsyncClient]:
+        if not self.clients:
+            raise RuntimeError("the model service's HTTP clients are closed")
         counts = self.in_flight
         i = counts.index(min(counts))
         counts[i] += 1
@@ -64,6 +66,11 @@ class ClientShards:
             counts[i] -= 1
 
     async def aclose(self) -> None:
-        clients, self.clients = self.clients, []
+        clients, self.clients, self.in_flight = self.clients, [], []
         for client in clients:
             await client.aclose()
+
+
+def _share(total: int, parts: int, i: int) -> int:
+    """Part ``i`` of ``total`` split over ``parts`` (the first ones get the remainder)."""
+    return total // parts + (1 if i < total % parts else 0)

@@ -21,6 +21,16 @@ async def test_connections_are_split_over_small_shards() -> None:
         assert len(shards(1).clients) == 1
         assert len(shards(SHARD_CONNECTIONS).clients) == 1
         assert len(shards(SHARD_CONNECTIONS + 1).clients) == 2
+        # the shares add up to exactly the configured limits
+        assert sum(c for c, _ in pool.limits) == 100
+        assert sum(k for _, k in pool.limits) == 32
+        assert max(c for c, _ in pool.limits) <= SHARD_CONNECTIONS
+        nine = shards(9)
+        assert nine.limits == [(5, 16), (4, 16)]
+        await nine.aclose()
+        with pytest.raises(RuntimeError, match="closed"):
+            async with nine.lease():
+                pass
     finally:
         await pool.aclose()
 
