@@ -134,12 +134,15 @@ async def test_cancel_right_behind_its_request_is_still_answered(
         await fake.sock.send_multipart([fake.worker, *protocol.encode(
             protocol.Request(f"r{i}", "hold", 30.0, b""))])
         await fake.send(protocol.Cancel(f"r{i}"))
+    # And certainly in one batch: both handed to the worker in one loop step.
+    worker._on_message(protocol.Request("same-step", "hold", 30.0, b""))
+    worker._on_message(protocol.Cancel("same-step"))
     answers = {}
-    for _ in range(20):
+    for _ in range(21):
         msg = await fake.next()
         assert isinstance(msg, protocol.Failure)
         answers[msg.request_id] = msg.kind
-    assert answers == {f"r{i}": "cancelled" for i in range(20)}
+    assert answers == {**{f"r{i}": "cancelled" for i in range(20)}, "same-step": "cancelled"}
 
     async def idle() -> bool:
         return worker.in_flight == 0
