@@ -75,7 +75,8 @@ class Dispatcher:
         self._next_sweep = now + self._sweep_s
         self._disconnect_sent: dict[bytes, float] = {}
         # expired client -> (its open request ids, silence); oldest first, bounded
-        self._expired_clients: dict[bytes, tuple[list[str], float]] = {}
+        # (request id, held by a worker at expiry)
+        self._expired_clients: dict[bytes, tuple[list[tuple[str, bool]], float]] = {}
         self._expired_rids = 0
         self._now = now  # the latest time given to any entry point
         self.counters: Counter[str] = Counter()
@@ -348,7 +349,7 @@ class Dispatcher:
     def _remember_expired(self, client: ClientEntry, silent_s: float) -> None:
         """Keep the ids of an expired client's open requests, so that if it was
         only stalled (not dead) it learns they were dropped (``_fail_expired``)."""
-        rids = list(client.pending)
+        rids = [(rid, req.worker is not None) for rid, req in client.pending.items()]
         if not rids:
             return
         expired = self._expired_clients
@@ -363,18 +364,25 @@ class Dispatcher:
 
     def _fail_expired(self, identity: bytes, out: list[Send]) -> None:
         """A client the broker expired is back: answer each request it dropped
-        then with FAILURE(worker_lost, retryable). Without this a client whose
-        loop stalled past the liveness window would wait for them forever."""
+        then, retryable: ``worker_lost`` (effect unknown) for one a worker held,
+        ``overloaded`` (never started) for one still queued. Without this a
+        client whose loop stalled past the window would wait for them forever."""
         entry = self._expired_clients.pop(identity, None)
         if entry is None:
             return
         rids, silent_s = entry
         self._expired_rids -= len(rids)
         self.counters["expired_requests_failed"] += len(rids)
-        message = (f"the broker expired this client after {silent_s:.2f}s of silence and "
-                   "cancelled the request at its worker; its effect is unknown")
-        for rid in rids:
-            self._fail_direct(identity, rid, FailureKind.WORKER_LOST, message, out)
+        why = f"the broker expired this client after {silent_s:.2f}s of silence"
+        for rid, held in rids:
+            if held:
+                self._fail_direct(identity, rid, FailureKind.WORKER_LOST,
+                                  f"{why} and cancelled the request at its worker; its "
+                                  "effect is unknown", out)
+            else:
+                self._fail_direct(identity, rid, FailureKind.OVERLOADED,
+                                  f"{why} and dropped the request from its queue; it never "
+                                  "started", out)
 
     # ------------------------------------------------------------------ workers
 

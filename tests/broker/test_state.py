@@ -217,7 +217,8 @@ def test_a_stalled_client_that_comes_back_learns_its_expired_requests_failed() -
     back = d.on_client(b"c", protocol.Heartbeat("proc"), 1.5)
     failures = {m.request_id: (m.kind, m.retryable) for m in client_msgs(back)
                 if isinstance(m, protocol.Failure)}
-    assert failures == {"held": ("worker_lost", True), "queued": ("worker_lost", True)}
+    # held: the effect is unknown; queued: it never started
+    assert failures == {"held": ("worker_lost", True), "queued": ("overloaded", True)}
     assert d.counters["expired_requests_failed"] == 2
     # Only once: the next message brings nothing more.
     assert client_msgs(d.on_client(b"c", protocol.Heartbeat("proc"), 1.6)) == []
