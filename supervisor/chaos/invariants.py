@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,10 +197,16 @@ def exports_verify(export_dir: Path) -> tuple[int, list[Violation]]:
     return len(files), out
 
 
-def no_orphans(pids: set[int], cgroup_root: str = "/sys/fs/cgroup") -> list[Violation]:
+def no_orphans(pids: set[int], cgroup_root: str = "/sys/fs/cgroup",
+               grace_s: float = 2.0) -> list[Violation]:
     """No process the farm ran outlived it, and no tool process of its
     workers did: what is left in each worker's cgroups (``worker_cgroup_dirs``;
-    precise, unlike a scan by uid: other farms on the host share the uid range)."""
+    precise, unlike a scan by uid: other farms on the host share the uid range).
+
+    Only the cgroups of workers that are gone are read (a live pid is reported
+    itself, and may be another farm's worker reusing the number), and a
+    process still listed gets ``grace_s`` to finish dying (SIGKILL and
+    die-with-parent are not instantaneous)."""
     out = []
     for pid in sorted(pids):
         try:
@@ -207,16 +214,27 @@ def no_orphans(pids: set[int], cgroup_root: str = "/sys/fs/cgroup") -> list[Viol
             if p.status() != psutil.STATUS_ZOMBIE:
                 out.append(Violation("no_orphans", "", None,
                                      f"pid {pid} ({' '.join(p.cmdline()[:4])}) outlived the farm"))
+                continue
         except psutil.Error:
             pass
         for d in worker_cgroup_dirs(pid, cgroup_root):
-            try:
-                with open(f"{d}/cgroup.procs") as f:
-                    left = [int(x) for x in f.read().split()]
-            except (OSError, ValueError):
-                continue
-            for orphan in left:
+            for orphan in _still_in(f"{d}/cgroup.procs", grace_s):
                 out.append(Violation("no_orphans", "", None,
                                      f"tool process {orphan} of worker {pid} (cgroup {d}) "
                                      "outlived the farm"))
     return out
+
+
+def _still_in(procs_file: str, grace_s: float) -> list[int]:
+    """The pids listed in ``procs_file`` once ``grace_s`` has passed, or at once
+    when it is empty or gone."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            with open(procs_file) as f:
+                left = [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            return []
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)  # bounded by grace_s; only when something is still listed

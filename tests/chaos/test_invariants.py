@@ -55,9 +55,12 @@ def test_no_orphans_sees_live_farm_pids_and_tool_processes_left_in_worker_cgroup
     empty = tmp_path / "memory" / "corral" / f"worker-{gone}"
     empty.mkdir(parents=True)
     (empty / "cgroup.procs").write_text("")
-    found = [v.detail for v in no_orphans({gone, os.getpid()}, str(tmp_path))]
+    found = [v.detail for v in no_orphans({gone, os.getpid()}, str(tmp_path), grace_s=0.2)]
     assert len(found) == 3, found
     assert f"pid {os.getpid()}" in found[0]  # this process is alive: it "outlived the farm"
     assert [d.split()[2] for d in found[1:]] == ["4242", "4243"]
     assert all(f"of worker {gone}" in d for d in found[1:])
     assert no_orphans({gone}, str(tmp_path / "nothing")) == []
+    # a process that leaves the cgroup within the grace is no orphan
+    (left / "cgroup.procs").write_text("")
+    assert no_orphans({gone}, str(tmp_path)) == []
