@@ -59,17 +59,22 @@ BODY: Final = msgpack.packb({
 
 # ---------------------------------------------------------------------- worker/proxy roles
 
-def run_worker(mode: str, endpoint: str) -> None:
-    """The echo worker loop (a subprocess): ROUTER bound for direct, DEALER otherwise."""
-    ctx = zmq.Context()
+def run_worker(mode: str, endpoint: str, *,
+               configure: Callable[[zmq.Socket[bytes]], None] | None = None) -> None:
+    """The echo worker loop (a subprocess): ROUTER bound for direct, DEALER otherwise.
+
+    ``configure`` sets up the socket before it binds or connects (the CURVE
+    bench applies the worker's keys), as for ``client_run``."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER if mode == "direct" else zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if configure is not None:
+        configure(sock)
     if mode == "direct":
-        sock = ctx.socket(zmq.ROUTER)
         sock.bind(endpoint)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     else:
-        sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
-    sock.setsockopt(zmq.LINGER, 0)
     speaks_broker = mode == "broker"
     if speaks_broker:
         sock.send_multipart(protocol.encode(protocol.Ready(("echo",), 4096, {"role": "bench"})))
@@ -306,6 +311,15 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def emit_json(name: str, results: dict[str, Any], ratios: dict[str, float]) -> None:
+    """The ``--json`` output of a broker benchmark: one object on stdout, also
+    written to ``bench-results/NAME.json``."""
+    doc = {"name": name, "machine": machine(), "results": results, "ratios": ratios}
+    Path("bench-results").mkdir(exist_ok=True)
+    Path(f"bench-results/{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc))
+
+
 def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(), "cpus": os.cpu_count(),
@@ -364,10 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = round(time.monotonic() - started, 1)
     results["repeat"] = repeat
     if args.json:
-        doc = {"name": "broker", "machine": machine(), "results": results, "ratios": rat}
-        Path("bench-results").mkdir(exist_ok=True)
-        Path("bench-results/broker.json").write_text(json.dumps(doc, indent=2) + "\n")
-        print(json.dumps(doc))
+        emit_json("broker", results, rat)
     else:
         print_table(results, rat)
     return 0

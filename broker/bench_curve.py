@@ -14,7 +14,6 @@ one JSON object is printed and written to ``bench-results/broker_curve.json``.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -23,10 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
-import msgpack
-import zmq
-
-from broker import bench, protocol
+from broker import bench
 from broker.security import CurveClient, read_key_file, write_allowed, write_key_pair
 
 PYTHON: Final = sys.executable
@@ -49,31 +45,8 @@ def _curve(key_dir: Path | None, name: str) -> CurveClient | None:
 
 def run_worker(endpoint: str, key_dir: Path | None) -> None:
     """``broker.bench``'s echo worker loop, over CURVE when ``key_dir`` is given."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     curve = _curve(key_dir, "worker")
-    if curve is not None:
-        curve.apply(sock)
-    sock.connect(endpoint)
-    sock.send_multipart(protocol.encode(protocol.Ready(("echo",), 4096, {"role": "bench"})))
-    print(json.dumps({"event": "ready"}), flush=True)
-    header, unpackb, packb = protocol.HEADER, msgpack.unpackb, msgpack.packb
-    next_beat = time.monotonic() + 0.25
-    while True:
-        if sock.poll(100):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if frames[1] != bench.REQUEST_KIND:
-                    continue
-                rid = unpackb(frames[2])["id"]
-                sock.send_multipart([header, bench.REPLY_KIND, packb({"id": rid}), frames[3]])
-        if time.monotonic() >= next_beat:
-            sock.send_multipart(bench.HEARTBEAT_FRAMES)
-            next_beat = time.monotonic() + 0.25
+    bench.run_worker("broker", endpoint, configure=curve.apply if curve is not None else None)
 
 
 def client_run(endpoint: str, curve: CurveClient | None, in_flight: int, total: int,
@@ -150,11 +123,7 @@ def main(quick: bool, as_json: bool, repeat: int) -> int:
     results["seconds"] = round(time.monotonic() - started, 1)
     results["repeat"] = repeat
     if as_json:
-        doc = {"name": "broker_curve", "machine": bench.machine(), "results": results,
-               "ratios": rat}
-        Path("bench-results").mkdir(exist_ok=True)
-        Path("bench-results/broker_curve.json").write_text(json.dumps(doc, indent=2) + "\n")
-        print(json.dumps(doc))
+        bench.emit_json("broker_curve", results, rat)
         return 0
     print(f"{'tcp loopback':<14}{'p50 µs':>10}{'p99 µs':>10}{'msg/s @64':>11}{'connect µs':>12}")
     for mode in ("plain", "curve"):

@@ -140,13 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = round(time.monotonic() - started, 1)
     results["repeat"] = repeat
     if args.json:
-        import json
-
-        doc = {"name": "scaleout", "machine": bench.machine(), "results": results,
-               "ratios": rat}
-        Path("bench-results").mkdir(exist_ok=True)
-        Path("bench-results/scaleout.json").write_text(json.dumps(doc, indent=2) + "\n")
-        print(json.dumps(doc))
+        bench.emit_json("scaleout", results, rat)
         return 0
     for h in counts:
         r = results[f"{h}_hosts"]
