@@ -79,6 +79,9 @@ class Procs:
         for proc in self.started:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+        for proc in self.started:  # the pipes of readiness lines the test read from
+            if proc.stdout is not None:
+                proc.stdout.close()
         leaked = [p.pid for p in self.started if p.poll() is None]
         if leaked:
             raise RuntimeError(f"test processes survived cleanup: {leaked}")

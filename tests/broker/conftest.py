@@ -71,10 +71,3 @@ def stop_gracefully(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> i
     return proc.wait(timeout=timeout_s)
 
 
-@pytest.fixture(autouse=True)
-def _close_pipes(procs: Procs) -> Iterator[None]:
-    """Close the stdout pipes of the processes a test started (readiness lines)."""
-    yield
-    for proc in procs.started:
-        if proc.stdout is not None:
-            proc.stdout.close()

@@ -7,7 +7,6 @@ on the allow-list, and a stranger pair that is not.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +62,3 @@ def start_curve_broker(procs: Procs, keys: FarmKeys, *, frontend: str = "tcp://1
         prefix=prefix or ())
 
 
-@pytest.fixture(autouse=True)
-def _close_pipes(procs: Procs) -> Iterator[None]:
-    """Close the stdout pipes of the processes a test started (readiness lines)."""
-    yield
-    for proc in procs.started:
-        if proc.stdout is not None:
-            proc.stdout.close()
