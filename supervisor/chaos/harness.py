@@ -327,7 +327,8 @@ class Harness:
         v = self.report.violations
         self.report.checks = [c for c in inv.ALL_CHECKS
                               if self.marker_checks or c not in inv.MARKER_CHECKS]
-        v.extend(inv.no_orphans(self.pids))
+        # off the loop: a process still listed in a cgroup gets seconds to die
+        v.extend(await asyncio.to_thread(inv.no_orphans, set(self.pids)))
         store = await Store.open(self.home / "corral.db")
         try:
             for r in self.report.sessions:
