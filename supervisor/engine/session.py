@@ -17,6 +17,12 @@ Invariants:
   and only then is the cancellation re-raised, so memory and store agree.
 - ``commit`` calls are serialized by one lock per session, so parallel tool
   calls of a step enter the transcript in completion order.
+- ``call_ids`` is exactly the set of ``call_id`` of the ``function_call`` items
+  in ``context`` whenever the context is loaded: built with it, extended by
+  each committed batch, rebuilt from each rewrite (compaction, a pre_model
+  rewrite) and from each reload; cleared with the context on idle eviction.
+  ``toolround`` renames a model's call_id found in it (a call_id is unique
+  within the context the provider pairs outputs in).
 - Every subscriber queue is bounded; an overflowing subscriber is dropped
   (``SubscriberDropped``), never the session and never another subscriber.
 - The driver never raises: it is the catch-all boundary of a session's work
@@ -99,6 +105,7 @@ class Session:
         # store when work starts (the store is the source of truth; see _drive).
         self.context_evicted = False
         self.context_len = len(context)
+        self.call_ids: set[str] = call_ids_of(context)
         self.hooks = hooks
         self.subscribers: set[Subscriber] = set()
         self.work: collections.deque[Work] = collections.deque()
@@ -188,8 +195,10 @@ class Session:
             if not self.context_evicted:
                 if rw is not None:
                     self.context = list(rw.items)
+                    self.call_ids = call_ids_of(self.context)
                 if batch is not None:
                     self.context.extend(batch.items)
+                    self.call_ids.update(call_ids_of(batch.items))
                 self.context_len = len(self.context)
             for record in records:
                 self._publish(record)
@@ -308,6 +317,7 @@ class Session:
                 loaded = await self.manager.store.load(self.sid)
                 if loaded is not None:
                     self.context = list(loaded.context)
+                    self.call_ids = call_ids_of(self.context)
                     self.context_evicted = False
             while not self.closed:
                 if self.work:
@@ -337,6 +347,7 @@ class Session:
             self.turn_task = None
             if len(self.context) > self.config.idle_context_items and not self.context_evicted:
                 self.context = []
+                self.call_ids = set()
                 self.context_evicted = True
         # New work may have arrived between the last check and here: kick again.
         if not self.closed and (self.work or self.state.queued_input):
@@ -370,6 +381,12 @@ class Session:
             "last_event_sequence": st.next_event_sequence - 1,
             "subscribers": len(self.subscribers),
         }
+
+
+def call_ids_of(items: Sequence[dict[str, Any]]) -> set[str]:
+    """The call_ids of the ``function_call`` items among ``items``."""
+    return {i["call_id"] for i in items
+            if i.get("type") == "function_call" and isinstance(i.get("call_id"), str)}
 
 
 def _copy_json(d: Any) -> Any:

@@ -14,6 +14,18 @@ Worker-loss rules:
 - On resume, a call found ``dispatched``/``started`` is resolved the same way.
 - A name the session does not offer gets an error output and is never sent.
 
+call_id uniqueness: a call_id the model gives twice in one step, or one that a
+``function_call`` already in the session's context has (``Session.call_ids``:
+an earlier step, an earlier turn, a session resumed from the store), runs
+under a fresh id with a ``warning {call_id, renamed_to}``. Once a compaction
+(or a pre_model rewrite) drops a call from the context its id may be given
+again: the provider pairs outputs with calls only within the context it is
+sent, so uniqueness there is what correctness needs, and it keeps the check
+an O(1) set lookup rebuilt from the loaded context (never the whole
+transcript). In the event journal such an id then shows on two
+``tool_call_begin``/``tool_call_end`` pairs, told apart by sequence (each end
+follows its begin).
+
 Invariants:
 - Every function_call in the context gets exactly one function_call_output
   (``close_open_calls`` closes what an interrupt or failure left open).
@@ -68,16 +80,18 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
     contexts: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
     seen: set[str] = set()
-    renamed: list[tuple[str, str]] = []
+    renamed: list[tuple[str, str, bool]] = []  # (given, fresh, given earlier in this step)
     for raw in calls:
         call_id = raw.get("call_id") if isinstance(raw.get("call_id"), str) else None
         call_id = call_id or ev.new_id("call")
-        if call_id in seen:
+        if call_id in seen or call_id in s.call_ids:
             # Calls and their outputs are matched by call_id: a second call under
-            # the same id would get the first one's output (or be lost). It runs
+            # the same id would get the first one's output (or be lost). Some
+            # servers number calls call_0, call_1... in every response, so an id
+            # of an earlier step or turn still in the context counts too. It runs
             # under a fresh id, in the context the model sees next, too.
             fresh = ev.new_id("call")
-            renamed.append((call_id, fresh))
+            renamed.append((call_id, fresh, call_id in seen))
             call_id = fresh
         seen.add(call_id)
         name = str(raw["name"]) if isinstance(raw.get("name"), str) else ""
@@ -110,10 +124,11 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
         st.pending_tool_calls = pcs
         st.active_turn["phase"] = str(TurnPhase.TOOLS)  # requested, not yet decided
     await turn._commit_model_result(result, items, extra_items=contexts, mutate_more=mutate)
-    for old, fresh in renamed:
-        await s.warn(f"the model gave call_id {old[:100]!r} to more than one call in one step; "
-                     f"the later call runs as {fresh!r}", turn.submission_id,
-                     call_id=old[:200], renamed_to=fresh)
+    for old, fresh, in_step in renamed:
+        what = ("to more than one call in one step; the later call" if in_step else
+                "that an earlier call in the session's context has; this call")
+        await s.warn(f"the model gave call_id {old[:100]!r} {what} runs as {fresh!r}",
+                     turn.submission_id, call_id=old[:200], renamed_to=fresh)
 
 
 async def tool_round(turn: Turn) -> None:
