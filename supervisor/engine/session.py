@@ -84,10 +84,28 @@ class Work:
 
 @dataclass(slots=True)
 class PendingApproval:
+    """The open approval request's answer slot, and when it was requested.
+
+    ``requested_at`` is the wall-clock time stored with its
+    ``exec_approval_request`` event (the only clock that survives a restart);
+    ``requested_mono`` is set too when this process made the request, and then
+    wins (``elapsed_s``)."""
+
     approval_id: str
     turn_id: str
     future: asyncio.Future[str] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    requested_at: float | None = None
+    requested_mono: float | None = None
+
+    def elapsed_s(self) -> float | None:
+        """Seconds since the request (None: unknown). A wall clock stepped back
+        counts as no time elapsed, never as negative."""
+        if self.requested_mono is not None:
+            return max(0.0, time.monotonic() - self.requested_mono)
+        if self.requested_at is not None:
+            return max(0.0, time.time() - self.requested_at)
+        return None
 
 
 class Session:

@@ -31,12 +31,18 @@ Invariants:
   (``close_open_calls`` closes what an interrupt or failure left open).
 - The pending approval is durable (``CheckpointState.pending_approval``) before
   ``exec_approval_request`` is visible, and survives a supervisor restart.
+- ``approval_timeout_s`` counts from the request, not from the wait: after a
+  restart the wait gets what is left of it, measured from the stored
+  ``created_at`` of the ``exec_approval_request`` event (wall clock, elapsed
+  clamped at 0); none left denies at once, as a timeout does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from sandbox_worker.api import IDEMPOTENT_TOOLS, SERVICE_TOOL, TIER_ORDER, ToolCallRequest
@@ -52,6 +58,8 @@ from supervisor.engine.tooling import offered
 
 if TYPE_CHECKING:
     from supervisor.engine.turn import Turn
+
+log = logging.getLogger(__name__)
 
 LOST_OUTPUT = ("The worker running this tool call was lost before it reported a result. "
                "Whether the call had any effect is unknown; check before repeating it.")
@@ -208,7 +216,8 @@ async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
         return
     for pc, reason in ask:
         pc["verdict"], pc["reason"] = "ask", reason
-    approval = {"id": ev.new_id("approval"), "turn_id": turn.turn_id,
+    approval_id = ev.new_id("approval")
+    approval = {"id": approval_id, "turn_id": turn.turn_id,
                 "calls": [{"call_id": pc["call_id"], "name": pc["name"],
                            "arguments": pc["arguments"]} for pc, _ in ask],
                 "reason": "; ".join(r for _, r in ask)}
@@ -216,8 +225,10 @@ async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
     def mutate(st: Any) -> None:
         st.pending_approval = approval
         turn.moving_to(TurnPhase.AWAITING_APPROVAL)(st)
-    await s.commit([(ev.EXEC_APPROVAL_REQUEST, dict(approval), turn.submission_id)],
-                    mutate=mutate)
+    (request, *_) = await s.commit(
+        [(ev.EXEC_APPROVAL_REQUEST, dict(approval), turn.submission_id)], mutate=mutate)
+    s.approval = PendingApproval(approval_id, turn.turn_id, requested_at=request.created_at,
+                                 requested_mono=time.monotonic())
     crashpoints.reach("approval_wait")
 
 
@@ -233,11 +244,26 @@ async def _await_approval(turn: Turn) -> None:
     if waiter is None or waiter.approval_id != pending["id"]:
         waiter = PendingApproval(pending["id"], turn.turn_id)
         s.approval = waiter
+    if waiter.requested_at is None and waiter.requested_mono is None:
+        # Resumed: the request's time as stored with its event (found by the
+        # resumed turn's scan of its events).
+        waiter.requested_at = turn.approval_requested_at.get(pending["id"])
     timeout_s = s.config.approval_timeout_s
+    left_s = timeout_s
+    if timeout_s is not None:
+        elapsed_s = waiter.elapsed_s()
+        if elapsed_s is None:  # its event is beyond the resume scan: count from now
+            log.warning("session %s: approval %s: request time unknown; its timeout "
+                        "counts from now", s.sid, pending["id"])
+            waiter.requested_mono = time.monotonic()
+            elapsed_s = 0.0
+        # Already past: a zero timeout still takes an answer that is already
+        # there (awaiting a done future does not suspend), else times out.
+        left_s = max(0.0, timeout_s - elapsed_s)
     try:
         # Nested in the turn's own timeout: if that one expires first, this
         # block sees a CancelledError, not a TimeoutError, and the turn fails.
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(left_s):
             decision = await waiter.future
     except TimeoutError:
         # An answer and the timeout in one loop iteration: the answer was taken

@@ -92,6 +92,8 @@ class Turn:
         self.last_message = ""
         self.pending_rewrite_reasons: list[str] = []
         self.tool_rounds: list[list[str]] = []  # call ids per completed tool round
+        # approval id -> created_at of its stored exec_approval_request (resumed turns)
+        self.approval_requested_at: dict[str, float] = {}
         self.first_sequence = session.state.next_event_sequence  # the run's first event
 
     # ---------------------------------------------------------------- setup
@@ -235,7 +237,9 @@ class Turn:
         the crash cut off: a model step (``interrupted``; the resumed turn re-issues
         it as a new step) and a compaction notice (``Context compaction
         cancelled``; a retried compaction gets a notice of its own). Tool calls are
-        resolved by the tool round from their durable state."""
+        resolved by the tool round from their durable state. The same scan notes
+        when each approval request was made (``approval_requested_at``), which
+        the approval timeout counts from."""
         s = self.session
         started: dict[int, int] = {}
         blocks: dict[str, str] = {}
@@ -250,6 +254,8 @@ class Turn:
                     started[int(p.get("step", 0))] = e.sequence
                 elif e.type == ev.MODEL_STEP_COMPLETED and p.get("outcome") != ev.STEP_RETRYING:
                     started.pop(int(p.get("step", 0)), None)
+                elif e.type == ev.EXEC_APPROVAL_REQUEST and isinstance(p.get("id"), str):
+                    self.approval_requested_at[p["id"]] = e.created_at
                 elif e.type == ev.FRONTEND_RENDER:
                     block = p.get("block") or {}
                     if block.get("state") == "pending":

@@ -1,11 +1,13 @@
 """Approvals: the policy rules (pure), and the live flow through a real farm:
 one request per batch, approve / approved_for_session / deny / abort, stale
-responses, and a pending approval that survives a supervisor restart.
+responses, a pending approval that survives a supervisor restart, and a
+timeout that counts from the request across one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 
 from supervisor.engine import HookInput, HookResult, Middleware
 from supervisor.engine.approvals import Decision, call_key, parse_policy, parse_rule
+from supervisor.engine.session import PendingApproval
 from supervisor.store.records import EventRecord
 from tests.engine.farm import Engine, engine, start_farm, types
 from tests.helpers import Procs
@@ -53,6 +56,19 @@ def test_malformed_policies_are_refused(bad: Any) -> None:
     check = parse_rule if isinstance(bad, str | int) else parse_policy
     with pytest.raises((ValueError, TypeError)):
         check(bad)
+
+
+async def test_the_time_since_a_request_never_goes_negative() -> None:
+    # a request stored "in the future": the wall clock was stepped back since
+    assert PendingApproval("a", "t", requested_at=time.time() + 3600).elapsed_s() == 0.0
+    elapsed = PendingApproval("a", "t", requested_at=time.time() - 10).elapsed_s()
+    assert elapsed is not None
+    assert 10.0 <= elapsed < 11.0
+    assert PendingApproval("a", "t").elapsed_s() is None  # unknown
+    # in the requesting process the monotonic clock wins over the wall clock
+    here = PendingApproval("a", "t", requested_at=time.time() - 100,
+                           requested_mono=time.monotonic())
+    assert (here.elapsed_s() or 0.0) < 1.0
 
 
 # ------------------------------------------------------------------- live
@@ -223,3 +239,40 @@ async def test_an_unanswered_approval_times_out_as_a_denial(procs: Procs,
                                    until=lambda e: e.type == "warning",
                                    after_sequence=events[-1].sequence)
         assert late[-1].payload["message"] == "approval response targeted a stale request"
+
+
+@pytest.mark.sandbox
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("down_s", [3.0, 5.0], ids=["restart_before_deadline",
+                                                    "restart_after_deadline"])
+async def test_the_approval_timeout_counts_from_the_request_across_a_restart(
+        procs: Procs, tmp_path: Path, down_s: float) -> None:
+    timeout_s = 4.0
+    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    db = tmp_path / "deadline.sqlite3"
+    async with engine(farm, db=db, approval_timeout_s=timeout_s) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+    requested_at = request.created_at
+    # The supervisor stays down until down_s after the request. This sleep is
+    # the downtime being simulated, not a wait for a condition.
+    await asyncio.sleep(max(0.0, requested_at + down_s - time.time()))
+    restarted = time.time()
+    async with engine(farm, db=db, approval_timeout_s=timeout_s) as eng2:
+        events = await finish(eng2, sid, sub, None, request.sequence)  # nobody answers
+    assert events[-1].type == "turn_complete"
+    (warning,) = [e for e in events if e.type == "warning"]
+    assert warning.payload["approval_id"] == request.payload["id"]
+    assert "not answered within 4s" in warning.payload["message"]  # as a normal timeout
+    ends = [e.payload for e in events if e.type == "tool_call_end"]
+    assert [(p["outcome"], p["is_error"]) for p in ends] == [("deny", True)] * 2
+    assert "tool_call_begin" not in types(events)
+    # Never before the original deadline; at it (restart before it) or at once
+    # (restart after it). A timeout counted afresh would end no earlier than
+    # restarted + timeout_s: 7 s (resp. 9 s) after the request, against the
+    # bound of 5.5 s (resp. 6.5 s) here; 1.5 s is the allowance for a loaded
+    # machine's resume and commit.
+    deadline = requested_at + timeout_s
+    assert warning.created_at >= deadline - 0.05
+    assert warning.created_at < max(deadline, restarted) + 1.5, (
+        warning.created_at - requested_at, restarted - requested_at)
