@@ -41,9 +41,11 @@ import sys
 import time
 from typing import Any
 
+import httpx
 import psutil
 
 from sandbox_worker.api import ToolLimits
+from sandbox_worker.model.http import open_stream
 from sandbox_worker.model.pool import ClientShards
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
 from sandbox_worker.tools.schemas import SCHEMAS
@@ -77,6 +79,7 @@ class Loop:
         self.slots = asyncio.Semaphore(slots)
         self.tools = tools
         self.http = http
+        self.timeout = httpx.Timeout(MODEL_TIMEOUT_S)
         self.limits = ToolLimits(**DEFAULT_LIMITS)  # as the supervisor path: the defaults
         # every tool is offered, as the supervisor does (same request size)
         self.schemas = [{"type": "function", "name": s["name"], "description": s["description"],
@@ -85,8 +88,11 @@ class Loop:
     async def model(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         body = {"model": "scripted", "instructions": INSTRUCTIONS, "input": items,
                 "tools": self.schemas, "stream": True}
-        async with self.slots, asyncio.timeout(MODEL_TIMEOUT_S), self.http.lease() as http, \
-                http.stream("POST", self.url, json=body, timeout=MODEL_TIMEOUT_S) as resp:
+        request = httpx.Request("POST", self.url, json=body,
+                                extensions={"timeout": self.timeout.as_dict()})
+        async with self.slots, asyncio.timeout(MODEL_TIMEOUT_S), \
+                self.http.lease(request.url) as transport, \
+                open_stream(transport, request) as resp:
             if resp.status_code != 200:
                 raise TurnFailed(f"provider answered {resp.status_code}")
             async for line in resp.aiter_lines():

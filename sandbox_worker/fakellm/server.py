@@ -200,7 +200,11 @@ class FakeLLM:
 
     async def _dispatch(self, conn: h11.Connection, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter, req: h11.Request, body: bytes) -> bool:
-        path = req.target.decode(errors="replace").split("?", 1)[0]
+        target = req.target.decode(errors="replace")
+        if target.startswith(("http://", "https://")):
+            # absolute-form (RFC 9112 3.2.2): what a client sends through an HTTP proxy
+            target = "/" + target.split("://", 1)[1].partition("/")[2]
+        path = target.split("?", 1)[0]
         method = req.method.decode()
         if path.startswith("/_corral/"):
             if method == "GET" and path == "/_corral/stats":

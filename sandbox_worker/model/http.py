@@ -1,4 +1,4 @@
-"""One HTTP attempt of a model call over the worker's shared httpx client.
+"""One HTTP attempt of a model call over the worker's pooled httpx transports.
 
 Builds the URL, headers and body for the route's provider, sends it, and
 decodes the reply (streamed SSE or JSON) into neutral deltas and a result.
@@ -19,22 +19,29 @@ Invariants:
 - The first delta of a stream is relayed before the rest of its read is
   parsed (``read_stream``).
 - The stream is closed when this coroutine exits for any reason, including
-  cancellation (``async with client.stream``), so a CANCEL closes the HTTP
-  connection at once.
+  cancellation (``open_stream``), so a CANCEL closes the HTTP connection at once.
 - The API key is placed in one header and nowhere else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import httpx
 
 from sandbox_worker.api import ModelCallRequest, ModelDelta
 from sandbox_worker.model import items as wire
-from sandbox_worker.model.errors import ModelError, StreamError, from_httpx, from_status
+from sandbox_worker.model.errors import (
+    BadRequestError,
+    ModelError,
+    StreamError,
+    from_httpx,
+    from_status,
+)
+from sandbox_worker.model.pool import ClientShards
 from sandbox_worker.model.sse import SSEError, SSEParser
 from sandbox_worker.model.streams import Decoded, decoder_for, responses_output_items
 from sandbox_worker.model.streams import responses_usage as _responses_usage
@@ -42,6 +49,7 @@ from sandbox_worker.model.streams import responses_usage as _responses_usage
 ANTHROPIC_VERSION: Final = "2023-06-01"
 ATTEMPT_HEADER: Final = "x-corral-attempt"
 MAX_ERROR_BODY_BYTES: Final = 64 * 1024
+USER_AGENT: Final = f"corral-worker (httpx/{httpx.__version__})"
 
 OnDeltas = Callable[[list[ModelDelta]], Awaitable[None]]
 
@@ -85,6 +93,29 @@ def body_for(req: ModelCallRequest, stream: bool) -> dict[str, Any]:
     return wire.anthropic_body(req, stream=stream)
 
 
+def build_request(req: ModelCallRequest, *, api_key: str | None, attempt_no: int,
+                  stream: bool, http_timeout: httpx.Timeout) -> httpx.Request:
+    """The HTTP request of one attempt, its timeouts set as ``AsyncClient`` sets them."""
+    content = json.dumps(body_for(req, stream), separators=(",", ":")).encode()
+    headers = headers_for(req, api_key, attempt_no, stream)
+    headers["user-agent"] = USER_AGENT
+    return httpx.Request("POST", url_for(req), content=content, headers=headers,
+                         extensions={"timeout": http_timeout.as_dict()})
+
+
+@contextlib.asynccontextmanager
+async def open_stream(transport: httpx.AsyncBaseTransport, request: httpx.Request
+                      ) -> AsyncIterator[httpx.Response]:
+    """Send ``request`` and yield its response, body unread; the response is
+    closed on every exit, so leaving early (a cancel) closes the connection."""
+    response = await transport.handle_async_request(request)
+    response.request = request
+    try:
+        yield response
+    finally:
+        await response.aclose()
+
+
 async def _read_bounded(resp: httpx.Response, limit: int) -> bytes:
     buf = bytearray()
     async for chunk in resp.aiter_bytes():
@@ -100,7 +131,7 @@ def _decode_compact(body: dict[str, Any]) -> Decoded:
 
 
 async def attempt(
-    client: httpx.AsyncClient,
+    pool: ClientShards,
     req: ModelCallRequest,
     *,
     api_key: str | None,
@@ -113,12 +144,12 @@ async def attempt(
     provider = req["route"]["provider"]
     stream = req["stream"] and req["op"] == "respond"
     what = f"{provider} {req['route']['model']}"
-    content = json.dumps(body_for(req, stream), separators=(",", ":")).encode()
     started = False
     try:
-        async with client.stream("POST", url_for(req), content=content,
-                                 headers=headers_for(req, api_key, attempt_no, stream),
-                                 timeout=http_timeout) as resp:
+        request = build_request(req, api_key=api_key, attempt_no=attempt_no, stream=stream,
+                                http_timeout=http_timeout)
+        async with pool.lease(request.url) as transport, \
+                open_stream(transport, request) as resp:
             if resp.status_code >= 400:
                 raise from_status(resp.status_code,
                                   await _read_bounded(resp, MAX_ERROR_BODY_BYTES),
@@ -143,6 +174,8 @@ async def attempt(
         raise
     except httpx.HTTPError as exc:
         raise from_httpx(exc, what, streaming=started) from exc
+    except httpx.InvalidURL as exc:
+        raise BadRequestError(f"{what}: invalid URL ({exc})") from exc
     except SSEError as exc:
         raise StreamError(f"{what}: malformed event stream ({exc})") from exc
 

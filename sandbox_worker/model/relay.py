@@ -7,14 +7,18 @@ arguments of the same tool call) and sends them:
 
 - at once, for the very first delta of an attempt (first-token latency);
 - when ``max_chars`` are pending;
-- otherwise at most ``flush_interval_s`` after the oldest pending delta
-  (the ``run`` task's timer), and at ``close``.
+- otherwise at most ``flush_interval_s`` after the oldest pending delta (a
+  timer task, started the first time a delta has to wait, so an attempt that
+  never coalesces, and the first token of every attempt, pay no task for it),
+  and at ``flush``.
 
 Invariants:
 - Deltas reach ``send`` in exactly the order they were pushed; a merged delta
   holds its parts in order. A change of kind or of tool call flushes first.
 - ``relayed`` counts the PARTIALs sent, so a failed attempt knows whether the
   client saw output that it must now discard.
+- The owner calls ``aclose`` on every exit: it cancels and awaits the timer,
+  so no task outlives the attempt.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class DeltaRelay:
         self._pending_since = 0.0
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._timer: asyncio.Task[None] | None = None
         self.relayed = 0
 
     def _merge(self, delta: ModelDelta) -> None:
@@ -77,6 +82,9 @@ class DeltaRelay:
             await self.flush()
         else:
             self._wake.set()
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().create_task(self._run(),
+                                                                     name="delta-relay-timer")
 
     async def flush(self) -> None:
         async with self._lock:
@@ -89,7 +97,18 @@ class DeltaRelay:
                 await self._send(pack(out))
                 self.relayed += 1
 
-    async def run(self) -> None:
+    async def aclose(self, *, check: bool = True) -> None:
+        """Stop the timer; with ``check``, raise ``RuntimeError`` if it had failed
+        (its send raised)."""
+        timer, self._timer = self._timer, None
+        if timer is None:
+            return
+        timer.cancel()
+        await asyncio.wait([timer])
+        if check and not timer.cancelled() and timer.exception() is not None:
+            raise RuntimeError("delta relay failed") from timer.exception()
+
+    async def _run(self) -> None:
         """The timer: flushes pending deltas ``flush_interval_s`` after they arrive."""
         while True:
             await self._wake.wait()

@@ -272,19 +272,16 @@ class ModelService:
     async def _attempt(self, shards: ClientShards, req: ModelCallRequest,
                        api_key: str | None, attempt_no: int, http_timeout: httpx.Timeout,
                        relay: DeltaRelay) -> Decoded:
-        # The relay's timer is owned here: cancelled and awaited on every exit.
-        # (Not a TaskGroup: its ExceptionGroup would hide the typed ModelError.)
-        timer = asyncio.create_task(relay.run())
+        # The relay's timer (if it started one) is stopped on every exit; its own
+        # failure is raised only if the attempt itself succeeded.
         try:
-            async with shards.lease() as client:
-                decoded = await http.attempt(
-                    client, req, api_key=api_key, attempt_no=attempt_no,
-                    http_timeout=http_timeout, on_deltas=relay.push,
-                    max_response_bytes=self.config.max_response_bytes)
+            decoded = await http.attempt(
+                shards, req, api_key=api_key, attempt_no=attempt_no,
+                http_timeout=http_timeout, on_deltas=relay.push,
+                max_response_bytes=self.config.max_response_bytes)
             await relay.flush()
-        finally:
-            timer.cancel()
-            await asyncio.wait([timer])
-        if not timer.cancelled() and timer.exception() is not None:
-            raise RuntimeError("delta relay failed") from timer.exception()
+        except BaseException:
+            await relay.aclose(check=False)
+            raise
+        await relay.aclose()
         return decoded
