@@ -21,6 +21,28 @@ in hand) and for the whole answer (→ last event / REPLY), in two scenarios:
 - ``paced``: the provider pauses ``--pace-s`` between events, as a real
   model does (hundreds of tokens per second); this isolates the hop cost.
 
+Every measured call starts after ``--gap-s`` of idle time (default 20 ms), so
+each call and each round trip below starts from the same idle state, as an
+agent's model call does between tool calls. (Without the gap, the brokered
+call already found broker and worker idle since the direct call before it;
+the ratio moved by no more than the run-to-run noise: 1.63 without, 1.64-1.69
+with.)
+
+Beside them, in the same rounds, the bench times two empty round trips, the
+floor under the brokered first token (four ZeroMQ hops, client to worker and
+back):
+
+- ``echo_round_trip``: a small request through our broker to an ``echo``
+  worker (``broker.echo``) and back, read by the same ``BrokerClient``;
+- ``proxy_round_trip``: the same through libzmq's C ``zmq.proxy`` to a
+  blocking echo loop, read by a blocking socket (``broker.bench``'s proxy
+  roles): what four hops cost with no Python in the middle.
+
+``floor_first_token_vs_direct`` is (direct first token + the C proxy's round
+trip) / direct first token: the best ratio any ZeroMQ broker could reach on
+this machine, in this run. ``echo_first_token_vs_direct`` does the same with
+our own stack's empty round trip.
+
 Results are medians (and p90) in ms; ratios are brokered / direct (targets:
 first token <= 1.3, stream <= 1.2). ``--json`` prints one JSON object; the
 object is always written to bench-results/model.json.
@@ -45,7 +67,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
+import zmq
 
+from broker import bench as broker_bench
+from broker import protocol
 from broker.client import BrokerClient
 from broker.protocol import pack, unpack
 from sandbox_worker.api import SERVICE_MODEL, ModelCallRequest
@@ -53,6 +79,7 @@ from sandbox_worker.model.http import body_for, headers_for
 from sandbox_worker.model.sse import SSEParser
 
 READY_S = 30.0
+ECHO_BODY = b"x" * 600  # about the size of a model REQUEST's metadata and first PARTIAL
 
 
 def _machine() -> dict[str, Any]:
@@ -98,9 +125,9 @@ def _autogroup_nice(pid: int, nice: int) -> bool:
 
 @contextmanager
 def _children(tmp: Path, tokens: int, pace_s: float, nice: int
-              ) -> Iterator[tuple[str, str, bool]]:
-    """Yield (provider URL, broker frontend, provider's autogroup niced); stop and
-    reap every child after."""
+              ) -> Iterator[tuple[str, str, str, bool]]:
+    """Yield (provider URL, broker frontend, C proxy frontend, provider's autogroup
+    niced); stop and reap every child after."""
     script = tmp / "script.json"
     # Entry 0: unpaced; entry 1: paced (selected by one prior output, k = 1).
     script.write_text(json.dumps({"responses": [
@@ -122,7 +149,12 @@ def _children(tmp: Path, tokens: int, pace_s: float, nice: int
         broker = spawn("broker", "--frontend", f"ipc://{tmp}/f", "--backend", f"ipc://{tmp}/b")
         spawn("sandbox_worker", "--broker", broker["backend"], "--services", SERVICE_MODEL,
               "--log-level", "WARNING")
-        yield str(url), str(broker["frontend"]), grouped
+        spawn("broker.echo", "--backend", broker["backend"])
+        proxy = spawn("broker.bench", "--role", "proxy", "--frontend", f"ipc://{tmp}/pf",
+                      "--backend", f"ipc://{tmp}/pb")
+        spawn("broker.bench", "--role", "worker", "--mode", "proxy", "--endpoint",
+              str(proxy["backend"]))
+        yield str(url), str(broker["frontend"]), str(proxy["frontend"]), grouped
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -186,47 +218,96 @@ async def _brokered(client: BrokerClient, req: ModelCallRequest) -> tuple[float,
     return first, time.perf_counter() - started, chars, partials
 
 
+async def _echo(client: BrokerClient) -> float:
+    started = time.perf_counter()
+    await client.request("echo", ECHO_BODY, timeout_s=10)
+    return time.perf_counter() - started
+
+
+class _ProxyEcho:
+    """A blocking DEALER through libzmq's C proxy to ``broker.bench``'s echo loop."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sent = 0
+
+    def round_trip(self) -> float:
+        self.sent += 1
+        meta = msgpack.packb({"id": f"{self.sent:x}", "svc": "echo", "b": 10.0, "a": 1})
+        started = time.perf_counter()
+        self.sock.send_multipart([protocol.HEADER, broker_bench.REQUEST_KIND, meta,
+                                  ECHO_BODY])
+        if not self.sock.poll(10_000):
+            raise RuntimeError("no echo through the C proxy within 10 s")
+        self.sock.recv_multipart()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _ms(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {"p50_ms": round(statistics.median(ordered) * 1000, 3),
             "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 3)}
 
 
-async def _scenario(http: httpx.AsyncClient, broker: BrokerClient, req: ModelCallRequest,
-                    rounds: int) -> dict[str, Any]:
+async def _scenario(http: httpx.AsyncClient, broker: BrokerClient, proxy: _ProxyEcho,
+                    req: ModelCallRequest, rounds: int, gap_s: float) -> dict[str, Any]:
     d_first: list[float] = []
     d_total: list[float] = []
     b_first: list[float] = []
     b_total: list[float] = []
+    echo: list[float] = []
+    via_proxy: list[float] = []
     partials: list[int] = []
     for _ in range(rounds):
+        await asyncio.sleep(gap_s)
+        echo.append(await _echo(broker))
+        await asyncio.sleep(gap_s)
+        via_proxy.append(proxy.round_trip())
+        await asyncio.sleep(gap_s)
         f, t, dchars = await _direct(http, req)
         d_first.append(f)
         d_total.append(t)
+        await asyncio.sleep(gap_s)
         f, t, bchars, n = await _brokered(broker, req)
         b_first.append(f)
         b_total.append(t)
         partials.append(n)
         if bchars != dchars:
             raise RuntimeError(f"brokered stream lost text: {bchars} != {dchars} chars")
+    direct = statistics.median(d_first)
     return {"direct_first_token": _ms(d_first), "brokered_first_token": _ms(b_first),
             "direct_stream": _ms(d_total), "brokered_stream": _ms(b_total),
+            "echo_round_trip": _ms(echo), "proxy_round_trip": _ms(via_proxy),
             "partials_per_call_p50": statistics.median(partials), "rounds": rounds,
-            "first_token_vs_direct": round(statistics.median(b_first)
-                                           / statistics.median(d_first), 3),
+            "first_token_vs_direct": round(statistics.median(b_first) / direct, 3),
+            "floor_first_token_vs_direct": round(
+                (direct + statistics.median(via_proxy)) / direct, 3),
+            "echo_first_token_vs_direct": round((direct + statistics.median(echo)) / direct, 3),
             "stream_vs_direct": round(statistics.median(b_total)
                                       / statistics.median(d_total), 3)}
 
 
-async def _run(url: str, frontend: str, rounds: int, paced_rounds: int) -> dict[str, Any]:
-    async with httpx.AsyncClient() as http, BrokerClient(frontend) as broker:
-        unpaced = _request(url, paced=False)
-        for _ in range(3):  # warm-up: connections, imports, the provider's cache
-            await _direct(http, unpaced)
-            await _brokered(broker, unpaced)
-        return {"unpaced": await _scenario(http, broker, unpaced, rounds),
-                "paced": await _scenario(http, broker, _request(url, paced=True),
-                                         paced_rounds)}
+async def _run(url: str, frontend: str, proxy_frontend: str, rounds: int, paced_rounds: int,
+               gap_s: float) -> dict[str, Any]:
+    proxy = _ProxyEcho(proxy_frontend)
+    try:
+        async with httpx.AsyncClient() as http, BrokerClient(frontend) as broker:
+            unpaced = _request(url, paced=False)
+            for _ in range(3):  # warm-up: connections, imports, the provider's cache
+                await _direct(http, unpaced)
+                await _brokered(broker, unpaced)
+                await _echo(broker)
+                proxy.round_trip()
+            return {"unpaced": await _scenario(http, broker, proxy, unpaced, rounds, gap_s),
+                    "paced": await _scenario(http, broker, proxy, _request(url, paced=True),
+                                             paced_rounds, gap_s)}
+    finally:
+        proxy.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,19 +323,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="pause between events in the paced scenario")
     parser.add_argument("--provider-nice", type=int, default=10,
                         help="nice value of the scripted provider (0: same priority)")
+    parser.add_argument("--gap-s", type=float, default=0.02,
+                        help="idle time before every measured call (see module docstring)")
     ns = parser.parse_args(argv)
     rounds = ns.rounds or (15 if ns.quick else 60)
     paced_rounds = ns.paced_rounds or (3 if ns.quick else 10)
     with tempfile.TemporaryDirectory(prefix="corral-bench-") as tmp, \
-            _children(Path(tmp), ns.tokens, ns.pace_s, ns.provider_nice) as (url, frontend,
-                                                                             grouped):
-        res = asyncio.run(_run(url, frontend, rounds, paced_rounds))
+            _children(Path(tmp), ns.tokens, ns.pace_s, ns.provider_nice) as (
+                url, frontend, proxy_frontend, grouped):
+        res = asyncio.run(_run(url, frontend, proxy_frontend, rounds, paced_rounds, ns.gap_s))
     ratios = {"first_token_vs_direct": res["unpaced"]["first_token_vs_direct"],
               "stream_vs_direct": res["unpaced"]["stream_vs_direct"],
               "paced_first_token_vs_direct": res["paced"]["first_token_vs_direct"],
-              "paced_stream_vs_direct": res["paced"]["stream_vs_direct"]}
+              "paced_stream_vs_direct": res["paced"]["stream_vs_direct"],
+              "floor_first_token_vs_direct": res["unpaced"]["floor_first_token_vs_direct"],
+              "echo_first_token_vs_direct": res["unpaced"]["echo_first_token_vs_direct"]}
     out = {"name": "model", "machine": _machine(),
-           "results": {"tokens": ns.tokens, "pace_s": ns.pace_s,
+           "results": {"tokens": ns.tokens, "pace_s": ns.pace_s, "gap_s": ns.gap_s,
                        "provider_nice": ns.provider_nice,
                        "provider_autogroup_niced": grouped, **res},
            "ratios": ratios}
@@ -268,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     for scen in ("unpaced", "paced"):
         r = res[scen]
         for key in ("direct_first_token", "brokered_first_token", "direct_stream",
-                    "brokered_stream"):
+                    "brokered_stream", "echo_round_trip", "proxy_round_trip"):
             print(f"{scen:<10}{key:<24}{r[key]['p50_ms']:>10.2f}{r[key]['p90_ms']:>10.2f}")
         print(f"{scen:<10}{'partials per call':<24}{r['partials_per_call_p50']:>10}"
               f"   ({r['rounds']} rounds)")
