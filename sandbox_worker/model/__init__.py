@@ -8,7 +8,8 @@ Layers, each ignorant of the one above:
   and one ``ModelCallResult``.
 - ``errors``: the exception tree, and the one boundary translating httpx
   errors and HTTP statuses into it.
-- ``http``: one HTTP attempt over a shared ``httpx.AsyncClient``.
+- ``pool``: the sharded httpx transports; proxies from the environment.
+- ``http``: one HTTP attempt over them.
 - ``relay``: coalescing deltas into ordered PARTIALs.
 - ``secrets``: credentials from the worker's environment; log redaction.
 - ``service``: the broker handler, retries within the request's budget.

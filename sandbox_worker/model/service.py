@@ -1,7 +1,7 @@
 """The ``model`` service: the broker handler for model calls.
 
 ``ModelService.handle`` decodes a ``ModelCallRequest``, makes the call over
-the worker's one pooled ``httpx.AsyncClient``, relays deltas as PARTIALs
+the worker's pooled httpx transports (``pool``), relays deltas as PARTIALs
 (``relay``) and replies with one ``ModelCallResult``. Failures leave as
 ``HandlerError(kind, message, retryable, body)`` (a broker FAILURE), with
 ``body`` a packed map ``{"discard_partial", "attempts", "status"}``.
