@@ -1,10 +1,15 @@
 """The public asyncio client of the broker, used by the supervisor.
 
-``BrokerClient`` owns one DEALER socket, one reader task (drains every ready
-message per wake-up and resolves calls; no task per message) and one
-heartbeat task (heartbeats out, broker silence, local deadlines), both in the
-client's own ``TaskGroup``. ``start`` sends a REQUEST at once and returns a
-``Call``; ``request`` is ``start`` + ``result``.
+``BrokerClient`` owns one DEALER socket and, in the client's own
+``TaskGroup``, a reader task and a heartbeat task (heartbeats out, broker
+silence, local deadlines). Messages are decoded and calls resolved by the
+socket's listener, straight from the loop's fd reader callback
+(``AsyncDealer.listen``): a REPLY wakes its caller in the iteration in which
+it became readable, with no task wake-up in between (no task per message
+either). The reader task only supervises the listener: a receive error, or a
+bug in dispatch, ends it and so the ``TaskGroup``, as a reader loop's
+exception did. ``start`` sends a REQUEST at once and returns a ``Call``;
+``request`` is ``start`` + ``result``.
 
 Invariants:
 - Every call ends exactly once, with a REPLY body or a ``RequestFailed``:
@@ -284,19 +289,22 @@ class BrokerClient:
             log.warning("failed %d call(s) in flight: %s", len(calls), message)
 
     async def _reader(self) -> None:
-        sock = self._running_socket()
+        """Supervise the listener; ends with the error that stopped it. Cancelling
+        this task stops dispatch at once (it cancels the awaited future)."""
+        await self._running_socket().listen(self._on_batch)
+
+    def _on_batch(self, batch: list[list[bytes]]) -> None:
+        """Called by the socket's listener (a loop callback) with the messages read."""
+        self._last_heard = time.monotonic()
+        self._link_up = True
         max_bytes = self.max_message_bytes
-        while True:
-            batch = await sock.recv_batch()
-            self._last_heard = time.monotonic()
-            self._link_up = True
-            for frames in batch:
-                try:
-                    msg = protocol.decode(frames, max_bytes=max_bytes)
-                except protocol.ProtocolError as exc:
-                    self.dropped[type(exc).__name__] += 1
-                    continue
-                self._on_message(msg, max_bytes)
+        for frames in batch:
+            try:
+                msg = protocol.decode(frames, max_bytes=max_bytes)
+            except protocol.ProtocolError as exc:
+                self.dropped[type(exc).__name__] += 1
+                continue
+            self._on_message(msg, max_bytes)
 
     def _on_message(self, msg: protocol.Message, max_bytes: int) -> None:
         if isinstance(msg, protocol.Reply):

@@ -1,18 +1,37 @@
 """The asyncio adapter around one ZeroMQ DEALER socket, shared by client and worker.
 
 A plain (blocking-API) pyzmq socket driven from the running event loop with
-``loop.add_reader`` on the socket's notification fd: one reader drains every
-ready message per wake-up, and sends are synchronous NOBLOCK calls, so no
-future or task is created per message (PERF.md: draining doubles throughput,
-``zmq.asyncio`` per-message futures cost about 2x).
+``loop.add_reader`` on the socket's notification fd, and synchronous NOBLOCK
+sends, so no future or task is created per message (PERF.md: draining doubles
+throughput, ``zmq.asyncio`` per-message futures cost about 2x).
+
+Two ways to read, one at a time:
+- ``listen(on_batch)``: the fd's reader callback itself drains the socket and
+  calls ``on_batch`` synchronously, so a message is dispatched in the same
+  loop iteration in which its fd became readable (no task wake-up between
+  them: one loop iteration less per receive, ~80 µs less per API round trip
+  on the 2-core VM, see docs/protocol.md). ``BrokerClient`` and
+  ``BrokerWorker`` use it.
+- ``recv_batch()``: the callback sets an Event that a reader task awaits.
 
 This is the one boundary where pyzmq errors are translated: ``zmq.ZMQError``
 becomes ``BrokerUnavailable``; a full send pipe is reported as ``False``.
 
 Invariants:
-- The zmq fd is edge-triggered: after every send, and before every wait, the
-  socket's ``EVENTS`` are re-read so that a message that arrived while a send
-  consumed the edge is never left unread.
+- The zmq fd is edge-triggered: after every send, after ``has_input``, after
+  every drain and before every wait, the socket's ``EVENTS`` are re-read, and a
+  message found waiting is read (the listener is scheduled again with
+  ``call_soon``; the Event is set), so a message that arrived while a send or
+  an EVENTS query consumed the edge is never left unread.
+- A listener callback reads at most ``limit`` messages, then yields to the loop
+  (``call_soon``) if more are waiting: it never starves the loop.
+- Nothing but SystemExit/KeyboardInterrupt raises out of the listener callback
+  (asyncio would only log it, and reading would silently stop): a receive
+  error or an exception from ``on_batch`` ends the listening future with that
+  error, and dispatch stops.
+  Dispatch happens only while that future is pending, so cancelling it (or the
+  task awaiting it) stops dispatch at once; ``close`` ends it with
+  ``BrokerUnavailable`` and removes the reader.
 - All queues are bounded: SNDHWM/RCVHWM on the socket, ``MAXMSGSIZE`` on input.
 - Only the event loop thread touches the socket.
 """
@@ -21,8 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, TypeAlias
 
 import zmq
 
@@ -37,6 +58,9 @@ _MORE_NB: Final = int(zmq.SNDMORE | zmq.NOBLOCK)
 _NB: Final = int(zmq.NOBLOCK)
 EVENTS_OPT: Final = int(zmq.EVENTS)
 POLLIN_FLAG: Final = int(zmq.POLLIN)
+BATCH: Final = 512  # messages read per wake-up / listener callback at most
+
+BatchHandler: TypeAlias = Callable[[list[list[bytes]]], None]
 
 
 # The libzmq-level send of pyzmq's Cython socket, skipping the Python wrapper that
@@ -96,6 +120,14 @@ class AsyncDealer:
         self.endpoint = endpoint
         self._loop = asyncio.get_running_loop()
         self._readable = asyncio.Event()
+        # listen(): the handler, its future (dispatch only while it is pending),
+        # the per-callback bound, the context its callbacks run in, and whether a
+        # call_soon of the listener is already pending.
+        self._on_batch: BatchHandler | None = None
+        self._listening: asyncio.Future[None] | None = None
+        self._limit = BATCH
+        self._context: contextvars.Context | None = None
+        self._pump_pending = False
         try:
             sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, identity)
@@ -112,7 +144,7 @@ class AsyncDealer:
             raise BrokerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
         self._sock = sock
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
-        self._loop.add_reader(self._fd, self._readable.set)
+        self._loop.add_reader(self._fd, self._on_fd)
         self._closed = False
 
     @property
@@ -121,7 +153,12 @@ class AsyncDealer:
 
     def has_input(self) -> bool:
         """A message is waiting to be read (the reader has not caught up)."""
-        return not self._closed and readable(self._sock)
+        if self._closed:
+            return False
+        if readable(self._sock):
+            self._wake()  # this EVENTS query may have consumed the fd's edge
+            return True
+        return False
 
     def send(self, frames: list[bytes]) -> bool:
         """Send now without blocking; ``False`` when the outgoing pipe is full."""
@@ -137,7 +174,7 @@ class AsyncDealer:
         finally:
             # A send may have consumed the fd's edge for an incoming message.
             if not self._closed and readable(sock):
-                self._readable.set()
+                self._wake()
         return True
 
     def send_message(self, msg: protocol.Message) -> bool:
@@ -169,11 +206,13 @@ class AsyncDealer:
             raise BrokerUnavailable(f"receive failed: {exc}") from exc
         return batch
 
-    async def recv_batch(self, limit: int = 512) -> list[list[bytes]]:
+    async def recv_batch(self, limit: int = BATCH) -> list[list[bytes]]:
         """Wait until at least one message is ready; return up to ``limit`` of them."""
         while True:
             if self._closed:
                 raise BrokerUnavailable("socket is closed")
+            if self._is_listening():
+                raise RuntimeError("recv_batch() while a listener reads this socket")
             batch = self._drain(limit)
             if batch:
                 return batch
@@ -182,13 +221,108 @@ class AsyncDealer:
                 continue
             await self._readable.wait()
 
+    # ------------------------------------------------------------------ listen
+
+    def listen(self, on_batch: BatchHandler, *, limit: int = BATCH) -> asyncio.Future[None]:
+        """Dispatch every received message from the fd's reader callback:
+        ``on_batch(messages)`` is called synchronously with up to ``limit``
+        messages (each a list of frames) as soon as they are readable.
+
+        Returns a future that is pending while listening; await it from a
+        supervising task. It ends with the error that stopped reading (a
+        ``BrokerUnavailable`` receive error or close, or whatever ``on_batch``
+        raised). Cancelling it, or the task awaiting it, stops dispatch at once.
+        """
+        if self._closed:
+            raise BrokerUnavailable("socket is closed")
+        if self._is_listening():
+            raise RuntimeError("this socket already has a listener")
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        self._on_batch = on_batch
+        self._limit = limit
+        self._context = contextvars.copy_context()
+        self._listening = self._loop.create_future()
+        # Messages that arrived before listening: their edge may be gone.
+        self._schedule_pump()
+        return self._listening
+
+    def _is_listening(self) -> bool:
+        return self._listening is not None and not self._listening.done()
+
+    def _wake(self) -> None:
+        """Input is waiting but its edge may be consumed: make sure it gets read."""
+        if self._is_listening():
+            self._schedule_pump()
+        else:
+            self._readable.set()
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_pending:
+            self._pump_pending = True
+            self._loop.call_soon(self._pump_soon, context=self._context)
+
+    def _pump_soon(self) -> None:
+        self._pump_pending = False
+        if not self._closed and self._is_listening():
+            self._pump()
+
+    def _on_fd(self) -> None:
+        """The loop's reader callback for the zmq fd."""
+        if self._closed:
+            return
+        if self._is_listening():
+            self._pump()
+        else:
+            self._readable.set()
+
+    def _pump(self) -> None:
+        """Read and dispatch up to ``limit`` messages; never raises."""
+        on_batch = self._on_batch
+        listening = self._listening
+        if on_batch is None or listening is None:
+            return
+        budget = self._limit
+        try:
+            while True:
+                # An empty drain means its recv found nothing (a spurious wake-up,
+                # or commands only): that recv re-armed the fd's edge.
+                batch = self._drain(budget)
+                if not batch:
+                    return
+                on_batch(batch)
+                if listening.done() or self._closed:
+                    return  # on_batch stopped the listener or closed the socket
+                budget -= len(batch)
+                # Re-read EVENTS after dispatch (its sends may have taken the edge).
+                if not readable(self._sock):
+                    return
+                if budget <= 0:
+                    self._schedule_pump()  # more is waiting: yield to the loop first
+                    return
+        except (SystemExit, KeyboardInterrupt):
+            self._stop_listening(BrokerUnavailable("reader interrupted"))
+            raise
+        except BaseException as exc:  # the callback boundary: asyncio would only log it
+            error = exc if isinstance(exc, Exception) else RuntimeError(
+                f"the message handler raised {exc!r}")
+            self._stop_listening(error)
+
+    def _stop_listening(self, error: Exception) -> None:
+        listening = self._listening
+        if listening is not None and not listening.done():
+            listening.set_exception(error)
+        self._on_batch = None
+
     def close(self, *, linger_s: float = 0.0) -> None:
         """Close; ``linger_s`` lets already-queued messages (a goodbye) leave in the
-        background (the shared context is never terminated, so this never blocks)."""
+        background (the shared context is never terminated, so this never blocks).
+        A listener's future ends with ``BrokerUnavailable``."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(Exception):  # the loop may already be closed
             self._loop.remove_reader(self._fd)
         self._sock.close(linger=int(linger_s * 1000))
+        self._stop_listening(BrokerUnavailable("socket is closed"))
         self._readable.set()

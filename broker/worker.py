@@ -1,8 +1,13 @@
 """The public asyncio worker API of the broker, used by sandbox_worker.
 
 ``BrokerWorker.run`` registers the worker's services (READY) and serves
-REQUESTs, each in its own task in the session's ``TaskGroup``. Heartbeats and
-broker-liveness checks run in their own task, never inside request handling.
+REQUESTs, each in its own task in the session's ``TaskGroup``. Messages are
+decoded and dispatched by the socket's listener, straight from the loop's fd
+reader callback (``AsyncDealer.listen``), so a REQUEST's task is created in
+the iteration in which it became readable; the session's reader task only
+supervises the listener (a receive error or a dispatch bug ends it, and so the
+session's ``TaskGroup``). Heartbeats and broker-liveness checks run in their
+own task, never inside request handling.
 
 Sessions: one DEALER socket and one registration. A session ends (and a new
 one starts, with jittered backoff, forever) when the broker is silent for the
@@ -290,17 +295,21 @@ class BrokerWorker:
             self._unsent.popleft()
 
     async def _reader(self, sock: AsyncDealer) -> None:
+        """Supervise the listener; ends with the error that stopped it. Cancelling
+        this task stops dispatch at once (it cancels the awaited future)."""
+        await sock.listen(self._on_batch)
+
+    def _on_batch(self, batch: list[list[bytes]]) -> None:
+        """Called by the socket's listener (a loop callback) with the messages read."""
+        self._last_heard = time.monotonic()
         max_bytes = self.max_message_bytes
-        while True:
-            batch = await sock.recv_batch()
-            self._last_heard = time.monotonic()
-            for frames in batch:
-                try:
-                    msg = protocol.decode(frames, max_bytes=max_bytes)
-                except protocol.ProtocolError as exc:
-                    self.dropped[type(exc).__name__] += 1
-                    continue
-                self._on_message(msg)
+        for frames in batch:
+            try:
+                msg = protocol.decode(frames, max_bytes=max_bytes)
+            except protocol.ProtocolError as exc:
+                self.dropped[type(exc).__name__] += 1
+                continue
+            self._on_message(msg)
 
     def _on_message(self, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Request):
