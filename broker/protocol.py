@@ -33,7 +33,7 @@ Exception tree::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Final, TypeAlias
@@ -306,6 +306,17 @@ def check_header(frame: bytes) -> None:
     raise VersionMismatch(
         f"not a {PROTOCOL_NAME} peer: header {bytes(frame[:16])!r} (expected {HEADER!r})"
     )
+
+
+def decode_batch(batch: list[list[bytes]], *, max_bytes: int,
+                 dropped: MutableMapping[str, int]) -> Iterator[Message]:
+    """Decode each message of a received batch; one that does not decode is
+    counted in ``dropped`` under its error's class name and skipped."""
+    for frames in batch:
+        try:
+            yield decode(frames, max_bytes=max_bytes)
+        except ProtocolError as exc:
+            dropped[type(exc).__name__] = dropped.get(type(exc).__name__, 0) + 1
 
 
 def decode(

@@ -303,12 +303,7 @@ class BrokerWorker:
         """Called by the socket's listener (a loop callback) with the messages read."""
         self._last_heard = time.monotonic()
         max_bytes = self.max_message_bytes
-        for frames in batch:
-            try:
-                msg = protocol.decode(frames, max_bytes=max_bytes)
-            except protocol.ProtocolError as exc:
-                self.dropped[type(exc).__name__] += 1
-                continue
+        for msg in protocol.decode_batch(batch, max_bytes=max_bytes, dropped=self.dropped):
             self._on_message(msg)
 
     def _on_message(self, msg: protocol.Message) -> None:
