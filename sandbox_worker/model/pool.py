@@ -29,10 +29,13 @@ the lowest index, so a lightly loaded worker keeps reusing the first shard's
 warm connections.
 
 Proxies: with ``trust_env``, ``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``
-and ``NO_PROXY`` (either case) are honoured, as httpx's client does. They are
-read once, at start. A request whose host is not bypassed goes through the
-transport of its proxy: one per proxy URL, made on first use, with the whole
-configured limits (a proxied worker talks to one or two proxies).
+and ``NO_PROXY`` (either case) are honoured, as httpx's client does; a proxy
+given without a scheme (``proxy.corp:3128``) is an ``http://`` one, as there.
+They are read once, at start, and each proxy's transport is made then too, so
+a bad proxy URL fails the start (as the client did), not every request. A
+request whose host is not bypassed goes through the transport of its proxy:
+one per proxy URL, with the whole configured limits (a proxied worker talks
+to one or two proxies).
 
 Invariants:
 - ``in_flight[i]`` counts the leases of shard ``i`` not yet ended; ``lease``
@@ -75,8 +78,9 @@ class ClientShards:
                            for connections, keepalive in self.limits]
         self.in_flight = [0] * count
         self.proxies: dict[str, str] = env_proxies(os.environ) if trust_env else {}
-        self._proxy_limits = (max_connections, max_keepalive)
-        self._via_proxy: dict[str, httpx.AsyncHTTPTransport] = {}
+        self._via_proxy: dict[str, httpx.AsyncHTTPTransport] = {
+            url: self._transport(max_connections, max_keepalive, proxy=url)
+            for key, url in self.proxies.items() if key != "no"}
 
     def _transport(self, connections: int, keepalive: int,
                    proxy: str | None = None) -> httpx.AsyncHTTPTransport:
@@ -91,11 +95,7 @@ class ClientShards:
             raise RuntimeError("the model service's HTTP transports are closed")
         proxy = proxy_for(url, self.proxies) if self.proxies else None
         if proxy is not None:
-            transport = self._via_proxy.get(proxy)
-            if transport is None:
-                transport = self._via_proxy[proxy] = self._transport(*self._proxy_limits,
-                                                                      proxy=proxy)
-            yield transport
+            yield self._via_proxy[proxy]
             return
         counts = self.in_flight
         i = counts.index(min(counts))
@@ -114,14 +114,19 @@ class ClientShards:
 
 def env_proxies(environ: Mapping[str, str]) -> dict[str, str]:
     """``{scheme or "all": proxy URL, "no": NO_PROXY}`` from ``environ``; a lowercase
-    variable wins over its uppercase twin, as in curl and urllib."""
+    variable wins over its uppercase twin (set empty, it unsets it), as in curl
+    and urllib; a proxy without a scheme is ``http://``, as in httpx."""
     found: dict[str, str] = {}
-    for name, value in environ.items():
-        lower = name.lower()
-        key = lower.removesuffix("_proxy")
-        if (value and key != lower and key in ("http", "https", "all", "no")
-                and (name == lower or key not in found)):
-            found[key] = value
+    for lowercase_pass in (False, True):
+        for name, value in environ.items():
+            lower = name.lower()
+            key = lower.removesuffix("_proxy")
+            if key == lower or key not in ("http", "https", "all", "no"):
+                continue
+            if lowercase_pass and name == lower and not value:
+                found.pop(key, None)
+            elif value and (name == lower or not lowercase_pass):
+                found[key] = value if key == "no" or "://" in value else f"http://{value}"
     return found
 
 

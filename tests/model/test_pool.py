@@ -71,6 +71,31 @@ def test_env_proxies_lowercase_wins_and_only_proxy_variables_count() -> None:
     assert env_proxies({"PATH": "/bin"}) == {}
 
 
+def test_env_proxies_as_httpx_reads_them() -> None:
+    """A proxy without a scheme is an http:// one; an empty lowercase variable
+    unsets its uppercase twin (urllib's getproxies, which httpx's client used)."""
+    env = {"HTTPS_PROXY": "user:s3cret@proxy.corp:3128", "HTTP_PROXY": "http://p:8080",
+           "http_proxy": "", "NO_PROXY": "internal,.corp"}
+    assert env_proxies(env) == {"https": "http://user:s3cret@proxy.corp:3128",
+                                "no": "internal,.corp"}
+
+
+def test_proxy_transports_are_made_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad proxy fails the start, as httpx's client did, rather than every request
+    (whose failure message would carry the proxy URL, credentials and all)."""
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "no_proxy",
+                 "NO_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "proxy.corp:3128")
+    pool = ClientShards(max_connections=8, max_keepalive=8, keepalive_expiry_s=30.0,
+                        http2=False, trust_env=True)
+    assert list(pool._via_proxy) == ["http://proxy.corp:3128"]
+    monkeypatch.setenv("HTTPS_PROXY", "ftp://proxy.corp:21")
+    with pytest.raises(ValueError, match="scheme"):
+        ClientShards(max_connections=8, max_keepalive=8, keepalive_expiry_s=30.0,
+                     http2=False, trust_env=True)
+
+
 @pytest.mark.parametrize(("url", "no_proxy", "expected"), [
     ("http://api.example.com/v1", "", "http://p:8080"),
     ("http://api.example.com/v1", "*", None),
