@@ -64,4 +64,9 @@ async def test_aclose_reports_a_failed_timer_unless_told_not_to() -> None:
     quiet = DeltaRelay(send, flush_interval_s=0.001)
     await quiet.push([text("first")])
     await quiet.push([text("late")])
+    quiet_timer = quiet._timer
+    assert quiet_timer is not None
+    async with asyncio.timeout(5):
+        await asyncio.wait([quiet_timer])  # it failed (not merely cancelled unstarted)
+    assert isinstance(quiet_timer.exception(), OSError)
     await quiet.aclose(check=False)  # the attempt's own error is the one raised
