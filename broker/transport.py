@@ -304,8 +304,11 @@ class AsyncDealer:
             self._stop_listening(BrokerUnavailable("reader interrupted"))
             raise
         except BaseException as exc:  # the callback boundary: asyncio would only log it
-            error = exc if isinstance(exc, Exception) else RuntimeError(
-                f"the message handler raised {exc!r}")
+            # A future refuses StopIteration (TypeError): wrapped, like BaseExceptions.
+            error = exc if isinstance(exc, Exception) and not isinstance(exc, StopIteration) \
+                else RuntimeError(f"the message handler raised {exc!r}")
+            if error is not exc:
+                error.__cause__ = exc
             self._stop_listening(error)
 
     def _stop_listening(self, error: Exception) -> None:

@@ -122,6 +122,23 @@ async def test_handler_error_ends_listening_and_stops_dispatch(
     assert calls == 1
 
 
+async def test_a_handler_raising_stopiteration_still_ends_listening(
+        pair: tuple[Peer, AsyncDealer]) -> None:
+    """A future refuses StopIteration; it must not escape the callback instead
+    (asyncio would only log it, and the listening future would hang)."""
+    peer, dealer = pair
+
+    def on_batch(batch: list[list[bytes]]) -> None:
+        next(iter(()))  # a dispatch bug: StopIteration
+
+    listening = dealer.listen(on_batch)
+    peer.send(b"one")
+    with pytest.raises(RuntimeError, match="StopIteration") as raised:
+        async with asyncio.timeout(10):
+            await listening
+    assert isinstance(raised.value.__cause__, StopIteration)
+
+
 async def test_cancelling_the_supervising_task_stops_dispatch_at_once(
         pair: tuple[Peer, AsyncDealer]) -> None:
     peer, dealer = pair
