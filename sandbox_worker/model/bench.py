@@ -3,12 +3,17 @@
 ``python -m sandbox_worker.model.bench [--quick] [--json] [--tokens N] [--rounds N]``
 
 Starts the scripted provider, a broker and one model worker as child
-processes. In one run, alternating call by call (so both see the same
-machine noise), it measures two ways of reading the same stream from the
-same server:
+processes. In one run, call by call in a new random order every round (so
+all see the same machine noise, and none always follows the same one), it
+measures three ways of reading the same stream from the same server:
 
-- direct: an in-process httpx client streaming ``POST /responses`` and
-  parsing its SSE events (the floor: no broker, no worker);
+- direct: in-process, the worker's own HTTP path (``http.build_request`` and
+  ``http.open_stream`` on an ``httpx.AsyncHTTPTransport``) streaming
+  ``POST /responses`` and parsing its SSE events: the same HTTP code as the
+  worker's, with no broker and no worker (the baseline of every ratio);
+- client: the same through ``httpx.AsyncClient.stream``, what a user calling
+  the provider with httpx would write (0.1-0.2 ms slower to the first token;
+  reported as ``first_token_vs_client`` and ``stream_vs_client``);
 - brokered: the same request as a ``model`` call through broker and worker,
   read by a ``BrokerClient`` as PARTIALs.
 
@@ -23,10 +28,7 @@ in hand) and for the whole answer (→ last event / REPLY), in two scenarios:
 
 Every measured call starts after ``--gap-s`` of idle time (default 20 ms), so
 each call and each round trip below starts from the same idle state, as an
-agent's model call does between tool calls. (Without the gap, the brokered
-call already found broker and worker idle since the direct call before it;
-the ratio moved by no more than the run-to-run noise: 1.63 without, 1.64-1.69
-with.)
+agent's model call does between tool calls.
 
 Beside them, in the same rounds, the bench times two empty round trips, the
 floor under the brokered first token (four ZeroMQ hops, client to worker and
@@ -55,14 +57,15 @@ import asyncio
 import json
 import os
 import platform
+import random
 import selectors
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +78,7 @@ from broker import protocol
 from broker.client import BrokerClient
 from broker.protocol import pack, unpack
 from sandbox_worker.api import SERVICE_MODEL, ModelCallRequest
-from sandbox_worker.model.http import body_for, headers_for
+from sandbox_worker.model.http import body_for, build_request, headers_for, open_stream
 from sandbox_worker.model.sse import SSEParser
 
 READY_S = 30.0
@@ -180,17 +183,37 @@ def _request(url: str, *, paced: bool) -> ModelCallRequest:
         instructions="bench", items=items, tools=[], stream=True, session_id="bench")
 
 
-async def _direct(client: httpx.AsyncClient, req: ModelCallRequest) -> tuple[float, float, int]:
+Opener = Callable[[ModelCallRequest], AbstractAsyncContextManager[httpx.Response]]
+
+
+def _via_transport(transport: httpx.AsyncHTTPTransport) -> Opener:
+    """The worker's own HTTP path, in process."""
+    timeout = httpx.Timeout(30.0)
+
+    def open_(req: ModelCallRequest) -> AbstractAsyncContextManager[httpx.Response]:
+        request = build_request(req, api_key=None, attempt_no=1, stream=True,
+                                http_timeout=timeout)
+        return open_stream(transport, request)
+    return open_
+
+
+def _via_client(client: httpx.AsyncClient) -> Opener:
+    """``httpx.AsyncClient.stream``, as a user would call the provider."""
+    def open_(req: ModelCallRequest) -> AbstractAsyncContextManager[httpx.Response]:
+        content = json.dumps(body_for(req, True), separators=(",", ":")).encode()
+        return client.stream("POST", f"{req['route']['base_url']}/responses",
+                             content=content, headers=headers_for(req, None, 1, True))
+    return open_
+
+
+async def _direct(open_: Opener, req: ModelCallRequest) -> tuple[float, float, int]:
     parser = SSEParser()
     first = 0.0
     chars = 0
     # The clock starts before the body is built, as the brokered path's does
     # (the worker builds the same body inside its timed path).
     started = time.perf_counter()
-    content = json.dumps(body_for(req, True), separators=(",", ":")).encode()
-    headers = headers_for(req, None, 1, True)
-    async with client.stream("POST", f"{req['route']['base_url']}/responses",
-                             content=content, headers=headers) as resp:
+    async with open_(req) as resp:
         async for chunk in resp.aiter_bytes():
             for event in parser.feed(chunk):
                 data = json.loads(event.data)
@@ -254,40 +277,68 @@ def _ms(values: list[float]) -> dict[str, float]:
             "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 3)}
 
 
-async def _scenario(http: httpx.AsyncClient, broker: BrokerClient, proxy: _ProxyEcho,
+async def _scenario(direct: Opener, client: Opener, broker: BrokerClient, proxy: _ProxyEcho,
                     req: ModelCallRequest, rounds: int, gap_s: float) -> dict[str, Any]:
     d_first: list[float] = []
     d_total: list[float] = []
+    c_first: list[float] = []
+    c_total: list[float] = []
     b_first: list[float] = []
     b_total: list[float] = []
     echo: list[float] = []
     via_proxy: list[float] = []
     partials: list[int] = []
-    for _ in range(rounds):
-        await asyncio.sleep(gap_s)
-        echo.append(await _echo(broker))
-        await asyncio.sleep(gap_s)
-        via_proxy.append(proxy.round_trip())
-        await asyncio.sleep(gap_s)
-        f, t, dchars = await _direct(http, req)
+    chars: dict[str, int] = {}
+
+    async def direct_call() -> None:
+        f, t, chars["direct"] = await _direct(direct, req)
         d_first.append(f)
         d_total.append(t)
-        await asyncio.sleep(gap_s)
-        f, t, bchars, n = await _brokered(broker, req)
+
+    async def client_call() -> None:
+        f, t, chars["client"] = await _direct(client, req)
+        c_first.append(f)
+        c_total.append(t)
+
+    async def brokered_call() -> None:
+        f, t, chars["brokered"], n = await _brokered(broker, req)
         b_first.append(f)
         b_total.append(t)
         partials.append(n)
-        if bchars != dchars:
-            raise RuntimeError(f"brokered stream lost text: {bchars} != {dchars} chars")
-    direct = statistics.median(d_first)
+
+    async def echo_call() -> None:
+        echo.append(await _echo(broker))
+
+    async def proxy_call() -> None:
+        via_proxy.append(proxy.round_trip())
+
+    ways = [direct_call, client_call, brokered_call, echo_call, proxy_call]
+    order = random.Random(rounds)  # seeded: a run is repeatable
+    for _ in range(rounds):
+        # A new order every round: what runs just before a call shifts its time
+        # (by 0.2-0.4 ms of first token and 4-10 ms of stream, measured with a
+        # fixed order), so no way always follows the same one.
+        order.shuffle(ways)
+        for way in ways:
+            await asyncio.sleep(gap_s)
+            await way()
+        if len(set(chars.values())) != 1:
+            raise RuntimeError(f"the readers got different text: {chars} chars")
+    first = statistics.median(d_first)
     return {"direct_first_token": _ms(d_first), "brokered_first_token": _ms(b_first),
+            "client_first_token": _ms(c_first),
             "direct_stream": _ms(d_total), "brokered_stream": _ms(b_total),
+            "client_stream": _ms(c_total),
             "echo_round_trip": _ms(echo), "proxy_round_trip": _ms(via_proxy),
             "partials_per_call_p50": statistics.median(partials), "rounds": rounds,
-            "first_token_vs_direct": round(statistics.median(b_first) / direct, 3),
+            "first_token_vs_direct": round(statistics.median(b_first) / first, 3),
+            "first_token_vs_client": round(statistics.median(b_first)
+                                           / statistics.median(c_first), 3),
+            "stream_vs_client": round(statistics.median(b_total)
+                                      / statistics.median(c_total), 3),
             "floor_first_token_vs_direct": round(
-                (direct + statistics.median(via_proxy)) / direct, 3),
-            "echo_first_token_vs_direct": round((direct + statistics.median(echo)) / direct, 3),
+                (first + statistics.median(via_proxy)) / first, 3),
+            "echo_first_token_vs_direct": round((first + statistics.median(echo)) / first, 3),
             "stream_vs_direct": round(statistics.median(b_total)
                                       / statistics.median(d_total), 3)}
 
@@ -296,16 +347,20 @@ async def _run(url: str, frontend: str, proxy_frontend: str, rounds: int, paced_
                gap_s: float) -> dict[str, Any]:
     proxy = _ProxyEcho(proxy_frontend)
     try:
-        async with httpx.AsyncClient() as http, BrokerClient(frontend) as broker:
+        async with httpx.AsyncHTTPTransport() as transport, httpx.AsyncClient() as http, \
+                BrokerClient(frontend) as broker:
+            direct, client = _via_transport(transport), _via_client(http)
             unpaced = _request(url, paced=False)
             for _ in range(3):  # warm-up: connections, imports, the provider's cache
-                await _direct(http, unpaced)
+                await _direct(direct, unpaced)
+                await _direct(client, unpaced)
                 await _brokered(broker, unpaced)
                 await _echo(broker)
                 proxy.round_trip()
-            return {"unpaced": await _scenario(http, broker, proxy, unpaced, rounds, gap_s),
-                    "paced": await _scenario(http, broker, proxy, _request(url, paced=True),
-                                             paced_rounds, gap_s)}
+            return {"unpaced": await _scenario(direct, client, broker, proxy, unpaced, rounds,
+                                               gap_s),
+                    "paced": await _scenario(direct, client, broker, proxy,
+                                             _request(url, paced=True), paced_rounds, gap_s)}
     finally:
         proxy.close()
 
@@ -337,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
               "paced_first_token_vs_direct": res["paced"]["first_token_vs_direct"],
               "paced_stream_vs_direct": res["paced"]["stream_vs_direct"],
               "floor_first_token_vs_direct": res["unpaced"]["floor_first_token_vs_direct"],
-              "echo_first_token_vs_direct": res["unpaced"]["echo_first_token_vs_direct"]}
+              "echo_first_token_vs_direct": res["unpaced"]["echo_first_token_vs_direct"],
+              "first_token_vs_client": res["unpaced"]["first_token_vs_client"],
+              "stream_vs_client": res["unpaced"]["stream_vs_client"]}
     out = {"name": "model", "machine": _machine(),
            "results": {"tokens": ns.tokens, "pace_s": ns.pace_s, "gap_s": ns.gap_s,
                        "provider_nice": ns.provider_nice,
@@ -352,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'scenario':<10}{'measure':<24}{'p50 ms':>10}{'p90 ms':>10}")
     for scen in ("unpaced", "paced"):
         r = res[scen]
-        for key in ("direct_first_token", "brokered_first_token", "direct_stream",
-                    "brokered_stream", "echo_round_trip", "proxy_round_trip"):
+        for key in ("direct_first_token", "client_first_token", "brokered_first_token",
+                    "direct_stream", "client_stream", "brokered_stream", "echo_round_trip",
+                    "proxy_round_trip"):
             print(f"{scen:<10}{key:<24}{r[key]['p50_ms']:>10.2f}{r[key]['p90_ms']:>10.2f}")
         print(f"{scen:<10}{'partials per call':<24}{r['partials_per_call_p50']:>10}"
               f"   ({r['rounds']} rounds)")
