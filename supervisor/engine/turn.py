@@ -95,6 +95,7 @@ class Turn:
         # approval id -> created_at of its stored exec_approval_request (resumed turns)
         self.approval_requested_at: dict[str, float] = {}
         self.first_sequence = session.state.next_event_sequence  # the run's first event
+        self._limit: asyncio.Timeout | None = None  # max_turn_s, set by _run
 
     # ---------------------------------------------------------------- setup
 
@@ -183,7 +184,8 @@ class Turn:
 
     async def _run(self) -> None:
         try:
-            async with asyncio.timeout(self.session.config.max_turn_s):
+            async with asyncio.timeout(self.session.config.max_turn_s) as limit:
+                self._limit = limit
                 await self._body()
         except TurnRejected as exc:
             await self._finish_aborted(ev.ABORT_REJECTED, str(exc))
@@ -207,6 +209,7 @@ class Turn:
 
         if self.resumed:
             await self._close_what_the_crash_left_open()
+            self._limit_from_start()
         if not self.resumed:
             if self.kind == "compact":
                 await self.session.commit(
@@ -231,6 +234,18 @@ class Turn:
         while not await self._step():
             pass
         await self._finish_completed()
+
+    def _limit_from_start(self) -> None:
+        """A resumed turn's ``max_turn_s`` counts from the turn's stored start (wall
+        clock, the supervisor's downtime included), not from the resume; a clock
+        stepped back counts as no time passed. Already past: the limit expires at
+        the next await and the turn ends as any turn over its limit. Applied after
+        the crash's leftovers are closed, so the journal is whole either way."""
+        if self._limit is None:
+            return
+        elapsed = max(0.0, time.time() - self.started_at)
+        left = max(0.0, self.session.config.max_turn_s - elapsed)
+        self._limit.reschedule(asyncio.get_running_loop().time() + left)
 
     async def _close_what_the_crash_left_open(self) -> None:
         """After a supervisor restart, end what clients were shown as started and

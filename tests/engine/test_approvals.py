@@ -276,3 +276,43 @@ async def test_the_approval_timeout_counts_from_the_request_across_a_restart(
     assert warning.created_at >= deadline - 0.05
     assert warning.created_at < max(deadline, restarted) + 1.5, (
         warning.created_at - requested_at, restarted - requested_at)
+
+
+@pytest.mark.sandbox
+@pytest.mark.timeout(60)
+async def test_the_turn_limit_counts_from_the_turn_start_across_a_restart(
+        procs: Procs, tmp_path: Path) -> None:
+    """max_turn_s counts from the turn's stored start: a turn left waiting for an
+    approval across a restart ends at its original limit, not a whole limit
+    after the restart (so periodic restarts cannot keep a turn alive forever)."""
+    limit_s = 5.0
+    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    db = tmp_path / "limit.sqlite3"
+    async with engine(farm, db=db, max_turn_s=limit_s) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+    # The supervisor stays down until 3 s after the request. This sleep is the
+    # downtime being simulated, not a wait for a condition.
+    await asyncio.sleep(max(0.0, request.created_at + 3.0 - time.time()))
+    restarted = time.time()
+    async with engine(farm, db=db, max_turn_s=limit_s) as eng2:
+        events = await finish(eng2, sid, sub, None, 0)  # nobody answers
+        loaded = await eng2.manager.store.load(sid)  # type: ignore[arg-type]
+    assert loaded is not None
+    (started,) = [e for e in events if e.type == "turn_started"]
+    assert events[-1].type == "turn_aborted"
+    assert events[-1].payload["reason"] == "failed"
+    error = next(e for e in events if e.type == "error" and e.sequence > request.sequence)
+    assert error.payload["kind"] == "turn_limit"
+    # both calls of the batch are closed in the context, and neither ran
+    outputs = [i for i in loaded.context if i.get("type") == "function_call_output"]
+    assert len(outputs) == 2
+    assert all("Tool call not completed" in str(i["output"]) for i in outputs)
+    assert "tool_call_begin" not in types(events)
+    # At the original limit (the turn started before the request, so by request +
+    # 5 s); counted afresh it would end no earlier than restarted + 5 s = request
+    # + 8 s. 1.5 s is the allowance for a loaded machine's resume and commit.
+    ended = events[-1].created_at
+    assert ended >= started.created_at + limit_s - 0.05
+    assert ended < max(started.created_at + limit_s, restarted) + 1.5, (
+        ended - started.created_at, restarted - started.created_at)
