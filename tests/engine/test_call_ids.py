@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from supervisor.engine import HookInput, HookResult, Middleware
 from supervisor.store.records import EventRecord
 from tests.engine.farm import Engine, engine, start_farm, types
 from tests.helpers import Procs
@@ -123,3 +124,44 @@ async def test_a_call_id_is_free_again_once_compaction_dropped_its_call(
         saved = await eng.store.load(sid)
         assert saved is not None
         assert check_pairs(saved.context) == {"call_0": "two"}
+
+
+class InjectCall(Middleware):
+    """A pre_model hook that, on the first step only, appends a finished call
+    ``call_0`` (function_call + its output) to the context the model will see."""
+
+    async def pre_model(self, inp: HookInput) -> HookResult | None:
+        if inp.data["step"] != 1:
+            return None
+        return HookResult(append_items=[
+            {"type": "function_call", "call_id": "call_0", "name": "shell",
+             "arguments": json.dumps({"command": "echo injected"})},
+            {"type": "function_call_output", "call_id": "call_0", "output": "injected\n"}])
+
+
+@pytest.mark.sandbox
+async def test_a_call_id_a_hook_added_during_a_provisional_compaction_is_taken(
+        procs: Procs, tmp_path: Path) -> None:
+    """A compaction is provisional while the step's pre_model hooks run
+    (threshold 1: every step compacts first), so a call a hook adds goes into
+    the provisional context only. The compaction settles before the model's
+    calls are prepared, and ``Session.call_ids`` is rebuilt from the settled
+    context: the hook's call_0 holds its id, and the model's runs under a
+    fresh one."""
+    script = {"responses": [echo("one")] * 2 + [{"text": "done"}] * 4,
+              "compact": {"usage": {"input": 5, "output": 3}}}
+    farm = start_farm(procs, tmp_path, script)
+    hook = InjectCall()
+    async with engine(farm, middleware=lambda spec: [hook],
+                      compaction_threshold_tokens=1) as eng:
+        sid = await eng.session(approval="allow")
+        events = await turn(eng, sid, "go", 0)
+        assert types(events).count("context_compacted") >= 1
+        ((old, fresh),) = renames(events)
+        assert old == "call_0"
+        assert ends(events) == {fresh: "one"}
+        # the model answered a request whose (provisional, compacted) context held
+        # the hook's call_0; the next compaction then dropped both calls
+        first = farm.llm_requests()[0]["body"]["input"]
+        assert first[0]["type"] == "compaction"
+        assert check_pairs(first) == {"call_0": "injected"}
