@@ -135,18 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve a script of model responses in the OpenAI "
                        "Responses, Chat Completions and Anthropic Messages wire formats. "
                        "Prints its URL.")
-    p.add_argument("--script", type=Path, required=True)
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--script", type=Path, required=True,
+                   help='the script: {"responses": [...]} (docs/models.md, "The scripted '
+                   'provider")')
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
 
     _remote_commands(sub)
 
-    p = sub.add_parser("chaos", help="run a farm under injected faults and check invariants")
+    p = sub.add_parser("chaos", help="run a farm under injected faults and check invariants",
+                       description="Start a private farm, run scripted sessions through it "
+                       "while injecting faults on a seeded schedule, then check every "
+                       "invariant (docs/chaos.md). Exits 1 if any is violated.")
     _home(p)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1,
+                   help="seed of the fault schedule; the same seed gives the same schedule")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of faults")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--faults", default="all", help="comma list, or 'all'")
+    p.add_argument("--sessions", type=int, default=8, help="sessions to run (default 8)")
+    p.add_argument("--faults", default="all",
+                   help="comma list of fault kinds or groups (process, frame, provider, "
+                   "store), or 'all' (default); e.g. worker_kill_tool,broker_kill")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
     _json(p)
     return parser
