@@ -85,42 +85,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("approve", help="answer a pending approval request")
     _home(p)
-    p.add_argument("session")
+    p.add_argument("session", help="the session id (see 'corral sessions')")
     p.add_argument("id", help="the approval request id (from exec_approval_request)")
     p.add_argument("--decision", required=True,
-                   choices=["approved", "approved_for_session", "denied", "abort"])
+                   choices=["approved", "approved_for_session", "denied", "abort"],
+                   help="approved: run the calls once; approved_for_session: also these "
+                   "exact calls later; denied: answer them with an error; abort: end the turn")
     _json(p)
 
     p = sub.add_parser("interrupt", help="interrupt a session's active turn")
     _home(p)
-    p.add_argument("session")
+    p.add_argument("session", help="the session id (see 'corral sessions')")
     _json(p)
 
     p = sub.add_parser("sessions", help="list sessions")
     _home(p)
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=int, default=100,
+                   help="list at most this many, by session id (default 100, at most 1000)")
     _json(p)
 
     p = sub.add_parser("show", help="show a session's history, replayed from the store")
     _home(p)
-    p.add_argument("session")
+    p.add_argument("session", help="the session id (see 'corral sessions')")
     _json(p)
 
     p = sub.add_parser("export", help="write a session's latest portable checkpoint")
     _home(p)
-    p.add_argument("session")
+    p.add_argument("session", help="the session id (see 'corral sessions')")
     p.add_argument("--out", type=Path, required=True, help="the file to write")
     _json(p)
 
     p = sub.add_parser("verify", help="check a checkpoint file's digests and consistency",
                        description="Exits 0 when the checkpoint verifies, 1 on any tampering "
                        "or inconsistency (each problem is listed).")
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, help="a checkpoint written by 'corral export'")
     _json(p)
 
     p = sub.add_parser("import", help="resume an exported session in this farm's store")
     _home(p)
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, help="a checkpoint written by 'corral export'")
     p.add_argument("--session", default=None, help="the new session id (default: same)")
     p.add_argument("--workspace", type=Path, default=None,
                    help="the imported session's workspace (default: the current directory)")
@@ -170,7 +173,7 @@ def _remote_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     _home(k)
     _json(k)
     k = keys.add_parser("new", help="write a key pair NAME.key and NAME.key_secret (0600)")
-    k.add_argument("name")
+    k.add_argument("name", help="the key's name: writes NAME.key and NAME.key_secret")
     k.add_argument("--dir", type=Path, default=Path("."), help="where (default: here)")
     _json(k)
     k = keys.add_parser("allow", help="put a public key on the farm's allow-list",
@@ -194,9 +197,13 @@ def _remote_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--tier-min", default=None, help="lowest sandbox tier to accept, e.g. T2")
     p.add_argument("--capacity", type=int, default=4, help="requests at once (default 4)")
     p.add_argument("--drain-s", type=float, default=5.0, help="drain time on SIGTERM")
-    p.add_argument("--heartbeat-interval-s", type=float, default=None)
-    p.add_argument("--liveness", type=int, default=None)
-    p.add_argument("--worker-log-level", default="INFO")
+    p.add_argument("--heartbeat-interval-s", type=float, default=None,
+                   help="seconds between heartbeats (default: the worker's, 0.25)")
+    p.add_argument("--liveness", type=int, default=None,
+                   help="missed heartbeats before the broker is taken as gone "
+                   "(default: the worker's, 4)")
+    p.add_argument("--worker-log-level", default="INFO",
+                   help="log level of the worker processes (default INFO)")
 
 
 def main(argv: list[str] | None = None) -> int:
