@@ -83,13 +83,27 @@ class SSEParser:
         else:
             lines = chunk.split(b"\n")
         rest = lines.pop()
+        limit = self._max
         for raw in lines:
-            if raw[:6] == b"data: " and len(raw) <= self._max:
+            # The three lines providers send, inline (``_line`` does the rest):
+            # "data: ...", "event: ...", and the blank line that ends an event.
+            if not raw:
+                if self._data:
+                    events.append(SSEEvent(self._event or "message", "\n".join(self._data)))
+                self._event = ""
+                self._data = []
+                self._pending_bytes = 0
+                continue
+            head = raw[:6]
+            if head == b"data: " or (head == b"event:" and raw[6:7] == b" "):
                 self._pending_bytes += len(raw)
-                if self._pending_bytes > self._max:
-                    raise SSEError(f"event larger than {self._max} bytes")
+                if self._pending_bytes > limit:
+                    raise SSEError(f"event larger than {limit} bytes")
                 try:
-                    self._data.append(raw[6:].decode("utf-8"))
+                    if head == b"data: ":
+                        self._data.append(raw[6:].decode("utf-8"))
+                    else:
+                        self._event = raw[7:].decode("utf-8")
                 except UnicodeDecodeError as exc:
                     raise SSEError("event stream is not valid UTF-8") from exc
             else:
