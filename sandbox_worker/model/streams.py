@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Final
 
 from sandbox_worker.api import Item, ModelDelta, StopReason, Usage, empty_usage
 from sandbox_worker.model.errors import (
@@ -44,9 +44,32 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+_DECODER: Final = json.JSONDecoder()
+_JSON_SPACE: Final = " \t\n\r"
+
+
+def _loads(data: str) -> Any:
+    """``json.loads(data)``, about twice as fast on what providers send.
+
+    ``json.loads`` matches a whitespace regex before and after ``raw_decode``;
+    that costs as much as decoding a small event (2.1 µs against 1.0 µs for a
+    text delta here, 2,000 of them per 2,000-token answer). An event's data
+    starts with its value, so decode first and check the tail by hand; anything
+    else (leading whitespace, extra data, bad JSON) goes to ``json.loads`` for
+    its exact answer.
+    """
+    try:
+        value, end = _DECODER.raw_decode(data)
+    except ValueError:
+        return json.loads(data)
+    if end != len(data) and data[end:].strip(_JSON_SPACE):
+        return json.loads(data)  # raises: extra data
+    return value
+
+
 def _load(data: str, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(data)
+        value = _loads(data)
     except ValueError as exc:
         raise StreamError(f"{what}: event data is not JSON") from exc
     if not isinstance(value, dict):
