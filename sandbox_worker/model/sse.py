@@ -88,11 +88,7 @@ class SSEParser:
             # The three lines providers send, inline (``_line`` does the rest):
             # "data: ...", "event: ...", and the blank line that ends an event.
             if not raw:
-                if self._data:
-                    events.append(SSEEvent(self._event or "message", "\n".join(self._data)))
-                self._event = ""
-                self._data = []
-                self._pending_bytes = 0
+                self._end_event(events)
                 continue
             head = raw[:6]
             if head == b"data: " or (head == b"event:" and raw[6:7] == b" "):
@@ -113,13 +109,17 @@ class SSEParser:
             raise SSEError(f"event larger than {self._max} bytes")
         return events
 
+    def _end_event(self, events: list[SSEEvent]) -> None:
+        """A blank line: the buffered event (if it has data) is complete."""
+        if self._data:
+            events.append(SSEEvent(self._event or "message", "\n".join(self._data)))
+        self._event = ""
+        self._data = []
+        self._pending_bytes = 0
+
     def _line(self, raw: bytes, events: list[SSEEvent]) -> None:
         if not raw:
-            if self._data:
-                events.append(SSEEvent(self._event or "message", "\n".join(self._data)))
-            self._event = ""
-            self._data = []
-            self._pending_bytes = 0
+            self._end_event(events)
             return
         self._pending_bytes += len(raw)
         if self._pending_bytes > self._max:

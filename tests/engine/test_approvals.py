@@ -17,7 +17,7 @@ from supervisor.engine import HookInput, HookResult, Middleware
 from supervisor.engine.approvals import Decision, call_key, parse_policy, parse_rule
 from supervisor.engine.session import PendingApproval
 from supervisor.store.records import EventRecord
-from tests.engine.farm import Engine, engine, start_farm, types
+from tests.engine.farm import Engine, Farm, engine, start_farm, types
 from tests.helpers import Procs
 
 # ------------------------------------------------------------------- pure
@@ -241,6 +241,20 @@ async def test_an_unanswered_approval_times_out_as_a_denial(procs: Procs,
         assert late[-1].payload["message"] == "approval response targeted a stale request"
 
 
+async def approval_across_downtime(farm: Farm, db: Path, down_s: float, **config: Any
+                                   ) -> tuple[str, EventRecord, str, float]:
+    """Start a turn that waits for an approval, stop the supervisor, and keep it
+    down until ``down_s`` after the request. Returns (session, request event,
+    submission, when the downtime ended); the caller then starts an engine on
+    ``db`` again. The sleep is the downtime being simulated, not a wait for a
+    condition."""
+    async with engine(farm, db=db, **config) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+    await asyncio.sleep(max(0.0, request.created_at + down_s - time.time()))
+    return sid, request, sub, time.time()
+
+
 @pytest.mark.sandbox
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("down_s", [3.0, 5.0], ids=["restart_before_deadline",
@@ -250,14 +264,9 @@ async def test_the_approval_timeout_counts_from_the_request_across_a_restart(
     timeout_s = 4.0
     farm = start_farm(procs, tmp_path, TWO_CALLS)
     db = tmp_path / "deadline.sqlite3"
-    async with engine(farm, db=db, approval_timeout_s=timeout_s) as eng:
-        sid = await eng.session(approval="ask")
-        request, sub = await until_approval(eng, sid, "run both")
+    sid, request, sub, restarted = await approval_across_downtime(
+        farm, db, down_s, approval_timeout_s=timeout_s)
     requested_at = request.created_at
-    # The supervisor stays down until down_s after the request. This sleep is
-    # the downtime being simulated, not a wait for a condition.
-    await asyncio.sleep(max(0.0, requested_at + down_s - time.time()))
-    restarted = time.time()
     async with engine(farm, db=db, approval_timeout_s=timeout_s) as eng2:
         events = await finish(eng2, sid, sub, None, request.sequence)  # nobody answers
     assert events[-1].type == "turn_complete"
@@ -288,13 +297,8 @@ async def test_the_turn_limit_counts_from_the_turn_start_across_a_restart(
     limit_s = 5.0
     farm = start_farm(procs, tmp_path, TWO_CALLS)
     db = tmp_path / "limit.sqlite3"
-    async with engine(farm, db=db, max_turn_s=limit_s) as eng:
-        sid = await eng.session(approval="ask")
-        request, sub = await until_approval(eng, sid, "run both")
-    # The supervisor stays down until 3 s after the request. This sleep is the
-    # downtime being simulated, not a wait for a condition.
-    await asyncio.sleep(max(0.0, request.created_at + 3.0 - time.time()))
-    restarted = time.time()
+    sid, request, sub, restarted = await approval_across_downtime(
+        farm, db, 3.0, max_turn_s=limit_s)
     async with engine(farm, db=db, max_turn_s=limit_s) as eng2:
         events = await finish(eng2, sid, sub, None, 0)  # nobody answers
         loaded = await eng2.manager.store.load(sid)  # type: ignore[arg-type]

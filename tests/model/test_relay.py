@@ -46,7 +46,8 @@ async def test_first_delta_leaves_at_once_and_later_ones_are_coalesced() -> None
     assert relay._timer is None
 
 
-async def test_aclose_reports_a_failed_timer_unless_told_not_to() -> None:
+async def _relay_whose_timer_failed() -> DeltaRelay:
+    """A relay whose first delta went out and whose timer then failed to send."""
     async def send(body: bytes) -> None:
         if unpack(body)["text"] != "first":
             raise OSError("socket gone")
@@ -57,16 +58,14 @@ async def test_aclose_reports_a_failed_timer_unless_told_not_to() -> None:
     timer = relay._timer
     assert timer is not None
     async with asyncio.timeout(5):
-        await asyncio.wait([timer])
-    relay._timer = timer
+        await asyncio.wait([timer])  # it failed (not merely cancelled unstarted)
+    assert isinstance(timer.exception(), OSError)
+    return relay
+
+
+async def test_aclose_reports_a_failed_timer_unless_told_not_to() -> None:
     with pytest.raises(RuntimeError, match="delta relay failed"):
-        await relay.aclose()
-    quiet = DeltaRelay(send, flush_interval_s=0.001)
-    await quiet.push([text("first")])
-    await quiet.push([text("late")])
-    quiet_timer = quiet._timer
-    assert quiet_timer is not None
-    async with asyncio.timeout(5):
-        await asyncio.wait([quiet_timer])  # it failed (not merely cancelled unstarted)
-    assert isinstance(quiet_timer.exception(), OSError)
+        await (await _relay_whose_timer_failed()).aclose()
+    quiet = await _relay_whose_timer_failed()
     await quiet.aclose(check=False)  # the attempt's own error is the one raised
+    assert quiet._timer is None
