@@ -160,7 +160,8 @@ class ToolService:
             await pool.give_back(lease)
         tier = self._choose_tier(self.detection)
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
-                               unsandboxed_opt_in=tier == "T0", extra_degraded=degraded)
+                               unsandboxed_opt_in=tier == "T0", extra_degraded=degraded,
+                               verified=dict(self.detection.verified.get(tier, {})))
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)
@@ -385,7 +386,8 @@ class ToolService:
             is_error=outcome != "ok", output=render(run, limits), exit_code=o.exit_code,
             signal=o.signal, duration_s=time.monotonic() - start,
             stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes, truncated=o.truncated,
-            isolation=profile.isolation(applied, network=network, uid=lease.uid))
+            isolation=profile.isolation(applied, network=network, uid=lease.uid,
+                                        shape=run.shape))
         if kind is not None:
             result["error_kind"] = kind
         return result
