@@ -91,7 +91,7 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
         raise
     spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
                    output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
-                   grace_s=grace_s)
+                   grace_s=grace_s, uid=uid)
     try:
         try:
             outcome = await run(spec, on_chunk)
