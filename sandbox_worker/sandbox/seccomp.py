@@ -37,7 +37,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from sandbox_worker.sandbox.errors import SandboxSetupError
 
@@ -81,6 +81,24 @@ def _build(*, unix_sockets_only: bool) -> tuple[bytes, list[str]]:
 
 
 def _compile(families: tuple[int, ...]) -> tuple[bytes, list[str]]:
+    flt, missing = make_filter(families)
+    fd = os.memfd_create("corral-seccomp-tmp", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as fobj:
+            flt.export_bpf(fobj)
+        os.lseek(fd, 0, os.SEEK_SET)
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size)
+    finally:
+        os.close(fd)
+    if not data or len(data) % 8:
+        raise SandboxSetupError(f"libseccomp exported a malformed filter ({len(data)} bytes)")
+    return data, missing
+
+
+def make_filter(families: tuple[int, ...]) -> tuple[Any, list[str]]:
+    """The libseccomp filter object (tests export it as pseudo code) and the
+    deny-list names this libseccomp does not know."""
     try:
         import pyseccomp as sc
     except (ImportError, RuntimeError) as exc:
@@ -109,18 +127,7 @@ def _compile(families: tuple[int, ...]) -> tuple[bytes, list[str]]:
     if AF_NETLINK in families:
         flt.add_rule(no_family, "socket", sc.Arg(0, sc.EQ, AF_NETLINK),
                      sc.Arg(2, sc.NE, NETLINK_ROUTE))
-    fd = os.memfd_create("corral-seccomp-tmp", os.MFD_CLOEXEC)
-    try:
-        with os.fdopen(os.dup(fd), "wb") as fobj:
-            flt.export_bpf(fobj)
-        os.lseek(fd, 0, os.SEEK_SET)
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size)
-    finally:
-        os.close(fd)
-    if not data or len(data) % 8:
-        raise SandboxSetupError(f"libseccomp exported a malformed filter ({len(data)} bytes)")
-    return data, missing
+    return flt, missing
 
 
 def _sealed_memfd(name: str, data: bytes) -> int:
