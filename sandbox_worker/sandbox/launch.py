@@ -24,7 +24,7 @@ Tier detection *tries* these layers by running ``probe.py`` as the command
 
 Invariants: nothing of the command outlives this process; this process
 outlives nothing of the command except by SIGKILL of itself, in which case
-the worker's psutil backstop kills the snapshot of descendants.
+the worker's kill_tree finds and kills every process of the call's uid.
 """
 
 from __future__ import annotations
