@@ -64,6 +64,7 @@ SANDBOX_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
 SYSTEM_DIRS: Final = ("/usr", "/etc", "/opt")
 MERGED_USR: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 TIERS: Final[tuple[Tier, ...]] = ("T2", "T2-", "T1", "T0")
+MAX_SHAPES: Final = 64  # probed chain shapes kept per profile (oldest dropped)
 
 
 def _usable_by_others(path: str) -> bool:
@@ -236,6 +237,8 @@ class Profile:
                 verified = Verified(expect, None, [f"probe failed: {exc}"])
             else:
                 verified = Verified(expect, view, shortfalls(view, expect, self.host_ns))
+        if len(self.verified) >= MAX_SHAPES:  # a bound; a steady worker has a handful
+            self.verified.pop(next(iter(self.verified)))
         self.verified[chain.shape] = verified
         return chain.shape, verified
 

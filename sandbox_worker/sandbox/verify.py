@@ -69,14 +69,20 @@ def chain_shape(head: Sequence[str], variable: Iterable[str]) -> tuple[str, ...]
     under the same layers."""
     values = {v for v in variable if v}
     out: list[str] = []
+    append = out.append
     for token in head:
-        opt, eq, value = token.partition("=")
         if token in values:
-            out.append("<v>")
-        elif eq and opt.startswith("--") and value in values:
-            out.append(f"{opt}=<v>")
+            append("<v>")
+        elif token[:2] == "--" and "=" in token:
+            opt, _, value = token.partition("=")
+            if value in values:
+                append(f"{opt}=<v>")
+            elif _PRLIMIT_VALUE.match(token):
+                append(f"{opt}=<n>")
+            else:
+                append(token)
         else:
-            out.append(_PRLIMIT_VALUE.sub(r"\1<n>", token))
+            append(token)
     return tuple(out)
 
 

@@ -229,6 +229,8 @@ class ToolService:
 
     def info(self) -> dict[str, Any]:
         p, d, cg = self.profile, self.detection, self._cgroup
+        # What the kernel showed the chosen tier's probe, not the configuration.
+        shown = p.isolation(self.config.limits, network=False, uid=p.user.uid) if p else None
         return {
             "tier": p.tier if p else None,
             "tier_min": self.config.tier_min,
@@ -236,7 +238,8 @@ class ToolService:
             "tier_failures": dict(d.failures) if d else {},
             "landlock_abi": d.landlock_abi if d else 0,
             "degraded": p.degraded() if p else [],
-            "seccomp": self._filters is not None,
+            "seccomp": bool(shown and shown["seccomp"]),
+            "kernel": shown["kernel"] if shown else None,
             "cgroup": {"applied": bool(cg and cg.applied), "version": cg.version if cg else "",
                        "reason": cg.reason if cg else "disabled"},
             "sandbox_uid": p.user.uid if p else None,  # the file tools' uid

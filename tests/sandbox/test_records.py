@@ -247,6 +247,9 @@ async def test_record_matches_what_the_call_saw(stack: Stack, client: BrokerClie
     iso = res.result["isolation"]
     assert_record_matches(iso, res.result["output"], stack.worker.pid)
     assert iso["seccomp"] is True
+    # The READY info says what the tier's probe saw too, not the configuration.
+    assert stack.info["seccomp"] is True
+    assert stack.info["kernel"]["seccomp_mode"] == 2
     if stack.tier == "T2":
         assert set(iso["kernel"]["namespaces"]) == set(NAMESPACES)
     granted = await shell(client, INSIDE, workspace, {"network": True})
