@@ -92,6 +92,11 @@ def launcher_python() -> str:
     return "/usr/bin/python3"
 
 
+def cg_mark(directory: str) -> str:
+    """How /proc/<pid>/cgroup names a member of ``directory``: ``/corral/worker-N``."""
+    return "/" + "/".join(directory.rstrip("/").split("/")[-2:])
+
+
 def tier_at_least(tier: Tier, minimum: Tier) -> bool:
     return TIER_ORDER[tier] >= TIER_ORDER[minimum]
 
@@ -228,16 +233,20 @@ class Profile:
         marker = f"corral-probe-{secrets.token_hex(8)}"
         chain = self.build(self.probe_command(marker), workspace, limits, network=network,
                            uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe")
-        code, out, err, outside = await run_probe(chain.argv, chain.env, chain.pass_fds,
-                                                  marker)
-        expect = Expect(self.tier, uid, self.user.gid, limits, network)
+        code, out, err, outside, cgroups = await run_probe(chain.argv, chain.env,
+                                                           chain.pass_fds, marker)
+        cg = self.cgroup
+        joined = cg is not None and cg.applied and bool(cg.dirs)
+        expect = Expect(self.tier, uid, self.user.gid, limits, network,
+                        cgroup_mark=cg_mark(cg.dirs[0]) if cg is not None and joined else "",
+                        cgroup_count=len(cg.procs_files) if cg is not None and joined else 0)
         if code != 0:
             first = (err or out).strip().splitlines()
             why = first[0][:300] if first else f"exit code {code}"
             verified = Verified(expect, None, [f"probe failed: {why}"])
         else:
             try:
-                view = replace(KernelView.parse(out), outside=outside)
+                view = replace(KernelView.parse(out), outside=outside, cgroups=cgroups)
             except ValueError as exc:
                 verified = Verified(expect, None, [f"probe failed: {exc}"])
             else:

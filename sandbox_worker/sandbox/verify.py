@@ -98,6 +98,8 @@ class Expect:
     gid: int
     limits: ToolLimits
     network: bool
+    cgroup_mark: str = ""  # e.g. "/corral/worker-<pid>" when the worker cgroup applied
+    cgroup_count: int = 0  # how many hierarchies the chain joins (v1: memory and pids)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class KernelView:
     rlimits: dict[str, tuple[int, int]]
     errnos: dict[str, int]  # 0: the operation worked
     outside: dict[str, str] = field(default_factory=dict)  # the host's view of them
+    cgroups: str = ""  # the host's /proc/<pid>/cgroup of the probe ("" if unread)
 
     @classmethod
     def parse(cls, text: str) -> KernelView:
@@ -201,6 +204,12 @@ def shortfalls(view: KernelView, expect: Expect, host: dict[str, str]) -> list[s
         got = view.rlimits.get(name)
         if got != pair:
             out.append(f"RLIMIT_{name.upper()} not applied: {_fmt(got)}, expected {_fmt(pair)}")
+    if expect.cgroup_mark:
+        joined = sum(1 for line in view.cgroups.splitlines()
+                     if line.endswith(expect.cgroup_mark))
+        if joined < expect.cgroup_count:
+            out.append(f"worker cgroup not joined: {joined} of {expect.cgroup_count} "
+                       f"hierarchies show {expect.cgroup_mark}")
     if tier == "T0":
         return out
     if not view.seccomp_in_force:
@@ -253,12 +262,12 @@ def kernel_facts(view: KernelView, expect: Expect, host: dict[str, str], uid: in
 
 async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int],
                     marker: str = "", timeout_s: float = PROBE_TIMEOUT_S,
-                    ) -> tuple[int, str, str, dict[str, str]]:
+                    ) -> tuple[int, str, str, dict[str, str], str]:
     """Run a probe chain to its end, bounded: (exit code, stdout, stderr, the
-    probe's namespaces read from the host). With ``marker`` (the probe was
+    probe's namespaces and cgroups read from the host). With ``marker`` (the probe was
     given ``--hold MARKER``), once the report line is out the probe process is
     found among the head's descendants by its marker and its
-    ``/proc/<pid>/ns/*`` read, then its stdin is closed. Closes ``pass_fds``
+    ``/proc/<pid>/ns/*`` and ``cgroup`` read, then its stdin is closed. Closes ``pass_fds``
     once started."""
     try:
         with spawning():
@@ -268,18 +277,19 @@ async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int
                 start_new_session=True)
             MANAGED_HEADS.add(proc.pid)
     except OSError as exc:
-        return 127, "", f"{argv[0]}: {exc.strerror}", {}
+        return 127, "", f"{argv[0]}: {exc.strerror}", {}, ""
     finally:
         for fd in pass_fds:
             os.close(fd)
     outside: dict[str, str] = {}
+    cgroups = ""
     try:
         async with asyncio.timeout(timeout_s):
             first = b""
             if marker and proc.stdout is not None:
                 first = await proc.stdout.readline()
                 if first.startswith(b"{"):
-                    outside = _namespaces_of(proc.pid, marker)
+                    outside, cgroups = _host_view(proc.pid, marker)
             if proc.stdin is not None:
                 proc.stdin.close()
             out, err = await proc.communicate()
@@ -287,16 +297,17 @@ async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return 124, "", "probe timed out", {}
+        return 124, "", "probe timed out", {}, ""
     finally:
         MANAGED_HEADS.discard(proc.pid)
     code = proc.returncode if proc.returncode is not None else 1
-    return code, out.decode(errors="replace"), err.decode(errors="replace").strip(), outside
+    return (code, out.decode(errors="replace"), err.decode(errors="replace").strip(), outside,
+            cgroups)
 
 
-def _namespaces_of(head: int, marker: str) -> dict[str, str]:
-    """The namespaces of the descendant of ``head`` whose argv holds ``marker``,
-    as the host sees them (empty if it is not found)."""
+def _host_view(head: int, marker: str) -> tuple[dict[str, str], str]:
+    """The namespaces and the cgroup file of the descendant of ``head`` whose
+    argv holds ``marker``, as the host sees them (empty if it is not found)."""
     try:
         for child in psutil.Process(head).children(recursive=True):
             with contextlib.suppress(psutil.Error):
@@ -305,7 +316,10 @@ def _namespaces_of(head: int, marker: str) -> dict[str, str]:
                     for name in NAMESPACES:
                         with contextlib.suppress(OSError):
                             out[name] = os.readlink(f"/proc/{child.pid}/ns/{name}")
-                    return out
+                    cgroups = ""
+                    with contextlib.suppress(OSError), open(f"/proc/{child.pid}/cgroup") as f:
+                        cgroups = f.read(65536)
+                    return out, cgroups
     except psutil.Error:
         pass
-    return {}
+    return {}, ""

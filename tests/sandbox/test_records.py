@@ -21,6 +21,7 @@ import pytest
 
 from broker.client import BrokerClient
 from sandbox_worker.api import Tier
+from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.detect import detect
 from sandbox_worker.sandbox.errors import ToolError
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
@@ -147,6 +148,28 @@ def test_probe_notices_a_dropped_layer(monkeypatch: pytest.MonkeyPatch, user: Sa
     break_builder(monkeypatch, edit)
     problems = probe(tier, user, filters, scratch)
     assert any(expected in p for p in problems), (layer, problems)
+
+
+@pytest.mark.parametrize("tier", ["T2", "T1"])
+def test_probe_notices_a_chain_that_skips_the_worker_cgroup(
+        monkeypatch: pytest.MonkeyPatch, user: SandboxUser, filters: SeccompFilters,
+        scratch: str, tier: Tier) -> None:
+    cgroup = WorkerCgroup(1 << 30, 512)
+    cgroup.setup()
+    try:
+        if not cgroup.applied:
+            pytest.skip(f"no worker cgroup here: {cgroup.reason}")
+
+        def problems() -> list[str]:
+            _, verified = asyncio.run(Profile(tier, user, filters, cgroup).verify_chain(
+                scratch, network=False, uid=user.uid, tmpdir=scratch))
+            return verified.problems
+
+        assert problems() == []
+        break_builder(monkeypatch, lambda tokens: tokens[tokens.index("setpriv"):])
+        assert any("worker cgroup not joined" in p for p in problems())
+    finally:
+        cgroup.close()
 
 
 def test_detection_drops_a_tier_whose_seccomp_is_gone(monkeypatch: pytest.MonkeyPatch,
