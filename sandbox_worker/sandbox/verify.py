@@ -6,9 +6,12 @@ real chain (``Profile.build``) and reports its ``/proc/self/status`` lines
 (Seccomp, NoNewPrivs, Uid, Gid, Groups, capabilities), its namespaces, its
 rlimits, and whether a denied syscall (``unshare(0)``, a no-op otherwise),
 an ``AF_VSOCK`` socket, an ``AF_INET`` socket and a write to a world-writable
-host directory outside the workspace were refused. ``shortfalls`` compares
-that with what the tier promises; ``record_fields`` turns it into the
-record's fields.
+host directory outside the workspace were refused; then it waits while the
+worker reads its ``/proc/<pid>/ns/*`` and ``/proc/<pid>/cgroup`` from the
+host side (``run_probe``; this works at T2-, which has no /proc inside).
+``shortfalls`` compares all that with what the tier promises;
+``Profile.isolation`` turns it into the record's fields and ``kernel_facts``
+into its evidence.
 
 Cost: a chain is probed when tier detection tries it and whenever a call's
 chain has a *shape* (its argv with the per-call values -- uid, limits,
