@@ -199,8 +199,9 @@ class Profile:
         tmp = tmpdir or "/tmp"
         argv = [*head, self.python, "-I", "-S", "-c", LAUNCHER_SOURCE,
                 "--workspace", workspace, "--tmpdir", tmp]
-        if workdir != ".":
-            argv += ["--chdir", f"{workspace}/{workdir}"]
+        # Always given, so that a call with a workdir has the same shape as one without.
+        cwd = workspace if workdir == "." else f"{workspace}/{workdir}"
+        argv += ["--chdir", cwd]
         if self.tier == "T1":
             argv.append("--landlock")
             if network:
@@ -212,8 +213,7 @@ class Profile:
         argv += ["--", *command]
         env = {**env_inside, "HOME": tmp, "TMPDIR": tmp}
         shape = chain_shape(argv[:len(argv) - len(command)],
-                            [str(uid), call_id, workspace, tmp, f"{workspace}/{workdir}",
-                             *map(str, pass_fds)])
+                            [str(uid), call_id, workspace, tmp, cwd, *map(str, pass_fds)])
         return Chain(argv, env, pass_fds, shape)
 
     def probe_command(self, marker: str) -> list[str]:
