@@ -127,7 +127,7 @@ async def test_isolation_record_is_complete(stack: Stack, client: BrokerClient,
     r = await shell(client, "echo hi", workspace, {"limits": {"cpu_s": 7, "open_files": 99}})
     iso = r.result["isolation"]
     assert set(iso) == {"tier", "filesystem", "network", "pid_namespace", "seccomp", "uid",
-                        "limits", "degraded", "unsandboxed_opt_in"}
+                        "limits", "degraded", "unsandboxed_opt_in", "kernel"}
     assert iso["tier"] == stack.tier
     assert iso["uid"] in stack.uids
     assert iso["uid"] != 0
