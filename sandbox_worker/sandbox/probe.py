@@ -1,7 +1,9 @@
 """The in-sandbox probe: what the kernel shows a process at the end of a chain.
 
-Run as ``python -I -S -c <this file's source> WRITE_DIR`` *as the command* of
-a real argv chain (``Profile.build``), so it sees exactly what a tool would.
+Run as ``python -I -S -c <this file's source> WRITE_DIR [--hold MARK]`` *as the
+command* of a real argv chain (``Profile.build``), so it sees exactly what a
+tool would. With ``--hold`` it stays alive after its report until stdin
+closes, so the worker can read its namespaces from the host side too.
 Standard library only (it starts without site-packages). Prints one JSON
 object on stdout:
 
@@ -121,6 +123,11 @@ def main(argv: list[str]) -> int:
                   "host_write": write_errno(argv[0]) if argv else -1},
     }
     sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    if "--hold" in argv:
+        # The worker reads this process's /proc/<pid>/ns/* from the host while
+        # it is alive, then closes stdin.
+        sys.stdin.buffer.read()
     return 0
 
 

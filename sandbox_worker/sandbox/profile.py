@@ -30,8 +30,9 @@ Invariants:
 from __future__ import annotations
 
 import os
+import secrets
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -210,10 +211,12 @@ class Profile:
                              *map(str, pass_fds)])
         return Chain(argv, env, pass_fds, shape)
 
-    def probe_command(self) -> list[str]:
+    def probe_command(self, marker: str) -> list[str]:
         """``probe.py`` as a command; it tries to write into ``tmp_root`` (a
-        world-writable host directory outside every workspace)."""
-        return [self.python, "-I", "-S", "-c", PROBE_SOURCE, self.tmp_root]
+        world-writable host directory outside every workspace) and, once it
+        has reported, waits on stdin so the worker can read its namespaces
+        (found by ``marker``)."""
+        return [self.python, "-I", "-S", "-c", PROBE_SOURCE, self.tmp_root, "--hold", marker]
 
     async def verify_chain(self, workspace: str, *, network: bool, uid: int,
                            tmpdir: str | None = None, workdir: str = ".",
@@ -222,9 +225,11 @@ class Profile:
         inputs (default limits: the shape does not depend on their values),
         keep what the kernel showed under the chain's shape, and return it."""
         limits = ToolLimits(**DEFAULT_LIMITS)
-        chain = self.build(self.probe_command(), workspace, limits, network=network, uid=uid,
-                           tmpdir=tmpdir, workdir=workdir, call_id="corral-probe")
-        code, out, err = await run_probe(chain.argv, chain.env, chain.pass_fds)
+        marker = f"corral-probe-{secrets.token_hex(8)}"
+        chain = self.build(self.probe_command(marker), workspace, limits, network=network,
+                           uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe")
+        code, out, err, outside = await run_probe(chain.argv, chain.env, chain.pass_fds,
+                                                  marker)
         expect = Expect(self.tier, uid, self.user.gid, limits, network)
         if code != 0:
             first = (err or out).strip().splitlines()
@@ -232,7 +237,7 @@ class Profile:
             verified = Verified(expect, None, [f"probe failed: {why}"])
         else:
             try:
-                view = KernelView.parse(out)
+                view = replace(KernelView.parse(out), outside=outside)
             except ValueError as exc:
                 verified = Verified(expect, None, [f"probe failed: {exc}"])
             else:
@@ -276,7 +281,7 @@ class Profile:
         view, expect = found.view, found.expect
         sep = view.separate(self.host_ns)
         write_denied = view.errnos.get("host_write", 0) != 0
-        no_ns = not view.namespaces
+        no_ns = not view.seen_ns
         if self.tier in ("T2", "T2-"):
             fs_ok = write_denied and ("mnt" in sep or no_ns)
             filesystem = "ro-system+rw-workspace+tmpfs" if fs_ok else "host"
@@ -294,7 +299,8 @@ class Profile:
                 applied[key] = view.rlimits.get(name, (-1, -1))[0]  # type: ignore[literal-required]
         notes = list(found.problems)
         if no_ns and self.tier != "T0":
-            notes.append("namespaces not verified: /proc/self/ns is not readable inside")
+            notes.append("namespaces not verified: neither the probe nor the host could read "
+                         "them")
         return IsolationRecord(
             tier=self.tier, filesystem=filesystem, network=net,  # type: ignore[typeddict-item]
             pid_namespace="pid" in sep, seccomp=view.seccomp_in_force,

@@ -26,14 +26,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+
+import psutil
 
 from sandbox_worker.api import KernelFacts, Tier, ToolLimits
 from sandbox_worker.sandbox.reaper import MANAGED_HEADS, spawning
@@ -109,10 +112,11 @@ class KernelView:
     groups: tuple[int, ...]
     cap_eff: int | None  # None without /proc
     cap_bnd: int | None
-    namespaces: dict[str, str]  # empty without /proc
+    namespaces: dict[str, str]  # as the probe read them; empty without /proc
     interfaces: list[str] | None  # None when netlink is refused (T1)
     rlimits: dict[str, tuple[int, int]]
     errnos: dict[str, int]  # 0: the operation worked
+    outside: dict[str, str] = field(default_factory=dict)  # the host's view of them
 
     @classmethod
     def parse(cls, text: str) -> KernelView:
@@ -147,10 +151,16 @@ class KernelView:
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"unreadable probe report: {text[:200]!r} ({exc})") from exc
 
+    @property
+    def seen_ns(self) -> dict[str, str]:
+        """The probe's namespaces: the host's view of them when it was read
+        (it works without /proc inside, at T2-), else the probe's own."""
+        return self.outside or self.namespaces
+
     def separate(self, host: dict[str, str]) -> list[str]:
         """Namespaces the probe was in that differ from the worker's."""
-        return [n for n in NAMESPACES if n in self.namespaces and n in host
-                and self.namespaces[n] != host[n]]
+        seen = self.seen_ns
+        return [n for n in NAMESPACES if n in seen and n in host and seen[n] != host[n]]
 
     @property
     def seccomp_in_force(self) -> bool:
@@ -202,14 +212,18 @@ def shortfalls(view: KernelView, expect: Expect, host: dict[str, str]) -> list[s
         out.append("a world-writable host directory outside the workspace is writable")
     if tier == "T1" and not expect.network and view.errnos.get("socket_inet") == 0:
         out.append("AF_INET sockets can be created without a network grant")
-    if tier == "T2":
-        if not view.namespaces:
-            out.append("/proc/self/ns is not readable inside the sandbox")
+    if tier in ("T2", "T2-"):
+        seen = view.seen_ns
+        if not seen:
+            out.append("the probe's namespaces could not be read")
         sep = set(view.separate(host))
         wanted = set(T2_NAMESPACES) | (set() if expect.network else {"net"})
         missing = sorted(wanted - sep)
-        if view.namespaces and missing:
+        if seen and missing:
             out.append(f"namespaces shared with the worker: {', '.join(missing)}")
+        both = set(view.outside) & set(view.namespaces)
+        if any(view.outside[n] != view.namespaces[n] for n in both):
+            out.append("the probe's own /proc/self/ns differs from the host's view of it")
     return out
 
 
@@ -238,29 +252,60 @@ def kernel_facts(view: KernelView, expect: Expect, host: dict[str, str], uid: in
 
 
 async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int],
-                    timeout_s: float = PROBE_TIMEOUT_S) -> tuple[int, str, str]:
-    """Run a chain to its end, bounded: (exit code, stdout, stderr). Closes
-    ``pass_fds`` once started."""
+                    marker: str = "", timeout_s: float = PROBE_TIMEOUT_S,
+                    ) -> tuple[int, str, str, dict[str, str]]:
+    """Run a probe chain to its end, bounded: (exit code, stdout, stderr, the
+    probe's namespaces read from the host). With ``marker`` (the probe was
+    given ``--hold MARKER``), once the report line is out the probe process is
+    found among the head's descendants by its marker and its
+    ``/proc/<pid>/ns/*`` read, then its stdin is closed. Closes ``pass_fds``
+    once started."""
     try:
         with spawning():
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env=env, pass_fds=tuple(pass_fds),
                 start_new_session=True)
             MANAGED_HEADS.add(proc.pid)
     except OSError as exc:
-        return 127, "", f"{argv[0]}: {exc.strerror}"
+        return 127, "", f"{argv[0]}: {exc.strerror}", {}
     finally:
         for fd in pass_fds:
             os.close(fd)
+    outside: dict[str, str] = {}
     try:
         async with asyncio.timeout(timeout_s):
+            first = b""
+            if marker and proc.stdout is not None:
+                first = await proc.stdout.readline()
+                if first.startswith(b"{"):
+                    outside = _namespaces_of(proc.pid, marker)
+            if proc.stdin is not None:
+                proc.stdin.close()
             out, err = await proc.communicate()
+            out = first + out
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return 124, "", "probe timed out"
+        return 124, "", "probe timed out", {}
     finally:
         MANAGED_HEADS.discard(proc.pid)
     code = proc.returncode if proc.returncode is not None else 1
-    return code, out.decode(errors="replace"), err.decode(errors="replace").strip()
+    return code, out.decode(errors="replace"), err.decode(errors="replace").strip(), outside
+
+
+def _namespaces_of(head: int, marker: str) -> dict[str, str]:
+    """The namespaces of the descendant of ``head`` whose argv holds ``marker``,
+    as the host sees them (empty if it is not found)."""
+    try:
+        for child in psutil.Process(head).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if marker in child.cmdline():
+                    out: dict[str, str] = {}
+                    for name in NAMESPACES:
+                        with contextlib.suppress(OSError):
+                            out[name] = os.readlink(f"/proc/{child.pid}/ns/{name}")
+                    return out
+    except psutil.Error:
+        pass
+    return {}

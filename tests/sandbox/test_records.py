@@ -130,6 +130,10 @@ LAYERS: list[tuple[Tier, str, Edit, str]] = [
     ("T2", "uts namespace", unshare_all_but("uts"), "shared with the worker: uts"),
     ("T2", "cgroup namespace", unshare_all_but("cgroup"), "shared with the worker: cgroup"),
     ("T2", "net namespace", unshare_all_but("net"), "shared with the worker: net"),
+    # No /proc inside at T2-: the namespaces are read from the host side.
+    ("T2-", "pid namespace", unshare_all_but("pid"), "shared with the worker: pid"),
+    ("T2-", "net namespace", unshare_all_but("net"), "shared with the worker: net"),
+    ("T2-", "seccomp", drop("--seccomp", 1), "seccomp filter not in force"),
     ("T1", "landlock", drop("--landlock"), "host directory outside the workspace is writable"),
 ]
 
@@ -259,6 +263,27 @@ async def test_record_matches_what_the_call_saw(stack: Stack, client: BrokerClie
     assert g_iso["network"] == "granted"
     if stack.tier == "T2":
         assert "net" not in g_iso["kernel"]["namespaces"]
+
+
+async def test_t2_minus_record_reads_namespaces_from_the_host(procs: Procs,
+                                                              workspace: Path) -> None:
+    st = start_stack(procs, "T2-")
+    try:
+        async with BrokerClient(st.frontend, heartbeat_interval_s=HB_S) as client:
+            res = await shell(client, "test -e /proc/self/status && echo has-proc; "
+                              "grep -c . /dev/null; true", workspace)
+        assert "has-proc" not in res.result["output"]  # nothing to read inside
+        iso = res.result["isolation"]
+        assert iso["kernel"] is not None
+        assert set(iso["kernel"]["namespaces"]) == set(NAMESPACES)
+        assert iso["pid_namespace"] is True
+        assert iso["seccomp"] is True
+        assert iso["kernel"]["cap_eff"] is None  # no /proc/self/status inside
+        assert not any("not verified" in d for d in iso["degraded"])
+    finally:
+        for proc in procs.started:
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 async def test_t0_record_matches_what_the_call_saw(procs: Procs, workspace: Path) -> None:
