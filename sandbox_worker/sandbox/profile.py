@@ -10,7 +10,9 @@ Every shell call is started as one argv chain with no ``preexec_fn``::
                   --die-with-parent --new-session --cap-drop ALL --clearenv
                   --ro-bind /usr,/etc,/opt (+ merged-usr links) --proc /proc
                   --dev /dev --size N --tmpfs /tmp --size N --tmpfs /dev/shm
-                  --bind WS WS --remount-ro / --chdir WS --seccomp FD -- COMMAND
+                  --bind-fd WSFD /workspace (--ro-bind-fd when read-only)
+                  [--ro-bind-fd GITFD /workspace/REL ...] --remount-ro /
+                  --chdir /workspace --seccomp FD -- COMMAND
     T1/T0:  python -I -S launch.py [--landlock] [--net] --workspace WS
                   --tmpdir TMP [--seccomp-fd FD] -- COMMAND
 
@@ -18,8 +20,12 @@ Invariants:
 - The uid drop is always the first confining link: bwrap and the launcher
   never run as uid 0.
 - U is the call's own uid from the worker's ``UidPool`` (``uid=``), G the
-  shared sandbox group; U is never 0 (checked here) and never the file
-  tools' uid.
+  workspace's own group (``gid=``, ``wsgroups.py``); U is never 0 (checked
+  here) and never the file tools' uid.
+- At T2/T2- the workspace is bound from the worker's pinned fd (bwrap checks
+  that what it mounted is that fd's directory) at the neutral path
+  ``/workspace``; ``.git`` entries handed in ``ro_fds`` are bound read-only
+  over it, so the sandbox cannot write them.
 - ``isolation`` describes exactly what ``build`` applies for the same inputs
   (tier, network grant, limits, cgroup), so every result's record is true.
 """
@@ -47,6 +53,7 @@ GIT_SAFE_ENV: Final = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.direct
 LAUNCHER_SOURCE: Final = Path(__file__).with_name("launch.py").read_text()
 SANDBOX_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SYSTEM_DIRS: Final = ("/usr", "/etc", "/opt")
+SANDBOX_WORKSPACE: Final = "/workspace"  # where T2 binds the workspace (hides its host path)
 MERGED_USR: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 TIERS: Final[tuple[Tier, ...]] = ("T2", "T2-", "T1", "T0")
 
@@ -114,15 +121,22 @@ class Profile:
 
     def build(self, command: list[str], workspace: str, limits: ToolLimits, *,
               network: bool, uid: int, tmpdir: str | None = None, call_id: str = "",
-              workdir: str = ".") -> Chain:
+              workdir: str = ".", workspace_fd: int | None = None, gid: int | None = None,
+              read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = ()) -> Chain:
         """The argv chain running ``command`` in ``workspace`` as ``uid`` (the
-        call's own, from the uid pool) and the sandbox group; fds in
-        ``pass_fds`` belong to the caller, who closes them once the chain has
-        started."""
+        call's own, from the uid pool) and ``gid`` (the workspace's group;
+        the sandbox user's when None). At T2 the workspace is bound from
+        ``workspace_fd`` (the worker's pinned fd) when given, read-only with
+        ``read_only``, and each ``(fd, relative path)`` of ``ro_fds`` is bound
+        read-only at that path inside it. Fds in ``pass_fds`` are the chain's
+        own duplicates: the caller closes them once the chain has started."""
         if uid <= 0:
             raise ValueError(f"refusing to run a tool as uid {uid}")
+        group = self.user.gid if gid is None else gid
+        if group <= 0:
+            raise ValueError(f"refusing to run a tool with gid {group}")
         head = self.cgroup.join_prefix() if self.cgroup is not None else []
-        head += ["setpriv", f"--reuid={uid}", f"--regid={self.user.gid}",
+        head += ["setpriv", f"--reuid={uid}", f"--regid={group}",
                  "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
                  "--no-new-privs", "--"]
         head += prlimit_argv(limits)
@@ -140,14 +154,24 @@ class Profile:
             argv += system_binds()
             if self.tier == "T2":
                 argv += ["--proc", "/proc"]
-            cwd = workspace if workdir == "." else f"{workspace}/{workdir}"
+            inside = SANDBOX_WORKSPACE
+            cwd = inside if workdir == "." else f"{inside}/{workdir}"
             size = str(limits["tmpfs_bytes"])
             # /tmp and /dev/shm are private size-limited tmpfs; bwrap's own root
             # tmpfs is remounted read-only so nothing else is writable.
             argv += ["--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
-                     "--size", size, "--tmpfs", "/dev/shm",
-                     "--bind", workspace, workspace, "--remount-ro", "/dev",
-                     "--remount-ro", "/", "--chdir", cwd]
+                     "--size", size, "--tmpfs", "/dev/shm"]
+            if workspace_fd is not None:
+                wfd = os.dup(workspace_fd)
+                pass_fds.append(wfd)
+                argv += ["--ro-bind-fd" if read_only else "--bind-fd", str(wfd), inside]
+            else:
+                argv += ["--ro-bind" if read_only else "--bind", workspace, inside]
+            for fd, rel in ro_fds:
+                dup = os.dup(fd)
+                pass_fds.append(dup)
+                argv += ["--ro-bind-fd", str(dup), f"{inside}/{rel}"]
+            argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd]
             if self.filters is not None:
                 fd = self.filters.open_fd("bwrap")
                 pass_fds.append(fd)
@@ -156,10 +180,12 @@ class Profile:
             # The head's own environment: nothing of the worker's (bwrap clears it anyway).
             return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds)
         tmp = tmpdir or "/tmp"
+        # Read-only at T1: Landlock grants writes to the tmp dir alone, and the
+        # command starts in the workspace, which it can then only read.
         argv = [*head, self.python, "-I", "-S", "-c", LAUNCHER_SOURCE,
-                "--workspace", workspace, "--tmpdir", tmp]
-        if workdir != ".":
-            argv += ["--chdir", f"{workspace}/{workdir}"]
+                "--workspace", tmp if read_only else workspace, "--tmpdir", tmp]
+        if workdir != "." or read_only:
+            argv += ["--chdir", workspace if workdir == "." else f"{workspace}/{workdir}"]
         if self.tier == "T1":
             argv.append("--landlock")
             if network:
@@ -188,8 +214,10 @@ class Profile:
             out.append(self.cgroup.reason or "worker cgroup not applied")
         return out + self.extra_degraded
 
-    def isolation(self, limits: ToolLimits, *, network: bool, uid: int) -> IsolationRecord:
-        """The record of a shell call built by ``build`` with the same inputs."""
+    def isolation(self, limits: ToolLimits, *, network: bool, uid: int,
+                  read_only: bool = False, git_writable: bool = False) -> IsolationRecord:
+        """The record of a shell call built by ``build`` with the same inputs
+        (``git_writable``: the caller's opt-in; T1/T0 cannot protect ``.git``)."""
         if self.tier in ("T2", "T2-"):
             filesystem = "ro-system+rw-workspace+tmpfs"
             net = "granted" if network else "none"
@@ -199,20 +227,30 @@ class Profile:
         else:
             filesystem = "host"
             net = "host"
+        degraded = self.degraded()
+        protects_git = self.tier in ("T2", "T2-")
+        if not git_writable and not protects_git and not read_only:
+            degraded.append(".git is writable: this tier cannot bind it read-only")
         return IsolationRecord(
             tier=self.tier, filesystem=filesystem, network=net,  # type: ignore[typeddict-item]
             pid_namespace=self.tier in ("T2", "T2-"),
             seccomp=self.filters is not None and self.tier != "T0",
             uid=uid, limits=ToolLimits(**limits),
-            degraded=self.degraded(), unsandboxed_opt_in=self.unsandboxed_opt_in,
+            degraded=degraded, unsandboxed_opt_in=self.unsandboxed_opt_in,
+            sandbox_mode="read-only" if read_only else "workspace-write",
+            git_writable=not read_only and (git_writable or not protects_git),
         )
 
-    def file_isolation(self, limits: ToolLimits) -> IsolationRecord:
+    def file_isolation(self, limits: ToolLimits, *, read_only: bool = False,
+                       git_writable: bool = False) -> IsolationRecord:
         """The record of a file tool: worker-side, confined by openat2, with the
-        file tools' fsuid (the sandbox user's uid, outside the per-call range)."""
+        file tools' fsuid (the sandbox user's uid, outside the per-call range);
+        they refuse writes in read-only mode and under ``.git`` unless opted in."""
         return IsolationRecord(
             tier=self.tier, filesystem="workspace-openat2", network="none",
             pid_namespace=False, seccomp=False, uid=self.user.uid,
             limits=ToolLimits(**limits), degraded=self.degraded(shell=False),
             unsandboxed_opt_in=self.unsandboxed_opt_in,
+            sandbox_mode="read-only" if read_only else "workspace-write",
+            git_writable=git_writable and not read_only,
         )

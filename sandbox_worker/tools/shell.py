@@ -59,8 +59,12 @@ def effective_wall_s(args: dict[str, Any], limits: ToolLimits, remaining_s: floa
 
 async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
                     limits: ToolLimits, *, network: bool, uid: int, call_id: str,
-                    remaining_s: float, on_chunk: OnChunk | None, grace_s: float) -> ShellRun:
-    """Run one shell call as ``uid`` (the call's own, leased by the caller)."""
+                    remaining_s: float, on_chunk: OnChunk | None, grace_s: float,
+                    workspace_fd: int | None = None, gid: int | None = None,
+                    read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = (),
+                    ) -> ShellRun:
+    """Run one shell call as ``uid`` (the call's own, leased by the caller) and
+    ``gid`` (its workspace's group), in the workspace pinned as ``workspace_fd``."""
     argv = command_argv(args["command"])
     workdir = check_relative(args.get("workdir", "."))
     wall = effective_wall_s(args, limits, remaining_s)
@@ -68,7 +72,8 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
     if profile.tier in ("T1", "T0"):
         tmpdir = await asyncio.to_thread(_make_tmp, profile, uid)
     chain = profile.build(argv, workspace, limits, network=network, uid=uid, tmpdir=tmpdir,
-                          call_id=call_id, workdir=workdir)
+                          call_id=call_id, workdir=workdir, workspace_fd=workspace_fd,
+                          gid=gid, read_only=read_only, ro_fds=ro_fds)
     spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
                    output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
                    grace_s=grace_s)
