@@ -90,9 +90,12 @@ class ToolCallRequest(TypedDict):
     session_id: str
     workspace: str  # absolute path on the worker host
     policy: NotRequired[ToolPolicy]
-    # (st_dev, st_ino) of the workspace when its session was created; the
-    # worker refuses a workspace that is no longer that directory.
+    # (st_dev, st_ino) of the workspace when its session was created, seen on
+    # host ``workspace_host``; a worker on that host refuses a workspace that is
+    # no longer that directory (one on another host, whose device numbers
+    # differ, pins what it sees at the session's first call there).
     workspace_identity: NotRequired[list[int]]
+    workspace_host: NotRequired[str]
 
 
 class ToolOutputChunk(TypedDict):

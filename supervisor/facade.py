@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import stat
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -310,7 +311,8 @@ class Facade:
         session_spec = SessionSpec(**{k: v for k, v in spec.items() if k in fields})
         session_spec.tenant = tenant
         # Workers refuse the workspace once it is no longer this directory.
-        session_spec.extra = {**session_spec.extra, "workspace_identity": identity}
+        session_spec.extra = {**session_spec.extra, "workspace_identity": identity,
+                              "workspace_host": socket.gethostname()}
         with _engine_errors(session_spec.session_id or ""):
             return str(await self.manager.create_session(session_spec))
 

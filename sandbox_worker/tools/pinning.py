@@ -34,11 +34,13 @@ import asyncio
 import collections
 import logging
 import os
+import socket
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from sandbox_worker.sandbox.errors import WorkspaceUnusable
 from sandbox_worker.sandbox.ownership import SweepReport, normalise
 from sandbox_worker.sandbox.resolve import openat2
 from sandbox_worker.sandbox.workspace import (
@@ -48,6 +50,7 @@ from sandbox_worker.sandbox.workspace import (
     open_pinned,
     validate_workspace,
 )
+from sandbox_worker.sandbox.wsalias import alias_for
 from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
 
 log = logging.getLogger(__name__)
@@ -109,9 +112,9 @@ class WorkspacePins:
             collections.OrderedDict()
         self._git: collections.OrderedDict[Identity, list[str]] = collections.OrderedDict()
 
-    def _pin_for(self, key: tuple[str, str], given: Any) -> Identity | None:
+    def _pin_for(self, key: tuple[str, str], given: Any, host: Any) -> Identity | None:
         identity = _identity(given)
-        if identity is not None:
+        if identity is not None and (host is None or host == socket.gethostname()):
             return identity
         return self._sessions.get(key)
 
@@ -122,15 +125,15 @@ class WorkspacePins:
             self._sessions.popitem(last=False)
 
     async def open(self, path: str, session_id: str, given_identity: Any, *,
-                   shell: bool, git_writable: bool) -> Pinned:
+                   shell: bool, git_writable: bool, host: Any = None) -> Pinned:
         real = validate_workspace(path, self.workspace_root)
         key = (session_id, path)  # the path asked for: it may now resolve elsewhere
-        pinned_id = self._pin_for(key, given_identity)
+        pinned_id = self._pin_for(key, given_identity, host)
         fd = await asyncio.to_thread(open_pinned, real, pinned_id)
         try:
             st = os.fstat(fd)
             identity = (st.st_dev, st.st_ino)
-            if pinned_id is None:
+            if key not in self._sessions:
                 self._remember(key, identity)
             gid = await asyncio.to_thread(self.groups.gid_for, *identity)
             if not is_granted(fd, gid):
@@ -141,11 +144,20 @@ class WorkspacePins:
                         log.info("granted workspace %s to its group %d (%d entries, %d "
                                  "changed, %d hard-linked files skipped)", real, gid,
                                  report.entries, report.changed, report.skipped_links)
+            pinned = Pinned(real, fd, identity, gid)
             if shell:
                 # bwrap 0.8 resolves the fd's path again as the call's uid (and
-                # checks the result against the fd): the parents must be searchable.
-                check_reachable(real)
-            pinned = Pinned(real, fd, identity, gid)
+                # checks the result against the fd), and the T1 launcher opens it
+                # by path: the parents must be searchable, or the call goes
+                # through a group-only alias of the workspace (wsalias.py).
+                try:
+                    check_reachable(real)
+                except WorkspaceUnusable:
+                    alias = await asyncio.to_thread(alias_for, fd, gid, identity)
+                    afd = await asyncio.to_thread(open_pinned, alias, identity)
+                    os.close(fd)
+                    fd = pinned.fd = afd
+                    pinned.path = alias
         except BaseException:
             os.close(fd)
             raise

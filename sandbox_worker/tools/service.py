@@ -300,7 +300,8 @@ class ToolService:
                                    retryable=True)
             pinned = await pins.open(req["workspace"], req["session_id"],
                                      req.get("workspace_identity"), shell=tool == "shell",
-                                     git_writable=git_writable or read_only)
+                                     git_writable=git_writable or read_only,
+                                     host=req.get("workspace_host"))
             if tool == "shell":
                 return await self._shell(ctx, req, profile, args, pinned, limits, network,
                                          start, read_only=read_only, git_writable=git_writable)

@@ -8,8 +8,10 @@ a workspace swapped for a symlink after its session began, and what
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,3 +255,33 @@ def test_sweep_gives_tool_files_to_the_owner_and_clears_setid(user_ws: Path) -> 
         st = p.lstat()
         assert (st.st_uid, st.st_gid) == (OWNER, OWNER)
     assert Path("/etc/shadow").stat().st_uid == 0  # the symlink was not followed
+
+
+async def test_a_workspace_under_a_0700_parent_works_without_loosening_it(
+        stack: Stack, client: BrokerClient) -> None:
+    with searchable_dir("corral-private-", "/tmp") as parent:
+        os.chmod(parent, 0o700)
+        ws = parent / "proj"
+        ws.mkdir()
+        os.chown(ws, OWNER, OWNER)
+        (ws / "notes.txt").write_text("mine\n")
+        r = await shell(client, "cat notes.txt && echo out > made.txt && ls", ws)
+        assert r.result["outcome"] == "ok", r.result["output"]
+        f = await call_tool(client, "read_file", {"path": "made.txt"}, ws)
+        assert f.result["output"].startswith("out"), f.result
+        assert stat.S_IMODE(os.stat(parent).st_mode) == 0o700
+        with pytest.raises(OSError, match="No data available"):
+            os.getxattr(parent, XATTR_ACCESS)
+        assert os.stat(ws / "made.txt").st_uid == OWNER
+        # A host user (another uid, another group) cannot use the way in.
+        host_user = await asyncio.to_thread(
+            subprocess.run, ["setpriv", "--reuid=4243", "--regid=4243", "--clear-groups",
+                             "--", "/bin/sh", "-c",
+                             "cat /run/corral/workspaces/*/ws/notes.txt"],
+            capture_output=True, text=True, timeout=30, check=False)
+        assert "mine" not in host_user.stdout
+        assert host_user.returncode != 0
+        # Another workspace's calls (another group) cannot use the way in.
+        with searchable_dir("corral-other-", "/tmp") as other:
+            probe = await shell(client, "ls /run/corral/workspaces/*/ws 2>&1; true", other)
+            assert "notes.txt" not in probe.result["output"]
