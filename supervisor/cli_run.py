@@ -71,9 +71,20 @@ async def scripted_provider(script: Path, home: Path) -> AsyncIterator[str]:
         await tree.stop()
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The one error inside (nested) exception groups of the ephemeral farm's
+    task group, so a refusal prints as one line; the group itself otherwise."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def run_turn(ns: Namespace) -> int:
     try:
-        return asyncio.run(_run(ns))
+        try:
+            return asyncio.run(_run(ns))
+        except BaseExceptionGroup as group:
+            raise _leaf(group) from None
     except ConfigError as exc:
         print(f"corral: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -147,6 +158,10 @@ async def _drive(ns: Namespace, sv: SupervisorClient, model: str | None,
             spec["route"] = model
         if ns.approval:
             spec["approval"] = ns.approval
+        if getattr(ns, "sandbox", None):
+            spec["sandbox_mode"] = ns.sandbox
+        if getattr(ns, "allow_git_write", False):
+            spec["git_writable"] = True
         session = await sv.create_session(**spec)
         say(f"session {session}")
         after = 0

@@ -25,7 +25,10 @@ Invariants:
   memfds; each call gets a fresh read-only descriptor at offset 0
   (``open_fd``) which the caller closes after spawning.
 - The default action is ALLOW; listed calls fail with EPERM (clone3 with
-  ENOSYS so libc falls back to clone, whose flags *can* be checked). Calls of
+  ENOSYS so libc falls back to clone, whose flags *can* be checked).
+- No mode with S_ISUID or S_ISGID can be set: chmod, fchmod, fchmodat,
+  fchmodat2, creat, mknod(at) and creating open/openat fail with EPERM for
+  such a mode; openat2 (its mode is out of reach in a struct) with ENOSYS. Calls of
   a foreign architecture (i386 via int 0x80) hit libseccomp's bad-arch
   action, which kills the process.
 """
@@ -72,6 +75,17 @@ CLONE_NS_FLAGS: Final = (
     0x20000000,  # CLONE_NEWPID
     0x40000000,  # CLONE_NEWNET
 )
+# No tool may make a setuid or setgid file (a host user running it would gain
+# the call's uid or the workspace's group): every call that sets a mode fails
+# with EPERM when the mode has S_ISUID or S_ISGID. syscall -> index of its mode.
+S_ISUID: Final = 0o4000
+S_ISGID: Final = 0o2000
+MODE_ARG: Final = {"chmod": 1, "fchmod": 1, "fchmodat": 2, "fchmodat2": 2, "creat": 1,
+                   "mknod": 1, "mknodat": 2}
+# open/openat use their mode only when creating: (flags index, mode index).
+CREATE_MODE_ARG: Final = {"open": (1, 2), "openat": (2, 3)}
+O_CREAT: Final = 0o100
+O_TMPFILE_BIT: Final = 0o20000000  # __O_TMPFILE
 
 
 def _build(*, unix_sockets_only: bool) -> tuple[bytes, list[str]]:
@@ -119,6 +133,19 @@ def make_filter(families: tuple[int, ...]) -> tuple[Any, list[str]]:
     for bit in CLONE_NS_FLAGS:
         flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for bit in (S_ISUID, S_ISGID):
+        for name, index in MODE_ARG.items():
+            try:
+                flt.add_rule(eperm, name, sc.Arg(index, sc.MASKED_EQ, bit, bit))
+            except (OSError, ValueError, RuntimeError):
+                missing.append(name)
+        for name, (flags, mode) in CREATE_MODE_ARG.items():
+            for create in (O_CREAT, O_TMPFILE_BIT):
+                flt.add_rule(eperm, name, sc.Arg(flags, sc.MASKED_EQ, create, create),
+                             sc.Arg(mode, sc.MASKED_EQ, bit, bit))
+    # openat2 carries its mode in a struct seccomp cannot read; ENOSYS makes
+    # callers fall back to openat, whose mode is checked above.
+    flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     no_family = sc.ERRNO(errno.EAFNOSUPPORT)
     for family in range(FAMILY_SCAN):
         if family not in families:

@@ -68,16 +68,19 @@ def host_namespaces() -> dict[str, str]:
     return out
 
 
-def chain_shape(head: Sequence[str], variable: Iterable[str]) -> tuple[str, ...]:
+def chain_shape(head: Sequence[str], variable: Iterable[str],
+                mask_after: Iterable[str] = ("--chdir",)) -> tuple[str, ...]:
     """``head`` (the chain's argv before the command) with every per-call value
-    masked: tokens equal to one of ``variable`` (or ``--opt=`` one of them) and
+    masked: tokens equal to one of ``variable`` (or ``--opt=`` one of them),
+    the token after each option in ``mask_after`` (the working directory), and
     numeric ``--opt=N[:M]`` tokens (prlimit's). Two calls with equal shapes run
     under the same layers."""
+    after = set(mask_after)
     values = {v for v in variable if v}
     out: list[str] = []
     append = out.append
     for token in head:
-        if token in values:
+        if token in values or (out and out[-1] in after):
             append("<v>")
         elif token[:2] == "--" and "=" in token:
             opt, _, value = token.partition("=")
@@ -252,12 +255,15 @@ def _errname(code: int) -> str:
 
 
 def kernel_facts(view: KernelView, expect: Expect, host: dict[str, str], uid: int,
-                 ) -> KernelFacts:
-    """The record's evidence. The probe ran as a uid of its own (``expect.uid``);
-    where the kernel showed exactly that uid, the call's ``uid`` is shown."""
+                 gid: int | None = None) -> KernelFacts:
+    """The record's evidence. The probe ran as a uid and gid of its own
+    (``expect``); where the kernel showed exactly those, the call's ``uid`` and
+    ``gid`` (its workspace's group; masked in the shape) are shown."""
+    call_gid = expect.gid if gid is None else gid
     return KernelFacts(
         seccomp_mode=view.seccomp_mode, no_new_privs=view.no_new_privs,
-        uids=[uid if u == expect.uid else u for u in view.uids], gids=list(view.gids),
+        uids=[uid if u == expect.uid else u for u in view.uids],
+        gids=[call_gid if g == expect.gid else g for g in view.gids],
         cap_eff=None if view.cap_eff is None else f"{view.cap_eff:#x}",
         namespaces=view.separate(host),
         denied=sorted(k for k, v in view.errnos.items() if v > 0))

@@ -60,8 +60,12 @@ def effective_wall_s(args: dict[str, Any], limits: ToolLimits, remaining_s: floa
 
 async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
                     limits: ToolLimits, *, network: bool, uid: int, call_id: str,
-                    remaining_s: float, on_chunk: OnChunk | None, grace_s: float) -> ShellRun:
-    """Run one shell call as ``uid`` (the call's own, leased by the caller)."""
+                    remaining_s: float, on_chunk: OnChunk | None, grace_s: float,
+                    workspace_fd: int | None = None, gid: int | None = None,
+                    read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = (),
+                    ) -> ShellRun:
+    """Run one shell call as ``uid`` (the call's own, leased by the caller) and
+    ``gid`` (its workspace's group), in the workspace pinned as ``workspace_fd``."""
     argv = command_argv(args["command"])
     workdir = check_relative(args.get("workdir", "."))
     wall = effective_wall_s(args, limits, remaining_s)
@@ -69,14 +73,16 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
     if profile.tier in ("T1", "T0"):
         tmpdir = await asyncio.to_thread(_make_tmp, profile, uid)
     chain = profile.build(argv, workspace, limits, network=network, uid=uid, tmpdir=tmpdir,
-                          call_id=call_id, workdir=workdir)
+                          call_id=call_id, workdir=workdir, workspace_fd=workspace_fd,
+                          gid=gid, read_only=read_only, ro_fds=ro_fds)
     verified = profile.verified.get(chain.shape)
     try:
         if verified is None:
             # A chain unlike every probed one (e.g. the first network grant):
             # the kernel must show its layers before a tool runs under it.
-            shape, verified = await profile.verify_chain(workspace, network=network, uid=uid,
-                                                         tmpdir=tmpdir, workdir=workdir)
+            shape, verified = await profile.verify_chain(
+                workspace, network=network, uid=uid, tmpdir=tmpdir, workdir=workdir,
+                workspace_fd=workspace_fd, gid=gid, read_only=read_only, ro_fds=ro_fds)
             if shape != chain.shape:
                 raise ToolError("this call's sandbox chain differs from the one probed for it",
                                 kind="sandbox_unavailable")

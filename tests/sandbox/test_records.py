@@ -231,10 +231,15 @@ def test_calls_differing_in_per_call_values_share_one_probe(
     other_uid = 4_100_000 + os.getpid() % 100_000  # no process of it exists
 
     async def call(uid: int, workdir: str, limits: dict[str, int], network: bool) -> int:
-        run = await run_shell(profile, {"command": "true", "workdir": workdir}, scratch,
-                              merge_limits(DEFAULT_LIMITS, limits), network=network, uid=uid,
-                              call_id=f"c-{uid}-{workdir}", remaining_s=30.0, on_chunk=None,
-                              grace_s=0.5)
+        # As the worker calls it: the workspace bound from a pinned fd.
+        fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            run = await run_shell(profile, {"command": "true", "workdir": workdir}, scratch,
+                                  merge_limits(DEFAULT_LIMITS, limits), network=network,
+                                  uid=uid, call_id=f"c-{uid}-{workdir}", remaining_s=30.0,
+                                  on_chunk=None, grace_s=0.5, workspace_fd=fd)
+        finally:
+            os.close(fd)
         return run.outcome.exit_code or 0
 
     assert asyncio.run(call(user.uid, ".", {}, False)) == 0
