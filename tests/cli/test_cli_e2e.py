@@ -314,7 +314,8 @@ def test_approve_from_another_process(homes: list[Path], workspace_root: Path,
     assert run.wait(timeout=60) == 0, log.read_text()
     assert (ws / "effects.log").read_text() == "m-1\n"
     stale = corral(home, "approve", hint.group(1), hint.group(2), "--decision", "approved")
-    assert stale.returncode == 0  # accepted as an op; the session warns it is stale
+    assert stale.returncode == 1  # no longer pending: said, and refused
+    assert "not pending" in stale.stderr
     assert corral(home, "down").returncode == 0
 
 
