@@ -74,6 +74,8 @@ def _retry_reason(p: dict[str, Any]) -> str:
 def _hint(p: dict[str, Any]) -> str:
     """A next step for the failures a user can fix."""
     text = f"{p.get('kind', '')} {p.get('message', '')}".lower()
+    if "base_url" in text:
+        return ""  # the message says it already
     if "connect" in text or ("timeout" in text and "http" in text):
         return (" — check the route's base_url in corral.toml (corral show SESSION "
                 "names the route) and that the model server is up")

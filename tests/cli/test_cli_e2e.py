@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import psutil
 import pytest
 
 from supervisor.farm.layout import FarmPaths
-from tests.helpers import PYTHON, REPO, Procs, kill_tree, read_line_with_deadline, wait_until
+from tests.helpers import PYTHON, REPO, Procs, read_line_with_deadline, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,21 +113,6 @@ def alive(pid: int) -> bool:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
-
-
-@pytest.fixture
-def homes(workspace_root: Path) -> Iterator[list[Path]]:
-    """Homes the test creates; every process of their farms is killed afterwards."""
-    created: list[Path] = []
-    yield created
-    for home in created:
-        info = _farm_json(home)
-        pids = [c.get("pid") for c in (info or {}).get("children", [])]
-        for pid in [(info or {}).get("root_pid"), *pids]:
-            if isinstance(pid, int):
-                kill_tree(pid)
-        for p in processes_naming(home):
-            kill_tree(p.pid)
 
 
 def _farm_json(home: Path) -> dict[str, Any] | None:
