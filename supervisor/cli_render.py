@@ -87,6 +87,7 @@ class Renderer:
         self.out = out
         self.color = out.isatty() if color is None else color
         self._in_text = False
+        self._streamed: dict[str, str] = {}  # call_id -> the tail of its streamed output
 
     def _c(self, code: str, text: str) -> str:
         """``text`` cleaned, then coloured (colour codes are the only escapes written)."""
@@ -136,14 +137,25 @@ class Renderer:
         elif kind == "tool_call_begin":
             self._line(self._c("33", f"▶ {p.get('name', '?')} ") + _short(p.get("arguments")))
         elif kind == "tool_call_output_delta":
-            self._stream(str(p.get("data", p.get("text", ""))), "2")
+            data = str(p.get("data", p.get("text", "")))
+            call = str(p.get("call_id", ""))
+            self._streamed[call] = (self._streamed.get(call, "") + data)[-200:]
+            self._stream(data, "2")
         elif kind == "tool_call_end":
             outcome = p.get("outcome", "ok")
             mark = "✓" if outcome == "ok" and not p.get("is_error") else "✗"
             tier = (p.get("isolation") or {}).get("tier", "")
+            output = str(p.get("output", ""))
+            streamed = self._streamed.pop(str(p.get("call_id", "")), None)
+            if streamed is None:
+                shown = _short(output)
+            elif output.rstrip().endswith(streamed.rstrip()[-40:]):
+                shown = ""  # all of it is on the screen already
+            else:  # the result ends otherwise (a cut marker, an error): show its end
+                shown = "… " + _short(output.rstrip().rsplit("\n", 1)[-1])
             self._line(self._c("33", f"{mark} {p.get('name', '')} {outcome}") +
-                       clean(f" [sandbox {tier}]" if tier else "") + " " +
-                       _short(p.get("output", "")))
+                       clean(f" [sandbox {tier}]" if tier else "") +
+                       (" " + shown if shown else ""))
         elif kind == "exec_approval_request":
             calls = ", ".join(f"{_short(c.get('name'), 60)}({_short(c.get('arguments'), 60)})"
                               for c in p.get("calls", []) if isinstance(c, dict))

@@ -207,6 +207,7 @@ class TurnRun:
     target: str | None = None  # the submission whose turn we follow
     asked: set[str] = field(default_factory=set)
     interrupts: int = 0
+    interrupt_sent: bool = False
     interrupted: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def drive(self, model: str | None, route_spec: dict[str, Any] | None) -> int:
@@ -309,7 +310,10 @@ class TurnRun:
                     await t
 
     def _detached(self) -> None:
-        if self.farm.temporary:
+        if self.interrupt_sent and not self.farm.temporary:
+            self.say(f"left at once (second Ctrl-C); the turn was asked to stop: corral show "
+                     f"{self.session}")
+        elif self.farm.temporary:
             self.say(f"left at once (second Ctrl-C); the temporary farm stops now, so the "
                      f"turn is suspended and resumes when a farm starts: corral run --session "
                      f"{self.session} (no prompt) follows it")
@@ -345,6 +349,7 @@ class TurnRun:
                 return
             await self.sv.submit(self.session, {"type": "interrupt",
                                                 "turn_id": turn["turn_id"]})
+            self.interrupt_sent = True
         except SupervisorError as exc:
             self.say(f"could not interrupt: {exc.message}")
 
