@@ -21,6 +21,7 @@ from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, V
 from supervisor.cli_output import print_json as _print_json
 from supervisor.cli_output import say_error
 from supervisor.cli_remote import cmd_keys, cmd_worker, render_hosts  # noqa: F401 (commands)
+from supervisor.cli_render import clean
 from supervisor.cli_sessions import (  # noqa: F401 (commands)
     cmd_delete,
     cmd_sessions,
@@ -42,7 +43,7 @@ def ensure_config(home: Path, say: Any) -> Path:
 
 
 def _stderr(msg: str) -> None:
-    print(f"corral: {msg}", file=sys.stderr)
+    print(f"corral: {clean(msg)}", file=sys.stderr)
 
 
 def cmd_init(ns: Namespace) -> int:
@@ -155,7 +156,7 @@ def cmd_status(ns: Namespace) -> int:
     _print_farm(info)
     sup = status["supervisor"]
     if "error" in sup:
-        print(f"supervisor: {sup['error']}")
+        print(f"supervisor: {clean(str(sup['error']))}")
         return EXIT_OK
     broker = sup.get("broker", {})
     queues = broker.get("queues", {})
@@ -163,7 +164,7 @@ def cmd_status(ns: Namespace) -> int:
         print(f"  service {service:<8} workers idle {w.get('idle', 0)} busy {w.get('busy', 0)} "
               f"queued {queues.get(service, 0)}")
     for line in render_hosts(broker):
-        print(line)
+        print(clean(line))  # host names and identities come from remote workers
     sessions = dict(sup.get("sessions", {}))
     lag, lag_max = sessions.pop("loop_lag_s", None), sessions.pop("loop_lag_max_60s_s", None)
     if sessions:
@@ -192,7 +193,7 @@ def _with_farm(ns: Namespace, call: str, **args: Any) -> tuple[int, Any]:
         if ns.json:
             _print_json({"ok": False, "error": {"kind": exc.kind, "message": exc.message}})
         else:
-            print(f"corral: {exc.message} ({exc.kind})", file=sys.stderr)
+            print(f"corral: {clean(exc.message)} ({clean(exc.kind)})", file=sys.stderr)
         return EXIT_FAILED, None
 
 
@@ -282,7 +283,7 @@ def cmd_verify(ns: Namespace) -> int:
     elif problems:
         print(f"{ns.file}: FAILED", file=sys.stderr)
         for p in problems:
-            print(f"  - {p}", file=sys.stderr)
+            print(f"  - {clean(p)}", file=sys.stderr)  # text from an untrusted file
     else:
         print(f"{ns.file}: ok")
     return EXIT_OK if not problems else EXIT_FAILED

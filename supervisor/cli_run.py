@@ -154,7 +154,7 @@ async def _script_route(model: str, ns: Namespace, stack: contextlib.AsyncExitSt
 async def _run(ns: Namespace) -> int:
     def say(msg: str) -> None:
         if not ns.json:
-            print(f"corral: {msg}", file=sys.stderr)
+            print(f"corral: {clean(msg)}", file=sys.stderr)
 
     route_spec: dict[str, Any] | None = None
     model = ns.model
@@ -468,7 +468,7 @@ def import_checkpoint(ns: Namespace) -> int:
     try:
         doc = json.loads(ns.file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        print(f"corral: cannot read {ns.file}: {exc}", file=sys.stderr)
+        print(f"corral: cannot read {ns.file}: {clean(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     if running_farm(ns.home) is not None:
         print(f"corral: stop the farm first (corral down --home {ns.home}): the supervisor "
@@ -497,7 +497,7 @@ def import_checkpoint(ns: Namespace) -> int:
     try:
         session = asyncio.run(go())
     except CheckpointInvalid as exc:
-        print(f"corral: import refused: {exc}; see every problem with: corral verify "
+        print(f"corral: import refused: {clean(str(exc))}; see every problem with: corral verify "
               f"{ns.file}", file=sys.stderr)
         return EXIT_FAILED
     except BindingMismatch:
@@ -510,8 +510,8 @@ def import_checkpoint(ns: Namespace) -> int:
     except StoreError as exc:
         hint = (" pass --session NEW_ID to import it under another id"
                 if getattr(exc, "kind", "") == "session_exists" else "")
-        print(f"corral: import refused: {exc};{hint}" if hint else
-              f"corral: import refused: {exc}", file=sys.stderr)
+        print(clean(f"corral: import refused: {exc};{hint}" if hint else
+                    f"corral: import refused: {exc}"), file=sys.stderr)
         return EXIT_FAILED
     if ns.json:
         sys.stdout.write(json.dumps({"ok": True, "session_id": session}) + "\n")
