@@ -250,11 +250,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "store), or 'all' (default); e.g. worker_kill_tool,broker_kill")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
     _json(p)
-    for name, command in sub.choices.items():  # every command explains itself
+    _describe(sub)
+    return parser
+
+
+def _describe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Every command (and sub-command) explains itself in its own --help: its
+    one-line summary when it has no longer description."""
+    for name, command in sub.choices.items():
         if not command.description:
             command.description = next((a.help for a in sub._choices_actions
                                         if a.dest == name), None)
-    return parser
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _describe(action)
 
 
 def _remote_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
