@@ -135,7 +135,9 @@ def cmd_down(ns: Namespace) -> int:
 
 
 def _print_farm(info: dict[str, Any]) -> None:
-    print(f"farm {info.get('state')} at {info.get('home')} (root pid {info.get('root_pid')})")
+    kind = " (temporary: the farm of one corral run)" if info.get("temporary") else ""
+    print(f"farm {info.get('state')} at {info.get('home')} (root pid {info.get('root_pid')})"
+          f"{kind}")
     for child in info.get("children", []):
         print(f"  {child['name']:<16} pid {child['pid']!s:<8} {child['state']:<10} "
               f"restarts {child['restarts']}")
