@@ -76,9 +76,14 @@ async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[F
     from supervisor.cli_commands import ensure_config
 
     ensure_config(home, say)
+    cfg = config_mod.load(home)
     if workers is None:
-        configured = config_mod.load(home).workers
-        workers = 2 if configured is None else configured
+        workers = 2 if cfg.workers is None else cfg.workers
+    if workers == 0 and not cfg.backend_tcp:
+        raise RunRefused("a temporary farm with no local worker could never run a model or "
+                         "tool call: no remote worker can reach it without [farm] backend_tcp "
+                         "in corral.toml; drop --workers 0, or start a lasting farm for "
+                         "remote workers (corral up --workers 0 --detach)")
     farm = Farm(home, workers=workers, temporary=True)
     say(f"no farm at {home}; starting a temporary one ({len(farm.specs)} processes) "
         "for this run")

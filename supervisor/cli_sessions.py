@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import re
 import sqlite3
 import sys
@@ -51,7 +53,11 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 
 
 class StoreUnreadable(Exception):
-    """The farm's store cannot be read (missing, locked, corrupt); the message says why."""
+    """The farm's store cannot be read (locked, corrupt); the message says why."""
+
+
+class NoStore(StoreUnreadable):
+    """The home has no store yet: no session was ever created there."""
 
 
 def parse_since(text: str, now: float) -> float:
@@ -70,7 +76,7 @@ def parse_since(text: str, now: float) -> float:
 def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Connection]:
     db = FarmPaths.of(home).db
     if not db.exists():
-        raise StoreUnreadable(f"no store at {db} yet: no session was ever created in this "
+        raise NoStore(f"no store at {db} yet: no session was ever created in this "
                               "home; start one with: corral run --workspace DIR \"PROMPT\"")
     modes = ["mode=ro"] if farm_running else ["mode=ro", "immutable=1"]
     last: sqlite3.Error | None = None
@@ -177,11 +183,10 @@ def cmd_sessions(ns: Namespace) -> int:
     farm = running_farm(ns.home) is not None
     try:
         sessions, cut = list_sessions(ns.home, farm_running=farm)
+    except NoStore:
+        sessions, cut = [], False
     except StoreUnreadable as exc:
-        if "no store" in str(exc):
-            sessions, cut = [], False
-        else:
-            return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
+        return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
     if ns.state:
         sessions = [s for s in sessions if s["state"] in ns.state]
     if since is not None:
@@ -211,44 +216,59 @@ def cmd_sessions(ns: Namespace) -> int:
     return EXIT_OK
 
 
-def session_events(home: Path, session_id: str, *, farm_running: bool,
-                   limit: int = 100_000) -> list[dict[str, Any]] | None:
-    """A session's recorded events (None: no such session), read-only, in order."""
+def session_pages(home: Path, session_id: str, *, farm_running: bool
+                  ) -> Iterator[list[dict[str, Any]]]:
+    """A session's recorded events, page by page (bounded memory), read-only, in
+    order; raises ``LookupError`` when there is no such session."""
     from supervisor.facade import event_to_wire
 
     with read_only_store(home, farm_running=farm_running) as conn:
         if reader.session_row(conn, session_id) is None:
-            return None
-        events: list[dict[str, Any]] = []
+            raise LookupError(session_id)
         after = 0
-        while len(events) < limit:
+        while True:
             page = reader.events_page(conn, session_id, after, reader.MAX_PAGE_EVENTS)
-            events.extend(event_to_wire(e) for e in page.items)
+            yield [event_to_wire(e) for e in page.items]
             if page.next_cursor is None:
-                break
+                return
             after = int(page.next_cursor)
-        return events
+
+
+def session_exists(home: Path, session_id: str) -> bool:
+    try:
+        with read_only_store(home, farm_running=running_farm(home) is not None) as conn:
+            return reader.session_row(conn, session_id) is not None
+    except NoStore:
+        return False
 
 
 def cmd_show(ns: Namespace) -> int:
     farm = running_farm(ns.home) is not None
+    pages = session_pages(ns.home, ns.session, farm_running=farm)
     try:
-        events = session_events(ns.home, ns.session, farm_running=farm)
-    except StoreUnreadable as exc:
-        events = None if "no store" in str(exc) else []
-        if events is not None:
-            return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
-    if events is None:
+        first = next(pages)
+    except (LookupError, NoStore):
         return say_error(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}; "
                          "list them with: corral sessions", EXIT_FAILED)
-    if ns.json:
-        print_json({"events": events, "next": None})
-        return EXIT_OK
+    except StoreUnreadable as exc:
+        return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
     from supervisor.cli_render import Renderer
 
     renderer = Renderer(sys.stdout)
-    for event in events:
-        renderer.render(event)
+    out = sys.stdout
+    if ns.json:  # one document, written as it is read ({"events": [...], "next": null})
+        out.write('{"events": [')
+    sep = ""
+    for page in itertools.chain([first], pages):
+        for event in page:
+            if ns.json:
+                out.write(sep + json.dumps(event, sort_keys=True, default=str))
+                sep = ", "
+            else:
+                renderer.render(event)
+    if ns.json:
+        out.write('], "next": null}\n')
+    out.flush()
     return EXIT_OK
 
 
@@ -374,9 +394,9 @@ def _confirm(ns: Namespace) -> bool | None:
 def cmd_delete(ns: Namespace) -> int:
     farm = running_farm(ns.home) is not None
     try:
-        known = session_events(ns.home, ns.session, farm_running=farm, limit=1) is not None
-    except StoreUnreadable:
-        known = False
+        known = session_exists(ns.home, ns.session)
+    except StoreUnreadable as exc:
+        return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
     if not known:
         return say_error(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}; "
                          "list them with: corral sessions", EXIT_FAILED)

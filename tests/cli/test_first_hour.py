@@ -285,6 +285,9 @@ def test_workers_zero_starts_no_local_worker(homes: list[Path], workspace_root: 
     assert names == {"fakellm-s", "broker", "supervisor"}
     assert cli(home, "down").returncode == 0
     assert cli(home, "up", "--workers", "-1").returncode == 2
+    lonely = cli(home, "run", "--workers", "0", "--workspace", str(home), "hi")
+    assert lonely.returncode == 2  # a temporary farm nobody could ever serve
+    assert "backend_tcp" in lonely.stderr
 
 
 # -- honest errors at the edges -----------------------------------------------------------
