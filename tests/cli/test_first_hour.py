@@ -205,7 +205,7 @@ def test_no_terminal_and_ask_fails_fast_and_the_approval_waits(
 # -- sessions, terminate, delete ------------------------------------------------------
 
 
-def test_sessions_states_filters_terminate_and_delete(homes: list[Path],
+def test_sessions_states_filters_and_offline_terminate_delete(homes: list[Path],
                                                       workspace_root: Path) -> None:
     home = make_home(workspace_root, "home", [shell("echo x"), text("ok")])
     homes.append(home)
@@ -236,7 +236,14 @@ def test_sessions_states_filters_terminate_and_delete(homes: list[Path],
     assert refused.returncode == 2
     assert "terminated" in refused.stderr
 
-    # With a farm: terminate aborts the running turn; delete asks, or takes --yes.
+    # Offline delete.
+    assert cli(home, "delete", failed_id, "--yes", "--json").returncode == 0
+    assert [s["session_id"] for s in sessions(home)] == [idle]
+    assert "no session" in cli(home, "show", failed_id).stderr
+
+
+def test_terminate_and_delete_with_a_farm(homes: list[Path], workspace_root: Path) -> None:
+    """terminate aborts the running turn and refuses new ones; delete asks, or takes --yes."""
     slow = make_home(workspace_root, "slow", [shell("sleep 60"), text("never")])
     homes.append(slow)
     _up(slow)
@@ -269,11 +276,6 @@ def test_sessions_states_filters_terminate_and_delete(homes: list[Path],
     assert sessions(slow) == []
     assert cli(slow, "delete", sid, "--yes").returncode == 1
     assert cli(slow, "down").returncode == 0
-
-    # Offline delete.
-    assert cli(home, "delete", failed_id, "--yes", "--json").returncode == 0
-    assert [s["session_id"] for s in sessions(home)] == [idle]
-    assert "no session" in cli(home, "show", failed_id).stderr
 
 
 def test_workers_zero_starts_no_local_worker(homes: list[Path], workspace_root: Path) -> None:
