@@ -231,3 +231,34 @@ def test_a_long_tool_output_streams_to_the_end(term: Tmux, homes: list[Path],
     assert end is not None, screen[-3000:]
     if numbers[-1] < 30_000:  # the farm bounds a result; the cut is said, not hidden
         assert end.group(2), screen[-3000:]
+
+
+def test_ctrl_c_at_the_approval_prompt_then_delete_asks(term: Tmux, homes: list[Path],
+                                                        workspace_root: Path) -> None:
+    home = make_home(workspace_root, "home", [shell("echo ok > effects.log"), text("done")],
+                     approval="ask")
+    homes.append(home)
+    ws = make_ws(workspace_root)
+    term.type(corral_line(home, "run", "--workspace", str(ws), "go"))
+    term.wait_for(r"approve\? \[y\]es")
+    term("send-keys", "-t", "t", "C-c")
+    term.wait_for(r"── turn aborted: interrupted")
+    assert term.exit_code() == 130
+    assert not (ws / "effects.log").exists()
+    (listed,) = sessions(home)
+    assert listed["state"] == "idle"
+    sid = listed["session_id"]
+
+    term.type(corral_line(home, "delete", sid))
+    term.wait_for(r"This cannot be undone\. \[y/N\]")
+    term.type("n")
+    term.wait_for(r"\nnot deleted")
+    assert term.exit_code() == 1
+    assert len(sessions(home)) == 1
+    term.type(corral_line(home, "delete", sid))
+    wait_until(lambda: term.screen().count("[y/N]") == 2, timeout_s=60,
+               what="the second confirmation question")
+    term.type("y")
+    term.wait_for(rf"session {sid} deleted")
+    assert term.exit_code() == 0
+    assert sessions(home) == []
