@@ -68,11 +68,17 @@ class ToolLimits(TypedDict, total=False):
     tmpfs_bytes: int  # size of the private /tmp
 
 
+SandboxMode: TypeAlias = Literal["read-only", "workspace-write"]
+SANDBOX_MODES: Final = ("read-only", "workspace-write")
+
+
 class ToolPolicy(TypedDict, total=False):
     network: bool  # a grant: the call runs without a network namespace
     tier_min: Tier  # refuse below this tier
     allow_unsandboxed: bool  # operator opt-in to T0; recorded on every result
     limits: ToolLimits
+    sandbox_mode: SandboxMode  # default "workspace-write"; "read-only" binds it read-only
+    git_writable: bool  # opt-in: .git in the workspace is writable (default: read-only)
 
 
 class ToolCallRequest(TypedDict):
@@ -84,6 +90,12 @@ class ToolCallRequest(TypedDict):
     session_id: str
     workspace: str  # absolute path on the worker host
     policy: NotRequired[ToolPolicy]
+    # (st_dev, st_ino) of the workspace when its session was created, seen on
+    # host ``workspace_host``; a worker on that host refuses a workspace that is
+    # no longer that directory (one on another host, whose device numbers
+    # differ, pins what it sees at the session's first call there).
+    workspace_identity: NotRequired[list[int]]
+    workspace_host: NotRequired[str]
 
 
 class ToolOutputChunk(TypedDict):
@@ -91,6 +103,19 @@ class ToolOutputChunk(TypedDict):
 
     stream: Literal["stdout", "stderr"]
     data: bytes
+
+
+class KernelFacts(TypedDict):
+    """What the kernel showed a probe at the end of the same argv chain
+    (``sandbox/verify.py``): the evidence an isolation record is derived from."""
+
+    seccomp_mode: int  # /proc/self/status Seccomp: 0 none, 2 filter
+    no_new_privs: bool  # NoNewPrivs
+    uids: list[int]  # Uid: real, effective, saved, fs (the probe's own uid shown as the call's)
+    gids: list[int]  # Gid
+    cap_eff: str | None  # CapEff (hex); None when /proc is not mounted (T2-)
+    namespaces: list[str]  # namespaces separate from the worker's (/proc/self/ns/*)
+    denied: list[str]  # probes refused: unshare, socket_vsock, socket_inet, host_write
 
 
 class IsolationRecord(TypedDict):
@@ -105,6 +130,9 @@ class IsolationRecord(TypedDict):
     limits: ToolLimits
     degraded: list[str]  # human-readable reasons, empty when nothing is degraded
     unsandboxed_opt_in: bool
+    kernel: KernelFacts | None  # what the chain's probe saw; None: file tools, not probed
+    sandbox_mode: NotRequired[SandboxMode]  # how the workspace was bound for this call
+    git_writable: NotRequired[bool]  # whether .git in the workspace was writable
 
 
 ToolOutcome: TypeAlias = Literal["ok", "error", "timeout", "cancelled"]

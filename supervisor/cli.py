@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the directory tools work in (default: the current directory)")
     p.add_argument("--approval", default=None, choices=["ask", "allow", "deny"],
                    help="approval policy for tool calls (default: from corral.toml)")
+    p.add_argument("--sandbox", default=None, choices=["read-only", "workspace-write"],
+                   help="a new session's sandbox mode: read-only binds the workspace "
+                   "read-only (default: workspace-write; network is a separate grant)")
+    p.add_argument("--allow-git-write", action="store_true",
+                   help="a new session's tools may write .git in the workspace (its config "
+                   "and hooks run on the host; read-only by default); recorded")
     p.add_argument("--workers", type=_workers, default=None,
                    help="workers of a temporary farm (default 2)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")

@@ -108,13 +108,24 @@ async def scripted_provider(script: Path, home: Path) -> AsyncIterator[str]:
         await tree.stop()
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The one error inside (nested) exception groups of the ephemeral farm's
+    task group, so a refusal prints as one line; the group itself otherwise."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def run_turn(ns: Namespace) -> int:
     if ns.prompt is None and ns.session is None:
         print("corral: give a PROMPT (or --session ID to attach to a session's running "
               "turn)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return asyncio.run(_run(ns))
+        try:
+            return asyncio.run(_run(ns))
+        except BaseExceptionGroup as group:
+            raise _leaf(group) from None
     except (ConfigError, RunRefused) as exc:
         _fail(ns, "usage", str(exc))
         return EXIT_USAGE
@@ -196,6 +207,10 @@ def session_spec(ns: Namespace, model: str | None,
         spec["route"] = model
     if ns.approval:
         spec["approval"] = ns.approval
+    if getattr(ns, "sandbox", None):
+        spec["sandbox_mode"] = ns.sandbox
+    if getattr(ns, "allow_git_write", False):
+        spec["git_writable"] = True
     return spec
 
 

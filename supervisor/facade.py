@@ -5,7 +5,12 @@ Invariants:
 - A client sees only sessions of its own tenant (a client without a tenant
   sees only sessions without one); every refusal is logged.
 - Tenants never share a workspace: a new session's workspace may not be,
-  contain or lie inside a workspace of another tenant's session.
+  contain or lie inside a workspace of another tenant's session; and no
+  session's workspace contains or lies inside another session's, whatever
+  the tenant (a tool of the outer one could swap the inner one's path).
+- A workspace is an existing directory that does not overlap the farm's
+  home, run directory or export directories, in either direction; it is
+  stored resolved, with its identity (device, inode) pinned for the workers.
 - Inline routes (``route_spec`` from ``corral run --model PROVIDER:MODEL``)
   are validated with ``sandbox_worker.api.parse_route`` rules, registered
   under their spec string and persisted in ``HOME/routes.json`` so sessions
@@ -25,17 +30,20 @@ import dataclasses
 import json
 import logging
 import os
+import socket
+import stat
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 from broker.client import BrokerClient
-from sandbox_worker.api import PROVIDERS, ModelRoute
+from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, UnknownSession
 from supervisor.export import CheckpointInvalid, file_name, load_loop_checkpoint, verify
 from supervisor.export.canonical import canonical_bytes
+from supervisor.farm.layout import FarmPaths
 from supervisor.server import CallError
 from supervisor.store import Store
 from supervisor.store.records import EventRecord, SessionId
@@ -45,7 +53,7 @@ log = logging.getLogger(__name__)
 
 _SPEC_KEYS = {"workspace", "route", "route_spec", "approval", "instructions", "hooks",
               "tool_policy", "compaction_threshold_tokens", "stream", "session_id",
-              "child_route", "parent_session_id"}
+              "child_route", "parent_session_id", "sandbox_mode", "git_writable"}
 _ROUTE_KEYS = set(ModelRoute.__annotations__)
 # A checkpoint answer must fit in one client-protocol message (8 MiB) with room to spare.
 MAX_EXPORT_ANSWER_BYTES = 6 * 1024 * 1024
@@ -110,14 +118,62 @@ def _engine_errors(session_id: str) -> Iterator[None]:
                         "try again in a moment") from None
 
 
-def _overlap(workspace: str, others: list[str]) -> str | None:
-    """The first of ``others`` that is, contains or lies inside ``workspace``."""
+def _overlap(workspace: str, others: list[str], *, nested_only: bool = False) -> str | None:
+    """The first of ``others`` that is, contains or lies inside ``workspace``
+    (with ``nested_only``: contains or lies inside, but is not the same)."""
     wanted = os.path.realpath(workspace).rstrip(os.sep) + os.sep
     for other in others:
         theirs = os.path.realpath(other).rstrip(os.sep) + os.sep
+        if nested_only and theirs == wanted:
+            continue
         if wanted.startswith(theirs) or theirs.startswith(wanted):
             return other
     return None
+
+
+def _pin_workspace(workspace: str, farm_dirs: list[str]) -> tuple[str, list[int]]:
+    """The resolved workspace and its (device, inode); CallError when it is
+    missing, not a directory, or overlaps one of the farm's own directories."""
+    real = os.path.realpath(workspace)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise CallError(ErrorKind.BAD_REQUEST, f"workspace {workspace} does not exist; "
+                        "create it or choose another directory") from None
+    except OSError as exc:
+        raise CallError(ErrorKind.BAD_REQUEST,
+                        f"workspace {workspace} cannot be used: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CallError(ErrorKind.BAD_REQUEST, f"workspace {workspace} is not a directory; "
+                        "choose a directory")
+    clash = _overlap(real, farm_dirs)
+    if clash is not None:
+        raise CallError(ErrorKind.BAD_REQUEST,
+                        f"workspace {real} overlaps the farm's own directory {clash} (its "
+                        "store, keys, logs or sockets would be open to the tools); choose a "
+                        "workspace outside the farm's home, or a home outside the workspace")
+    return real, [st.st_dev, st.st_ino]
+
+
+def _sandbox_options(spec: dict[str, Any]) -> None:
+    """Move the session options ``sandbox_mode`` and ``git_writable`` into the
+    session's tool policy (every tool call carries them; every isolation
+    record states them)."""
+    mode = spec.pop("sandbox_mode", None)
+    git = spec.pop("git_writable", None)
+    if mode is None and git is None:
+        return
+    policy = dict(spec.get("tool_policy") or {})
+    if mode is not None:
+        if mode not in SANDBOX_MODES:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"sandbox_mode must be one of {', '.join(SANDBOX_MODES)}")
+        policy["sandbox_mode"] = mode
+    if git is not None:
+        if not isinstance(git, bool):
+            raise CallError(ErrorKind.BAD_REQUEST, "git_writable must be true or false")
+        policy["git_writable"] = git
+    spec["tool_policy"] = policy
 
 
 def event_to_wire(e: EventRecord) -> dict[str, Any]:
@@ -140,6 +196,10 @@ class Facade:
         self.engine_config = engine_config
         self.routes_file = home / "routes.json"
         self.export_dirs = export_dirs(home)
+        # Directories no workspace may overlap: the home holds corral.db, keys/,
+        # logs/ and run/ (or the run dir sits in /tmp when the home is too deep).
+        self.farm_dirs = [str(home.resolve()), str(FarmPaths.of(home).run),
+                          *(str(d) for d in self.export_dirs)]
         self._load_inline_routes()
 
     # -- routes -------------------------------------------------------------
@@ -187,20 +247,34 @@ class Facade:
                             f"no session {session_id!r}; list them with: corral sessions")
 
     async def _check_workspace(self, workspace: str, tenant: str | None) -> None:
-        """Tenants never share a workspace: refuse a path that is, contains or lies in
-        a workspace of another tenant's session (symlinks resolved, on the
-        supervisor's view of the shared storage)."""
+        """Refuse a workspace nested in (or holding) another session's, whatever
+        the tenant, and one that is, contains or lies in a workspace of another
+        tenant's session (symlinks resolved, on the supervisor's view of the
+        shared storage)."""
         others: dict[str, tuple[str, Any]] = {}
+        everyone: dict[str, str] = {}
         after: str | None = None
         while True:
             page = await self.store.list_sessions(after=after, limit=1000)
             for r in page.items:
                 other = r.config.get("workspace")
-                if r.config.get("tenant") != tenant and isinstance(other, str):
+                if not isinstance(other, str):
+                    continue
+                everyone[other] = r.session_id
+                if r.config.get("tenant") != tenant:
                     others[other] = (r.session_id, r.config.get("tenant"))
             if not isinstance(page.next_cursor, str):
                 break
             after = page.next_cursor
+        nested = await asyncio.to_thread(_overlap, workspace, list(everyone), nested_only=True)
+        if nested is not None and nested not in others:
+            log.warning("refused: workspace %s is nested with %s of session %s", workspace,
+                        nested, everyone[nested])
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"workspace {workspace} contains or lies inside the workspace "
+                            f"{nested} of session {everyone[nested]}: a tool of the outer "
+                            "one could replace the inner one; use the same directory or "
+                            "one outside it")
         clash = await asyncio.to_thread(_overlap, workspace, list(others))
         if clash is not None:
             sid, owner = others[clash]
@@ -229,10 +303,16 @@ class Facade:
         workspace = spec.get("workspace")
         if not isinstance(workspace, str) or not os.path.isabs(workspace):
             raise CallError(ErrorKind.BAD_REQUEST, "workspace must be an absolute path")
-        await self._check_workspace(workspace, tenant)
+        _sandbox_options(spec)
+        real, identity = await asyncio.to_thread(_pin_workspace, workspace, self.farm_dirs)
+        await self._check_workspace(real, tenant)
+        spec["workspace"] = real
         fields = {f.name for f in dataclasses.fields(SessionSpec)}
         session_spec = SessionSpec(**{k: v for k, v in spec.items() if k in fields})
         session_spec.tenant = tenant
+        # Workers refuse the workspace once it is no longer this directory.
+        session_spec.extra = {**session_spec.extra, "workspace_identity": identity,
+                              "workspace_host": socket.gethostname()}
         with _engine_errors(session_spec.session_id or ""):
             return str(await self.manager.create_session(session_spec))
 

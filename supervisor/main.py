@@ -34,6 +34,7 @@ from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
 from supervisor.export import DirectorySink, HttpSink
 from supervisor.facade import Facade
+from supervisor.farm.layout import secure_home
 from supervisor.keys import farm_keys
 from supervisor.server import ClientServer
 from supervisor.store import Store
@@ -125,6 +126,7 @@ def broker_identity(db: Path) -> bytes:
 
 async def serve(ns: argparse.Namespace) -> int:
     home: Path = ns.home.resolve()
+    secure_home(home)  # corral.db and the other files of the home are 0600
     try:
         cfg = config_mod.load(home)
     except config_mod.ConfigError as exc:

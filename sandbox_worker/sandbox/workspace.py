@@ -1,20 +1,31 @@
-"""Giving a user's workspace to the sandbox group with POSIX ACLs.
+"""Pinning a user's workspace by identity, and giving it to its group with POSIX ACLs.
 
-A workspace is typically owned by its user (root included), mode 0755, so
-the non-root tool processes could not write to it. Every shell call runs as
-its own uid (``uidpool.py``) but all share the sandbox group (their real,
-effective and only gid), and the file tools use the sandbox user's uid with
-that group. So instead of running tools as the owner or chowning files, the
-worker (root) adds *group* ACL entries, once per workspace (until its root
-carries the grant, ``is_granted``):
+**Pinning.** A session's workspace is the directory its path named when the
+session was created, identified by ``(st_dev, st_ino)`` (the supervisor
+records it; the worker pins it at the first call of a session it has no
+record for). Every call opens it once, as root, with ``openat2(AT_FDCWD,
+real path, O_PATH | O_DIRECTORY, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)``
+and compares the identity (``open_pinned``): a symlink swapped in anywhere on
+the path, or a directory renamed into its place, is refused. Everything after
+that -- the grant, the sandbox bind (bwrap ``--bind-fd``, which checks the
+mount against the fd), the file tools -- goes through that fd, never through
+the path again.
 
-- on every directory: ``group:<sandbox>:rwx`` and a *default* ACL with
-  ``group:<sandbox>:rwx`` and ``user:<owner>:rwx``, so files created later by
-  any call's uid, by the file tools or by the owner stay usable by all (a new
-  file is owned by its creator's uid; the others reach it through the
-  inherited entries);
-- on every regular file with one link: ``group:<sandbox>:rw`` (plus x when
-  the file is executable by anyone).
+**The grant.** A workspace is typically owned by its user (root included),
+mode 0755, so the non-root tool processes could not write to it. Every shell
+call runs as its own uid (``uidpool.py``), all calls of one workspace with
+that workspace's own group (``wsgroups.py``), and the file tools with the
+sandbox user's uid and that group. So the worker (root) adds *group* ACL
+entries, once per workspace (until its root carries the grant,
+``is_granted``), and never more than the owner has:
+
+- on every directory: ``group:<ws>:<owner's bits>`` and a *default* ACL with
+  ``group:<ws>:<owner's bits>`` and ``user:<owner>:rwx``, so files created
+  later by any call's uid, by the file tools or by the owner stay usable by
+  all;
+- on every regular file with one link: ``group:<ws>:<owner's bits>``, so a
+  read-only workspace (dirs 555, files 444) stays read-only for the sandbox;
+- an entry of the old shared sandbox group (``legacy_gid``) is removed.
 
 ACLs are written as the ``system.posix_acl_*`` xattrs on file descriptors
 opened with ``O_PATH | O_NOFOLLOW`` during an fd-relative walk, so a symlink
@@ -24,7 +35,10 @@ workspace and must not gain a grant. The walk is bounded (``MAX_ENTRIES``).
 
 Invariants:
 - Nothing outside the workspace is ever modified; the owner's own
-  permissions are unchanged (only named entries and the mask are added).
+  permissions are unchanged (only named entries and the mask are added), and
+  the group's entry never holds a right the owner's mode bits lack.
+- No path is resolved for a call after ``open_pinned``; a workspace whose
+  identity differs from the pinned one is refused (``WorkspaceUnusable``).
 - ``check_reachable`` refuses a workspace whose parents the sandbox uid
   cannot search, naming the directory and the command that fixes it.
 """
@@ -40,6 +54,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from sandbox_worker.sandbox.errors import WorkspaceUnusable
+from sandbox_worker.sandbox.resolve import (
+    AT_FDCWD,
+    RESOLVE_NO_MAGICLINKS,
+    RESOLVE_NO_SYMLINKS,
+    openat2,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,28 +128,36 @@ def _read_acl(path: str, name: str, mode: int) -> Entries | None:
         raise
 
 
-def grant_entry(fd: int, st: os.stat_result, sandbox_gid: int, owner_uid: int) -> bool:
-    """Add the sandbox group (and owner default) entries to one O_PATH fd;
-    True if changed."""
+def _without(entries: Entries, gids: tuple[int, ...]) -> Entries:
+    if not any((ACL_GROUP, g) in entries for g in gids):
+        return entries
+    return _with_entries({k: v for k, v in entries.items()
+                          if not (k[0] == ACL_GROUP and k[1] in gids)}, {})
+
+
+def grant_entry(fd: int, st: os.stat_result, sandbox_gid: int, owner_uid: int,
+                legacy_gids: tuple[int, ...] = ()) -> bool:
+    """Add the workspace group (and owner default) entries to one O_PATH fd,
+    with the owner's own rights; drop entries of ``legacy_gids``. True if changed."""
     path = f"/proc/self/fd/{fd}"
     group = (ACL_GROUP, sandbox_gid)
-    if stat.S_ISDIR(st.st_mode):
-        named = {group: 7}
-    elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-        named = {group: 6 | (1 if st.st_mode & 0o111 else 0)}
+    owner_bits = (st.st_mode >> 6) & 7
+    if stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
+        named = {group: owner_bits}
     else:
         return False
     access = _read_acl(path, XATTR_ACCESS, st.st_mode)
     if access is None:
         return False
-    new = _with_entries(access, named)
+    new = _with_entries(_without(access, legacy_gids), named)
     changed = False
     if new != access:
         os.setxattr(path, XATTR_ACCESS, encode_acl(new))
         changed = True
     if stat.S_ISDIR(st.st_mode):
-        default = _read_acl(path, XATTR_DEFAULT, st.st_mode) or _from_mode(0o755)
-        dnamed = {group: 7}
+        default = _without(_read_acl(path, XATTR_DEFAULT, st.st_mode) or _from_mode(0o755),
+                           legacy_gids)
+        dnamed = {group: owner_bits}
         if owner_uid != 0:
             dnamed[(ACL_USER, owner_uid)] = 7
         dnew = _with_entries(default, dnamed)
@@ -139,19 +167,22 @@ def grant_entry(fd: int, st: os.stat_result, sandbox_gid: int, owner_uid: int) -
     return changed
 
 
-def is_granted(root: str, sandbox_gid: int) -> bool:
-    """True when the workspace root already carries the sandbox group's access and
-    default entries (the mark of a completed ``grant_tree``). One syscall pair,
-    so it is checked on every call rather than cached by inode (inodes of
-    deleted workspaces are reused)."""
+def is_granted(root: int | str, sandbox_gid: int) -> bool:
+    """True when the workspace root (a pinned fd, or a path) already carries the
+    group's access and default entries with the owner's rights (the mark of a
+    completed ``grant_tree``). One syscall pair, so it is checked on every
+    call rather than cached by inode (inodes of deleted workspaces are reused)."""
+    path = f"/proc/self/fd/{root}" if isinstance(root, int) else root
     try:
-        access = decode_acl(os.getxattr(root, XATTR_ACCESS, follow_symlinks=False))
-        default = decode_acl(os.getxattr(root, XATTR_DEFAULT, follow_symlinks=False))
+        owner_bits = (os.stat(path, follow_symlinks=False).st_mode >> 6) & 7
+        access = decode_acl(os.getxattr(path, XATTR_ACCESS, follow_symlinks=False))
+        default = decode_acl(os.getxattr(path, XATTR_DEFAULT, follow_symlinks=False))
     except (OSError, ValueError):
         return False
-    return access.get((ACL_GROUP, sandbox_gid), 0) == 7 and \
-        default.get((ACL_GROUP, sandbox_gid), 0) == 7 and \
-        access.get((ACL_MASK, UNDEFINED_ID), 0) == 7
+    key = (ACL_GROUP, sandbox_gid)
+    return key in access and key in default and \
+        access[key] & owner_bits == owner_bits and \
+        access.get((ACL_MASK, UNDEFINED_ID), 0) & owner_bits == owner_bits
 
 
 @dataclass
@@ -162,10 +193,12 @@ class GrantReport:
     complete: bool = True
 
 
-def grant_tree(root: str, sandbox_gid: int) -> GrantReport:
-    """Grant the sandbox group the workspace tree (see the module docstring). Blocking."""
+def grant_tree(root: int | str, sandbox_gid: int,
+               legacy_gids: tuple[int, ...] = ()) -> GrantReport:
+    """Grant the workspace's group the tree under ``root`` (a pinned fd, or a
+    path opened without following a symlink) -- see the module docstring. Blocking."""
     try:
-        return _grant_tree(root, sandbox_gid)
+        return _grant_tree(root, sandbox_gid, legacy_gids)
     except OSError as exc:
         hint = ("mount its filesystem with POSIX ACL support, or make the workspace "
                 f"writable by group {sandbox_gid} yourself"
@@ -175,9 +208,11 @@ def grant_tree(root: str, sandbox_gid: int) -> GrantReport:
                                 f"{exc.strerror or exc}", hint=hint) from exc
 
 
-def _grant_tree(root: str, sandbox_gid: int) -> GrantReport:
+def _grant_tree(root: int | str, sandbox_gid: int, legacy_gids: tuple[int, ...],
+                ) -> GrantReport:
     report = GrantReport()
-    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    root_fd = (os.dup(root) if isinstance(root, int) else
+               os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
     try:
         owner = os.fstat(root_fd).st_uid
         stack = [os.dup(root_fd)]
@@ -186,7 +221,7 @@ def _grant_tree(root: str, sandbox_gid: int) -> GrantReport:
             try:
                 st = os.fstat(dfd)
                 report.entries += 1
-                report.changed += grant_entry(dfd, st, sandbox_gid, owner)
+                report.changed += grant_entry(dfd, st, sandbox_gid, owner, legacy_gids)
                 # O_PATH fds cannot list; reopen this very directory for reading.
                 rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
                 try:
@@ -210,7 +245,8 @@ def _grant_tree(root: str, sandbox_gid: int) -> GrantReport:
                         if stat.S_ISREG(cst.st_mode) and cst.st_nlink > 1:
                             report.skipped_links += 1
                         else:
-                            report.changed += grant_entry(fd, cst, sandbox_gid, owner)
+                            report.changed += grant_entry(fd, cst, sandbox_gid, owner,
+                                                          legacy_gids)
                     finally:
                         os.close(fd)
             finally:
@@ -239,6 +275,33 @@ def validate_workspace(path: object, workspace_root: str | None) -> str:
     if not os.path.isdir(real):
         raise WorkspaceUnusable(f"workspace {real} does not exist or is not a directory")
     return real
+
+
+def open_pinned(real: str, identity: tuple[int, int] | None) -> int:
+    """An O_PATH fd of the workspace ``real`` (a resolved path), opened with no
+    symlink followed anywhere on the way, whose ``(st_dev, st_ino)`` must equal
+    ``identity`` when one is given. The caller closes it. Blocking."""
+    try:
+        fd = openat2(AT_FDCWD, real, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
+                     resolve=RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise WorkspaceUnusable(
+                f"workspace {real} now goes through a symlink; it was replaced after its "
+                "session began, refusing", hint="start a new session on the real "
+                "directory") from exc
+        raise WorkspaceUnusable(f"workspace {real}: {exc.strerror}",
+                                hint="check that the directory still exists") from exc
+    if identity is not None:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != tuple(identity):
+            os.close(fd)
+            raise WorkspaceUnusable(
+                f"workspace {real} is no longer the directory its session was created with "
+                f"(device/inode {st.st_dev}/{st.st_ino}, pinned {identity[0]}/{identity[1]}): "
+                "it was replaced or moved; refusing",
+                hint="start a new session on the directory you mean")
+    return fd
 
 
 def check_reachable(real: str) -> None:

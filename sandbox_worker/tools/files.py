@@ -1,8 +1,10 @@
 """The file tools: read_file, write_file, edit_file, list_dir.
 
 Each function is blocking and runs in a ``SandboxFS`` executor thread (fs
-credentials of the sandbox uid), resolving every path with ``openat2``
-beneath a workspace fd opened in the same thread (see ``fsops``).
+credentials of the sandbox uid and the workspace's group), resolving every
+path with ``openat2`` beneath a duplicate of the worker's pinned workspace fd
+(``tools/pinning.py``; see ``fsops``), so the workspace's path is never
+resolved again and its parents need not be searchable by the sandbox.
 
 Invariants:
 - Reads are bounded by ``read_limit_bytes``; writes and edits by
@@ -12,7 +14,7 @@ Invariants:
 - Writes happen in place on the opened fd (truncate, then write), so the file
   written is the file that was checked; new files are created with mode 0666
   minus the umask (or as the workspace's default ACL says), owned by the
-  sandbox uid like files the shell tool creates.
+  sandbox uid until the call's sweep gives them to the workspace's owner.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def read_file(workspace: str, args: dict[str, Any], lim: FileLimits) -> FileResult:
+def read_file(workspace: int | str, args: dict[str, Any], lim: FileLimits) -> FileResult:
     path = check_relative(args["path"])
     offset = int(args.get("offset", 0))
     max_lines = int(args.get("limit", DEFAULT_READ_LINES))
@@ -106,7 +108,7 @@ def _check_size(content: bytes, lim: FileLimits, fsize: int) -> None:
                           kind="too_large")
 
 
-def write_file(workspace: str, args: dict[str, Any], lim: FileLimits, fsize: int,
+def write_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize: int,
                ) -> FileResult:
     path = check_relative(args["path"])
     if path == ".":
@@ -130,7 +132,7 @@ def write_file(workspace: str, args: dict[str, Any], lim: FileLimits, fsize: int
     return FileResult(f"wrote {len(content)} bytes to {path}")
 
 
-def edit_file(workspace: str, args: dict[str, Any], lim: FileLimits, fsize: int,
+def edit_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize: int,
               ) -> FileResult:
     path = check_relative(args["path"])
     old: str = args["old"]
@@ -172,7 +174,7 @@ def edit_file(workspace: str, args: dict[str, Any], lim: FileLimits, fsize: int,
     return FileResult(f"replaced {n} occurrence{'s' if n != 1 else ''} in {path}")
 
 
-def list_dir(workspace: str, args: dict[str, Any]) -> FileResult:
+def list_dir(workspace: int | str, args: dict[str, Any]) -> FileResult:
     path = check_relative(args.get("path", "."))
     wsfd = open_workspace(workspace)
     try:

@@ -15,7 +15,7 @@ sandbox uid, exactly like files the shell creates.
 
 Invariants:
 - No path string is ever opened relative to the process cwd or root; only
-  relative to a workspace fd obtained in the same thread.
+  relative to a workspace fd (the worker's pinned one, duplicated per call).
 - Regular files with more than one hard link are refused (a link may point
   outside the workspace); non-regular files are never opened for data.
 - ``OSError`` is translated to ``ToolError`` subclasses here (``map_oserror``).
@@ -28,8 +28,9 @@ import errno
 import os
 import platform
 import stat
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final
+from typing import Final, TypeVar
 
 from sandbox_worker.sandbox.errors import (
     FileProblem,
@@ -37,36 +38,16 @@ from sandbox_worker.sandbox.errors import (
     SandboxSetupError,
     ToolError,
 )
+from sandbox_worker.sandbox.resolve import RESOLVE, openat2
 
-# New syscalls share one number across architectures; the old ones do not.
-SYS_OPENAT2: Final = 437
+__all__ = ["RESOLVE", "SandboxFS", "check_relative", "make_parents", "map_oserror",
+           "open_regular", "openat2"]
+
+T = TypeVar("T")
 SYS_SETGROUPS: Final = {"x86_64": 116, "aarch64": 159}
-RESOLVE_NO_MAGICLINKS: Final = 0x02
-RESOLVE_NO_SYMLINKS: Final = 0x04
-RESOLVE_BENEATH: Final = 0x08
-RESOLVE: Final = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
-
-
-def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = RESOLVE) -> int:
-    """The raw openat2 syscall; raises OSError."""
-    # The kernel rejects a mode without O_CREAT/O_TMPFILE (EINVAL).
-    if not flags & (os.O_CREAT | os.O_TMPFILE):
-        mode = 0
-    how = _OpenHow(flags=flags | os.O_CLOEXEC, mode=mode, resolve=resolve)
-    fd = _libc.syscall(SYS_OPENAT2, ctypes.c_int(dirfd), os.fsencode(path),
-                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return int(fd)
 
 
 def check_relative(path: str) -> str:
@@ -124,6 +105,17 @@ class SandboxFS:
     def executor(self) -> ThreadPoolExecutor:
         return self._pool
 
+    def run_as_group(self, gid: int, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in this (executor) thread with fsgid ``gid``: the group of
+        the call's workspace (``sandbox/wsgroups.py``). Executor threads run
+        only file tools, and each call sets its own group first."""
+        if gid == 0:
+            raise SandboxSetupError("file tools must not run with fsgid 0")
+        _libc.setfsgid(gid)
+        if _libc.setfsgid(-1) != gid:
+            raise OSError(errno.EPERM, "setfsgid did not take effect")
+        return fn()
+
     def whoami(self) -> tuple[int, int]:
         """(fsuid, fsgid) as seen from an executor thread (a start-up check)."""
         return self._pool.submit(lambda: (_libc.setfsuid(-1), _libc.setfsgid(-1))).result(10)
@@ -132,16 +124,16 @@ class SandboxFS:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def open_workspace(workspace: str) -> int:
-    """An O_PATH fd of the workspace, opened in the calling (sandbox-fsuid) thread."""
+def open_workspace(workspace: int | str) -> int:
+    """A new fd of the workspace for this call: a duplicate of the worker's
+    pinned, identity-checked O_PATH fd (``sandbox/workspace.py``), so no path
+    is resolved again and the workspace's parents need not be searchable. A
+    path (tests, tools used on their own) is opened in the calling thread."""
+    if isinstance(workspace, int):
+        return os.dup(workspace)
     try:
         return os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        if exc.errno == errno.EACCES:
-            raise FileProblem(
-                f"the workspace {workspace} is not reachable by the sandbox user; "
-                "ask the operator to make its parent directories searchable (chmod o+x)",
-                kind="workspace_unreachable") from exc
         raise FileProblem(f"workspace {workspace}: {exc.strerror}",
                           kind="workspace_unreachable") from exc
 

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from broker.errors import HandlerError
 from broker.protocol import FailureKind, pack, unpack
 from broker.worker import RequestContext
 from sandbox_worker.api import (
+    SANDBOX_MODES,
     TIER_ORDER,
     IsolationRecord,
     Tier,
@@ -69,14 +71,15 @@ from sandbox_worker.sandbox.uidpool import (
     parse_range,
 )
 from sandbox_worker.sandbox.user import DEFAULT_SANDBOX_USER, SandboxUser, ensure_user
-from sandbox_worker.sandbox.workspace import (
-    check_reachable,
-    grant_tree,
-    is_granted,
-    validate_workspace,
+from sandbox_worker.sandbox.wsgroups import (
+    DEFAULT_GID_COUNT,
+    DEFAULT_GID_START,
+    DEFAULT_GROUP_DIR,
+    WorkspaceGroups,
 )
 from sandbox_worker.tools import files
-from sandbox_worker.tools.fsops import SandboxFS
+from sandbox_worker.tools.fsops import SandboxFS, check_relative
+from sandbox_worker.tools.pinning import Pinned, WorkspacePins, refuses_git
 from sandbox_worker.tools.schemas import SCHEMAS, validate
 from sandbox_worker.tools.shell import ShellRun, remove_stale_tmp, render, run_shell
 
@@ -104,6 +107,9 @@ class ToolServiceConfig:
     uid_range_start: int = DEFAULT_UID_START  # per-call uids (uidpool.py)
     uid_range_count: int = DEFAULT_UID_COUNT
     uid_lock_dir: str = DEFAULT_LOCK_DIR
+    gid_range_start: int = DEFAULT_GID_START  # one group per workspace (wsgroups.py)
+    gid_range_count: int = DEFAULT_GID_COUNT
+    group_dir: str = DEFAULT_GROUP_DIR
     workspace_root: str | None = None
     grace_s: float = 2.0
     cgroup: bool = True
@@ -125,7 +131,7 @@ class ToolService:
         self.fs: SandboxFS | None = None
         self._filters: SeccompFilters | None = None
         self._cgroup: WorkerCgroup | None = None
-        self._grant_lock = asyncio.Lock()
+        self.pins: WorkspacePins | None = None
         self._calls: set[asyncio.Task[Any]] = set()
         self._reaper: OrphanReaper | None = None
         self.pool: UidPool | None = None
@@ -134,11 +140,18 @@ class ToolService:
     # -- life cycle ---------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        # The farm runs with umask 077 (its home is private); tool processes
+        # inherit the worker's, and a user's workspace expects the usual one.
+        os.umask(0o022)
         user = await ensure_user(cfg.sandbox_user, fixed_uid=cfg.sandbox_uid,
                                  fixed_gid=cfg.sandbox_gid)
         pool = UidPool(cfg.uid_range_start, cfg.uid_range_count, user.gid, cfg.uid_lock_dir)
         await asyncio.to_thread(pool.setup, reserved_uids=(user.uid,))
         self.pool = pool
+        groups = WorkspaceGroups(cfg.gid_range_start, cfg.gid_range_count, cfg.group_dir)
+        await asyncio.to_thread(groups.setup, reserved_gids=(user.gid,))
+        self.pins = WorkspacePins(groups, user.gid, cfg.workspace_root,
+                                  lambda uid: uid in pool.uids or uid == user.uid)
         degraded: list[str] = []
         try:
             self._filters = SeccompFilters.compile()
@@ -160,7 +173,8 @@ class ToolService:
             await pool.give_back(lease)
         tier = self._choose_tier(self.detection)
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
-                               unsandboxed_opt_in=tier == "T0", extra_degraded=degraded)
+                               unsandboxed_opt_in=tier == "T0", extra_degraded=degraded,
+                               verified=dict(self.detection.verified.get(tier, {})))
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)
@@ -228,6 +242,8 @@ class ToolService:
 
     def info(self) -> dict[str, Any]:
         p, d, cg = self.profile, self.detection, self._cgroup
+        # What the kernel showed the chosen tier's probe, not the configuration.
+        shown = p.isolation(self.config.limits, network=False, uid=p.user.uid) if p else None
         return {
             "tier": p.tier if p else None,
             "tier_min": self.config.tier_min,
@@ -235,7 +251,8 @@ class ToolService:
             "tier_failures": dict(d.failures) if d else {},
             "landlock_abi": d.landlock_abi if d else 0,
             "degraded": p.degraded() if p else [],
-            "seccomp": self._filters is not None,
+            "seccomp": bool(shown and shown["seccomp"]),
+            "kernel": shown["kernel"] if shown else None,
             "cgroup": {"applied": bool(cg and cg.applied), "version": cg.version if cg else "",
                        "reason": cg.reason if cg else "disabled"},
             "sandbox_uid": p.user.uid if p else None,  # the file tools' uid
@@ -243,6 +260,7 @@ class ToolService:
             "sandbox_gid": p.user.gid if p else None,
             "sandbox_uid_range": ([self.pool.start, self.pool.count] if self.pool else None),
             "uid_pool": self.pool.info() if self.pool else {},
+            "workspace_groups": self.pins.groups.info() if self.pins else {},
             "unsandboxed_opt_in": bool(p and p.unsandboxed_opt_in),
             "tools": [s["name"] for s in SCHEMAS],
         }
@@ -267,6 +285,8 @@ class ToolService:
             raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
         limits = ToolLimits(**self.config.limits)
         network = False
+        read_only = git_writable = False
+        pinned: Pinned | None = None
         try:
             policy = req.get("policy") or {}
             if not isinstance(policy, dict):
@@ -274,22 +294,32 @@ class ToolService:
             limits = merge_limits(self.config.limits, policy.get("limits"))
             network = policy.get("network", False) is True
             self._check_policy(profile, policy)
+            read_only, git_writable = self._mode_of(policy)
             args = validate(tool, req["arguments"])
-            workspace = await self._workspace(req["workspace"])
+            if tool in ("write_file", "edit_file"):
+                self._check_writable(args, read_only, git_writable)
+            pins = self.pins
+            if pins is None:
+                raise HandlerError(FailureKind.INTERNAL, "tool service not started",
+                                   retryable=True)
+            pinned = await pins.open(req["workspace"], req["session_id"],
+                                     req.get("workspace_identity"), shell=tool == "shell",
+                                     git_writable=git_writable or read_only,
+                                     host=req.get("workspace_host"))
             if tool == "shell":
-                return await self._shell(ctx, req, profile, args, workspace, limits, network,
-                                         start)
-            return await self._file_tool(call_id, tool, profile, args, workspace, limits,
-                                         start)
+                return await self._shell(ctx, req, profile, args, pinned, limits, network,
+                                         start, read_only=read_only, git_writable=git_writable)
+            return await self._file_tool(call_id, tool, profile, args, pinned, limits,
+                                         start, read_only=read_only, git_writable=git_writable)
         except ToolError as exc:
             return self._error(call_id, tool, exc.kind, str(exc), profile, limits, network,
-                               start)
+                               start, read_only, git_writable)
         except WorkspaceUnusable as exc:
             return self._error(call_id, tool, "workspace_unusable", str(exc), profile,
-                               limits, network, start)
+                               limits, network, start, read_only, git_writable)
         except SandboxError as exc:
             return self._error(call_id, tool, "sandbox_unavailable", str(exc), profile,
-                               limits, network, start)
+                               limits, network, start, read_only, git_writable)
         except (asyncio.CancelledError, HandlerError):
             raise
         except Exception:
@@ -297,7 +327,10 @@ class ToolService:
             log.exception("tool call %s (%s) failed unexpectedly", call_id, tool)
             return self._error(call_id, tool, "internal",
                                "internal error in the tool service; see the worker log",
-                               profile, limits, network, start)
+                               profile, limits, network, start, read_only, git_writable)
+        finally:
+            if pinned is not None:
+                pinned.close()
 
     @staticmethod
     def _parse(body: bytes) -> dict[str, Any]:
@@ -336,22 +369,31 @@ class ToolService:
                             "allow unsandboxed execution. To fix: install bubblewrap "
                             "(apt-get install bubblewrap)", kind="tier_below_minimum")
 
-    async def _workspace(self, path: str) -> str:
-        real = validate_workspace(path, self.config.workspace_root)
-        gid = self.profile.user.gid  # type: ignore[union-attr]
-        if not is_granted(real, gid):
-            async with self._grant_lock:
-                if not is_granted(real, gid):
-                    check_reachable(real)
-                    report = await asyncio.to_thread(grant_tree, real, gid)
-                    log.info("granted workspace %s to the sandbox group (%d entries, %d "
-                             "changed, %d hard-linked files skipped)", real, report.entries,
-                             report.changed, report.skipped_links)
-        return real
+    def _mode_of(self, policy: dict[str, Any]) -> tuple[bool, bool]:
+        """(read_only, git_writable) of the call's policy."""
+        mode = policy.get("sandbox_mode", "workspace-write")
+        if mode not in SANDBOX_MODES:
+            raise BadArguments(f"policy.sandbox_mode must be one of {', '.join(SANDBOX_MODES)}")
+        git = policy.get("git_writable", False)
+        if not isinstance(git, bool):
+            raise BadArguments("policy.git_writable must be true or false")
+        return mode == "read-only", git
+
+    @staticmethod
+    def _check_writable(args: dict[str, Any], read_only: bool, git_writable: bool) -> None:
+        if read_only:
+            raise ToolError("the session's sandbox mode is read-only: the workspace cannot be "
+                            "changed", kind="read_only")
+        path = check_relative(args.get("path", ""))
+        if not git_writable and refuses_git(path):
+            raise ToolError(f"{path!r} is inside .git, which is read-only in the sandbox "
+                            "(a repository's config and hooks run on the host); the operator "
+                            "can allow it with the session option git_writable",
+                            kind="git_protected")
 
     async def _shell(self, ctx: RequestContext, req: dict[str, Any], profile: Profile,
-                     args: dict[str, Any], workspace: str, limits: ToolLimits, network: bool,
-                     start: float) -> ToolCallResult:
+                     args: dict[str, Any], pinned: Pinned, limits: ToolLimits, network: bool,
+                     start: float, *, read_only: bool, git_writable: bool) -> ToolCallResult:
         async def on_chunk(stream: StreamName, data: bytes) -> None:
             await ctx.send_partial(pack(ToolOutputChunk(stream=stream, data=data)))
 
@@ -361,12 +403,18 @@ class ToolService:
         lease = await pool.acquire(timeout_s=max(0.0, ctx.remaining_s() - 1.0))
         try:
             run: ShellRun = await run_shell(
-                profile, args, workspace, limits, network=network, uid=lease.uid,
+                profile, args, pinned.path, limits, network=network, uid=lease.uid,
                 call_id=req["call_id"], remaining_s=ctx.remaining_s(), on_chunk=on_chunk,
-                grace_s=self.config.grace_s)
+                grace_s=self.config.grace_s, workspace_fd=pinned.fd, gid=pinned.gid,
+                read_only=read_only, ro_fds=tuple(pinned.git_fds))
         finally:
-            # run_shell returns (or raises) only once the call's tree is gone.
-            await pool.give_back(lease)
+            # run_shell returns (or raises) only once the call's tree is gone: what
+            # it left is given to the workspace's owner before the uid goes back.
+            try:
+                if not read_only and self.pins is not None:
+                    await self.pins.sweep(pinned)
+            finally:
+                await pool.give_back(lease)
         o = run.outcome
         applied = ToolLimits(**limits)
         applied["wall_s"] = run.wall_s
@@ -385,18 +433,22 @@ class ToolService:
             is_error=outcome != "ok", output=render(run, limits), exit_code=o.exit_code,
             signal=o.signal, duration_s=time.monotonic() - start,
             stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes, truncated=o.truncated,
-            isolation=profile.isolation(applied, network=network, uid=lease.uid))
+            isolation=profile.isolation(applied, network=network, uid=lease.uid,
+                                        shape=run.shape, read_only=read_only,
+                                        git_writable=git_writable, gid=pinned.gid))
         if kind is not None:
             result["error_kind"] = kind
         return result
 
     async def _file_tool(self, call_id: str, tool: str, profile: Profile, args: dict[str, Any],
-                         workspace: str, limits: ToolLimits, start: float) -> ToolCallResult:
+                         pinned: Pinned, limits: ToolLimits, start: float, *, read_only: bool,
+                         git_writable: bool) -> ToolCallResult:
         fs = self.fs
         if fs is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service closed", retryable=True)
         fsize = int(limits["file_size_bytes"])
         fn: Any
+        workspace = pinned.fd
         if tool == "read_file":
             fn = functools.partial(files.read_file, workspace, args, self._flimits)
         elif tool == "write_file":
@@ -406,20 +458,28 @@ class ToolService:
         else:
             fn = functools.partial(files.list_dir, workspace, args)
         loop = asyncio.get_running_loop()
-        res: files.FileResult = await loop.run_in_executor(fs.executor, fn)
+        res: files.FileResult = await loop.run_in_executor(
+            fs.executor, functools.partial(fs.run_as_group, pinned.gid, fn))
+        if tool == "write_file" and self.pins is not None:
+            await self.pins.sweep(pinned)
         size = len(res.output.encode("utf-8", errors="replace"))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="ok", is_error=False, output=res.output,
             exit_code=None, signal=None, duration_s=time.monotonic() - start,
             stdout_bytes=size, stderr_bytes=0, truncated=res.truncated,
-            isolation=profile.file_isolation(limits))
+            isolation=profile.file_isolation(limits, read_only=read_only,
+                                             git_writable=git_writable))
 
     def _error(self, call_id: str, tool: str, kind: str, message: str, profile: Profile,
-               limits: ToolLimits, network: bool, start: float) -> ToolCallResult:
+               limits: ToolLimits, network: bool, start: float, read_only: bool = False,
+               git_writable: bool = False) -> ToolCallResult:
         # No process ran for a tool error: the record names the sandbox user's uid.
+        git = git_writable
         isolation: IsolationRecord = (
-            profile.isolation(limits, network=network, uid=profile.user.uid)
-            if tool == "shell" else profile.file_isolation(limits))
+            profile.isolation(limits, network=network, uid=profile.user.uid,
+                              read_only=read_only, git_writable=git)
+            if tool == "shell" else profile.file_isolation(limits, read_only=read_only,
+                                                            git_writable=git))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="error", is_error=True, output=message,
             exit_code=None, signal=None, duration_s=time.monotonic() - start,
@@ -447,6 +507,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sandbox-uid-lock-dir", default=DEFAULT_LOCK_DIR,
                    help="root-only directory of the per-uid lock files shared by all workers "
                    "of the host (default: %(default)s)")
+    g.add_argument("--workspace-gid-range", default=f"{DEFAULT_GID_START}:{DEFAULT_GID_COUNT}",
+                   metavar="START:COUNT",
+                   help="each workspace gets its own group from this gid range, no "
+                   "/etc/group entries needed (default: %(default)s)")
+    g.add_argument("--workspace-group-dir", default=DEFAULT_GROUP_DIR,
+                   help="root-only directory mapping workspaces to their groups, shared by "
+                   "all workers of the host (default: %(default)s)")
     g.add_argument("--workspace-root", default=None,
                    help="only accept workspaces beneath this directory")
     g.add_argument("--tool-wall-s", type=float, default=DEFAULT_LIMITS["wall_s"])
@@ -468,6 +535,10 @@ def config_from_args(ns: argparse.Namespace) -> ToolServiceConfig:
         uid_start, uid_count = parse_range(ns.sandbox_uid_range)
     except ValueError as exc:
         raise SystemExit(f"--sandbox-uid-range: {exc}") from exc
+    try:
+        gid_start, gid_count = parse_range(ns.workspace_gid_range)
+    except ValueError as exc:
+        raise SystemExit(f"--workspace-gid-range: {exc}") from exc
     return ToolServiceConfig(
         tier_min=ns.tier_min, allow_unsandboxed=ns.allow_unsandboxed,
         force_tier=ns.force_tier, limits=limits, sandbox_user=ns.sandbox_user,
@@ -475,7 +546,8 @@ def config_from_args(ns: argparse.Namespace) -> ToolServiceConfig:
         grace_s=ns.tool_grace_s, cgroup=not ns.no_worker_cgroup,
         cgroup_memory_bytes=ns.cgroup_memory_bytes, cgroup_pids=ns.cgroup_pids,
         uid_range_start=uid_start, uid_range_count=uid_count,
-        uid_lock_dir=ns.sandbox_uid_lock_dir)
+        uid_lock_dir=ns.sandbox_uid_lock_dir, gid_range_start=gid_start,
+        gid_range_count=gid_count, group_dir=ns.workspace_group_dir)
 
 
 __all__ = ["SandboxUser", "ToolService", "ToolServiceConfig", "add_arguments",

@@ -336,6 +336,10 @@ async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
         request = ToolCallRequest(call_id=pc["call_id"], tool=name, arguments=pc["arguments"],
                                   session_id=s.sid, workspace=s.spec.workspace,
                                   policy=s.spec.tool_policy)
+        identity = s.spec.extra.get("workspace_identity")
+        if isinstance(identity, list):  # pinned at creation (facade)
+            request["workspace_identity"] = identity
+            request["workspace_host"] = str(s.spec.extra.get("workspace_host", ""))
         try:
             result = await stream_call(s.manager.broker, SERVICE_TOOL, dict(request),
                                        budget_s=cfg.tool_call_budget_s, attempt=attempt,

@@ -11,6 +11,9 @@ A farm lives in a home directory::
                           HOME is too deep for a unix socket path)
 
 Invariants:
+- The home is private to the farm's user: directories 0700, files 0600
+  (``secure_home`` sets the umask to 077 in the farm's processes, which their
+  children inherit, and tightens what an older farm left wider).
 - Endpoints are fixed per home (ipc paths), so a restarted child binds the
   same address and its peers reconnect without being told.
 - The scripted provider's port is learned at its first start and pinned for
@@ -82,10 +85,30 @@ class FarmPaths:
         return f"ipc://{self.run}/supervisor.sock"
 
     def prepare(self) -> None:
+        secure_home(self.home)
         for d in (self.home, self.run, self.logs, self.exports):
-            d.mkdir(parents=True, exist_ok=True)
-        # ipc sockets are plain: only the farm's user may reach them.
-        os.chmod(self.run, 0o700)
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # ipc sockets are plain: only the farm's user may reach them.
+            os.chmod(d, 0o700)
+
+
+PRIVATE_FILES = ("corral.db", "corral.db-wal", "corral.db-shm", "farm.json", "routes.json",
+                 "corral.toml")
+
+
+def secure_home(home: Path) -> None:
+    """Files this process (and its children) create are 0600/0700; the home and
+    the store files an older farm left are made private. (The store, logs and
+    sockets must not be readable by other local users: the tools' output and
+    the model's messages are in them.)"""
+    os.umask(0o077)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(home, 0o700)
+    for name in PRIVATE_FILES:
+        try:
+            os.chmod(home / name, 0o600, follow_symlinks=False)
+        except (OSError, NotImplementedError):
+            continue  # absent (or a symlink, which is left alone)
 
 
 def default_workers() -> int:

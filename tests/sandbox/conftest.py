@@ -126,9 +126,10 @@ def host_dir() -> Iterator[Path]:
 
 
 def request_body(tool: str, args: dict[str, Any], workspace: Path,
-                 policy: dict[str, Any] | None = None, call_id: str | None = None) -> bytes:
+                 policy: dict[str, Any] | None = None, call_id: str | None = None,
+                 session_id: str = "s-test") -> bytes:
     req: dict[str, Any] = {"call_id": call_id or f"call-{uuid.uuid4().hex[:12]}",
-                           "tool": tool, "arguments": args, "session_id": "s-test",
+                           "tool": tool, "arguments": args, "session_id": session_id,
                            "workspace": str(workspace)}
     if policy is not None:
         req["policy"] = policy
@@ -137,8 +138,9 @@ def request_body(tool: str, args: dict[str, Any], workspace: Path,
 
 async def call_tool(client: BrokerClient, tool: str, args: dict[str, Any], workspace: Path,
                     policy: dict[str, Any] | None = None, *, timeout_s: float = 60.0,
-                    call_id: str | None = None) -> CallResult:
-    call = client.start("tool", request_body(tool, args, workspace, policy, call_id),
+                    call_id: str | None = None, session_id: str = "s-test") -> CallResult:
+    call = client.start("tool", request_body(tool, args, workspace, policy, call_id,
+                                             session_id),
                         timeout_s=timeout_s)
     chunks = [unpack(body) async for body in call]
     return CallResult(unpack(await call.result()), chunks)

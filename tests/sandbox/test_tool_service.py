@@ -61,8 +61,9 @@ async def test_file_and_shell_files_are_consistent(stack: Stack, client: BrokerC
                                                    workspace: Path) -> None:
     await call_tool(client, "write_file", {"path": "by_tool", "content": "t"}, workspace)
     await shell(client, "echo s > by_shell", workspace)
-    assert os.stat(workspace / "by_tool").st_uid == stack.uid
-    assert os.stat(workspace / "by_shell").st_uid in stack.uids  # the call's own uid
+    # Both end owned by the workspace's owner (root here), whoever created them.
+    assert os.stat(workspace / "by_tool").st_uid == os.stat(workspace).st_uid
+    assert os.stat(workspace / "by_shell").st_uid == os.stat(workspace).st_uid
     r = await shell(client, "cat by_tool; echo more >> by_tool", workspace)
     assert r.result["outcome"] == "ok"
     r = await call_tool(client, "edit_file", {"path": "by_shell", "old": "s", "new": "S"},
@@ -127,7 +128,10 @@ async def test_isolation_record_is_complete(stack: Stack, client: BrokerClient,
     r = await shell(client, "echo hi", workspace, {"limits": {"cpu_s": 7, "open_files": 99}})
     iso = r.result["isolation"]
     assert set(iso) == {"tier", "filesystem", "network", "pid_namespace", "seccomp", "uid",
-                        "limits", "degraded", "unsandboxed_opt_in"}
+                        "limits", "degraded", "unsandboxed_opt_in", "kernel", "sandbox_mode",
+                        "git_writable"}
+    assert iso["sandbox_mode"] == "workspace-write"
+    assert iso["git_writable"] is (stack.tier != "T2")  # T1 cannot bind .git read-only
     assert iso["tier"] == stack.tier
     assert iso["uid"] in stack.uids
     assert iso["uid"] != 0
@@ -157,10 +161,12 @@ async def test_policy_tier_min_refuses_with_fix(stack: Stack, client: BrokerClie
         assert "bubblewrap" in r.result["output"]
 
 
-async def test_workdir(client: BrokerClient, workspace: Path) -> None:
+async def test_workdir(stack: Stack, client: BrokerClient, workspace: Path) -> None:
     (workspace / "sub").mkdir()
     r = await call_tool(client, "shell", {"command": "pwd", "workdir": "sub"}, workspace)
-    assert r.result["output"].strip() == str(workspace / "sub")
+    # T2 binds the workspace at a neutral path; T1 has no mount namespace.
+    inside = "/workspace" if stack.tier == "T2" else str(workspace)
+    assert r.result["output"].strip() == f"{inside}/sub"
     r = await call_tool(client, "shell", {"command": "pwd", "workdir": "../"}, workspace)
     assert r.result["error_kind"] == "outside_workspace"
 

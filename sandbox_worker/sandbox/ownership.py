@@ -1,0 +1,124 @@
+"""After a call: what tools created belongs to the workspace's owner, with no setuid or setgid bit.
+
+Shell calls run as per-call uids and the file tools as the sandbox user, so
+what they create is owned by a uid the workspace's owner cannot manage (no
+``chmod``, no ``chown``), and a setuid/setgid file a tool left would hand any
+host user that uid or the workspace's group. Seccomp refuses every mode with
+S_ISUID or S_ISGID inside the sandbox (``seccomp.py``); this sweep is the
+second layer, and the only one at T0 (no seccomp) -- run by the worker (root)
+after every call that may have changed the workspace, before the call's uid
+is given back:
+
+- every entry owned by a tool uid (the per-call range, or the file tools'
+  uid) is chowned to the workspace root's owner and group, without following
+  a symlink (``fchownat(..., AT_SYMLINK_NOFOLLOW)`` beneath a pinned
+  directory fd);
+- S_ISUID and S_ISGID are cleared on every such entry that is not a
+  directory; a directory keeps S_ISGID only when its parent has it (the
+  kernel's inheritance) and never keeps S_ISUID;
+- ``.git`` entries seen on the way are reported, so the next call can bind
+  them read-only (``profile.py``).
+
+The walk is fd-relative with ``O_PATH | O_NOFOLLOW`` like the grant, bounded
+by ``MAX_ENTRIES``, and never leaves the workspace. Files of the owner (or of
+anyone else) are never changed: a tool can chmod only what it owns.
+
+Invariants:
+- After ``normalise`` returns, no entry under the root is owned by a tool uid
+  or carries S_ISUID/S_ISGID set by a tool, unless the walk was cut at
+  ``MAX_ENTRIES`` (logged) or an entry appeared while it ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+log = logging.getLogger(__name__)
+
+MAX_ENTRIES: Final = 200_000
+MAX_GIT_DIRS: Final = 64
+SETID: Final = stat.S_ISUID | stat.S_ISGID
+
+
+@dataclass
+class SweepReport:
+    entries: int = 0
+    chowned: int = 0
+    stripped: int = 0
+    complete: bool = True
+    git: list[str] = field(default_factory=list)  # relative paths of .git entries
+
+
+def _strip(dfd: int, name: str, mode: int, parent_setgid: bool) -> bool:
+    """Clear the setid bits a tool may have left; True if the mode changed."""
+    if not mode & SETID:
+        return False
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)  # after the chown, which may have cleared some already
+        keep = stat.S_ISGID if stat.S_ISDIR(st.st_mode) and parent_setgid else 0
+        bad = st.st_mode & SETID & ~keep
+        if not bad or stat.S_ISLNK(st.st_mode):
+            return False
+        # chmod through the fd's magic link: the inode checked, no path re-resolved.
+        os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(st.st_mode) & ~bad)
+    finally:
+        os.close(fd)
+    return True
+
+
+def normalise(root_fd: int, is_tool_uid: Callable[[int], bool]) -> SweepReport:
+    """Give tool-created entries under ``root_fd`` (a pinned workspace fd) to the
+    root's owner and clear their setid bits (see the module docstring). Blocking."""
+    report = SweepReport()
+    root = os.fstat(root_fd)
+    owner, group = root.st_uid, root.st_gid
+    if is_tool_uid(owner):
+        return report  # a workspace owned by a tool uid: nobody to give it to
+    stack: list[tuple[int, str, bool]] = [(os.dup(root_fd), "", bool(root.st_mode &
+                                                                     stat.S_ISGID))]
+    try:
+        while stack:
+            dfd, rel, setgid = stack.pop()
+            try:
+                rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    names = os.listdir(rfd)
+                finally:
+                    os.close(rfd)
+                for name in names:
+                    if report.entries >= MAX_ENTRIES:
+                        report.complete = False
+                        break
+                    report.entries += 1
+                    try:
+                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                        if is_tool_uid(st.st_uid):
+                            os.chown(name, owner, group, dir_fd=dfd, follow_symlinks=False)
+                            report.chowned += 1
+                            if _strip(dfd, name, st.st_mode, setgid):
+                                report.stripped += 1
+                        path = f"{rel}{name}"
+                        if name == ".git" and len(report.git) < MAX_GIT_DIRS:
+                            report.git.append(path)
+                        if stat.S_ISDIR(st.st_mode):
+                            cfd = os.open(name, os.O_PATH | os.O_NOFOLLOW |
+                                          os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
+                            stack.append((cfd, f"{path}/", bool(st.st_mode & stat.S_ISGID)))
+                    except OSError:
+                        continue  # vanished or replaced meanwhile
+            except OSError:
+                pass
+            finally:
+                os.close(dfd)
+    finally:
+        for dfd, _, _ in stack:
+            os.close(dfd)
+    if not report.complete:
+        log.warning("workspace sweep stopped at %d entries", MAX_ENTRIES)
+    return report

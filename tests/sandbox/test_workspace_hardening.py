@@ -1,0 +1,287 @@
+"""Workspace hardening probes, driven as an attacker would, through the real
+broker, worker and sandbox (at T2 and at forced T1), with the host's state
+checked afterwards: setuid/setgid plants, one group per workspace, ownership
+of what tools create, read-only workspaces and modes, ``.git`` kept read-only,
+a workspace swapped for a symlink after its session began, and what
+``/proc/self/mountinfo`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.client import BrokerClient
+from sandbox_worker.sandbox.workspace import (
+    ACL_GROUP,
+    XATTR_ACCESS,
+    decode_acl,
+)
+from tests.helpers import searchable_dir
+from tests.sandbox.conftest import Stack, call_tool, needs_system_python, shell
+
+pytestmark = pytest.mark.sandbox
+
+OWNER = 4242  # a user's workspace, not root's
+
+
+@pytest.fixture
+def user_ws() -> Iterator[Path]:
+    with searchable_dir("corral-uws-", "/tmp") as path:
+        os.chown(path, OWNER, OWNER)
+        yield path
+
+
+def _tree(root: Path) -> list[tuple[Path, os.stat_result]]:
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            out.append((p, p.lstat()))
+    return out
+
+
+def _setid(root: Path) -> list[str]:
+    return [f"{p} {stat.filemode(st.st_mode)}" for p, st in _tree(root)
+            if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISDIR(st.st_mode)]
+
+
+PLANTS = ("cp /usr/bin/id suid; chmod 6755 suid; chmod u+s suid; chmod g+s suid; "
+          "install -m 4755 /usr/bin/id inst; mkdir sgdir; chmod 2775 sgdir; "
+          "cp /usr/bin/id t; chmod 755 t; chmod 4755 t; "
+          "python3 -c \"import os; os.close(os.open('created', os.O_CREAT|os.O_WRONLY, 0o6755))\"; "
+          "python3 -c \"import os; os.mknod('nod', 0o104755)\"; "
+          "stat -c '%a %n' suid inst t created nod sgdir; true")
+
+
+async def test_no_setuid_or_setgid_file_is_left_on_the_host(
+        stack: Stack, client: BrokerClient, user_ws: Path) -> None:
+    needs_system_python()
+    r = await shell(client, PLANTS, user_ws)
+    assert r.result["outcome"] == "ok", r.result["output"]
+    # Inside the sandbox every attempt failed (seccomp): nothing carries the bits.
+    for line in r.result["output"].splitlines():
+        if line[:4].isdigit():
+            assert not int(line.split()[0], 8) & 0o6000, line
+    assert _setid(user_ws) == []
+    assert not (user_ws / "sgdir").stat().st_mode & stat.S_ISGID
+
+
+async def test_created_files_end_owned_by_the_workspace_owner(
+        stack: Stack, client: BrokerClient, user_ws: Path) -> None:
+    r = await shell(client, "mkdir -p a/b && echo x > a/b/f && ln -s f a/b/l && echo y > g",
+                    user_ws)
+    assert r.result["outcome"] == "ok", r.result["output"]
+    w = await call_tool(client, "write_file", {"path": "d/new.txt", "content": "hi"}, user_ws)
+    assert w.result["outcome"] == "ok", w.result["output"]
+    owners = {str(p.relative_to(user_ws)): (st.st_uid, st.st_gid) for p, st in _tree(user_ws)}
+    assert set(owners.values()) == {(OWNER, OWNER)}, owners
+    # The next call (another uid) still reads and writes them.
+    again = await shell(client, "cat a/b/f d/new.txt && echo z >> a/b/f && rm g", user_ws)
+    assert again.result["outcome"] == "ok", again.result["output"]
+
+
+async def test_each_workspace_has_its_own_group(stack: Stack, client: BrokerClient,
+                                                user_ws: Path) -> None:
+    with searchable_dir("corral-other-", "/tmp") as other:
+        secret = other / "secret.txt"
+        secret.write_text("other workspace\n")
+        secret.chmod(0o640)
+        a = await shell(client, "id -g", user_ws)
+        b = await shell(client, "id -g", other)
+        assert a.result["outcome"] == b.result["outcome"] == "ok"
+        gid_a, gid_b = int(a.result["output"].split()[0]), int(b.result["output"].split()[0])
+        assert gid_a != gid_b
+        assert stack.info["sandbox_gid"] not in (gid_a, gid_b)
+        acl = decode_acl(os.getxattr(secret, XATTR_ACCESS))
+        assert (ACL_GROUP, gid_b) in acl
+        assert (ACL_GROUP, gid_a) not in acl
+        # At T1 the host filesystem is visible: A's calls still cannot read B.
+        r = await shell(client, f"cat {secret}", user_ws)
+        assert "other workspace" not in r.result["output"]
+
+
+async def test_read_only_workspace_is_not_widened(stack: Stack, client: BrokerClient,
+                                                  user_ws: Path) -> None:
+    (user_ws / "f.txt").write_text("keep\n")
+    (user_ws / "f.txt").chmod(0o444)
+    os.chmod(user_ws, 0o555)
+    try:
+        r = await shell(client, "echo new > n.txt; echo more >> f.txt; cat f.txt", user_ws)
+        w = await call_tool(client, "write_file", {"path": "f.txt", "content": "gone"}, user_ws)
+        assert w.result["is_error"]
+        assert "keep" in r.result["output"]
+        assert (user_ws / "f.txt").read_text() == "keep\n"
+        assert not (user_ws / "n.txt").exists()
+        for path in (user_ws, user_ws / "f.txt"):
+            acl = decode_acl(os.getxattr(path, XATTR_ACCESS))
+            named = [perm for (tag, _), perm in acl.items() if tag == ACL_GROUP]
+            assert named, acl
+            assert all(not perm & 2 for perm in named), acl
+    finally:
+        os.chmod(user_ws, 0o755)
+
+
+async def test_read_only_mode(stack: Stack, client: BrokerClient, user_ws: Path) -> None:
+    (user_ws / "f.txt").write_text("keep\n")
+    os.chown(user_ws / "f.txt", OWNER, OWNER)
+    policy = {"sandbox_mode": "read-only"}
+    r = await shell(client, "cat f.txt; echo x > f.txt; touch new", user_ws, policy)
+    assert "keep" in r.result["output"]
+    assert r.result["isolation"]["sandbox_mode"] == "read-only"
+    w = await call_tool(client, "write_file", {"path": "g", "content": "x"}, user_ws, policy)
+    assert w.result["error_kind"] == "read_only"
+    assert w.result["isolation"]["sandbox_mode"] == "read-only"
+    assert (user_ws / "f.txt").read_text() == "keep\n"
+    assert sorted(os.listdir(user_ws)) == ["f.txt"]
+    bad = await shell(client, "true", user_ws, {"sandbox_mode": "yolo"})
+    assert bad.result["error_kind"] == "bad_arguments"
+
+
+async def test_git_is_read_only_unless_opted_in(stack: Stack, client: BrokerClient,
+                                                user_ws: Path) -> None:
+    git = user_ws / ".git"
+    (git / "hooks").mkdir(parents=True)
+    (git / "config").write_text("[core]\n")
+    attack = ("printf '\\tfsmonitor = touch /tmp/pwned\\n' >> .git/config; "
+              "echo 'touch /tmp/pwned' > .git/hooks/pre-commit; "
+              "mv .git/config .git/config.old; rm -rf .git/hooks; true")
+    w = await call_tool(client, "write_file", {"path": ".git/hooks/post-checkout",
+                                               "content": "#!/bin/sh\n"}, user_ws)
+    assert w.result["error_kind"] == "git_protected"
+    e = await call_tool(client, "edit_file", {"path": ".git/config", "old": "[core]",
+                                              "new": "[core]\n\tfsmonitor = x"}, user_ws)
+    assert e.result["error_kind"] == "git_protected"
+    r = await shell(client, attack, user_ws)
+    if stack.tier == "T2":
+        assert r.result["isolation"]["git_writable"] is False
+        assert (git / "config").read_text() == "[core]\n"
+        assert sorted(os.listdir(git)) == ["config", "hooks"]
+        assert os.listdir(git / "hooks") == []
+    else:  # Landlock cannot carve .git out of the workspace: recorded, not hidden
+        assert r.result["isolation"]["git_writable"] is True
+        assert any(".git" in d for d in r.result["isolation"]["degraded"])
+    # A nested repository is protected once a sweep has seen it.
+    (user_ws / "vendor" / "lib" / ".git").mkdir(parents=True)
+    await shell(client, "true", user_ws)
+    nested = await shell(client, "touch vendor/lib/.git/HEAD", user_ws)
+    if stack.tier == "T2":
+        assert nested.result["is_error"]
+        assert os.listdir(user_ws / "vendor" / "lib" / ".git") == []
+    opted = await shell(client, "echo '[user]' >> .git/config", user_ws,
+                        {"git_writable": True})
+    assert opted.result["outcome"] == "ok", opted.result["output"]
+    assert opted.result["isolation"]["git_writable"] is True
+    assert "[user]" in (git / "config").read_text()
+
+
+async def test_workspace_swapped_for_a_symlink_is_refused(
+        stack: Stack, client: BrokerClient) -> None:
+    with searchable_dir("corral-parent-", "/tmp") as parent, \
+            searchable_dir("corral-victim-", "/var/tmp") as victim:
+        (victim / "secret").write_text("root only\n")
+        (victim / "secret").chmod(0o600)
+        inner = parent / "sub"
+        inner.mkdir()
+        session = f"s-{uuid.uuid4().hex[:8]}"
+        first = await call_tool(client, "shell", {"command": "echo ok"}, inner,
+                                session_id=session)
+        assert first.result["outcome"] == "ok", first.result["output"]
+        inner.rename(parent / "moved")
+        inner.symlink_to(victim)
+        for tool, args in (("shell", {"command": "cat secret; echo pwned > p"}),
+                           ("read_file", {"path": "secret"}),
+                           ("write_file", {"path": "p", "content": "pwned"})):
+            r = await call_tool(client, tool, args, inner, session_id=session)
+            assert r.result["error_kind"] == "workspace_unusable", r.result
+            assert "root only" not in r.result["output"]
+        # Nothing was granted, written or mounted there.
+        assert sorted(os.listdir(victim)) == ["secret"]
+        for path in (victim, victim / "secret"):
+            with pytest.raises(OSError, match="No data available"):
+                os.getxattr(path, XATTR_ACCESS)
+        # A renamed-in directory (same path, other inode) is refused too.
+        inner.unlink()
+        (parent / "moved").rename(parent / "old")
+        inner.mkdir()
+        r = await call_tool(client, "shell", {"command": "true"}, inner, session_id=session)
+        assert r.result["error_kind"] == "workspace_unusable"
+        assert "no longer the directory" in r.result["output"]
+
+
+async def test_mountinfo_shows_a_neutral_mount_point(stack: Stack, client: BrokerClient,
+                                                     user_ws: Path) -> None:
+    if stack.tier != "T2":
+        pytest.skip("T1 has no mount namespace")
+    r = await shell(client, "pwd; grep -c ' /workspace ' /proc/self/mountinfo", user_ws)
+    lines = r.result["output"].split()
+    assert lines[0] == "/workspace"
+    assert lines[1] == "1"
+
+
+def test_sweep_gives_tool_files_to_the_owner_and_clears_setid(user_ws: Path) -> None:
+    """The second layer, alone (the only one at T0): a setuid/setgid file, a
+    setgid directory and a symlink left by tool uids."""
+    from sandbox_worker.sandbox.ownership import normalise
+
+    tool = range(900_000, 900_010)
+    (user_ws / "d").mkdir()
+    (user_ws / "d" / "x").write_bytes(b"\x7fELF")
+    (user_ws / "d" / "l").symlink_to("/etc/shadow")
+    (user_ws / "mine").write_text("the owner's own setgid file\n")
+    os.chown(user_ws / "mine", OWNER, OWNER)
+    os.chmod(user_ws / "mine", 0o2644)
+    for p in (user_ws / "d", user_ws / "d" / "x"):
+        os.chown(p, 900_001, 555_555)
+    os.chown(user_ws / "d" / "l", 900_002, 555_555, follow_symlinks=False)
+    os.chmod(user_ws / "d" / "x", 0o6755)
+    os.chmod(user_ws / "d", 0o2775)
+    fd = os.open(user_ws, os.O_PATH | os.O_DIRECTORY)
+    try:
+        report = normalise(fd, lambda uid: uid in tool)
+    finally:
+        os.close(fd)
+    assert report.chowned == 3
+    assert _setid(user_ws) == [f"{user_ws / 'mine'} -rw-r-Sr--"]  # not a tool's: untouched
+    assert not (user_ws / "d").stat().st_mode & stat.S_ISGID  # its parent is not setgid
+    for p in (user_ws / "d", user_ws / "d" / "x", user_ws / "d" / "l"):
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (OWNER, OWNER)
+    assert Path("/etc/shadow").stat().st_uid == 0  # the symlink was not followed
+
+
+async def test_a_workspace_under_a_0700_parent_works_without_loosening_it(
+        stack: Stack, client: BrokerClient) -> None:
+    with searchable_dir("corral-private-", "/tmp") as parent:
+        os.chmod(parent, 0o700)
+        ws = parent / "proj"
+        ws.mkdir()
+        os.chown(ws, OWNER, OWNER)
+        (ws / "notes.txt").write_text("mine\n")
+        r = await shell(client, "cat notes.txt && echo out > made.txt && ls", ws)
+        assert r.result["outcome"] == "ok", r.result["output"]
+        f = await call_tool(client, "read_file", {"path": "made.txt"}, ws)
+        assert f.result["output"].startswith("out"), f.result
+        assert stat.S_IMODE(os.stat(parent).st_mode) == 0o700
+        with pytest.raises(OSError, match="No data available"):
+            os.getxattr(parent, XATTR_ACCESS)
+        assert os.stat(ws / "made.txt").st_uid == OWNER
+        # A host user (another uid, another group) cannot use the way in.
+        host_user = await asyncio.to_thread(
+            subprocess.run, ["setpriv", "--reuid=4243", "--regid=4243", "--clear-groups",
+                             "--", "/bin/sh", "-c",
+                             "cat /run/corral/workspaces/*/ws/notes.txt"],
+            capture_output=True, text=True, timeout=30, check=False)
+        assert "mine" not in host_user.stdout
+        assert host_user.returncode != 0
+        # Another workspace's calls (another group) cannot use the way in.
+        with searchable_dir("corral-other-", "/tmp") as other:
+            probe = await shell(client, "ls /run/corral/workspaces/*/ws 2>&1; true", other)
+            assert "notes.txt" not in probe.result["output"]
