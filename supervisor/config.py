@@ -4,13 +4,17 @@
 (commented) with a working ``[routes.main]``: a provider whose key is in the
 environment, else the scripted demo model (``first_route``). ``load``
 validates every field and raises ``ConfigError`` naming the file, the key and
-what to write instead; nothing here reads the network or the environment
-except to check that a named credential variable exists.
+what to write instead, with types in words ("an integer"); a file that is
+not UTF-8 is said so, with the byte and line. Nothing here reads the network;
+the environment is read only to see which provider keys are set (never their
+values) when the first config is written.
 
 Invariants:
 - API keys are never stored in the config: a route names the environment
   variable of the *worker* that holds its key (``credential_env``).
-- Unknown keys are errors (a typo must not silently change behaviour).
+- Unknown keys are errors (a typo must not silently change behaviour), and so
+  are unknown ``[[hooks.EVENT]]`` events: a hook in the file is either run
+  (every session's command hooks, in the sandbox) or refused at start-up.
 """
 
 from __future__ import annotations
