@@ -94,16 +94,23 @@ def processes_naming(home: Path) -> list[psutil.Process]:
 
 
 def sandbox_processes_in(ws: Path) -> list[psutil.Process]:
-    """Processes of a non-root uid working in ``ws`` (tool processes left behind)."""
+    """Processes of a non-root uid working in ``ws`` (tool processes left behind).
+
+    The sandbox may mount the workspace at another path (bound from a pinned fd,
+    or through an alias), so the working directory is compared by identity
+    (device and inode, through ``/proc/PID/cwd``) as well as by path."""
+    want = ws.stat()
     out = []
     for p in psutil.process_iter(["uids", "cmdline"]):
         try:
             if not p.info["uids"] or p.info["uids"].real == 0:
                 continue
             cwd = p.cwd()
-        except psutil.Error:
+            st = os.stat(f"/proc/{p.pid}/cwd")
+        except (psutil.Error, OSError):
             continue
-        if cwd.startswith(str(ws)) or str(ws) in " ".join(p.info["cmdline"] or []):
+        if ((st.st_dev, st.st_ino) == (want.st_dev, want.st_ino) or cwd.startswith(str(ws))
+                or str(ws) in " ".join(p.info["cmdline"] or [])):
             out.append(p)
     return out
 
