@@ -367,6 +367,12 @@ class TurnRun:
             if not turn.get("turn_id"):
                 self.say("no turn is running yet (Ctrl-C again leaves)")
                 return
+            if self.target is not None and turn.get("submission_id") != self.target:
+                # Never interrupt another client's turn: ours waits behind it.
+                self.say("this run's input waits behind another turn, which is left alone "
+                         "(Ctrl-C again leaves; corral interrupt "
+                         f"{self.session} stops that turn)")
+                return
             await self.sv.submit(self.session, {"type": "interrupt",
                                                 "turn_id": turn["turn_id"]})
             self.interrupt_sent = True

@@ -15,6 +15,7 @@ pane's processes and the farms are killed by pid afterwards.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -26,9 +27,17 @@ from typing import Any
 
 import pytest
 
-from tests.cli.test_cli_e2e import events_of, make_home, make_ws, processes_naming, shell, text
+from tests.cli.test_cli_e2e import (
+    events_of,
+    make_home,
+    make_ws,
+    processes_naming,
+    shell,
+    spawn,
+    text,
+)
 from tests.cli.test_first_hour import cli, sessions
-from tests.helpers import PYTHON, REPO, kill_tree, wait_until
+from tests.helpers import PYTHON, REPO, Procs, kill_tree, read_line_with_deadline, wait_until
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux "
@@ -262,3 +271,31 @@ def test_ctrl_c_at_the_approval_prompt_then_delete_asks(term: Tmux, homes: list[
     term.wait_for(rf"session {sid} deleted")
     assert term.exit_code() == 0
     assert sessions(home) == []
+
+
+def test_ctrl_c_never_interrupts_another_clients_turn_and_a_second_one_leaves(
+        term: Tmux, homes: list[Path], workspace_root: Path, procs: Procs) -> None:
+    home = make_home(workspace_root, "home", [shell("echo started; sleep 120"),
+                                              text("never")])
+    homes.append(home)
+    ws = make_ws(workspace_root)
+    up = cli(home, "up", "--detach", "--workers", "1")
+    assert up.returncode == 0, up.stderr
+    other = spawn(procs, home, "run", "--workspace", str(ws), "--json", "go",
+                  stdout=subprocess.PIPE)
+    sid = json.loads(read_line_with_deadline(other, 60))["session_id"]
+    wait_until(lambda: sessions(home)[0]["state"] == "running", timeout_s=60,
+               what="the other client's turn to run")
+    term.type(corral_line(home, "run", "--session", sid, "me too"))
+    term.wait_for(r"▶ shell")  # the other turn, replayed from its start
+    term("send-keys", "-t", "t", "C-c")
+    term.wait_for(r"this run's input waits behind another turn, which is left alone")
+    term("send-keys", "-t", "t", "C-c")
+    term.wait_for(r"corral: detached \(second Ctrl-C\); the turn goes on in the farm: "
+                  rf"corral interrupt {sid}")
+    assert term.exit_code() == 130
+    assert sessions(home)[0]["state"] == "running"  # really left alone
+    assert other.poll() is None
+    assert cli(home, "interrupt", sid).returncode == 0
+    assert other.wait(timeout=60) == 1
+    assert cli(home, "down").returncode == 0
