@@ -42,11 +42,12 @@ _MAX_ROUNDS: Final = 64
 # state row until they are done (docs/storage.md); these keep it bounded.
 MAX_CALLS_PER_STEP: Final = 128
 MAX_NAME_CHARS: Final = 256
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def _measure(value: Any) -> tuple[int, bool]:
     """(bytes as stored, whether every string is valid UTF-8 text)."""
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = _ENCODER.encode(value)
     try:
         return len(text.encode("utf-8")), True
     except UnicodeEncodeError:
@@ -122,6 +123,13 @@ def fit_value(value: Any, limit: int) -> Any:
 def fit_items(items: list[dict[str, Any]], item_limit: int,
               total_limit: int) -> list[dict[str, Any]]:
     """Each item within ``item_limit``, all of them within ``total_limit``."""
+    try:
+        measured = [_measure(i) for i in items]
+    except (ValueError, TypeError, RecursionError):
+        return items  # not JSON at all: the store refuses it with its own message
+    if all(clean and size <= item_limit for size, clean in measured) and \
+            sum(size for size, _ in measured) + len(items) + 1 <= total_limit:
+        return items  # the common case: one encoding per item
     fitted = [fit_value(i, item_limit) for i in items]
     sizes = [_measure(i)[0] for i in fitted]
     for _ in range(_MAX_ROUNDS):

@@ -130,7 +130,16 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
                                        {"call_id": call_id, "name": name, "arguments": args})
             contexts.extend(context_item("pre_tool_hook", c) for c in folded.contexts)
             if folded.arguments is not None:
-                pc["arguments"] = folded.arguments
+                # A hook's rewrite is held to the same rules as the model's arguments.
+                rewritten, why, _ = bounds.parse_arguments(folded.arguments)
+                grown = json_size(rewritten) - json_size(args) if rewritten is not None else 0
+                if rewritten is None or grown > budget:
+                    pc["verdict"], pc["reason"] = "bad", (
+                        f"a pre_tool hook rewrote the arguments: {why or 'too large'}")
+                    pc["arguments"] = {}
+                else:
+                    pc["arguments"] = rewritten
+                    budget -= grown
             if folded.deny is not None:
                 pc["verdict"], pc["reason"] = "deny", f"denied by a pre_tool hook: {folded.deny}"
         pcs.append(pc)

@@ -98,3 +98,14 @@ def test_clean_id_takes_only_short_valid_text() -> None:
     assert bounds.clean_id("call_1") == "call_1"
     for bad in ("", "x" * 257, "a\ud800", None, 7):
         assert bounds.clean_id(bad) is None
+
+
+def test_a_call_approved_for_the_session_keeps_a_bounded_key() -> None:
+    from supervisor.engine.approvals import call_key
+
+    small = call_key("shell", {"command": "ls"})
+    assert small == 'shell({"command": "ls"})'
+    big = call_key("shell", {"command": "x" * 200_000})
+    assert len(big) < 400
+    assert big == call_key("shell", {"command": "x" * 200_000})  # still the exact call
+    assert big != call_key("shell", {"command": "x" * 200_001})
