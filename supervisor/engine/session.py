@@ -42,12 +42,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sandbox_worker.api import empty_usage
+from sandbox_worker.api import empty_usage, json_size
 from supervisor.engine import bounds
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import ApprovalPolicy, parse_policy
 from supervisor.engine.config import EngineConfig, SessionSpec
-from supervisor.engine.errors import HookFailed, SubscriberDropped, TurnError
+from supervisor.engine.errors import BadOp, HookFailed, SubscriberDropped, TurnError
 from supervisor.engine.hooks import HookEvent, HookRunner
 from supervisor.store.codec import Limits
 from supervisor.store.records import (
@@ -296,6 +296,17 @@ class Session:
             entry = {"submission_id": submission_id, "turn_id": turn_id,
                      "text": folded.text if folded.text is not None else text,
                      "attachments": attachments, "contexts": folded.contexts}
+            # Queued input lives in the state row (bounded) until its turn takes it:
+            # it may use a quarter of it (docs/storage.md, "Bounds and encoding").
+            room = self.store_limits.max_state_bytes // 4
+            queued = sum(json_size(e) for e in self.state.queued_input)
+            size = json_size(entry)
+            if queued + size > room:
+                raise BadOp(f"this input is {size} bytes as stored and {queued} bytes of "
+                            f"input are queued; a session queues at most {room} bytes "
+                            + ("(wait for the running turn to take them)" if queued else
+                               "(send a shorter text, or the rest as a file in the "
+                               "workspace)"))
             await self.commit(mutate=lambda st: st.queued_input.append(entry))
         self.kick()
 
