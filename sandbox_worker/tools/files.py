@@ -107,7 +107,9 @@ def read_file(workspace: int | str, args: dict[str, Any], lim: FileLimits) -> Fi
     over = json_size(text) > room
     if over:
         head, _ = fit_text(text, room, "")
-        keep = head.count("\n") if len(chosen) > 1 and "\n" in head else 0
+        # Whole lines of the head (a prefix of the chosen lines, the last maybe cut).
+        parts = head.splitlines(keepends=True)
+        keep = sum(1 for i, part in enumerate(parts) if part == chosen[i])
         text = "".join(chosen[:keep]) if keep else head
         chosen = chosen[:keep] if keep else chosen[:1]
     truncated = cut or over or offset + max_lines < len(lines)
