@@ -141,7 +141,8 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
                     pc["arguments"] = rewritten
                     budget -= grown
             if folded.deny is not None:
-                pc["verdict"], pc["reason"] = "deny", f"denied by a pre_tool hook: {folded.deny}"
+                pc["verdict"], pc["reason"] = "deny", (  # the reason lives in the state row
+                    f"denied by a pre_tool hook: {ev.clip(str(folded.deny), 4096)}")
         pcs.append(pc)
     result = {**result, "items": [i for i in result["items"]
                                   if i.get("type") != "function_call"]}
@@ -227,7 +228,8 @@ async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
                                    {"calls": summary, "reason": "; ".join(r for _, r in ask)})
         if folded.deny is not None:  # any deny wins; no later allow can weaken it
             for pc, _ in ask:
-                pc["verdict"], pc["reason"] = "deny", f"denied by a permission hook: {folded.deny}"
+                pc["verdict"], pc["reason"] = "deny", (
+                    f"denied by a permission hook: {ev.clip(str(folded.deny), 4096)}")
             ask = []
         elif folded.allow:
             for pc, _ in ask:
