@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.protocol import pack, unpack
 from sandbox_worker.api import json_size
-from supervisor.engine import bounds
+from supervisor.engine import HookInput, HookResult, Middleware, bounds
 from supervisor.store.codec import Limits, encode_items
+from tests.engine.farm import engine, start_farm
+from tests.helpers import Procs
 
 texts = st.text(alphabet=st.sampled_from(
     ["a", "\n", "\x00", '"', "\\", "é", "\U0001f600", "\ud800", "\udcff"]), max_size=3000)
@@ -109,3 +113,50 @@ def test_a_call_approved_for_the_session_keeps_a_bounded_key() -> None:
     assert len(big) < 400
     assert big == call_key("shell", {"command": "x" * 200_000})  # still the exact call
     assert big != call_key("shell", {"command": "x" * 200_001})
+
+
+class _Huge(Middleware):
+    """Hooks that hand back more than the store holds, and lone surrogates."""
+
+    async def pre_model(self, inp: HookInput) -> HookResult | None:
+        if inp.data.get("step") == 1:
+            return HookResult(context='"' * 3_000_000 + "\ud800")
+        return None
+
+    async def post_tool(self, inp: HookInput) -> HookResult | None:
+        return HookResult(output="\x00" * 2_000_000, context="after \udcff")
+
+    async def pre_tool(self, inp: HookInput) -> HookResult | None:
+        return HookResult(deny="no " * 500_000) if inp.data["call_id"] == "denied" else None
+
+
+@pytest.mark.sandbox
+@pytest.mark.timeout(120)
+async def test_huge_hook_output_is_stored_cut_and_the_turn_goes_on(
+        procs: Procs, tmp_path: Path) -> None:
+    script = {"responses": [
+        {"tool_calls": [{"name": "shell", "call_id": "c1", "arguments": {"command": "echo"}},
+                        {"name": "shell", "call_id": "denied",
+                         "arguments": {"command": "echo"}}]},
+        {"text": "done"}, {"text": "again"}]}
+    farm = start_farm(procs, tmp_path, script)
+    async with engine(farm, middleware=lambda spec: [_Huge()]) as eng:
+        sid = await eng.session(approval="allow")
+        events = await eng.run_until(sid, {"type": "user_input", "text": "go"})
+        assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events][-3:]
+        again = await eng.run_until(sid, {"type": "user_input", "text": "next"})
+        assert again[-1].type == "turn_complete"
+        loaded = await eng.store.load(sid)
+        assert loaded is not None
+        limit = eng.store.limits.max_item_bytes
+        for item in loaded.context:
+            assert json_size(item) <= limit
+            assert not _has_surrogate(item)
+        outputs = {i["call_id"]: i["output"] for i in loaded.context
+                   if i["type"] == "function_call_output"}
+        assert "cut by Corral to fit the store's bound" in outputs["c1"]
+        assert len(outputs["denied"]) < 5000
+        hook_items = [json.dumps(i, ensure_ascii=False) for i in loaded.context
+                      if i.get("corral")]
+        assert any("cut by Corral" in t for t in hook_items)  # the pre_model context
+        assert any("after \ufffd" in t for t in hook_items)  # post_tool, surrogate replaced
