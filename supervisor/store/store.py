@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from supervisor.store import reader, schema, writer
-from supervisor.store.codec import Limits, encode
+from supervisor.store.codec import Limits, check_key, encode
 from supervisor.store.errors import (
     InvalidRequest,
     RecordTooLarge,
@@ -237,6 +237,8 @@ class Store:
     async def create_session(self, record: SessionRecord, first: StepWrite | None = None) -> None:
         if first is not None and first.session_id != record.session_id:
             raise InvalidRequest("first step belongs to another session")
+        check_key(record.session_id, "session id")
+        check_key(record.parent_session_id, "parent session id")
         config = encode(record.config, what="session config",
                         limit=self.limits.max_config_bytes)
         prepared = writer.prepare_step(first, self.limits) if first is not None else None
@@ -267,6 +269,7 @@ class Store:
     async def fork(
         self, session_id: SessionId, *, at_sequence: int, new_session_id: SessionId
     ) -> SessionRecord:
+        check_key(new_session_id, "new session id")
         result: SessionRecord = await self._submit(
             partial(_fork_op, session_id, at_sequence, new_session_id, self.limits)
         )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.store import reader, slowdisk
-from supervisor.store.codec import Limits, encode, encode_items
+from supervisor.store.codec import Limits, check_key, encode, encode_items, text_column
 from supervisor.store.errors import (
     InvalidRequest,
     SequenceConflict,
@@ -121,6 +121,7 @@ def prepare_step(step: StepWrite, limits: Limits) -> PreparedStep:
     sid = step.session_id
     if not isinstance(sid, str) or not sid:
         raise InvalidRequest("step.session_id must be a non-empty string")
+    check_key(sid, "step.session_id")
     if len(step.events) > limits.max_events_per_step:
         raise InvalidRequest(f"{len(step.events)} events in one step (max "
                              f"{limits.max_events_per_step})")
@@ -135,6 +136,8 @@ def prepare_step(step: StepWrite, limits: Limits) -> PreparedStep:
         previous = seq
         if not isinstance(ev.type, str) or not ev.type:
             raise InvalidRequest("event type must be a non-empty string")
+        check_key(ev.type, "event type")
+        check_key(ev.submission_id, "submission_id")
         payload = encode(ev.payload, what=f"event {seq} payload",
                          limit=limits.max_payload_bytes)
         events.append((seq, ev.type, ev.submission_id, float(ev.created_at), payload))
@@ -167,13 +170,15 @@ def prepare_step(step: StepWrite, limits: Limits) -> PreparedStep:
         x = step.execution
         if x.session_id != sid:
             raise InvalidRequest(f"execution of session {x.session_id!r} in a step of {sid!r}")
+        check_key(x.turn_id, "execution turn_id")
         if x.outcome not in EXECUTION_OUTCOMES:
             raise InvalidRequest(f"execution outcome must be one of {EXECUTION_OUTCOMES}")
         execution = (
             x.turn_id, x.outcome, int(x.model_calls), int(x.tool_calls),
             int(x.failed_tool_calls),
             encode(x.usage, what="execution usage", limit=limits.max_payload_bytes),
-            float(x.started_at), x.ended_at, x.elapsed_s, x.sandbox_tier, x.reason,
+            float(x.started_at), x.ended_at, x.elapsed_s, _str_or_none(x.sandbox_tier),
+            _str_or_none(x.reason),
         )
     return PreparedStep(sid, events, batch, rewrite, state, execution)
 
@@ -340,7 +345,8 @@ def create_session(conn: sqlite3.Connection, sids: Sids, record: SessionRecord, 
 
 
 def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+    # A plain TEXT column: UTF-8 cannot carry a lone surrogate (U+FFFD instead).
+    return text_column(value) if isinstance(value, str) else None
 
 
 def set_status(conn: sqlite3.Connection, sids: Sids, session_id: str, status: str) -> None:
