@@ -32,6 +32,7 @@ from typing import Any, Final, Literal
 
 import psutil
 
+from broker import plants  # chaos plant switches
 from sandbox_worker.sandbox.reaper import MANAGED_HEADS, spawning
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ async def kill_tree(proc: asyncio.subprocess.Process, grace_s: float) -> int:
 
     Returns how many descendants were still alive at the SIGKILL step.
     """
+    if plants.on("no_tree_kill"):  # chaos plant: the direct child only, no tree
+        return await _kill_head_only(proc)
     snapshot = descendants(proc.pid)
     # The head (bwrap's monitor, or the launcher) is spared the SIGTERM so the
     # command gets its grace period; the launcher forwards SIGTERM itself.
@@ -173,6 +176,14 @@ async def kill_tree(proc: asyncio.subprocess.Process, grace_s: float) -> int:
         _signal_all(leftover, signal.SIGKILL)
         await asyncio.to_thread(psutil.wait_procs, leftover, 2.0)
     return len(survivors)
+
+
+async def _kill_head_only(proc: asyncio.subprocess.Process) -> int:
+    """The ``no_tree_kill`` plant's bad path (``broker/plants.py``)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
+    return 0
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from broker import plants  # chaos plant switches
 from sandbox_worker.api import TIER_ORDER, IsolationRecord, Tier, ToolLimits
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.limits import prlimit_argv
@@ -135,6 +136,8 @@ class Profile:
                 argv.append("--share-net")
             argv += ["--unshare-user", "--disable-userns", "--die-with-parent",
                      "--new-session", "--cap-drop", "ALL", "--clearenv"]
+            if plants.on("no_tree_kill"):  # chaos plant: the sandbox outlives its parent
+                argv.remove("--die-with-parent")
             for key, value in {**env_inside, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
                 argv += ["--setenv", key, value]
             argv += system_binds()

@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from broker import plants
 from supervisor import config as config_mod
 from supervisor.farm.layout import FarmPaths, child_specs, read_farm_json, write_farm_json
 from supervisor.farm.tree import SupervisionTree
@@ -41,6 +42,9 @@ class Farm:
                  broker_faults: str | None = None, broker_faults_seed: int = 0,
                  supervisor_env: dict[str, str] | None = None, max_restarts: int = 20,
                  within_s: float = 60.0, on_change: Callable[[], None] | None = None) -> None:
+        if os.environ.get(plants.ENV):  # planted bugs never run in a normal farm
+            raise RuntimeError(f"{plants.ENV} is set: planted bugs are only for the "
+                               "processes `corral chaos --plant` starts; unset it")
         self.paths = FarmPaths.of(home)
         self.paths.prepare()
         config_mod.write_default(self.paths.home)
