@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-gap", type=float, default=2.5, metavar="S",
                    help="minimum seconds between timed faults (gaps are S to 2S; default "
                    "2.5): every enabled kind is reached within 2 + 2*S*(kinds-1) s")
+    p.add_argument("--frame-rate", type=float, default=0.02, metavar="R",
+                   help="share of request-traffic frames the broker drops, delays or "
+                   "duplicates (0-0.5, default 0.02)")
+    p.add_argument("--provider-rate", type=float, default=0.15, metavar="R",
+                   help="share of the script's model answers whose first attempt fails "
+                   "(429, 500, hang, cut; default 0.15)")
     p.add_argument("--plant", action="append", default=[], choices=sorted(PLANTS),
                    metavar="NAME",
                    help="switch on a planted bug in the farm's processes, to see the "

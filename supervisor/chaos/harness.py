@@ -100,6 +100,8 @@ class ChaosOptions:
     prompt: str = "do the next step ({n})"
     plants: tuple[str, ...] = ()  # planted bugs (broker/plants.py), for the checker's self-test
     fault_gap_s: float = 2.5  # minimum gap between timed faults (bounded: up to twice that)
+    frame_rate: float = 0.02  # share of request-traffic frames the broker mangles
+    provider_rate: float = 0.15  # share of script entries with a provider fault (1st attempt)
 
 
 @dataclass
@@ -210,6 +212,7 @@ path = "exports"
 
 LIVENESS_WINDOW_S = 0.25 * 4  # [farm] heartbeat_interval_s x liveness, above
 LOSS_MARGIN_S = 2.0  # commit and delivery of the loss report, on a loaded 2-core host
+RESUME_S = 1.5  # a restarted supervisor resumes its sessions after it is up
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
 KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
 WATCH_EVERY_S = 0.5
@@ -239,6 +242,8 @@ class Harness:
         self.watch = ProcWatch(self.run_tag)
         self.script: dict[str, Any] = {}
         self.sv: SupervisorClient | None = None
+        self.ups: list[tuple[str, float]] = []  # (supervisor | broker, when it was up again)
+        self._seen_up: set[tuple[str, int]] = set()
 
     # -- set-up -------------------------------------------------------------
 
@@ -249,7 +254,8 @@ class Harness:
             self.script = self.opts.script
         else:
             turns = max(self.opts.turns, int(self.opts.duration_s) + 100)
-            self.script = make_script(turns, self.opts.steps, self.opts.seed, self.kinds)
+            self.script = make_script(turns, self.opts.steps, self.opts.seed, self.kinds,
+                                      provider_rate=self.opts.provider_rate)
         script.write_text(json.dumps(self.script))
         if self.opts.route is not None:
             route = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.opts.route.items())
@@ -264,10 +270,16 @@ class Harness:
         return self.opts.route is None
 
     def _track_pids(self) -> None:
+        """On every change of the farm's tree: every pid it ever ran, and when the
+        supervisor and the broker came up again (for ``_overlap``)."""
         if self.farm is not None:
             for c in self.farm.tree.children.values():
                 if c.pid:
                     self.pids.add(c.pid)
+                if (c.spec.name in ("supervisor", "broker") and c.state == "running"
+                        and c.pid and (c.spec.name, c.pid) not in self._seen_up):
+                    self._seen_up.add((c.spec.name, c.pid))
+                    self.ups.append((c.spec.name, time.monotonic()))
 
     def child_env(self) -> dict[str, str]:
         """What every farm child (and the export check) gets besides the inherited env."""
@@ -284,7 +296,8 @@ class Harness:
             env.update({slowdisk.DELAY_ENV: str(STORE_SLOW_DELAY_S),
                         slowdisk.FLAG_ENV: str(self.slow_flag)})
         self.farm = Farm(self.home, workers=self.opts.workers,
-                         broker_faults=",".join(frame) or None,
+                         broker_faults=(",".join(frame) + f":rate={self.opts.frame_rate}"
+                                        if frame else None),
                          broker_faults_seed=self.opts.seed, supervisor_env=env,
                          log_level="INFO",
                          on_change=self._track_pids)  # every pid the farm ever ran
@@ -306,6 +319,7 @@ class Harness:
                 await ready.wait()
             self._track_pids()
             watcher = tg.create_task(self._watch())
+            frames = tg.create_task(self._count_frames()) if frame else None
             endpoint = self.farm.paths.supervisor_endpoint
             async with SupervisorClient(endpoint, timeout_s=15) as sv, \
                     BrokerClient(self.farm.paths.broker_frontend) as broker:
@@ -323,8 +337,6 @@ class Harness:
                     phase("faults")
                     with contextlib.suppress(FileNotFoundError):
                         self.arm_path.unlink()  # an arming not reached stays off
-                    if frame:
-                        self.report.continuous["frame"] = await _frame_counts(broker)
                     await asyncio.gather(*drivers)
                     phase("drain")
                     # Not wedged: one more turn each, all at once, which must complete.
@@ -338,6 +350,8 @@ class Harness:
                 # Calls still winding down (a worker's last long call) get their grace.
                 await asyncio.sleep(1.0)
             watcher.cancel()
+            if frames is not None:
+                frames.cancel()
             farm_task.cancel()
         await asyncio.sleep(0)
         phase("stop")
@@ -346,6 +360,25 @@ class Harness:
         phase("check")
         self.report.elapsed_s = time.monotonic() - started
         return self.report
+
+    async def _count_frames(self) -> None:
+        """Frame faults across broker restarts: the broker counts since its start, so
+        its STATUS is polled every second and a drop in a counter means a new broker
+        (what the old one did after its last poll is not counted: a lower bound)."""
+        assert self.farm is not None
+        totals = {"drop": 0, "delay": 0, "duplicate": 0}
+        last = dict(totals)
+        self.report.continuous["frame"] = {"rate": self.opts.frame_rate, "total": totals,
+                                           "note": "lower bound across broker restarts"}
+        async with BrokerClient(self.farm.paths.broker_frontend) as broker:
+            while True:
+                now = await _frame_counts(broker)
+                if now is not None:
+                    for k in totals:
+                        n = int(now.get(k, 0))
+                        totals[k] += n - last[k] if n >= last[k] else n
+                        last[k] = n
+                await asyncio.sleep(1.0)
 
     async def _watch(self) -> None:
         """Sample the process table while the farm runs (evidence for no_orphans)."""
@@ -510,21 +543,25 @@ class Harness:
             f"{held} and no session saw a loss report within {bound:.1f}s"))
 
     def _overlap(self, index: int) -> tuple[bool, float]:
-        """For fault ``index``: whether the supervisor or the broker was killed near it
-        (from 4 s before, a restart's catch-up, to the end of the loss bound), which
-        excuses a late or restart-made loss report; and the seconds that store faults
-        overlapping the bound may have delayed a commit."""
+        """For fault ``index``: whether the supervisor or the broker was down during
+        its loss bound (from its kill to when the farm had it running again, plus
+        ``RESUME_S`` to resume the sessions), which excuses a late or restart-made
+        loss report; and the seconds that store faults overlapping the bound may
+        have delayed a commit."""
         at = self.at.get(index)
         if at is None:
             return True, 0.0
-        lo, hi = at - 4.0, at + LIVENESS_WINDOW_S + LOSS_MARGIN_S
+        hi = at + LIVENESS_WINDOW_S + LOSS_MARGIN_S
         extra = 0.0
         for j, rec in enumerate(self.report.injected):
             if j == index or "skipped" in rec or j not in self.at:
                 continue
             start = self.at[j]
-            if recovery_group(rec["kind"]) in ("supervisor", "broker") and lo <= start <= hi:
-                return True, 0.0
+            group = recovery_group(rec["kind"])
+            if group in ("supervisor", "broker") and start <= hi:
+                up = next((t for name, t in self.ups if name == group and t > start), None)
+                if up is None or up + RESUME_S >= at:
+                    return True, 0.0
             if rec["kind"].startswith("store_"):
                 end = start + float(rec.get("duration_s") or 0.0)
                 if start <= hi + extra and end >= at:
@@ -702,14 +739,14 @@ def _wire(e: Any) -> dict[str, Any]:
             "submission_id": e.submission_id, "created_at": e.created_at}
 
 
-async def _frame_counts(broker: BrokerClient) -> dict[str, Any]:
-    """The broker's frame-fault counters (since its last start: a broker kill resets them)."""
+async def _frame_counts(broker: BrokerClient) -> dict[str, Any] | None:
+    """The broker's frame-fault counters since its start (None: no answer now)."""
     try:
-        status = await broker.status(timeout_s=2.0)
-    except (BrokerError, TimeoutError) as exc:  # a report field, not a failure of the run
-        return {"error": str(exc)}
-    counters = status.get("counters") or {}
-    return {"since_last_broker_start": counters.get("faults", {}), "rate": 0.02}
+        status = await broker.status(timeout_s=1.0)
+    except (BrokerError, TimeoutError):  # down or restarting: try again later
+        return None
+    faults: dict[str, Any] = (status.get("counters") or {}).get("faults") or {}
+    return faults
 
 
 async def _retry(make: Any, *, attempts: int = 60) -> Any:
@@ -750,7 +787,9 @@ def main(ns: Any) -> int:
                         faults=ns.faults, workers=getattr(ns, "workers", 3),
                         home=ns.home if ns.home != Path.home() / ".corral" else None,
                         plants=tuple(getattr(ns, "plant", None) or ()),
-                        fault_gap_s=getattr(ns, "fault_gap", 2.5))
+                        fault_gap_s=getattr(ns, "fault_gap", 2.5),
+                        frame_rate=getattr(ns, "frame_rate", 0.02),
+                        provider_rate=getattr(ns, "provider_rate", 0.15))
     try:
         report = asyncio.run(Harness(opts).run()).as_dict()
     except ValueError as exc:

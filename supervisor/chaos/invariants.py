@@ -223,12 +223,13 @@ def killed_calls(kills: list[Kill], sessions: list[tuple[str, LiveLog]],
     Returns counts (checked, ended_before, ok_in_flight, excused) and violations."""
     counts = {"checked": 0, "ended_before": 0, "ok_in_flight": 0, "excused": 0, "aborted": 0}
     out: list[Violation] = []
+    index = [marker_ends(live) for _, live in sessions]
     for kill in kills:
         for i, k in sorted(kill.calls):
             if i >= len(sessions):
                 continue
-            sid, live = sessions[i]
-            ends = _marker_ends(live, k)
+            sid = sessions[i][0]
+            ends = index[i].get(k, [])
             after = [(t, e) for t, e in ends if t >= kill.at]
             if ends and not after:
                 counts["ended_before"] += 1
@@ -265,17 +266,28 @@ def killed_calls(kills: list[Kill], sessions: list[tuple[str, LiveLog]],
     return counts, out
 
 
-def _marker_ends(live: LiveLog, k: int) -> list[tuple[float, dict[str, Any]]]:
-    """What ended marker ``k``'s calls, as the client saw it live (with receive
+def marker_ends(live: LiveLog) -> dict[int, list[tuple[float, dict[str, Any]]]]:
+    """Per marker k, what ended its calls, as the client saw it live (with receive
     times): their ``tool_call_end`` events, or the ``turn_aborted`` of their turn
-    (an abort closes the calls it cuts off)."""
-    durable = [(t, e) for t, e in live if e.get("sequence", 0) > 0]
-    calls = {c for c, kk in _marker_calls([e for _, e in durable]).items() if kk == k}
-    turns = {str(e["payload"].get("turn_id")) for _, e in durable
-             if e.get("type") == "tool_call_begin" and str(e["payload"].get("call_id")) in calls}
-    return [(t, e) for t, e in durable
-            if (e.get("type") == "tool_call_end" and str(e["payload"].get("call_id")) in calls)
-            or (e.get("type") == "turn_aborted" and str(e["payload"].get("turn_id")) in turns)]
+    (an abort closes the calls it cuts off). One pass over the log."""
+    k_of_call: dict[str, int] = {}
+    open_in_turn: dict[str, set[int]] = {}
+    out: dict[int, list[tuple[float, dict[str, Any]]]] = {}
+    for t, e in live:
+        if e.get("sequence", 0) <= 0:
+            continue
+        p, kind = e.get("payload") or {}, e.get("type")
+        if kind == "tool_call_begin" and p.get("name") == "shell":
+            m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
+            if m:
+                k_of_call[str(p.get("call_id"))] = int(m.group(1))
+                open_in_turn.setdefault(str(p.get("turn_id")), set()).add(int(m.group(1)))
+        elif kind == "tool_call_end" and str(p.get("call_id")) in k_of_call:
+            out.setdefault(k_of_call[str(p.get("call_id"))], []).append((t, e))
+        elif kind == "turn_aborted":
+            for k in open_in_turn.pop(str(p.get("turn_id")), set()):
+                out.setdefault(k, []).append((t, e))
+    return out
 
 
 def orphans_after_kill(kills: list[tuple[int, str, float, frozenset[tuple[int, int]]]],
@@ -309,11 +321,12 @@ def orphans_seen(seen: dict[tuple[str, int, int], tuple[int, float]],
     restart, a timeout). ``seen`` maps (long|orphan, session, k) to (pid, last
     sighting time)."""
     out: list[Violation] = []
+    index = [marker_ends(live) for _, live in sessions]
     for (what, i, k), (pid, last) in sorted(seen.items()):
         if i >= len(sessions):
             continue
-        sid, live = sessions[i]
-        ends = _marker_ends(live, k)
+        sid = sessions[i][0]
+        ends = index[i].get(k, [])
         if not ends:
             continue  # still running when the run ended: the check at farm-down judges it
         ended = ends[-1][0]

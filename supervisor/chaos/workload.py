@@ -66,9 +66,10 @@ def entry_for(k: int, steps: int) -> dict[str, Any]:
             "usage": {"input": 40 + k, "output": 12, "cached_input": 20}}
 
 
-def make_script(turns: int, steps: int, seed: int, faults: tuple[str, ...]) -> dict[str, Any]:
+def make_script(turns: int, steps: int, seed: int, faults: tuple[str, ...], *,
+                provider_rate: float = 0.15) -> dict[str, Any]:
     entries = turns * (steps + 1)
-    extra = provider_faults(seed, entries, faults)
+    extra = provider_faults(seed, entries, faults, rate=provider_rate)
     responses = []
     for k in range(entries):
         entry = entry_for(k, steps)

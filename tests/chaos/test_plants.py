@@ -36,7 +36,7 @@ CAUGHT_BY = {
 
 
 def chaos(home: Path, procs: Procs, plant: str | None) -> dict[str, object]:
-    args = [PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(SEED), "--duration", "20",
+    args = [PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(SEED), "--duration", "30",
             "--fault-gap", "1.5", "--faults", FAULTS, "--sessions", "3", "--workers", "2",
             "--json", "--home", str(home)]
     if plant is not None:
