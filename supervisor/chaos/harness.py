@@ -137,6 +137,7 @@ class Report:
     proc_samples: int = 0
     provider_faults: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase
+    host: dict[str, Any] = field(default_factory=dict)  # cores, load, CPU the run used
 
     def as_dict(self) -> dict[str, Any]:
         rec = {}
@@ -179,6 +180,7 @@ class Report:
             "recovery": rec,
             "elapsed_s": round(self.elapsed_s, 1),
             "phases_s": {k: round(v, 1) for k, v in self.phases.items()},
+            "host": self.host,
         }
 
 
@@ -289,6 +291,9 @@ class Harness:
 
     async def run(self) -> Report:
         started = time.monotonic()
+        cpu0 = os.times()
+        self.report.host = {"cpus": os.cpu_count(),
+                            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
         self.prepare()
         frame = [k for k in self.kinds if k in FRAME_FAULTS]
         env: dict[str, str] = {crashpoints.ARM_ENV: str(self.arm_path)}
@@ -358,6 +363,13 @@ class Harness:
         self._recovery()
         await self._check()
         phase("check")
+        cpu1 = os.times()
+        self.report.host.update(
+            loadavg_end=[round(x, 2) for x in os.getloadavg()],
+            # this process plus the farm's children it waited for (the checks included)
+            cpu_s=round(cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
+                        - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system,
+                        1))
         self.report.elapsed_s = time.monotonic() - started
         return self.report
 
