@@ -554,6 +554,18 @@ class Harness:
             f"fault #{index} ({record['kind']}) froze {record.get('target')} holding "
             f"{held} and no session saw a loss report within {bound:.1f}s"))
 
+    def _downs(self) -> list[tuple[float, float]]:
+        """When the supervisor or the broker was down: from each kill of it to
+        ``RESUME_S`` after the farm had it running again (to the end if never)."""
+        out = []
+        for j, rec in enumerate(self.report.injected):
+            group = recovery_group(rec["kind"])
+            if j in self.at and group in ("supervisor", "broker") and "skipped" not in rec:
+                start = self.at[j]
+                up = next((t for name, t in self.ups if name == group and t > start), None)
+                out.append((start, (up if up is not None else float("inf")) + RESUME_S))
+        return out
+
     def _overlap(self, index: int) -> tuple[bool, float]:
         """For fault ``index``: whether the supervisor or the broker was down during
         its loss bound (from its kill to when the farm had it running again, plus
@@ -605,10 +617,11 @@ class Harness:
             v.extend(inv.orphans_seen(seen, lives, ORPHAN_GRACE_S))
             kills = [inv.Kill(i, rec["kind"], self.at[i],
                               frozenset((a, b) for a, b in rec.get("calls", [])),
-                              *self._overlap(i))
+                              self._overlap(i)[1])
                      for i, rec in enumerate(self.report.injected)
                      if rec.get("calls") and i in self.at]
-            counts, bad = inv.killed_calls(kills, lives, LIVENESS_WINDOW_S + LOSS_MARGIN_S)
+            counts, bad = inv.killed_calls(kills, lives, LIVENESS_WINDOW_S + LOSS_MARGIN_S,
+                                           self._downs())
             cut = [(i, rec["kind"], self.at[i], frozenset(
                        [tuple(rec["call"])] if rec["kind"] == "interrupt_tool"
                        else (tuple(c) for c in rec.get("calls", []))))
@@ -636,6 +649,8 @@ class Harness:
                     v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace),
                                          asked))
                     self.report.repeated_requests += inv.repeated_requests(replay)
+                if "frame_drop" not in self.kinds:
+                    v.extend(inv.silent_timeouts(r.session_id, replay))
                 v.extend(inv.replay_equals_live(r.session_id, live, replay))
                 self._provider_faults(live)
         finally:

@@ -42,6 +42,7 @@ import json
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,20 @@ def one_output_per_call(sid: str, items: list[dict[str, Any]]) -> list[Violation
                                  f"call {call_id}: {calls[call_id]} call item(s), "
                                  f"{outputs[call_id]} output item(s)"))
     return out
+
+
+def silent_timeouts(sid: str, replay: list[dict[str, Any]]) -> list[Violation]:
+    """Invariant 5 when no fault can drop a message (``frame_drop`` off): a tool
+    call that ends on its deadline (error ``timeout``) lost its request or its
+    answer with nothing to say so: a lost call must end ``unknown`` with
+    ``worker_lost``, never be left to time out. (The workload's calls all end
+    well within the 10 s budget; a hung worker is expired by liveness.)"""
+    return [Violation("unknown_reported", sid, e["sequence"],
+                      f"tool call {e['payload'].get('call_id')} ended on its deadline "
+                      "(timeout) though no fault could drop its messages: a lost request "
+                      "left to time out")
+            for e in replay if e["type"] == "tool_call_end"
+            and ((e["payload"].get("error") or {}).get("kind") == "timeout")]
 
 
 def _marker_calls(replay: list[dict[str, Any]]) -> dict[str, int]:
@@ -206,24 +221,28 @@ class Kill:
     kind: str
     at: float  # time.monotonic() of the kill (or SIGSTOP)
     calls: frozenset[tuple[int, int]]  # (session index, marker k)
-    excused: bool  # the supervisor or the broker was killed near it
     extra_s: float = 0.0  # store faults overlapping its window (commits delayed)
 
 
-def killed_calls(kills: list[Kill], sessions: list[tuple[str, LiveLog]],
-                 window_s: float) -> tuple[dict[str, int], list[Violation]]:
+def killed_calls(kills: list[Kill], sessions: list[tuple[str, LiveLog]], window_s: float,
+                 downs: Sequence[tuple[float, float]] = ()
+                 ) -> tuple[dict[str, int], list[Violation]]:
     """Invariant 5's second half: every call running on a worker when it was
     killed (or hung) ends ``unknown`` with a ``worker_lost`` error, within
     ``window_s`` (the liveness window plus a margin) of the kill, as the
-    client saw it live. A call that had already ended before the kill, or
-    whose ``ok`` answer was already on its way, is not counted. When another
-    supervisor or broker kill overlapped the window (``excused``), lateness is
-    not judged and a restart's ``unknown`` is accepted; store faults
-    overlapping it extend the bound by their length (``extra_s``).
-    Returns counts (checked, ended_before, ok_in_flight, excused) and violations."""
+    client saw it live. A call that had already ended before the kill, whose
+    ``ok`` answer was already on its way, or that an interrupt aborted, is not
+    counted. ``downs`` are the intervals the supervisor or the broker was down
+    (from its kill to a while after the farm had it running again): a call
+    dispatched before such an interval, or with one starting before its loss
+    bound ends, belongs to a process that could not report the loss, so a
+    restart's ``unknown`` (never ``failed``) and lateness are accepted for it
+    (``excused``). Store faults overlapping the bound extend it (``extra_s``).
+    Returns counts and violations."""
     counts = {"checked": 0, "ended_before": 0, "ok_in_flight": 0, "excused": 0, "aborted": 0}
     out: list[Violation] = []
     index = [marker_ends(live) for _, live in sessions]
+    begun = [marker_begins(live) for _, live in sessions]
     for kill in kills:
         for i, k in sorted(kill.calls):
             if i >= len(sessions):
@@ -249,21 +268,35 @@ def killed_calls(kills: list[Kill], sessions: list[tuple[str, LiveLog]],
             if e["type"] == "turn_aborted":  # cancelled by an interrupt: not a loss
                 counts["aborted"] += 1
                 continue
-            if kill.excused:
+            bound = window_s + kill.extra_s
+            since = max((b for b in begun[i].get(k, []) if b <= kill.at), default=kill.at)
+            excused = any(lo <= kill.at + bound and hi >= since for lo, hi in downs)
+            if excused:
                 counts["excused"] += 1
-                if outcome == "unknown":
-                    continue
-            if outcome != "unknown" or (err != "worker_lost" and not kill.excused):
+            if outcome != "unknown" or (err != "worker_lost" and not excused):
                 out.append(Violation("unknown_reported", sid, e["sequence"],
                                      f"call m-{k} was running on the worker hit by fault "
                                      f"#{kill.index} ({kill.kind}) and ended {outcome!r} "
                                      f"({err}), not 'unknown' with worker_lost"))
-            elif t - kill.at > window_s + kill.extra_s and not kill.excused:
+            elif t - kill.at > bound and not excused:
                 out.append(Violation("unknown_reported", sid, e["sequence"],
                                      f"call m-{k} on the worker hit by fault #{kill.index} "
                                      f"({kill.kind}) was reported lost {t - kill.at:.2f}s "
-                                     f"after the kill (bound {window_s + kill.extra_s:.2f}s)"))
+                                     f"after the kill (bound {bound:.2f}s)"))
     return counts, out
+
+
+def marker_begins(live: LiveLog) -> dict[int, list[float]]:
+    """Per marker k, the receive times of its calls' ``tool_call_begin`` events."""
+    out: dict[int, list[float]] = {}
+    for t, e in live:
+        p = e.get("payload") or {}
+        if e.get("type") == "tool_call_begin" and e.get("sequence", 0) > 0 \
+                and p.get("name") == "shell":
+            m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
+            if m:
+                out.setdefault(int(m.group(1)), []).append(t)
+    return out
 
 
 def marker_ends(live: LiveLog) -> dict[int, list[tuple[float, dict[str, Any]]]]:

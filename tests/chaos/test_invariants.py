@@ -29,6 +29,7 @@ from supervisor.chaos.invariants import (
     orphans_after_kill,
     orphans_seen,
     repeated_requests,
+    silent_timeouts,
 )
 from supervisor.chaos.workload import count_markers, make_script, requests_in
 from supervisor.export.canonical import canonical_bytes, digest_bytes
@@ -126,8 +127,8 @@ def live_of(*items: tuple[float, dict[str, Any]]) -> list[tuple[float, dict[str,
     return list(items)
 
 
-def killed(excused: bool = False, extra: float = 0.0) -> list[Kill]:
-    return [Kill(3, "worker_kill_tool", 10.0, frozenset({(0, 4)}), excused, extra)]
+def killed(extra: float = 0.0) -> list[Kill]:
+    return [Kill(3, "worker_kill_tool", 10.0, frozenset({(0, 4)}), extra)]
 
 
 def test_a_call_on_a_killed_worker_must_end_unknown_with_worker_lost_promptly() -> None:
@@ -164,12 +165,24 @@ def test_killed_call_exceptions_come_from_the_evidence() -> None:
     counts, found = killed_calls(killed(), [("s", cancelled)], 3.0)
     assert found == []
     assert counts["aborted"] == 1
-    # a supervisor restart in the window: its own "unknown" is fine, late is fine ...
+    # the supervisor down between the call's dispatch and the end of its loss bound:
+    # its restart's own "unknown" is fine, late is fine ...
     restart = live_of(start, (16.0, end(2, "c", "unknown")))
-    assert killed_calls(killed(excused=True), [("s", restart)], 3.0)[1] == []
-    # ... but "failed" never is
+    for down in [(8.0, 9.5), (12.5, 15.0)]:  # before the kill (after dispatch), after it
+        assert killed_calls(killed(), [("s", restart)], 3.0, [down])[1] == []
+    # ... but not when it was down only before the call was dispatched or after the bound
+    for down in [(5.0, 8.9), (13.1, 15.0)]:
+        assert killed_calls(killed(), [("s", restart)], 3.0, [down])[1] != []
+    # ... and "failed" never is
     failed = live_of(start, (16.0, end(2, "c", "failed", "timeout")))
-    assert killed_calls(killed(excused=True), [("s", failed)], 3.0)[1] != []
+    assert killed_calls(killed(), [("s", failed)], 3.0, [(8.0, 9.5)])[1] != []
+
+
+def test_a_tool_call_on_its_deadline_without_frame_drops_is_a_lost_call() -> None:
+    replay = [begin(1, 4, "c"), end(2, "c", "failed", "timeout"),
+              begin(3, 5, "d"), end(4, "d", "failed", "exit")]
+    found = silent_timeouts("s", replay)
+    assert [(v.invariant, v.sequence) for v in found] == [("unknown_reported", 2)]
 
 
 # -- no_orphans ------------------------------------------------------------------
