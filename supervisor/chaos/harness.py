@@ -305,6 +305,10 @@ class Harness:
                                         if frame else None),
                          broker_faults_seed=self.opts.seed, supervisor_env=env,
                          log_level="INFO",
+                         # The faults restart children on purpose, up to a few per second
+                         # in a soak: the farm's crash-loop escalation (20 in 60 s) would
+                         # stop the run, so it is set above what the schedule can cause.
+                         max_restarts=100_000,
                          on_change=self._track_pids)  # every pid the farm ever ran
         for child in self.farm.tree.children.values():  # plants reach the children only
             child.spec = dataclasses.replace(child.spec,

@@ -24,7 +24,8 @@ import pytest
 from tests.helpers import PYTHON, Procs
 
 SEED = 8
-FAULTS = "crash_publish,crash_final_answer,crash_tool_running,worker_kill_tool,interrupt_tool"
+FAULTS = ("crash_publish,crash_final_answer,crash_tool_running,worker_kill_tool,worker_hang,"
+          "worker_kill_model,interrupt_tool")
 CAUGHT_BY = {
     "rerun_after_restart": {"effect_at_most_once"},
     "publish_before_commit": {"replay_equals_live"},
