@@ -215,6 +215,7 @@ path = "exports"
 LIVENESS_WINDOW_S = 0.25 * 4  # [farm] heartbeat_interval_s x liveness, above
 LOSS_MARGIN_S = 2.0  # commit and delivery of the loss report, on a loaded 2-core host
 RESUME_S = 1.5  # a restarted supervisor resumes its sessions after it is up
+FINAL_TRIES = 3  # turns a session may need after the faults (each must end, one complete)
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
 KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
 WATCH_EVERY_S = 0.5
@@ -349,7 +350,7 @@ class Harness:
                     await asyncio.gather(*drivers)
                     phase("drain")
                     # Not wedged: one more turn each, all at once, which must complete.
-                    finals = await asyncio.gather(*(self._turn(sv, r) for r in runs))
+                    finals = await asyncio.gather(*(self._final(sv, r) for r in runs))
                     for r, ok in zip(runs, finals, strict=True):
                         r.final_ok = ok
                     phase("final_turn")
@@ -436,6 +437,18 @@ class Harness:
             return False
         finally:
             run.busy = False
+
+    async def _final(self, sv: SupervisorClient, run: SessionRun) -> bool:
+        """The turn after the faults must complete. Frame and provider faults stay on,
+        so a turn may end aborted once its model call ran out of attempts (a clean,
+        reported end): up to ``FINAL_TRIES`` turns are submitted; a session none of
+        whose turns completes within its deadline is wedged."""
+        for _ in range(FINAL_TRIES):
+            if await self._turn(sv, run):
+                return True
+            if not run.submissions or not _aborted_cleanly(run.live, run.submissions[-1]):
+                return False  # no end at all within the deadline: wedged
+        return False
 
     async def _drive(self, sv: SupervisorClient, run: SessionRun) -> None:
         limit = self.opts.max_turns_per_session or self.opts.turns - 2
@@ -715,6 +728,12 @@ def recovery_group(kind: str) -> str | None:
     if kind in ("broker_kill", "provider_kill"):
         return kind.split("_")[0]
     return None
+
+
+def _aborted_cleanly(live: recovery.LiveLog, sub: str) -> bool:
+    """Whether submission ``sub`` ended ``turn_aborted`` with a reason."""
+    return any(e.get("submission_id") == sub and e.get("type") == "turn_aborted"
+               and (e.get("payload") or {}).get("reason") for _, e in live)
 
 
 def _loss_evidence(e: dict[str, Any]) -> bool:
