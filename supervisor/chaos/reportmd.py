@@ -89,8 +89,22 @@ def render(r: dict[str, Any], command: str) -> str:
     for group, g in sorted(r.get("recovery", {}).items()):
         out.append(f"| {group} | {g['count']} | {_s(g['p50_s'])} | {_s(g['p99_s'])} | "
                    f"{_s(g['max_s'])} | {g['unrecovered']} |")
+    restarts = sum(k["injected"] for kind, k in by_kind.items()
+                   if kind == "supervisor_kill" or kind.startswith("crash_"))
+    sup = (r.get("recovery") or {}).get("supervisor") or {}
+    down = restarts * float(sup.get("p50_s") or 0.0)
     out += [
         "", "## What bounded the rate", "",
+        f"Three sources add up: timed faults ({timed}, one every {duration / max(1, timed):.1f} s: "
+        "the gap is bounded below so each recovery can be measured on its own), frame "
+        f"faults ({frames}: a share of the request traffic) and provider faults ({served}: a "
+        "share of the model calls). The last two scale with the traffic the farm carries, "
+        f"and the traffic is bounded by the supervisor's restarts: {restarts} of the timed "
+        "faults kill the supervisor (`supervisor_kill` and the six `crash_*` kinds), each "
+        f"costing the sessions about {sup.get('p50_s')} s (recovery p50), about "
+        f"{down:.0f} s of {duration:.0f} s in all; and by the CPU: 2 cores shared with "
+        "other engineers' test runs (load below).",
+        "",
         f"Phases (wall seconds): {json.dumps(phases)}. Host: {host.get('cpus')} cores, "
         f"load average {host.get('loadavg_start')} at the start and "
         f"{host.get('loadavg_end')} at the end; the run (this harness and the farm it "
