@@ -224,6 +224,12 @@ WATCH_EVERY_S = 0.5
 class Harness:
     def __init__(self, opts: ChaosOptions) -> None:
         self.opts = opts
+        if not 0.0 <= opts.frame_rate <= 0.5:
+            raise ValueError(f"--frame-rate must be between 0 and 0.5, got {opts.frame_rate}")
+        if not 0.0 <= opts.provider_rate <= 1.0:
+            raise ValueError(f"--provider-rate must be between 0 and 1, got {opts.provider_rate}")
+        if opts.fault_gap_s <= 0:
+            raise ValueError(f"--fault-gap must be positive, got {opts.fault_gap_s}")
         self.kinds = parse_faults(opts.faults)
         self.plants = plants.parse(",".join(opts.plants))
         self.home = opts.home or Path(tempfile.mkdtemp(prefix="corral-chaos-"))

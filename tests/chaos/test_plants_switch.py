@@ -113,3 +113,16 @@ def test_every_enabled_timed_kind_is_scheduled_within_the_coverage_bound() -> No
     # the old schedule: seed 7, 40 s, 'all' had no supervisor or broker kill at all
     forty = {f.kind for f in make_schedule(7, 40, parse_faults("process"))}
     assert {"broker_kill", "supervisor_kill"} <= forty
+
+
+def test_bad_rates_and_plant_names_are_refused_before_any_farm_starts(tmp_path: Path) -> None:
+    for args, needle in [(["--frame-rate", "0.9"], "--frame-rate must be between 0 and 0.5"),
+                         (["--provider-rate", "-1"], "--provider-rate must be between 0 and 1"),
+                         (["--fault-gap", "0"], "--fault-gap must be positive"),
+                         (["--plant", "nope"], "invalid choice: 'nope'")]:
+        out = subprocess.run([PYTHON, "-m", "supervisor.cli", "chaos", "--home",
+                              str(tmp_path / "h"), *args], cwd=REPO, env=ENV,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert needle in out.stdout + out.stderr
+    assert not (tmp_path / "h" / "run").exists()
