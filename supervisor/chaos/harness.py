@@ -215,6 +215,7 @@ path = "exports"
 LIVENESS_WINDOW_S = 0.25 * 4  # [farm] heartbeat_interval_s x liveness, above
 LOSS_MARGIN_S = 2.0  # commit and delivery of the loss report, on a loaded 2-core host
 RESUME_S = 1.5  # a restarted supervisor resumes its sessions after it is up
+EXPORTCHECK_S = 1800  # an hour-long soak leaves ~2,000 exports (measured: ~3 s per 80)
 FINAL_TRIES = 3  # turns a session may need after the faults (each must end, one complete)
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
 KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
@@ -702,12 +703,13 @@ class Harness:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, **self.child_env()})
         try:
-            async with asyncio.timeout(300):
+            async with asyncio.timeout(EXPORTCHECK_S):
                 out, err = await proc.communicate()
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            return {"(exportcheck)": {"problems": ["the export check took over 300 s"]}}
+            return {"(exportcheck)": {"problems": [
+                f"the export check took over {EXPORTCHECK_S} s"]}}
         if proc.returncode != 0:
             return {"(exportcheck)": {"problems": [err.decode(errors="replace")[-500:]]}}
         result: dict[str, dict[str, Any]] = json.loads(out)
