@@ -411,7 +411,9 @@ class Harness:
             await asyncio.sleep(WATCH_EVERY_S)
 
     async def _create(self, sv: SupervisorClient, i: int) -> SessionRun:
-        ws = self.home / "ws" / f"s{i}"
+        # Beside the home, never inside it: a farm refuses a workspace that overlaps
+        # its own directory (its store, keys, logs and sockets).
+        ws = self.home.parent / f"{self.home.name}-ws" / f"s{i}"
         ws.mkdir(parents=True, exist_ok=True)
         os.chmod(ws, 0o755)
         (ws / ID_FILE).write_text(f"{self.run_tag}-{i}\n")
