@@ -217,6 +217,7 @@ LOSS_MARGIN_S = 2.0  # commit and delivery of the loss report, on a loaded 2-cor
 RESUME_S = 1.5  # a restarted supervisor resumes its sessions after it is up
 EXPORTCHECK_S = 1800  # an hour-long soak leaves ~2,000 exports (measured: ~3 s per 80)
 FINAL_TRIES = 3  # turns a session may need after the faults (each must end, one complete)
+RETRIES = 10  # a skipped fault is retried in the next slots (targets come and go)
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
 KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
 WATCH_EVERY_S = 0.5
@@ -493,8 +494,9 @@ class Harness:
     # -- faults -------------------------------------------------------------
 
     async def _inject(self, injector: Injector, t0: float) -> None:
-        """Fire the schedule; a skipped fault is retried (up to 3 times) in the next
-        slots, before the slot's own fault, so every enabled kind gets reached."""
+        """Fire the schedule; a skipped fault is retried (up to ``RETRIES`` times) in
+        the next slots, before the slot's own fault, so every enabled kind gets
+        reached."""
         debt: list[tuple[Fault, int]] = []
         for slot in self.schedule:
             wait = t0 + slot.at_s - time.monotonic()
@@ -519,7 +521,7 @@ class Harness:
 
             record = await injector.fire(fault, mark)
             record["at_s"] = at_s
-            if "skipped" in record and tries < 3:
+            if "skipped" in record and tries < RETRIES:
                 record["retry"] = tries + 1
                 debt.append((fault, tries + 1))
             self.report.injected.append(record)
