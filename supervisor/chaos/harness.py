@@ -348,7 +348,7 @@ class Harness:
                 self.report.sessions = runs
                 phase("startup")
                 async with asyncio.TaskGroup() as work:
-                    collectors = [work.create_task(self._collect(sv, r)) for r in runs]
+                    collectors = [work.create_task(self._collect(endpoint, r)) for r in runs]
                     drivers = [work.create_task(self._drive(sv, r)) for r in runs]
                     await self._inject(injector, t0=time.monotonic())
                     self.faults_over.set()
@@ -422,9 +422,15 @@ class Harness:
         sid = await _retry(lambda: sv.create_session(workspace=str(ws)))
         return SessionRun(str(sid), ws)
 
-    async def _collect(self, sv: SupervisorClient, run: SessionRun) -> None:
-        async for event in sv.events(run.session_id, reconnect_timeout_s=600):
-            run.live.append((time.monotonic(), event))
+    async def _collect(self, endpoint: str, run: SessionRun) -> None:
+        """What a client of this session sees live, with receive times. One client
+        per session: a client that takes a slow supervisor for a lost one
+        resubscribes while its old subscriptions still stand on the server, which
+        caps them at 256 per client (an hour-long soak with 16 sessions on one
+        client hit that cap after 17 minutes)."""
+        async with SupervisorClient(endpoint, timeout_s=15) as sv:
+            async for event in sv.events(run.session_id, reconnect_timeout_s=600):
+                run.live.append((time.monotonic(), event))
 
     async def _turn(self, sv: SupervisorClient, run: SessionRun) -> bool:
         """Submit one turn and wait (with a deadline) for its terminal event."""
