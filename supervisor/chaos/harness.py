@@ -259,6 +259,11 @@ class Harness:
     # -- set-up -------------------------------------------------------------
 
     def prepare(self, tier_min: str = "T2") -> None:
+        for i in range(self.opts.sessions):  # effects are counted on disk: start clean
+            ws = self.workspace(i)
+            if ws.exists() and any(ws.iterdir()):
+                raise ValueError(f"workspace {ws} is not empty: a previous run's effects "
+                                 "would be counted; remove it or choose another --home")
         self.home.mkdir(parents=True, exist_ok=True)
         script = self.home / "workload.json"
         if self.opts.script is not None:
@@ -274,6 +279,11 @@ class Harness:
             route = (f"script = {json.dumps(str(script))}\n"
                      "read_timeout_s = 3.0\nconnect_timeout_s = 2.0")
         (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, route=route))
+
+    def workspace(self, i: int) -> Path:
+        """Session ``i``'s workspace: beside the home, never inside it (a farm refuses
+        a workspace that overlaps its own directory: store, keys, logs, sockets)."""
+        return self.home.parent / f"{self.home.name}-ws" / f"s{i}"
 
     @property
     def marker_checks(self) -> bool:
@@ -412,9 +422,7 @@ class Harness:
             await asyncio.sleep(WATCH_EVERY_S)
 
     async def _create(self, sv: SupervisorClient, i: int) -> SessionRun:
-        # Beside the home, never inside it: a farm refuses a workspace that overlaps
-        # its own directory (its store, keys, logs and sockets).
-        ws = self.home.parent / f"{self.home.name}-ws" / f"s{i}"
+        ws = self.workspace(i)
         ws.mkdir(parents=True, exist_ok=True)
         os.chmod(ws, 0o755)
         (ws / ID_FILE).write_text(f"{self.run_tag}-{i}\n")

@@ -126,3 +126,16 @@ def test_bad_rates_and_plant_names_are_refused_before_any_farm_starts(tmp_path: 
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert needle in out.stdout + out.stderr
     assert not (tmp_path / "h" / "run").exists()
+
+
+def test_a_workspace_left_by_an_earlier_run_is_refused(tmp_path: Path) -> None:
+    # Effects are counted on disk: markers left by an earlier run would read as
+    # effects run twice (seen when a run was repeated with the same --home).
+    left = tmp_path / "h-ws" / "s0"
+    left.mkdir(parents=True)
+    (left / "effects.log").write_text("m-0\n")
+    out = subprocess.run([PYTHON, "-m", "supervisor.cli", "chaos", "--home", str(tmp_path / "h"),
+                          "--sessions", "1", "--duration", "1"], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "is not empty: a previous run's effects would be counted" in out.stdout
