@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from broker.plants import PLANTS
 from supervisor import __version__
 
 EXIT_OK = 0
@@ -252,9 +253,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of faults")
     p.add_argument("--sessions", type=int, default=8, help="sessions to run (default 8)")
     p.add_argument("--faults", default="all",
-                   help="comma list of fault kinds or groups (process, frame, provider, "
-                   "store), or 'all' (default); e.g. worker_kill_tool,broker_kill")
+                   help="comma list of fault kinds or groups (process, window, cancel, "
+                   "frame, provider, store), or 'all' (default); e.g. "
+                   "worker_kill_tool,crash_publish")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
+    p.add_argument("--fault-gap", type=float, default=2.5, metavar="S",
+                   help="minimum seconds between timed faults (gaps are S to 2S; default "
+                   "2.5): every enabled kind is reached within 2 + 2*S*(kinds-1) s")
+    p.add_argument("--frame-rate", type=float, default=0.02, metavar="R",
+                   help="share of request-traffic frames the broker drops, delays or "
+                   "duplicates (0-0.5, default 0.02)")
+    p.add_argument("--provider-rate", type=float, default=0.15, metavar="R",
+                   help="share of the script's model answers whose first attempt fails "
+                   "(429, 500, hang, cut; default 0.15)")
+    p.add_argument("--plant", action="append", default=[], choices=sorted(PLANTS),
+                   metavar="NAME",
+                   help="switch on a planted bug in the farm's processes, to see the "
+                   "checker catch it (repeatable): " + "; ".join(
+                       f"{name}: {what}" for name, what in sorted(PLANTS.items())))
     _json(p)
     _describe(sub)
     return parser

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
+from broker import plants  # chaos plant switches
 from sandbox_worker.api import TIER_ORDER, IsolationRecord, SandboxMode, Tier, ToolLimits
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, prlimit_argv
@@ -183,6 +184,8 @@ class Profile:
                 argv.append("--share-net")
             argv += ["--unshare-user", "--disable-userns", "--die-with-parent",
                      "--new-session", "--cap-drop", "ALL", "--clearenv"]
+            if plants.on("no_tree_kill"):  # chaos plant: the sandbox outlives its parent
+                argv.remove("--die-with-parent")
             for key, value in {**env_inside, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
                 argv += ["--setenv", key, value]
             argv += system_binds()

@@ -42,7 +42,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import empty_usage, json_size
+from supervisor import crashpoints
 from supervisor.engine import bounds
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import ApprovalPolicy, parse_policy
@@ -212,6 +214,12 @@ class Session:
             self._last_committed = None  # unknown until this step is known to have landed
             step = StepWrite(self.sid, records, batch, rw,
                              CheckpointState.from_json(snapshot), execution)
+            early = plants.on("publish_before_commit")  # chaos plant: visible first
+            if early:
+                for record in records:
+                    self._publish(record)
+                if records and crashpoints.ARMED:
+                    await crashpoints.reach_async("publish")
             commit = asyncio.ensure_future(self.manager.store_commit(step))
             deferred: asyncio.CancelledError | None = None
             while not commit.done():
@@ -238,8 +246,11 @@ class Session:
                     self.context.extend(batch.items)
                     self.call_ids.update(call_ids_of(batch.items))
                 self.context_len = len(self.context)
-            for record in records:
-                self._publish(record)
+            if not early:
+                if records and crashpoints.ARMED:
+                    await crashpoints.reach_async("publish")  # committed, not yet visible
+                for record in records:
+                    self._publish(record)
             if deferred is not None:
                 raise deferred
             return records

@@ -45,6 +45,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import (
     IDEMPOTENT_TOOLS,
     SERVICE_TOOL,
@@ -179,7 +180,7 @@ async def tool_round(turn: Turn) -> None:
                                f"Tool call not run: {pc['reason']}", True, None, executed=False)
     resumed = [pc for pc in pcs if pc["state"] in (CallState.DISPATCHED, CallState.STARTED)]
     for pc in resumed:
-        if pc["name"] not in IDEMPOTENT_TOOLS:
+        if pc["name"] not in IDEMPOTENT_TOOLS and not plants.on("rerun_after_restart"):
             await _finish_call(turn, pc, CallState.UNKNOWN, "unknown", RESTART_OUTPUT, True,
                                None, executed=False)
     runnable = [pc for pc in pcs if not CallState(pc["state"]).terminal

@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from broker import plants
 from supervisor import __version__
 from supervisor import config as config_mod
 from supervisor.farm.layout import FarmPaths, child_specs, read_farm_json, write_farm_json
@@ -43,6 +44,9 @@ class Farm:
                  supervisor_env: dict[str, str] | None = None, max_restarts: int = 20,
                  within_s: float = 60.0, on_change: Callable[[], None] | None = None,
                  temporary: bool = False) -> None:
+        if os.environ.get(plants.ENV):  # planted bugs never run in a normal farm
+            raise RuntimeError(f"{plants.ENV} is set: planted bugs are only for the "
+                               "processes `corral chaos --plant` starts; unset it")
         self.paths = FarmPaths.of(home)
         self.paths.prepare()
         config_mod.write_default(self.paths.home)
