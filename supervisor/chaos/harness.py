@@ -243,7 +243,8 @@ class Harness:
         return self.report
 
     async def _create(self, sv: SupervisorClient, i: int) -> SessionRun:
-        ws = self.home / "ws" / f"s{i}"
+        # Beside the home, never in it: a workspace may not overlap the farm's home.
+        ws = self.home.with_name(f"{self.home.name}-ws") / f"s{i}"
         ws.mkdir(parents=True, exist_ok=True)
         os.chmod(ws, 0o755)
         sid = await _retry(lambda: sv.create_session(workspace=str(ws)))

@@ -95,16 +95,20 @@ def processes_naming(home: Path) -> list[psutil.Process]:
 
 
 def sandbox_processes_in(ws: Path) -> list[psutil.Process]:
-    """Processes of a non-root uid working in ``ws`` (tool processes left behind)."""
+    """Processes of a non-root uid working in ``ws`` (tool processes left behind).
+    At T2 the workspace is mounted at /workspace: its cwd is matched by inode."""
     out = []
+    wanted = (ws.stat().st_dev, ws.stat().st_ino)
     for p in psutil.process_iter(["uids", "cmdline"]):
         try:
             if not p.info["uids"] or p.info["uids"].real == 0:
                 continue
             cwd = p.cwd()
-        except psutil.Error:
+            st = os.stat(f"/proc/{p.pid}/cwd")
+        except (psutil.Error, OSError):
             continue
-        if cwd.startswith(str(ws)) or str(ws) in " ".join(p.info["cmdline"] or []):
+        if (st.st_dev, st.st_ino) == wanted or cwd.startswith(str(ws)) or \
+                str(ws) in " ".join(p.info["cmdline"] or []):
             out.append(p)
     return out
 
