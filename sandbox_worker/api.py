@@ -105,6 +105,19 @@ class ToolOutputChunk(TypedDict):
     data: bytes
 
 
+class KernelFacts(TypedDict):
+    """What the kernel showed a probe at the end of the same argv chain
+    (``sandbox/verify.py``): the evidence an isolation record is derived from."""
+
+    seccomp_mode: int  # /proc/self/status Seccomp: 0 none, 2 filter
+    no_new_privs: bool  # NoNewPrivs
+    uids: list[int]  # Uid: real, effective, saved, fs (the probe's own uid shown as the call's)
+    gids: list[int]  # Gid
+    cap_eff: str | None  # CapEff (hex); None when /proc is not mounted (T2-)
+    namespaces: list[str]  # namespaces separate from the worker's (/proc/self/ns/*)
+    denied: list[str]  # probes refused: unshare, socket_vsock, socket_inet, host_write
+
+
 class IsolationRecord(TypedDict):
     """What isolation a call really ran under. Attached to every result."""
 
@@ -117,6 +130,7 @@ class IsolationRecord(TypedDict):
     limits: ToolLimits
     degraded: list[str]  # human-readable reasons, empty when nothing is degraded
     unsandboxed_opt_in: bool
+    kernel: KernelFacts | None  # what the chain's probe saw; None: file tools, not probed
     sandbox_mode: NotRequired[SandboxMode]  # how the workspace was bound for this call
     git_writable: NotRequired[bool]  # whether .git in the workspace was writable
 

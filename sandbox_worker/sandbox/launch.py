@@ -19,12 +19,12 @@ What it does, in order:
    when the command exits, SIGKILLs whatever it left behind and exits with
    its status (``128+N`` when killed by signal N, as bwrap does).
 
-``--probe`` prints ``landlock=<abi> seccomp=<0|1>`` after applying the layers,
-which is how tier detection *tries* them.
+Tier detection *tries* these layers by running ``probe.py`` as the command
+(``verify.py``): what the kernel shows the command is what counts.
 
 Invariants: nothing of the command outlives this process; this process
 outlives nothing of the command except by SIGKILL of itself, in which case
-the worker's psutil backstop kills the snapshot of descendants.
+the worker's kill_tree finds and kills every process of the call's uid.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
     i = 0
     while i < len(argv) and argv[i] != "--":
         arg = argv[i]
-        if arg in ("--landlock", "--net", "--probe"):
+        if arg in ("--landlock", "--net"):
             flags.add(arg)
             i += 1
         else:
@@ -216,13 +216,9 @@ def main(argv: list[str]) -> int:
         return 125  # the worker-side parent is already gone
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     writable = [p for p in (opts.get("--workspace"), opts.get("--tmpdir")) if p]
-    abi = apply_landlock(writable, net="--net" in flags) if "--landlock" in flags else 0
+    if "--landlock" in flags:
+        apply_landlock(writable, net="--net" in flags)
     seccomp_fd = int(opts["--seccomp-fd"]) if "--seccomp-fd" in opts else -1
-    if "--probe" in flags:
-        if seccomp_fd >= 0:
-            load_seccomp(seccomp_fd)
-        sys.stdout.write(f"landlock={abi} seccomp={int(seccomp_fd >= 0)}\n")
-        return 0
     if not command:
         sys.stderr.write("launch: no command given\n")
         return 125

@@ -13,9 +13,11 @@ Invariants:
 - PARTIAL chunks are coalesced: at most one per stream per ``coalesce_s``,
   each at most ``MAX_CHUNK_BYTES``; the total streamed equals what is kept.
 - ``run`` never returns or raises while a process of the call is alive:
-  SIGTERM to every descendant, ``grace_s``, SIGKILL to the head and every
-  descendant (psutil snapshot taken before the head dies), then reap.
-  Cancellation runs the same clean-up to completion, then re-raises.
+  ``kill_tree`` (the one kill path) finds the call's processes as the head's
+  descendants *and* every process of the call's own uid (so a double-forked,
+  re-parented orphan is found too), SIGTERMs them, waits ``grace_s``, then
+  SIGKILLs until none is left, and reaps the head. Cancellation runs the
+  same clean-up to completion, then re-raises.
 - The event loop is never blocked: pipes are asyncio streams.
 """
 
@@ -41,6 +43,9 @@ OnChunk = Callable[[StreamName, bytes], Awaitable[None]]
 MAX_CHUNK_BYTES: Final = 256 * 1024
 READ_BYTES: Final = 64 * 1024
 DRAIN_AFTER_EXIT_S: Final = 1.0
+GRACE_POLL_S: Final = 0.1  # how often the grace period looks whether the call is gone
+KILL_ROUND_S: Final = 0.2  # one SIGKILL round waits this long for its processes
+KILL_DEADLINE_S: Final = 5.0  # SIGKILL rounds stop (and log) after this long
 
 
 @dataclass
@@ -53,6 +58,7 @@ class RunSpec:
     cwd: str | None = None
     grace_s: float = 2.0
     coalesce_s: float = 0.05
+    uid: int | None = None  # the call's own uid: its processes are found by it too
 
 
 @dataclass
@@ -138,41 +144,97 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def of_uid(uid: int) -> list[psutil.Process]:
+    """Every live process whose real or effective uid is ``uid`` (host-wide)."""
+    found = []
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            ids = p.info["uids"]
+            if (uid in (ids.real, ids.effective)
+                    and p.info["status"] != psutil.STATUS_ZOMBIE):
+                found.append(p)
+        except (psutil.Error, TypeError, AttributeError):
+            continue
+    return found
+
+
+def call_processes(head_pid: int | None, uid: int | None) -> list[psutil.Process]:
+    """The live processes of one call: the head's descendants and, when the
+    call has a uid of its own, every process of that uid, wherever it was
+    re-parented (a double fork, a dead launcher, pid 1). The uid is the
+    call's alone while it runs (``uidpool.py``), so nothing else is touched.
+    ``head_pid`` is None once the head is reaped (its pid may be reused)."""
+    procs = {p.pid: p for p in descendants(head_pid)} if head_pid is not None else {}
+    if uid is not None and uid > 0:
+        for p in of_uid(uid):
+            if p.pid != head_pid:
+                procs.setdefault(p.pid, p)
+    return list(procs.values())
+
+
 def _signal_all(procs: Sequence[psutil.Process], sig: int) -> None:
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.send_signal(sig)
 
 
-async def kill_tree(proc: asyncio.subprocess.Process, grace_s: float) -> int:
-    """SIGTERM the call's processes, wait ``grace_s``, SIGKILL the rest, reap.
+async def kill_tree(proc: asyncio.subprocess.Process, grace_s: float,
+                    uid: int | None = None) -> int:
+    """End every process of the call: SIGTERM, ``grace_s``, SIGKILL, reap.
 
-    Returns how many descendants were still alive at the SIGKILL step.
+    The one place a call's process tree is killed (cancel, timeout, flood,
+    a failing output sink). The head (bwrap's monitor, or the launcher) is
+    spared the SIGTERM so the command gets its grace period (the launcher
+    forwards SIGTERM itself). The grace ends early once the head is gone and
+    nothing of the call is left. SIGKILL then goes to the head and to every
+    process of ``call_processes``, repeated until none is alive (each round
+    catches what was forked or re-parented meanwhile), bounded by
+    ``KILL_DEADLINE_S``. Returns how many were still alive at the SIGKILL step.
     """
-    snapshot = descendants(proc.pid)
-    # The head (bwrap's monitor, or the launcher) is spared the SIGTERM so the
-    # command gets its grace period; the launcher forwards SIGTERM itself.
+    loop = asyncio.get_running_loop()
+    snapshot = call_processes(_head(proc), uid)
     _signal_all(snapshot, signal.SIGTERM)
-    if proc.returncode is None:
+    if proc.returncode is None and not snapshot:
         with contextlib.suppress(ProcessLookupError):
-            if not snapshot:
-                proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(grace_s):
-            await proc.wait()
-    survivors = [p for p in [*snapshot, *descendants(proc.pid)] if _alive(p)]
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-    _signal_all(survivors, signal.SIGKILL)
+            proc.send_signal(signal.SIGTERM)
+    grace_end = loop.time() + grace_s
+    while loop.time() < grace_end:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(GRACE_POLL_S, max(0.0, grace_end - loop.time()))):
+                await proc.wait()
+        if proc.returncode is not None and not _living(call_processes(_head(proc), uid)):
+            break
+    survivors = _living([*snapshot, *call_processes(_head(proc), uid)])
+    counted = len(survivors)
+    deadline = loop.time() + KILL_DEADLINE_S
+    while True:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        _signal_all(survivors, signal.SIGKILL)
+        if survivors:
+            await asyncio.to_thread(psutil.wait_procs, survivors, KILL_ROUND_S)
+        survivors = _living([*survivors, *call_processes(_head(proc), uid)])
+        if not survivors:
+            break
+        if loop.time() > deadline:
+            log.error("%d processes of a call survived SIGKILL for %.0f s: %s",
+                      len(survivors), KILL_DEADLINE_S, [p.pid for p in survivors])
+            break
     await proc.wait()
-    # Backstop: anything of the snapshot still alive (an orphan that escaped
-    # the head) is killed and waited for, bounded.
-    leftover = [p for p in survivors if _alive(p)]
-    if leftover:
-        _signal_all(leftover, signal.SIGKILL)
-        await asyncio.to_thread(psutil.wait_procs, leftover, 2.0)
-    return len(survivors)
+    return counted
+
+
+def _head(proc: asyncio.subprocess.Process) -> int | None:
+    return proc.pid if proc.returncode is None else None
+
+
+def _living(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    seen: dict[int, psutil.Process] = {}
+    for p in procs:
+        if p.pid not in seen and _alive(p):
+            seen[p.pid] = p
+    return list(seen.values())
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -229,7 +291,7 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
             if not done:
                 timed_out = True
             if proc.returncode is None:
-                killed = await run_to_completion(kill_tree(proc, spec.grace_s))
+                killed = await run_to_completion(kill_tree(proc, spec.grace_s, spec.uid))
             flood_wait.cancel()
             await exit_wait
             # Output written just before exit is still in the pipes; drain it,
@@ -247,7 +309,7 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
         raise group.exceptions[0] from None
     finally:
         if proc.returncode is None:
-            await run_to_completion(kill_tree(proc, spec.grace_s))
+            await run_to_completion(kill_tree(proc, spec.grace_s, spec.uid))
         MANAGED_HEADS.discard(proc.pid)
     rc = proc.returncode
     so, se = out.streams["stdout"], out.streams["stderr"]

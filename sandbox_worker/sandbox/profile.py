@@ -26,23 +26,39 @@ Invariants:
   that what it mounted is that fd's directory) at the neutral path
   ``/workspace``; ``.git`` entries handed in ``ro_fds`` are bound read-only
   over it, so the sandbox cannot write them.
-- ``isolation`` describes exactly what ``build`` applies for the same inputs
-  (tier, network grant, limits, cgroup), so every result's record is true.
+- ``isolation`` never states what was configured: it is derived from what
+  the kernel showed ``probe.py`` run at the end of a chain of the same shape
+  (``verify.py``); a shape never probed is recorded as not verified.
+- Every chain carries its ``shape`` (argv before the command, per-call values
+  masked); ``verify_chain`` probes one and keeps the result in ``verified``.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
-from sandbox_worker.api import TIER_ORDER, IsolationRecord, Tier, ToolLimits
+from sandbox_worker.api import TIER_ORDER, IsolationRecord, SandboxMode, Tier, ToolLimits
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
-from sandbox_worker.sandbox.limits import prlimit_argv
+from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, prlimit_argv
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.user import SandboxUser
+from sandbox_worker.sandbox.verify import (
+    PROBE_SOURCE,
+    RLIMIT_OF,
+    Expect,
+    KernelView,
+    chain_shape,
+    expected_rlimits,
+    host_namespaces,
+    kernel_facts,
+    run_probe,
+    shortfalls,
+)
 
 # The launcher runs as ``python -I -S -c <source>``: the sandbox uid needs no
 # access to the worker's installation, only to some interpreter.
@@ -56,6 +72,7 @@ SYSTEM_DIRS: Final = ("/usr", "/etc", "/opt")
 SANDBOX_WORKSPACE: Final = "/workspace"  # where T2 binds the workspace (hides its host path)
 MERGED_USR: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 TIERS: Final[tuple[Tier, ...]] = ("T2", "T2-", "T1", "T0")
+MAX_SHAPES: Final = 64  # probed chain shapes kept per profile (oldest dropped)
 
 
 def _usable_by_others(path: str) -> bool:
@@ -99,11 +116,26 @@ def system_binds() -> list[str]:
     return args
 
 
+Shape = tuple[str, ...]
+
+
 @dataclass
 class Chain:
     argv: list[str]
     env: dict[str, str]
     pass_fds: list[int] = field(default_factory=list)
+    shape: Shape = ()  # argv before the command, per-call values masked (verify.py)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One probed chain shape: what it was built to apply, what the kernel
+    showed (None if the probe did not run to the end), and the shortfalls
+    (or why the probe failed); empty ``problems`` means the tier held."""
+
+    expect: Expect
+    view: KernelView | None
+    problems: list[str]
 
 
 @dataclass
@@ -118,6 +150,8 @@ class Profile:
     python: str = field(default_factory=lambda: launcher_python())
     unsandboxed_opt_in: bool = False
     extra_degraded: list[str] = field(default_factory=list)
+    verified: dict[Shape, Verified] = field(default_factory=dict)
+    host_ns: dict[str, str] = field(default_factory=host_namespaces)
 
     def build(self, command: list[str], workspace: str, limits: ToolLimits, *,
               network: bool, uid: int, tmpdir: str | None = None, call_id: str = "",
@@ -178,7 +212,10 @@ class Profile:
                 argv += ["--seccomp", str(fd)]
             argv += ["--", *command]
             # The head's own environment: nothing of the worker's (bwrap clears it anyway).
-            return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds)
+            shape = chain_shape(argv[:len(argv) - len(command)],
+                                [str(uid), str(group), call_id, workspace, cwd, size,
+                                 *map(str, pass_fds)])
+            return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
         tmp = tmpdir or "/tmp"
         # Read-only at T1: Landlock grants writes to the tmp dir alone, and the
         # command starts in the workspace, which it can then only read.
@@ -196,7 +233,52 @@ class Profile:
                 argv += ["--seccomp-fd", str(fd)]
         argv += ["--", *command]
         env = {**env_inside, "HOME": tmp, "TMPDIR": tmp}
-        return Chain(argv, env, pass_fds)
+        shape = chain_shape(argv[:len(argv) - len(command)],
+                            [str(uid), str(group), call_id, workspace, tmp,
+                             f"{workspace}/{workdir}",
+                             *map(str, pass_fds)])
+        return Chain(argv, env, pass_fds, shape)
+
+    def probe_command(self, marker: str) -> list[str]:
+        """``probe.py`` as a command; it tries to write into ``tmp_root`` (a
+        world-writable host directory outside every workspace) and, once it
+        has reported, waits on stdin so the worker can read its namespaces
+        (found by ``marker``)."""
+        return [self.python, "-I", "-S", "-c", PROBE_SOURCE, self.tmp_root, "--hold", marker]
+
+    async def verify_chain(self, workspace: str, *, network: bool, uid: int,
+                           tmpdir: str | None = None, workdir: str = ".",
+                           workspace_fd: int | None = None, gid: int | None = None,
+                           read_only: bool = False,
+                           ro_fds: tuple[tuple[int, str], ...] = (),
+                           ) -> tuple[Shape, Verified]:
+        """Run ``probe.py`` at the end of the chain ``build`` makes for these
+        inputs (default limits: the shape does not depend on their values),
+        keep what the kernel showed under the chain's shape, and return it."""
+        limits = ToolLimits(**DEFAULT_LIMITS)
+        marker = f"corral-probe-{secrets.token_hex(8)}"
+        chain = self.build(self.probe_command(marker), workspace, limits, network=network,
+                           uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe",
+                           workspace_fd=workspace_fd, gid=gid, read_only=read_only,
+                           ro_fds=ro_fds)
+        code, out, err, outside = await run_probe(chain.argv, chain.env, chain.pass_fds,
+                                                  marker)
+        expect = Expect(self.tier, uid, self.user.gid if gid is None else gid, limits, network)
+        if code != 0:
+            first = (err or out).strip().splitlines()
+            why = first[0][:300] if first else f"exit code {code}"
+            verified = Verified(expect, None, [f"probe failed: {why}"])
+        else:
+            try:
+                view = replace(KernelView.parse(out), outside=outside)
+            except ValueError as exc:
+                verified = Verified(expect, None, [f"probe failed: {exc}"])
+            else:
+                verified = Verified(expect, view, shortfalls(view, expect, self.host_ns))
+        if len(self.verified) >= MAX_SHAPES:  # a bound; a steady worker has a handful
+            self.verified.pop(next(iter(self.verified)))
+        self.verified[chain.shape] = verified
+        return chain.shape, verified
 
     def degraded(self, *, shell: bool = True) -> list[str]:
         out: list[str] = []
@@ -215,30 +297,59 @@ class Profile:
         return out + self.extra_degraded
 
     def isolation(self, limits: ToolLimits, *, network: bool, uid: int,
-                  read_only: bool = False, git_writable: bool = False) -> IsolationRecord:
-        """The record of a shell call built by ``build`` with the same inputs
-        (``git_writable``: the caller's opt-in; T1/T0 cannot protect ``.git``)."""
-        if self.tier in ("T2", "T2-"):
-            filesystem = "ro-system+rw-workspace+tmpfs"
-            net = "granted" if network else "none"
-        elif self.tier == "T1":
-            filesystem = "landlock:ro-host+rw-workspace"
-            net = "granted" if network else "none"
-        else:
-            filesystem = "host"
-            net = "host"
+                  shape: Shape | None = None, read_only: bool = False,
+                  git_writable: bool = False) -> IsolationRecord:
+        """The record of a shell call as ``uid`` whose chain had ``shape``,
+        derived from what the probe of that shape saw. Without a shape (a tool
+        error before anything ran), the probed shape with the same grant.
+        (``git_writable``: the caller's opt-in; T1/T0 cannot protect ``.git``.)"""
+        found = self.verified.get(shape) if shape is not None else next(
+            (v for v in self.verified.values() if v.expect.network == network), None)
         degraded = self.degraded()
         protects_git = self.tier in ("T2", "T2-")
         if not git_writable and not protects_git and not read_only:
             degraded.append(".git is writable: this tier cannot bind it read-only")
+        mode: SandboxMode = "read-only" if read_only else "workspace-write"
+        git_open = not read_only and (git_writable or not protects_git)
+        if found is None or found.view is None:
+            why = found.problems[0] if found is not None else "this chain was never probed"
+            return IsolationRecord(
+                tier=self.tier, filesystem="unverified", network="host", pid_namespace=False,
+                seccomp=False, uid=uid, limits=ToolLimits(**limits),
+                degraded=[*degraded, f"isolation not verified: {why}"],
+                unsandboxed_opt_in=self.unsandboxed_opt_in, kernel=None,
+                sandbox_mode=mode, git_writable=git_open)
+        view, expect = found.view, found.expect
+        sep = view.separate(self.host_ns)
+        write_denied = view.errnos.get("host_write", 0) != 0
+        no_ns = not view.seen_ns
+        if self.tier in ("T2", "T2-"):
+            fs_ok = write_denied and ("mnt" in sep or no_ns)
+            filesystem = "ro-system+rw-workspace+tmpfs" if fs_ok else "host"
+            closed = "net" in sep or (no_ns and view.interfaces == ["lo"])
+        elif self.tier == "T1":
+            filesystem = "landlock:ro-host+rw-workspace" if write_denied else "host"
+            closed = view.errnos.get("socket_inet", 0) != 0
+        else:
+            filesystem, closed = "host", False
+        net = "none" if closed else ("granted" if network else "host")
+        applied = ToolLimits(**limits)
+        want = expected_rlimits(expect.limits)
+        for name, key in RLIMIT_OF.items():
+            if view.rlimits.get(name) != want[name]:
+                applied[key] = view.rlimits.get(name, (-1, -1))[0]  # type: ignore[literal-required]
+        notes = list(found.problems)
+        if no_ns and self.tier != "T0":
+            notes.append("namespaces not verified: neither the probe nor the host could read "
+                         "them")
         return IsolationRecord(
             tier=self.tier, filesystem=filesystem, network=net,  # type: ignore[typeddict-item]
-            pid_namespace=self.tier in ("T2", "T2-"),
-            seccomp=self.filters is not None and self.tier != "T0",
-            uid=uid, limits=ToolLimits(**limits),
-            degraded=degraded, unsandboxed_opt_in=self.unsandboxed_opt_in,
-            sandbox_mode="read-only" if read_only else "workspace-write",
-            git_writable=not read_only and (git_writable or not protects_git),
+            pid_namespace="pid" in sep, seccomp=view.seccomp_in_force,
+            uid=uid if set(view.uids) == {expect.uid} else view.uids[1],
+            limits=applied, degraded=[*degraded, *notes],
+            unsandboxed_opt_in=self.unsandboxed_opt_in,
+            kernel=kernel_facts(view, expect, self.host_ns, uid),
+            sandbox_mode=mode, git_writable=git_open,
         )
 
     def file_isolation(self, limits: ToolLimits, *, read_only: bool = False,
@@ -250,7 +361,7 @@ class Profile:
             tier=self.tier, filesystem="workspace-openat2", network="none",
             pid_namespace=False, seccomp=False, uid=self.user.uid,
             limits=ToolLimits(**limits), degraded=self.degraded(shell=False),
-            unsandboxed_opt_in=self.unsandboxed_opt_in,
+            unsandboxed_opt_in=self.unsandboxed_opt_in, kernel=None,
             sandbox_mode="read-only" if read_only else "workspace-write",
             git_writable=git_writable and not read_only,
         )

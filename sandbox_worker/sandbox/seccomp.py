@@ -1,12 +1,24 @@
 """The seccomp deny-list, compiled once per worker and handed out as fds.
 
-Two filters are built from one list:
+Three filters are built from one list:
 
-- ``bwrap``: the deny-list; bubblewrap loads it (``--seccomp FD``) just before
-  it execs the command, after its own namespace set-up.
+- ``bwrap``: the deny-list and the socket families a tool may use
+  (``NET_FAMILIES``); bubblewrap loads it (``--seccomp FD``) just before it
+  execs the command, after its own namespace set-up.
 - ``t1``: the same deny-list plus "sockets only for AF_UNIX" (no network
   namespace at T1, and Landlock at ABI <= 7 does not stop UDP); the T1
-  launcher loads it itself. ``t1_net`` omits the socket rule (network grant).
+  launcher loads it itself. ``t1_net`` (a network grant) allows
+  ``NET_FAMILIES``.
+
+Socket families: ``socket()`` with any family outside the allowed set fails
+with ``EAFNOSUPPORT`` (what the kernel says for a family it lacks, so tools
+handle it). ``NET_FAMILIES`` are AF_UNIX (local IPC), AF_INET and AF_INET6
+(the network: loopback only in the namespace, the host's on a grant) and
+AF_NETLINK with protocol NETLINK_ROUTE only (glibc's ``getaddrinfo`` with
+AI_ADDRCONFIG, ``if_nameindex`` and ``ip`` need it; it sees the call's own
+network namespace). Everything else -- AF_VSOCK (the hypervisor), AF_PACKET,
+AF_BLUETOOTH, AF_ALG, AF_KEY, AF_XDP, other netlink protocols (audit,
+uevents, netfilter, ...) -- is kernel attack surface no tool needs.
 
 Invariants:
 - Filters are compiled once (``SeccompFilters.compile``) and kept as sealed
@@ -28,7 +40,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from sandbox_worker.sandbox.errors import SandboxSetupError
 
@@ -48,6 +60,12 @@ DENIED_SYSCALLS: Final = (
 TIOCSTI: Final = 0x5412
 TIOCLINUX: Final = 0x541C
 # Namespace-creating clone flags: each is denied on its own (MASKED_EQ bit == bit).
+AF_NETLINK: Final = 16
+NETLINK_ROUTE: Final = 0
+NET_FAMILIES: Final = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, AF_NETLINK)
+# Families are enumerated up to here (AF_MAX is 46 in Linux 6.x); any larger
+# number is refused by one range rule, so a future family is refused too.
+FAMILY_SCAN: Final = 64
 CLONE_NS_FLAGS: Final = (
     0x00020000,  # CLONE_NEWNS
     0x02000000,  # CLONE_NEWCGROUP
@@ -71,7 +89,30 @@ O_TMPFILE_BIT: Final = 0o20000000  # __O_TMPFILE
 
 
 def _build(*, unix_sockets_only: bool) -> tuple[bytes, list[str]]:
-    """Compile one filter to BPF; returns (bpf bytes, syscalls this libseccomp lacks)."""
+    """Compile one filter to BPF; sockets: AF_UNIX only, or ``NET_FAMILIES``.
+    Returns (bpf bytes, syscalls this libseccomp lacks)."""
+    return _compile(NET_FAMILIES[:1] if unix_sockets_only else NET_FAMILIES)
+
+
+def _compile(families: tuple[int, ...]) -> tuple[bytes, list[str]]:
+    flt, missing = make_filter(families)
+    fd = os.memfd_create("corral-seccomp-tmp", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as fobj:
+            flt.export_bpf(fobj)
+        os.lseek(fd, 0, os.SEEK_SET)
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size)
+    finally:
+        os.close(fd)
+    if not data or len(data) % 8:
+        raise SandboxSetupError(f"libseccomp exported a malformed filter ({len(data)} bytes)")
+    return data, missing
+
+
+def make_filter(families: tuple[int, ...]) -> tuple[Any, list[str]]:
+    """The libseccomp filter object (tests export it as pseudo code) and the
+    deny-list names this libseccomp does not know."""
     try:
         import pyseccomp as sc
     except (ImportError, RuntimeError) as exc:
@@ -105,21 +146,15 @@ def _build(*, unix_sockets_only: bool) -> tuple[bytes, list[str]]:
     # openat2 carries its mode in a struct seccomp cannot read; ENOSYS makes
     # callers fall back to openat, whose mode is checked above.
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
-    if unix_sockets_only:
-        flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket",
-                     sc.Arg(0, sc.NE, socket.AF_UNIX))
-    fd = os.memfd_create("corral-seccomp-tmp", os.MFD_CLOEXEC)
-    try:
-        with os.fdopen(os.dup(fd), "wb") as fobj:
-            flt.export_bpf(fobj)
-        os.lseek(fd, 0, os.SEEK_SET)
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size)
-    finally:
-        os.close(fd)
-    if not data or len(data) % 8:
-        raise SandboxSetupError(f"libseccomp exported a malformed filter ({len(data)} bytes)")
-    return data, missing
+    no_family = sc.ERRNO(errno.EAFNOSUPPORT)
+    for family in range(FAMILY_SCAN):
+        if family not in families:
+            flt.add_rule(no_family, "socket", sc.Arg(0, sc.EQ, family))
+    flt.add_rule(no_family, "socket", sc.Arg(0, sc.GE, FAMILY_SCAN))
+    if AF_NETLINK in families:
+        flt.add_rule(no_family, "socket", sc.Arg(0, sc.EQ, AF_NETLINK),
+                     sc.Arg(2, sc.NE, NETLINK_ROUTE))
+    return flt, missing
 
 
 def _sealed_memfd(name: str, data: bytes) -> int:

@@ -173,7 +173,8 @@ class ToolService:
             await pool.give_back(lease)
         tier = self._choose_tier(self.detection)
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
-                               unsandboxed_opt_in=tier == "T0", extra_degraded=degraded)
+                               unsandboxed_opt_in=tier == "T0", extra_degraded=degraded,
+                               verified=dict(self.detection.verified.get(tier, {})))
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)
@@ -241,6 +242,8 @@ class ToolService:
 
     def info(self) -> dict[str, Any]:
         p, d, cg = self.profile, self.detection, self._cgroup
+        # What the kernel showed the chosen tier's probe, not the configuration.
+        shown = p.isolation(self.config.limits, network=False, uid=p.user.uid) if p else None
         return {
             "tier": p.tier if p else None,
             "tier_min": self.config.tier_min,
@@ -248,7 +251,8 @@ class ToolService:
             "tier_failures": dict(d.failures) if d else {},
             "landlock_abi": d.landlock_abi if d else 0,
             "degraded": p.degraded() if p else [],
-            "seccomp": self._filters is not None,
+            "seccomp": bool(shown and shown["seccomp"]),
+            "kernel": shown["kernel"] if shown else None,
             "cgroup": {"applied": bool(cg and cg.applied), "version": cg.version if cg else "",
                        "reason": cg.reason if cg else "disabled"},
             "sandbox_uid": p.user.uid if p else None,  # the file tools' uid
@@ -430,7 +434,8 @@ class ToolService:
             signal=o.signal, duration_s=time.monotonic() - start,
             stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes, truncated=o.truncated,
             isolation=profile.isolation(applied, network=network, uid=lease.uid,
-                                        read_only=read_only, git_writable=git_writable))
+                                        shape=run.shape, read_only=read_only,
+                                        git_writable=git_writable))
         if kind is not None:
             result["error_kind"] = kind
         return result

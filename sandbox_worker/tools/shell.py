@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox_worker.api import ToolLimits
-from sandbox_worker.sandbox.errors import BadArguments
+from sandbox_worker.sandbox.errors import BadArguments, ToolError
 from sandbox_worker.sandbox.process import OnChunk, RunOutcome, RunSpec, run
-from sandbox_worker.sandbox.profile import Profile
+from sandbox_worker.sandbox.profile import Profile, Shape
 from sandbox_worker.tools.fsops import check_relative
 
 # Never let a call's wall time run into the broker's deadline: reply first.
@@ -38,6 +38,7 @@ REPLY_MARGIN_S = 0.5
 class ShellRun:
     outcome: RunOutcome
     wall_s: float
+    shape: Shape  # the chain's shape: its isolation record is that shape's probe's
 
 
 def command_argv(command: Any) -> list[str]:
@@ -74,9 +75,29 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
     chain = profile.build(argv, workspace, limits, network=network, uid=uid, tmpdir=tmpdir,
                           call_id=call_id, workdir=workdir, workspace_fd=workspace_fd,
                           gid=gid, read_only=read_only, ro_fds=ro_fds)
+    verified = profile.verified.get(chain.shape)
+    try:
+        if verified is None:
+            # A chain unlike every probed one (e.g. the first network grant):
+            # the kernel must show its layers before a tool runs under it.
+            shape, verified = await profile.verify_chain(
+                workspace, network=network, uid=uid, tmpdir=tmpdir, workdir=workdir,
+                workspace_fd=workspace_fd, gid=gid, read_only=read_only, ro_fds=ro_fds)
+            if shape != chain.shape:
+                raise ToolError("this call's sandbox chain differs from the one probed for it",
+                                kind="sandbox_unavailable")
+        if verified.problems:
+            raise ToolError(f"this call's sandbox did not hold at tier {profile.tier}: "
+                            f"{'; '.join(verified.problems)}", kind="sandbox_unavailable")
+    except BaseException:
+        for fd in chain.pass_fds:
+            os.close(fd)
+        if tmpdir is not None:
+            await asyncio.to_thread(shutil.rmtree, tmpdir, True)
+        raise
     spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
                    output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
-                   grace_s=grace_s)
+                   grace_s=grace_s, uid=uid)
     try:
         try:
             outcome = await run(spec, on_chunk)
@@ -86,7 +107,7 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
     finally:
         if tmpdir is not None:
             await asyncio.to_thread(shutil.rmtree, tmpdir, True)
-    return ShellRun(outcome, wall)
+    return ShellRun(outcome, wall, chain.shape)
 
 
 TMP_PREFIX = "corral-call-"

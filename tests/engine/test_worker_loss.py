@@ -20,8 +20,10 @@ async def _turn_losing_the_first_worker(eng: Engine, sid: SessionId, text: str, 
                                         kill_at: str, services: str) -> list[EventRecord]:
     """The events of one user turn (``text``) of ``sid``, up to its terminal event.
 
-    At the turn's first ``kill_at`` event a replacement worker serving ``services`` is
-    started, then the farm's first worker is SIGKILLed (once)."""
+    At the turn's first ``kill_at`` event the farm's first worker is SIGKILLed (once),
+    then a replacement worker serving ``services`` is started; the broker queues the
+    retried work until it registers. (Starting the replacement first let a slow start
+    on a loaded machine outlast the whole stream, so nothing was in flight at the kill.)"""
     first = eng.farm.workers[0]
     it = eng.manager.subscribe(sid)
     sub = await eng.manager.submit(sid, {"type": "user_input", "text": text})
@@ -34,8 +36,8 @@ async def _turn_losing_the_first_worker(eng: Engine, sid: SessionId, text: str, 
             events.append(e)
             if e.type == kill_at and not killed:
                 killed = True
-                await asyncio.to_thread(eng.farm.add_worker, services)
                 kill_tree(first.pid, signal.SIGKILL)
+                await asyncio.to_thread(eng.farm.add_worker, services)
             if e.type in ("turn_complete", "turn_aborted"):
                 break
     await it.aclose()  # type: ignore[attr-defined]

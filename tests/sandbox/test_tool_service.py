@@ -128,7 +128,7 @@ async def test_isolation_record_is_complete(stack: Stack, client: BrokerClient,
     r = await shell(client, "echo hi", workspace, {"limits": {"cpu_s": 7, "open_files": 99}})
     iso = r.result["isolation"]
     assert set(iso) == {"tier", "filesystem", "network", "pid_namespace", "seccomp", "uid",
-                        "limits", "degraded", "unsandboxed_opt_in", "sandbox_mode",
+                        "limits", "degraded", "unsandboxed_opt_in", "kernel", "sandbox_mode",
                         "git_writable"}
     assert iso["sandbox_mode"] == "workspace-write"
     assert iso["git_writable"] is (stack.tier != "T2")  # T1 cannot bind .git read-only

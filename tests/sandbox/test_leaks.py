@@ -1,0 +1,44 @@
+"""What a T2 call can learn about the host from /proc: exactly the mounts the
+chain makes (docs/sandbox.md lists what their lines still show, and why), and
+no cgroup path of the worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker.client import BrokerClient
+from tests.sandbox.conftest import Stack, shell
+
+pytestmark = pytest.mark.sandbox
+
+# The chain's own mounts (profile.py); the workspace is added per call.
+CHAIN_MOUNTS = {"/", "/usr", "/etc", "/opt", "/proc", "/dev", "/dev/null", "/dev/zero",
+                "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/pts", "/tmp",
+                "/dev/shm", "/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus"}
+
+
+def host_mount_points() -> set[str]:
+    return {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()}
+
+
+async def test_t2_sees_only_its_own_mounts_and_cgroup(stack: Stack, client: BrokerClient,
+                                                      workspace: Path) -> None:
+    if stack.tier != "T2":
+        pytest.skip("T1 has no mount namespace: the host's mount table is visible (documented)")
+    res = await shell(client, "cat /proc/self/mountinfo; echo ===; cat /proc/self/cgroup",
+                      workspace)
+    assert res.result["outcome"] == "ok", res.result["output"]
+    mountinfo, _, cgroup = res.result["output"].partition("===\n")
+    points = {line.split()[4] for line in mountinfo.splitlines() if line.strip()}
+    host_points = host_mount_points()
+    extra = points - CHAIN_MOUNTS
+    # Whatever else is mounted is the workspace (under its own path or a neutral one).
+    assert len(extra) <= 1, extra
+    assert not (extra & host_points - {"/"}), "a host mount point other than the workspace"
+    for host_only in ("/run", "/sys", "/sys/fs/cgroup", "/var", "/root", "/home", "/boot"):
+        assert host_only not in points
+    assert "corral/worker-" not in res.result["output"]
+    paths = {line.split(":", 2)[2] for line in cgroup.splitlines() if line.count(":") >= 2}
+    assert paths == {"/"}  # the cgroup namespace hides the worker's cgroup path
