@@ -285,3 +285,26 @@ async def test_a_workspace_under_a_0700_parent_works_without_loosening_it(
         with searchable_dir("corral-other-", "/tmp") as other:
             probe = await shell(client, "ls /run/corral/workspaces/*/ws 2>&1; true", other)
             assert "notes.txt" not in probe.result["output"]
+
+
+def test_workspace_groups_are_one_per_identity_across_workers(tmp_path: Path) -> None:
+    """Two registries on one directory (two workers) racing for 40 workspaces:
+    one gid per identity, the same gid for the same identity, none shared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sandbox_worker.sandbox.errors import SandboxSetupError
+    from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
+
+    d = str(tmp_path / "groups")
+    a, b = WorkspaceGroups(910_000, 64, d), WorkspaceGroups(910_000, 64, d)
+    a.setup()
+    b.setup()
+    idents = [(7, 1000 + 64 * i) for i in range(40)]  # all start at the same gid
+    with ThreadPoolExecutor(8) as ex:
+        got_a = list(ex.map(lambda i: a.gid_for(*i), idents))
+        got_b = list(ex.map(lambda i: b.gid_for(*i), reversed(idents)))
+    assert got_a == list(reversed(got_b))
+    assert len(set(got_a)) == 40
+    assert all(910_000 <= g < 910_064 for g in got_a)
+    with pytest.raises(SandboxSetupError, match="belongs to a group"):
+        WorkspaceGroups(0 + 65534, 2, d).setup()  # nogroup's gid
