@@ -12,7 +12,8 @@ is given back:
 - every entry owned by a tool uid (the per-call range, or the file tools'
   uid) is chowned to the workspace root's owner and group, without following
   a symlink (``fchownat(..., AT_SYMLINK_NOFOLLOW)`` beneath a pinned
-  directory fd);
+  directory fd), and loses the ``user:<owner>`` ACL entry it inherited (the
+  owner owns it now; only the workspace group's entry stays);
 - S_ISUID and S_ISGID are cleared on every such entry that is not a
   directory; a directory keeps S_ISGID only when its parent has it (the
   kernel's inheritance) and never keeps S_ISUID;
@@ -37,6 +38,13 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
+
+from sandbox_worker.sandbox.workspace import (
+    ACL_USER,
+    XATTR_ACCESS,
+    decode_acl,
+    encode_acl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,26 @@ def _strip(dfd: int, name: str, mode: int, parent_setgid: bool) -> bool:
     return True
 
 
+def _drop_owner_entry(dfd: int, name: str, owner: int) -> None:
+    """Remove the ``user:<owner>`` entry a new entry inherited from its parent's
+    default ACL: once the owner owns it, the entry adds nothing."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            return
+        path = f"/proc/self/fd/{fd}"
+        try:
+            acl = decode_acl(os.getxattr(path, XATTR_ACCESS))
+        except (OSError, ValueError):
+            return
+        if (ACL_USER, owner) in acl:
+            # The mask stays as the creator's mode made it: never widen.
+            del acl[(ACL_USER, owner)]
+            os.setxattr(path, XATTR_ACCESS, encode_acl(acl))
+    finally:
+        os.close(fd)
+
+
 def normalise(root_fd: int, is_tool_uid: Callable[[int], bool]) -> SweepReport:
     """Give tool-created entries under ``root_fd`` (a pinned workspace fd) to the
     root's owner and clear their setid bits (see the module docstring). Blocking."""
@@ -101,6 +129,7 @@ def normalise(root_fd: int, is_tool_uid: Callable[[int], bool]) -> SweepReport:
                         if is_tool_uid(st.st_uid):
                             os.chown(name, owner, group, dir_fd=dfd, follow_symlinks=False)
                             report.chowned += 1
+                            _drop_owner_entry(dfd, name, owner)
                             if _strip(dfd, name, st.st_mode, setgid):
                                 report.stripped += 1
                         path = f"{rel}{name}"
