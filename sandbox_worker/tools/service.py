@@ -400,6 +400,7 @@ class ToolService:
         pool = self.pool
         if pool is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
+        wall_start = time.time()  # compared with directory mtimes by the sweep
         lease = await pool.acquire(timeout_s=max(0.0, ctx.remaining_s() - 1.0))
         try:
             run: ShellRun = await run_shell(
@@ -412,7 +413,7 @@ class ToolService:
             # it left is given to the workspace's owner before the uid goes back.
             try:
                 if not read_only and self.pins is not None:
-                    await self.pins.sweep(pinned)
+                    await self.pins.sweep(pinned, wall_start)
             finally:
                 await pool.give_back(lease)
         o = run.outcome
@@ -449,6 +450,7 @@ class ToolService:
         fsize = int(limits["file_size_bytes"])
         fn: Any
         workspace = pinned.fd
+        wall_start = time.time()
         if tool == "read_file":
             fn = functools.partial(files.read_file, workspace, args, self._flimits)
         elif tool == "write_file":
@@ -461,7 +463,7 @@ class ToolService:
         res: files.FileResult = await loop.run_in_executor(
             fs.executor, functools.partial(fs.run_as_group, pinned.gid, fn))
         if tool == "write_file" and self.pins is not None:
-            await self.pins.sweep(pinned)
+            await self.pins.sweep(pinned, wall_start)
         size = len(res.output.encode("utf-8", errors="replace"))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="ok", is_error=False, output=res.output,

@@ -351,3 +351,22 @@ def test_grant_never_raises_an_existing_mask(user_ws: Path) -> None:
     assert after[(ACL_MASK, UNDEFINED_ID)] == 4
     assert after[(ACL_USER, 4243)] == 6
     assert after[(ACL_GROUP, 777_001)] == 6
+
+
+async def test_sweep_finds_new_files_deep_in_old_directories(stack: Stack, client: BrokerClient,
+                                                             user_ws: Path) -> None:
+    """The sweep examines only directories changed during the call (after a full
+    first sweep per workspace and worker): new entries deep in directories
+    untouched for years are still found, through their parents' mtimes."""
+    deep = user_ws / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    await shell(client, "true", user_ws)  # the first, full sweep
+    for p in (deep, deep.parent, deep.parent.parent, user_ws):
+        os.chown(p, OWNER, OWNER)
+        os.utime(p, (1_000_000_000, 1_000_000_000))
+    r = await shell(client, "echo new > a/b/c/new.txt && mkdir -p a/b/c/d/e && "
+                    "echo x > a/b/c/d/e/f", user_ws)
+    assert r.result["outcome"] == "ok", r.result["output"]
+    for p in (deep / "new.txt", deep / "d", deep / "d" / "e" / "f"):
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (OWNER, OWNER), p
