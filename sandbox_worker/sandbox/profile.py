@@ -298,7 +298,7 @@ class Profile:
 
     def isolation(self, limits: ToolLimits, *, network: bool, uid: int,
                   shape: Shape | None = None, read_only: bool = False,
-                  git_writable: bool = False) -> IsolationRecord:
+                  git_writable: bool = False, gid: int | None = None) -> IsolationRecord:
         """The record of a shell call as ``uid`` whose chain had ``shape``,
         derived from what the probe of that shape saw. Without a shape (a tool
         error before anything ran), the probed shape with the same grant.
@@ -348,7 +348,7 @@ class Profile:
             uid=uid if set(view.uids) == {expect.uid} else view.uids[1],
             limits=applied, degraded=[*degraded, *notes],
             unsandboxed_opt_in=self.unsandboxed_opt_in,
-            kernel=kernel_facts(view, expect, self.host_ns, uid),
+            kernel=kernel_facts(view, expect, self.host_ns, uid, gid),
             sandbox_mode=mode, git_writable=git_open,
         )
 

@@ -240,12 +240,15 @@ def _errname(code: int) -> str:
 
 
 def kernel_facts(view: KernelView, expect: Expect, host: dict[str, str], uid: int,
-                 ) -> KernelFacts:
-    """The record's evidence. The probe ran as a uid of its own (``expect.uid``);
-    where the kernel showed exactly that uid, the call's ``uid`` is shown."""
+                 gid: int | None = None) -> KernelFacts:
+    """The record's evidence. The probe ran as a uid of its own (``expect.uid``)
+    and a gid (``expect.gid``); where the kernel showed exactly those, the
+    call's ``uid`` and ``gid`` (its workspace's group) are shown."""
+    call_gid = expect.gid if gid is None else gid
     return KernelFacts(
         seccomp_mode=view.seccomp_mode, no_new_privs=view.no_new_privs,
-        uids=[uid if u == expect.uid else u for u in view.uids], gids=list(view.gids),
+        uids=[uid if u == expect.uid else u for u in view.uids],
+        gids=[call_gid if g == expect.gid else g for g in view.gids],
         cap_eff=None if view.cap_eff is None else f"{view.cap_eff:#x}",
         namespaces=view.separate(host),
         denied=sorted(k for k, v in view.errnos.items() if v > 0))

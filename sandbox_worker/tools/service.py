@@ -436,7 +436,7 @@ class ToolService:
             stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes, truncated=o.truncated,
             isolation=profile.isolation(applied, network=network, uid=lease.uid,
                                         shape=run.shape, read_only=read_only,
-                                        git_writable=git_writable))
+                                        git_writable=git_writable, gid=pinned.gid))
         if kind is not None:
             result["error_kind"] = kind
         return result
