@@ -366,6 +366,16 @@ class Facade:
         ]
         return {"sessions": sessions, "next": page.next_cursor}
 
+    async def delete_session(self, session_id: str, tenant: str | None) -> Any:
+        """Remove a terminated session from the store (``corral delete``)."""
+        await self._check_tenant(session_id, tenant)
+        if SessionId(session_id) in self.manager.sessions:
+            raise CallError(ErrorKind.BAD_OP, f"session {session_id} is not terminated; "
+                            f"terminate it first: corral terminate {session_id}")
+        await self.store.delete_session(SessionId(session_id))
+        log.info("session %s deleted", session_id)
+        return True
+
     async def describe(self, session_id: str, tenant: str | None) -> Any:
         await self._check_tenant(session_id, tenant)
         with _engine_errors(session_id):

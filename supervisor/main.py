@@ -98,6 +98,8 @@ def session_defaults(cfg: config_mod.FarmConfig) -> dict[str, Any]:
                      "deny": list(cfg.deny), "ask": list(cfg.ask)},
         "tool_policy": policy,
         "instructions": cfg.instructions,
+        # [[hooks.EVENT]] from corral.toml: command hooks run in the sandbox.
+        "hooks": [dict(h) for h in cfg.hooks],
     }
 
 

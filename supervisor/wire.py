@@ -37,7 +37,7 @@ HEADER: Final = b"CORRAL-SESSIONS/1"
 MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
 CALLS: Final = frozenset({
     "hello", "ping", "create_session", "submit", "subscribe", "unsubscribe",
-    "list_sessions", "describe", "status", "history", "export",
+    "list_sessions", "describe", "status", "history", "export", "delete_session",
 })
 
 

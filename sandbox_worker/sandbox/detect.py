@@ -64,21 +64,27 @@ async def detect(base: Profile, uid: int | None = None) -> Detection:
     try:
         os.chown(scratch, uid, base.user.gid)
         os.chmod(scratch, 0o700)
-        for tier in TIERS:
-            if tier in ("T2", "T2-") and shutil.which("bwrap") is None:
-                result.failures[tier] = "bwrap not found (apt-get install bubblewrap)"
-                continue
-            probe = Profile(tier, base.user, base.filters, base.cgroup, base.tmp_root,
-                            base.python)
-            shape, verified = await probe.verify_chain(scratch, network=False, uid=uid,
-                                                       tmpdir=scratch)
-            if verified.view is not None and not verified.problems:
-                result.working.append(tier)
-                result.verified[tier] = {shape: verified}
-            else:
-                why = "; ".join(verified.problems)
-                result.failures[tier] = why[:300]
-                log.info("tier %s does not work here: %s", tier, why)
+        # Bound by fd, as real calls bind their pinned workspace, so the shape
+        # probed here is the one calls have.
+        scratch_fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for tier in TIERS:
+                if tier in ("T2", "T2-") and shutil.which("bwrap") is None:
+                    result.failures[tier] = "bwrap not found (apt-get install bubblewrap)"
+                    continue
+                probe = Profile(tier, base.user, base.filters, base.cgroup, base.tmp_root,
+                                base.python)
+                shape, verified = await probe.verify_chain(scratch, network=False, uid=uid,
+                                                           tmpdir=scratch, workspace_fd=scratch_fd)
+                if verified.view is not None and not verified.problems:
+                    result.working.append(tier)
+                    result.verified[tier] = {shape: verified}
+                else:
+                    why = "; ".join(verified.problems)
+                    result.failures[tier] = why[:300]
+                    log.info("tier %s does not work here: %s", tier, why)
+        finally:
+            os.close(scratch_fd)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return result

@@ -241,9 +241,9 @@ def _errname(code: int) -> str:
 
 def kernel_facts(view: KernelView, expect: Expect, host: dict[str, str], uid: int,
                  gid: int | None = None) -> KernelFacts:
-    """The record's evidence. The probe ran as a uid of its own (``expect.uid``)
-    and a gid (``expect.gid``); where the kernel showed exactly those, the
-    call's ``uid`` and ``gid`` (its workspace's group) are shown."""
+    """The record's evidence. The probe ran as a uid and gid of its own
+    (``expect``); where the kernel showed exactly those, the call's ``uid`` and
+    ``gid`` (its workspace's group; masked in the shape) are shown."""
     call_gid = expect.gid if gid is None else gid
     return KernelFacts(
         seccomp_mode=view.seccomp_mode, no_new_privs=view.no_new_privs,

@@ -260,6 +260,10 @@ class Store:
     async def set_status(self, session_id: SessionId, status: str) -> None:
         await self._submit(partial(_status_op, session_id, status))
 
+    async def delete_session(self, session_id: SessionId) -> None:
+        """Remove the session and all its rows (raises ``SessionNotFound``)."""
+        await self._submit(partial(_delete_op, session_id))
+
     async def fork(
         self, session_id: SessionId, *, at_sequence: int, new_session_id: SessionId
     ) -> SessionRecord:
@@ -435,6 +439,10 @@ def _step_op(prepared: writer.PreparedStep, conn: sqlite3.Connection,
 def _status_op(session_id: str, status: str, conn: sqlite3.Connection,
                sids: writer.Sids) -> None:
     writer.set_status(conn, sids, session_id, status)
+
+
+def _delete_op(session_id: str, conn: sqlite3.Connection, sids: writer.Sids) -> None:
+    writer.delete_session(conn, sids, session_id)
 
 
 def _fork_op(session_id: str, at_sequence: int, new_session_id: str, limits: Limits,

@@ -75,6 +75,11 @@ class Sids:
             raise SessionNotFound(f"no session {session_id!r}")
         return sid
 
+    def forget(self, session_id: str) -> None:
+        """The session's rows are gone (deleted): its sid may be reused."""
+        self._known.pop(session_id, None)
+        self._tentative.pop(session_id, None)
+
     def mark(self) -> dict[str, int]:
         """A savepoint of the tentative lookups (restore with ``rolled_back_to``)."""
         return dict(self._tentative)
@@ -343,6 +348,22 @@ def set_status(conn: sqlite3.Connection, sids: Sids, session_id: str, status: st
         raise InvalidRequest(f"status must be one of {SESSION_STATUSES}, not {status!r}")
     sid = sids.require(conn, session_id)
     conn.execute("UPDATE sessions SET status = ? WHERE sid = ?", (status, sid))
+
+
+# Every table holding a session's rows, keyed by rowid range (k) or by sid.
+_KEYED_TABLES = ("transcript_batches", "context_rewrites", "events")
+_SID_TABLES = ("executions", "checkpoint_state", "sessions")
+
+
+def delete_session(conn: sqlite3.Connection, sids: Sids, session_id: str) -> None:
+    """Remove every row of the session (``corral delete``), in one transaction."""
+    sid = sids.require(conn, session_id)
+    lo, hi = key_range(sid)
+    for table in _KEYED_TABLES:
+        conn.execute(f"DELETE FROM {table} WHERE k BETWEEN ? AND ?", (lo, hi))
+    for table in _SID_TABLES:
+        conn.execute(f"DELETE FROM {table} WHERE sid = ?", (sid,))
+    sids.forget(session_id)
 
 
 def fork(conn: sqlite3.Connection, sids: Sids, session_id: str, at_sequence: int,

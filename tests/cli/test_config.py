@@ -10,12 +10,13 @@ from supervisor.config import ConfigError, load, write_default
 
 
 def test_the_default_file_loads_to_the_defaults(tmp_path: Path) -> None:
-    write_default(tmp_path)
+    write_default(tmp_path, env={})
     cfg = load(tmp_path)
     assert cfg.tier_min == "T2"
     assert cfg.approval == "ask"
     assert cfg.limits["output_bytes"] == 1048576
-    assert cfg.routes == {}
+    assert set(cfg.routes) == {"main"}  # the scripted demo: no key in the environment
+    assert cfg.routes["main"]["script"] == str(tmp_path / "demo-script.json")
     assert not cfg.allow_unsandboxed
 
 
