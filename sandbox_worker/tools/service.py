@@ -49,6 +49,7 @@ from sandbox_worker.api import (
     ToolOutputChunk,
     ToolSchema,
 )
+from sandbox_worker.sandbox import wsalias
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.detect import Detection, detect
 from sandbox_worker.sandbox.errors import (
@@ -175,6 +176,9 @@ class ToolService:
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
                                unsandboxed_opt_in=tier == "T0", extra_degraded=degraded,
                                verified=dict(self.detection.verified.get(tier, {})))
+        pruned = await asyncio.to_thread(wsalias.prune)
+        if pruned:
+            log.info("detached %d workspace aliases of deleted workspaces", pruned)
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)

@@ -246,6 +246,8 @@ class Harness:
         # Beside the home, never in it: a workspace may not overlap the farm's home.
         ws = self.home.with_name(f"{self.home.name}-ws") / f"s{i}"
         ws.mkdir(parents=True, exist_ok=True)
+        # The farm set this process's umask to 077 (its home is private).
+        os.chmod(ws.parent, 0o755)
         os.chmod(ws, 0o755)
         sid = await _retry(lambda: sv.create_session(workspace=str(ws)))
         return SessionRun(str(sid), ws)

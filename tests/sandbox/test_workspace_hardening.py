@@ -370,3 +370,23 @@ async def test_sweep_finds_new_files_deep_in_old_directories(stack: Stack, clien
     for p in (deep / "new.txt", deep / "d", deep / "d" / "e" / "f"):
         st = p.lstat()
         assert (st.st_uid, st.st_gid) == (OWNER, OWNER), p
+
+
+def test_aliases_of_deleted_workspaces_are_detached(tmp_path: Path) -> None:
+    from sandbox_worker.sandbox import wsalias
+
+    with searchable_dir("corral-gone-", "/tmp") as parent:
+        os.chmod(parent, 0o700)
+        ws = parent / "proj"
+        ws.mkdir()
+        fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
+        try:
+            st = os.fstat(fd)
+            alias = wsalias.alias_for(fd, 777_123, (st.st_dev, st.st_ino))
+        finally:
+            os.close(fd)
+        assert wsalias._is_mount(alias)
+        assert wsalias.prune() == 0 or wsalias._is_mount(alias)  # alive: kept
+    assert wsalias._is_mount(alias)  # the workspace is gone, its alias not yet
+    wsalias.prune()
+    assert not wsalias._is_mount(alias)
