@@ -442,7 +442,9 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     from supervisor.engine.config import SessionSpec
     from supervisor.engine.tooling import tool_schemas
     from supervisor.export import capability_binding
+    from supervisor.facade import pin_workspace
     from supervisor.main import session_defaults
+    from supervisor.server import CallError
 
     home: Path = ns.home.resolve()
     config_mod.write_default(home)
@@ -458,11 +460,15 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     if not workspace.is_dir():
         raise ConfigError(f"workspace {workspace} is not a directory; create it or pass "
                           "--workspace")
-    values: dict[str, Any] = {**session_defaults(cfg), "workspace": str(workspace),
-                              "route": route}
+    try:  # the checks and the identity pin create_session makes
+        real, extra = pin_workspace(str(workspace), home)
+    except CallError as exc:
+        raise ConfigError(exc.message) from None
+    values: dict[str, Any] = {**session_defaults(cfg), "workspace": real, "route": route}
     if ns.approval:
         values["approval"] = ns.approval
     spec = SessionSpec(**values)
+    spec.extra = {**spec.extra, **extra}
     binding = capability_binding(tool_schemas(spec.tools),
                                  {"approval": spec.approval,
                                   "tool_policy": dict(spec.tool_policy)})
@@ -488,6 +494,8 @@ def _binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
 def import_checkpoint(ns: Namespace) -> int:
     from supervisor.export import BindingMismatch, CheckpointInvalid
     from supervisor.export import import_checkpoint as do_import
+    from supervisor.facade import check_workspace
+    from supervisor.server import CallError
     from supervisor.store import SessionId, Store, StoreError
     from supervisor.store.errors import SessionExists
 
@@ -514,6 +522,7 @@ def import_checkpoint(ns: Namespace) -> int:
             wanted = ns.session or doc.get("descriptor", {}).get("session_id")
             if isinstance(wanted, str) and await store.get_session(SessionId(wanted)):
                 raise SessionExists(f"session {wanted} already exists in {ns.home}")
+            await check_workspace(store, str(config["workspace"]), None)
             record = await do_import(store, doc, expected_binding=binding,
                                      new_session_id=ns.session, config=config)
             return str(record.session_id)
@@ -532,6 +541,9 @@ def import_checkpoint(ns: Namespace) -> int:
               "checkpoint never resumes under other tools or policy: import it into a farm "
               "with the same [session]/[sandbox] settings in corral.toml, or pass the "
               "--approval the session ran with", file=sys.stderr)
+        return EXIT_FAILED
+    except CallError as exc:
+        print(f"corral: import refused: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
     except StoreError as exc:
         hint = (" pass --session NEW_ID to import it under another id"

@@ -50,6 +50,8 @@ liveness = 4                 # missed heartbeats before a peer counts as dead
 tier_min = "T2"              # refuse to run tools below this tier (T0 < T1 < T2- < T2)
 allow_unsandboxed = false    # T0 opt-in; recorded on every tool result
 network = false              # grant network to tools (recorded on every result)
+mode = "workspace-write"     # or "read-only": the workspace is bound read-only
+git_writable = false         # true: tools may write .git (config, hooks run on the host)
 
 [sandbox.limits]
 wall_s = 600
@@ -125,6 +127,8 @@ class FarmConfig:
     tier_min: str = "T2"
     allow_unsandboxed: bool = False
     network: bool = False
+    sandbox_mode: str = "workspace-write"  # or "read-only" (sandbox_worker.api.SANDBOX_MODES)
+    git_writable: bool = False
     limits: dict[str, Any] = field(default_factory=dict)
     default_route: str = "main"
     approval: str = "ask"
@@ -271,7 +275,11 @@ def load(home: Path) -> FarmConfig:
     if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
         raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
     sandbox = raw.get("sandbox", {})
-    _check_keys(path, "sandbox", sandbox, {"tier_min", "allow_unsandboxed", "network", "limits"})
+    _check_keys(path, "sandbox", sandbox, {"tier_min", "allow_unsandboxed", "network", "limits",
+                                           "mode", "git_writable"})
+    mode = _typed(path, "sandbox", sandbox, "mode", str, "workspace-write")
+    if mode not in ("workspace-write", "read-only"):
+        raise _fail(path, "sandbox.mode", 'must be "workspace-write" or "read-only"')
     limits = _table(path, "sandbox.limits", sandbox.get("limits", {}))
     _check_keys(path, "sandbox.limits", limits, _LIMIT_KEYS)
     for key in limits:
@@ -317,6 +325,8 @@ def load(home: Path) -> FarmConfig:
         tier_min=tier_min,
         allow_unsandboxed=_typed(path, "sandbox", sandbox, "allow_unsandboxed", bool, False),
         network=_typed(path, "sandbox", sandbox, "network", bool, False),
+        sandbox_mode=mode,
+        git_writable=_typed(path, "sandbox", sandbox, "git_writable", bool, False),
         limits=dict(limits),
         default_route=_typed(path, "session", session, "default_route", str, "main"),
         approval=approval,

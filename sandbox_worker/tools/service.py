@@ -53,6 +53,7 @@ from sandbox_worker.api import (
     fit_text,
     replace_surrogates,
 )
+from sandbox_worker.sandbox import wsalias
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.detect import Detection, detect
 from sandbox_worker.sandbox.errors import (
@@ -179,6 +180,9 @@ class ToolService:
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
                                unsandboxed_opt_in=tier == "T0", extra_degraded=degraded,
                                verified=dict(self.detection.verified.get(tier, {})))
+        pruned = await asyncio.to_thread(wsalias.prune)
+        if pruned:
+            log.info("detached %d workspace aliases of deleted workspaces", pruned)
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)
@@ -404,6 +408,7 @@ class ToolService:
         pool = self.pool
         if pool is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
+        wall_start = time.time()  # compared with directory mtimes by the sweep
         lease = await pool.acquire(timeout_s=max(0.0, ctx.remaining_s() - 1.0))
         try:
             run: ShellRun = await run_shell(
@@ -416,7 +421,7 @@ class ToolService:
             # it left is given to the workspace's owner before the uid goes back.
             try:
                 if not read_only and self.pins is not None:
-                    await self.pins.sweep(pinned)
+                    await self.pins.sweep(pinned, wall_start)
             finally:
                 await pool.give_back(lease)
         o = run.outcome
@@ -455,6 +460,7 @@ class ToolService:
         fsize = int(limits["file_size_bytes"])
         fn: Any
         workspace = pinned.fd
+        wall_start = time.time()
         if tool == "read_file":
             fn = functools.partial(files.read_file, workspace, args, self._flimits)
         elif tool == "write_file":
@@ -467,7 +473,7 @@ class ToolService:
         res: files.FileResult = await loop.run_in_executor(
             fs.executor, functools.partial(fs.run_as_group, pinned.gid, fn))
         if tool == "write_file" and self.pins is not None:
-            await self.pins.sweep(pinned)
+            await self.pins.sweep(pinned, wall_start)
         size = len(res.output.encode("utf-8", errors="replace"))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="ok", is_error=False, output=res.output,

@@ -424,6 +424,8 @@ class Harness:
     async def _create(self, sv: SupervisorClient, i: int) -> SessionRun:
         ws = self.workspace(i)
         ws.mkdir(parents=True, exist_ok=True)
+        # The farm set this process's umask to 077 (its home is private).
+        os.chmod(ws.parent, 0o755)
         os.chmod(ws, 0o755)
         (ws / ID_FILE).write_text(f"{self.run_tag}-{i}\n")
         (ws / ID_FILE).chmod(0o644)

@@ -410,6 +410,17 @@ def test_export_verify_tamper_import_and_continue(
     twice = corral(fresh, "import", str(out), "--workspace", str(ws2))
     assert twice.returncode == 1
     assert "--session" in twice.stderr
+    # An import makes create_session's workspace checks: not nested with another
+    # session's workspace, not overlapping the farm's home.
+    (ws2 / "sub").mkdir()
+    nested = corral(fresh, "import", str(out), "--workspace", str(ws2 / "sub"),
+                    "--session", "sess_nested")
+    assert nested.returncode == 1
+    assert "contains or lies inside" in nested.stderr
+    in_home = corral(fresh, "import", str(out), "--workspace", str(fresh / "logs"),
+                     "--session", "sess_in_home")
+    assert in_home.returncode != 0
+    assert "overlaps the farm's own directory" in in_home.stderr
     cont = corral(fresh, "run", "--json", "--session", new_sid, "continue")
     assert cont.returncode == 0, cont.stderr
     # The provider picks its reply by the model outputs in the context: only the

@@ -52,3 +52,17 @@ def test_invalid_configs_name_the_key(tmp_path: Path, text: str, needle: str) ->
     (tmp_path / "corral.toml").write_text(text)
     with pytest.raises(ConfigError, match=needle):
         load(tmp_path)
+
+
+def test_sandbox_mode_and_git_writable_reach_the_session_policy(tmp_path: Path) -> None:
+    from supervisor.main import session_defaults
+
+    write_default(tmp_path)
+    assert "sandbox_mode" not in session_defaults(load(tmp_path))["tool_policy"]
+    (tmp_path / "corral.toml").write_text('[sandbox]\nmode = "read-only"\ngit_writable = true\n')
+    policy = session_defaults(load(tmp_path))["tool_policy"]
+    assert policy["sandbox_mode"] == "read-only"
+    assert policy["git_writable"] is True
+    (tmp_path / "corral.toml").write_text('[sandbox]\nmode = "yolo"\n')
+    with pytest.raises(ConfigError, match=r"sandbox\.mode"):
+        load(tmp_path)
