@@ -100,6 +100,11 @@ def launcher_python() -> str:
     return "/usr/bin/python3"
 
 
+def cg_mark(directory: str) -> str:
+    """How /proc/<pid>/cgroup names a member of ``directory``: ``/corral/worker-N``."""
+    return "/" + "/".join(directory.rstrip("/").split("/")[-2:])
+
+
 def tier_at_least(tier: Tier, minimum: Tier) -> bool:
     return TIER_ORDER[tier] >= TIER_ORDER[minimum]
 
@@ -216,16 +221,17 @@ class Profile:
             argv += ["--", *command]
             # The head's own environment: nothing of the worker's (bwrap clears it anyway).
             shape = chain_shape(argv[:len(argv) - len(command)],
-                                [str(uid), str(group), call_id, workspace, cwd, size,
-                                 *map(str, pass_fds)])
+                                [str(uid), str(group), call_id, workspace, inside, cwd,
+                                 size, *map(str, pass_fds)])
             return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
         tmp = tmpdir or "/tmp"
         # Read-only at T1: Landlock grants writes to the tmp dir alone, and the
         # command starts in the workspace, which it can then only read.
         argv = [*head, self.python, "-I", "-S", "-c", LAUNCHER_SOURCE,
                 "--workspace", tmp if read_only else workspace, "--tmpdir", tmp]
-        if workdir != "." or read_only:
-            argv += ["--chdir", workspace if workdir == "." else f"{workspace}/{workdir}"]
+        # Always given, so that a call with a workdir has the same shape as one without.
+        cwd = workspace if workdir == "." else f"{workspace}/{workdir}"
+        argv += ["--chdir", cwd]
         if self.tier == "T1":
             argv.append("--landlock")
             if network:
@@ -237,8 +243,7 @@ class Profile:
         argv += ["--", *command]
         env = {**env_inside, "HOME": tmp, "TMPDIR": tmp}
         shape = chain_shape(argv[:len(argv) - len(command)],
-                            [str(uid), str(group), call_id, workspace, tmp,
-                             f"{workspace}/{workdir}",
+                            [str(uid), str(group), call_id, workspace, tmp, cwd,
                              *map(str, pass_fds)])
         return Chain(argv, env, pass_fds, shape)
 
@@ -264,16 +269,20 @@ class Profile:
                            uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe",
                            workspace_fd=workspace_fd, gid=gid, read_only=read_only,
                            ro_fds=ro_fds)
-        code, out, err, outside = await run_probe(chain.argv, chain.env, chain.pass_fds,
-                                                  marker)
-        expect = Expect(self.tier, uid, self.user.gid if gid is None else gid, limits, network)
+        code, out, err, outside, cgroups = await run_probe(chain.argv, chain.env,
+                                                           chain.pass_fds, marker)
+        cg = self.cgroup
+        joined = cg is not None and cg.applied and bool(cg.dirs)
+        expect = Expect(self.tier, uid, self.user.gid if gid is None else gid, limits, network,
+                        cgroup_mark=cg_mark(cg.dirs[0]) if cg is not None and joined else "",
+                        cgroup_count=len(cg.procs_files) if cg is not None and joined else 0)
         if code != 0:
             first = (err or out).strip().splitlines()
             why = first[0][:300] if first else f"exit code {code}"
             verified = Verified(expect, None, [f"probe failed: {why}"])
         else:
             try:
-                view = replace(KernelView.parse(out), outside=outside)
+                view = replace(KernelView.parse(out), outside=outside, cgroups=cgroups)
             except ValueError as exc:
                 verified = Verified(expect, None, [f"probe failed: {exc}"])
             else:

@@ -6,9 +6,12 @@ real chain (``Profile.build``) and reports its ``/proc/self/status`` lines
 (Seccomp, NoNewPrivs, Uid, Gid, Groups, capabilities), its namespaces, its
 rlimits, and whether a denied syscall (``unshare(0)``, a no-op otherwise),
 an ``AF_VSOCK`` socket, an ``AF_INET`` socket and a write to a world-writable
-host directory outside the workspace were refused. ``shortfalls`` compares
-that with what the tier promises; ``record_fields`` turns it into the
-record's fields.
+host directory outside the workspace were refused; then it waits while the
+worker reads its ``/proc/<pid>/ns/*`` and ``/proc/<pid>/cgroup`` from the
+host side (``run_probe``; this works at T2-, which has no /proc inside).
+``shortfalls`` compares all that with what the tier promises;
+``Profile.isolation`` turns it into the record's fields and ``kernel_facts``
+into its evidence.
 
 Cost: a chain is probed when tier detection tries it and whenever a call's
 chain has a *shape* (its argv with the per-call values -- uid, limits,
@@ -98,6 +101,8 @@ class Expect:
     gid: int
     limits: ToolLimits
     network: bool
+    cgroup_mark: str = ""  # e.g. "/corral/worker-<pid>" when the worker cgroup applied
+    cgroup_count: int = 0  # how many hierarchies the chain joins (v1: memory and pids)
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class KernelView:
     rlimits: dict[str, tuple[int, int]]
     errnos: dict[str, int]  # 0: the operation worked
     outside: dict[str, str] = field(default_factory=dict)  # the host's view of them
+    cgroups: str = ""  # the host's /proc/<pid>/cgroup of the probe ("" if unread)
 
     @classmethod
     def parse(cls, text: str) -> KernelView:
@@ -201,6 +207,12 @@ def shortfalls(view: KernelView, expect: Expect, host: dict[str, str]) -> list[s
         got = view.rlimits.get(name)
         if got != pair:
             out.append(f"RLIMIT_{name.upper()} not applied: {_fmt(got)}, expected {_fmt(pair)}")
+    if expect.cgroup_mark:
+        joined = sum(1 for line in view.cgroups.splitlines()
+                     if line.endswith(expect.cgroup_mark))
+        if joined < expect.cgroup_count:
+            out.append(f"worker cgroup not joined: {joined} of {expect.cgroup_count} "
+                       f"hierarchies show {expect.cgroup_mark}")
     if tier == "T0":
         return out
     if not view.seccomp_in_force:
@@ -256,12 +268,12 @@ def kernel_facts(view: KernelView, expect: Expect, host: dict[str, str], uid: in
 
 async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int],
                     marker: str = "", timeout_s: float = PROBE_TIMEOUT_S,
-                    ) -> tuple[int, str, str, dict[str, str]]:
+                    ) -> tuple[int, str, str, dict[str, str], str]:
     """Run a probe chain to its end, bounded: (exit code, stdout, stderr, the
-    probe's namespaces read from the host). With ``marker`` (the probe was
+    probe's namespaces and cgroups read from the host). With ``marker`` (the probe was
     given ``--hold MARKER``), once the report line is out the probe process is
     found among the head's descendants by its marker and its
-    ``/proc/<pid>/ns/*`` read, then its stdin is closed. Closes ``pass_fds``
+    ``/proc/<pid>/ns/*`` and ``cgroup`` read, then its stdin is closed. Closes ``pass_fds``
     once started."""
     try:
         with spawning():
@@ -271,18 +283,19 @@ async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int
                 start_new_session=True)
             MANAGED_HEADS.add(proc.pid)
     except OSError as exc:
-        return 127, "", f"{argv[0]}: {exc.strerror}", {}
+        return 127, "", f"{argv[0]}: {exc.strerror}", {}, ""
     finally:
         for fd in pass_fds:
             os.close(fd)
     outside: dict[str, str] = {}
+    cgroups = ""
     try:
         async with asyncio.timeout(timeout_s):
             first = b""
             if marker and proc.stdout is not None:
                 first = await proc.stdout.readline()
                 if first.startswith(b"{"):
-                    outside = _namespaces_of(proc.pid, marker)
+                    outside, cgroups = _host_view(proc.pid, marker)
             if proc.stdin is not None:
                 proc.stdin.close()
             out, err = await proc.communicate()
@@ -290,16 +303,17 @@ async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return 124, "", "probe timed out", {}
+        return 124, "", "probe timed out", {}, ""
     finally:
         MANAGED_HEADS.discard(proc.pid)
     code = proc.returncode if proc.returncode is not None else 1
-    return code, out.decode(errors="replace"), err.decode(errors="replace").strip(), outside
+    return (code, out.decode(errors="replace"), err.decode(errors="replace").strip(), outside,
+            cgroups)
 
 
-def _namespaces_of(head: int, marker: str) -> dict[str, str]:
-    """The namespaces of the descendant of ``head`` whose argv holds ``marker``,
-    as the host sees them (empty if it is not found)."""
+def _host_view(head: int, marker: str) -> tuple[dict[str, str], str]:
+    """The namespaces and the cgroup file of the descendant of ``head`` whose
+    argv holds ``marker``, as the host sees them (empty if it is not found)."""
     try:
         for child in psutil.Process(head).children(recursive=True):
             with contextlib.suppress(psutil.Error):
@@ -308,7 +322,10 @@ def _namespaces_of(head: int, marker: str) -> dict[str, str]:
                     for name in NAMESPACES:
                         with contextlib.suppress(OSError):
                             out[name] = os.readlink(f"/proc/{child.pid}/ns/{name}")
-                    return out
+                    cgroups = ""
+                    with contextlib.suppress(OSError), open(f"/proc/{child.pid}/cgroup") as f:
+                        cgroups = f.read(65536)
+                    return out, cgroups
     except psutil.Error:
         pass
-    return {}
+    return {}, ""

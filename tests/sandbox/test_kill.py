@@ -93,8 +93,10 @@ def own_range(tier: str) -> range:
 
 
 def start(procs: Procs, tier: str, uids: range) -> Stack:
+    # The range's lock files live with the test, not in the host's lock directory.
     extra = ["--tool-grace-s", str(GRACE_S), "--sandbox-uid-range",
-             f"{uids.start}:{len(uids)}"]
+             f"{uids.start}:{len(uids)}", "--sandbox-uid-lock-dir",
+             str(procs.log_dir / "uid-locks")]
     if tier == "T0":
         extra.append("--allow-unsandboxed")
     try:

@@ -21,9 +21,10 @@ import pytest
 
 from broker.client import BrokerClient
 from sandbox_worker.api import Tier
+from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.detect import detect
 from sandbox_worker.sandbox.errors import ToolError
-from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
+from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, merge_limits
 from sandbox_worker.sandbox.profile import Chain, Profile
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.user import SandboxUser, ensure_user
@@ -149,6 +150,28 @@ def test_probe_notices_a_dropped_layer(monkeypatch: pytest.MonkeyPatch, user: Sa
     assert any(expected in p for p in problems), (layer, problems)
 
 
+@pytest.mark.parametrize("tier", ["T2", "T1"])
+def test_probe_notices_a_chain_that_skips_the_worker_cgroup(
+        monkeypatch: pytest.MonkeyPatch, user: SandboxUser, filters: SeccompFilters,
+        scratch: str, tier: Tier) -> None:
+    cgroup = WorkerCgroup(1 << 30, 512)
+    cgroup.setup()
+    try:
+        if not cgroup.applied:
+            pytest.skip(f"no worker cgroup here: {cgroup.reason}")
+
+        def problems() -> list[str]:
+            _, verified = asyncio.run(Profile(tier, user, filters, cgroup).verify_chain(
+                scratch, network=False, uid=user.uid, tmpdir=scratch))
+            return verified.problems
+
+        assert problems() == []
+        break_builder(monkeypatch, lambda tokens: tokens[tokens.index("setpriv"):])
+        assert any("worker cgroup not joined" in p for p in problems())
+    finally:
+        cgroup.close()
+
+
 def test_detection_drops_a_tier_whose_seccomp_is_gone(monkeypatch: pytest.MonkeyPatch,
                                                       user: SandboxUser,
                                                       filters: SeccompFilters) -> None:
@@ -193,6 +216,39 @@ def test_a_call_whose_chain_lost_a_layer_is_refused(monkeypatch: pytest.MonkeyPa
     assert record["kernel"] is not None
     assert record["kernel"]["seccomp_mode"] == 0
     assert any("seccomp" in d for d in record["degraded"])
+
+
+@pytest.mark.parametrize("tier", ["T2", "T1"])
+def test_calls_differing_in_per_call_values_share_one_probe(
+        user: SandboxUser, filters: SeccompFilters, scratch: str, tier: Tier) -> None:
+    """The per-call cost stays a look-up: uid, limits, workdir and call id are
+    masked in the shape; a network grant is a new shape, probed once."""
+    profile = Profile(tier, user, filters, None)
+    profile.verified.update(asyncio.run(detect(profile, user.uid)).verified[tier])
+    os.makedirs(Path(scratch) / "sub")
+    os.chmod(Path(scratch) / "sub", 0o777)
+    os.chmod(scratch, 0o777)
+    other_uid = 4_100_000 + os.getpid() % 100_000  # no process of it exists
+
+    async def call(uid: int, workdir: str, limits: dict[str, int], network: bool) -> int:
+        # bound by a pinned fd, as the tool service binds every workspace
+        fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            run = await run_shell(profile, {"command": "true", "workdir": workdir}, scratch,
+                                  merge_limits(DEFAULT_LIMITS, limits), network=network,
+                                  uid=uid, call_id=f"c-{uid}-{workdir}", remaining_s=30.0,
+                                  on_chunk=None, grace_s=0.5, workspace_fd=fd)
+        finally:
+            os.close(fd)
+        return run.outcome.exit_code or 0
+
+    assert asyncio.run(call(user.uid, ".", {}, False)) == 0
+    assert asyncio.run(call(other_uid, "sub", {"cpu_s": 5, "tmpfs_bytes": 64 << 20},
+                            False)) == 0
+    assert len(profile.verified) == 1
+    assert asyncio.run(call(other_uid, ".", {}, True)) == 0
+    assert asyncio.run(call(user.uid, "sub", {"open_files": 64}, True)) == 0
+    assert len(profile.verified) == 2
 
 
 def test_unprobed_chain_is_recorded_as_unverified(user: SandboxUser,
