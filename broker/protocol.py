@@ -33,6 +33,7 @@ Exception tree::
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -167,8 +168,33 @@ _unpackb: Final = msgpack.unpackb
 
 
 def pack(obj: Any) -> bytes:
-    """Encode an application payload (a msgpack-friendly object)."""
-    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    """Encode an application payload (a msgpack-friendly object).
+
+    Strings go on the wire as UTF-8 (``use_bin_type``: bytes stay bin), and
+    ``unpack`` refuses invalid UTF-8 (``MalformedMessage``). A str holding a
+    lone surrogate (an ``os.fsdecode``d name, a JSON ``"\\ud800"``) cannot be
+    UTF-8: rather than fail the whole message, each one is replaced with
+    U+FFFD (``scrub_surrogates``). Producers that need another rendering
+    (file names shown escaped) apply it before."""
+    try:
+        return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    except UnicodeEncodeError:
+        return msgpack.packb(scrub_surrogates(obj), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def scrub_surrogates(obj: Any) -> Any:
+    """``obj`` with every lone surrogate in its strings (keys too) replaced by
+    U+FFFD; containers are copied, other values kept."""
+    if isinstance(obj, str):
+        return _SURROGATE.sub("\ufffd", obj)
+    if isinstance(obj, dict):
+        return {scrub_surrogates(k): scrub_surrogates(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [scrub_surrogates(v) for v in obj]
+    return obj
 
 
 def unpack(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from broker import protocol
+from broker import plants, protocol  # plants: chaos plant switches
 from broker.protocol import FailureKind
 from broker.records import (
     MAX_STATUS_CLIENTS,
@@ -466,6 +466,8 @@ class Dispatcher:
                 if not idle:
                     del self._idle[service]
         for req in worker.in_flight.values():
+            if plants.on("lost_call_as_timeout"):  # chaos plant: left to its deadline
+                continue
             if not req.closed:
                 self._answer_failure(req, FailureKind.WORKER_LOST, reason, True, out,
                                      cancel_at_worker=False)

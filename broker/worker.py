@@ -412,10 +412,13 @@ class BrokerWorker:
             return protocol.Failure(rid, kind, _clip(exc.message), exc.retryable,
                                     exc.body if len(exc.body) <= self.max_message_bytes
                                     else b"")
-        except Exception as exc:  # message boundary: the traceback stays in this log
+        except Exception:  # message boundary: the traceback stays in this log
+            # Neither the exception's name nor its text crosses the wire: it may
+            # echo input, and it reaches whoever reads the failure (the model).
             log.exception("handler for %s failed on request %s", ctx.service, rid)
             return protocol.Failure(rid, FailureKind.INTERNAL,
-                                    _clip(f"{type(exc).__name__}: {exc}"), False)
+                                    f"the {_clip(ctx.service)} service failed unexpectedly; "
+                                    "the worker's log has the details", False)
         if not isinstance(body, bytes):
             return protocol.Failure(rid, FailureKind.INTERNAL,
                                     f"handler returned {type(body).__name__}, not bytes", False)

@@ -23,14 +23,128 @@ Invariants:
   (an environment variable name on the worker), never its value.
 - Every size that can grow (output, items, arguments) is bounded by the
   worker and reported (``truncated``) rather than silently cut.
+- One source of truth for sizes that reach the supervisor's store: the store
+  bounds an item at ``STORE_ITEM_BYTES`` of encoded JSON (``json_text``), and a
+  tool result's ``output`` is at most ``TOOL_OUTPUT_BYTES`` as a JSON string
+  (quotes and escapes counted), which leaves ``ITEM_ENVELOPE_BYTES`` for the
+  item's other fields. Both sides measure with ``json_text``, so no encoding
+  overhead (escapes, U+FFFD, lone surrogates) can make them disagree.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Final, Literal, NotRequired, TypeAlias, TypedDict
 
 SERVICE_TOOL: Final = "tool"
 SERVICE_MODEL: Final = "model"
+
+# --------------------------------------------------------------------------
+# Sizes and text encoding: one source of truth for the worker and the store
+# --------------------------------------------------------------------------
+
+# The store's bounds on one transcript item and one event payload, in bytes of
+# the compact UTF-8 JSON it writes (``json_text``); ``supervisor.store.codec``
+# takes its defaults from here.
+STORE_ITEM_BYTES: Final = 1 << 20
+STORE_PAYLOAD_BYTES: Final = 1 << 20
+# What a ``function_call_output`` item holds besides its output: the type, a
+# call_id of at most MAX_CALL_ID_CHARS (6 bytes each at worst), ``is_error``.
+ITEM_ENVELOPE_BYTES: Final = 4 << 10
+# The bound on ``ToolCallResult.output`` as a JSON string, quotes included.
+TOOL_OUTPUT_BYTES: Final = STORE_ITEM_BYTES - ITEM_ENVELOPE_BYTES
+MAX_CALL_ID_CHARS: Final = 256
+# Lone surrogates (from os.fsdecode of a non-UTF-8 name, or a JSON "\ud800"
+# escape) cannot be encoded as UTF-8.
+SURROGATES: Final = re.compile("[\ud800-\udfff]")
+_COMPACT: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False,
+                                   allow_nan=False)
+_SORTED: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False,
+                                  allow_nan=False, sort_keys=True)
+
+
+def _escape_surrogate(m: re.Match[str]) -> str:
+    return f"\\u{ord(m.group()):04x}"
+
+
+def json_text(value: Any, *, sort_keys: bool = False) -> tuple[str, int]:
+    """Compact JSON of ``value`` as the store writes it, and its UTF-8 size.
+
+    Non-ASCII is kept; a lone surrogate (which UTF-8 cannot carry) is written
+    as its ``\\uXXXX`` escape, so the text is always valid UTF-8 and reads back
+    as the same string. NaN and infinities raise ``ValueError``; values that
+    are not JSON raise ``TypeError``."""
+    text = (_SORTED if sort_keys else _COMPACT).encode(value)
+    try:
+        return text, len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        text = SURROGATES.sub(_escape_surrogate, text)
+        return text, len(text.encode("utf-8"))
+
+
+def json_size(value: Any) -> int:
+    """Bytes of ``value`` as the store writes it (``json_text``)."""
+    return json_text(value)[1]
+
+
+def replace_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD (for model text)."""
+    return SURROGATES.sub("\ufffd", text)
+
+
+def _body_size(text: str) -> int:
+    """Bytes of ``text`` inside a JSON string as ``json_text`` writes it (no quotes)."""
+    enc = _COMPACT.encode(text)
+    try:
+        return len(enc.encode("utf-8")) - 2
+    except UnicodeEncodeError:  # a lone surrogate: 3 bytes in surrogatepass, 6 escaped
+        return len(enc.encode("utf-8", "surrogatepass")) - 2 + 3 * len(SURROGATES.findall(enc))
+
+
+_CHUNK: Final = 1 << 15
+
+
+def _prefix_within(text: str, room: int) -> str:
+    """The longest prefix of ``text`` whose JSON body is at most ``room`` bytes.
+    The body size is additive over characters, so whole chunks are summed and
+    only the chunk where the room runs out is bisected: O(n) in C."""
+    used = 0
+    at = 0
+    while at < len(text):
+        chunk = text[at: at + _CHUNK]
+        size = _body_size(chunk)
+        if used + size > room:
+            lo, hi = 0, len(chunk)  # lo fits, hi does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if used + _body_size(chunk[:mid]) <= room:
+                    lo = mid
+                else:
+                    hi = mid
+            return text[: at + lo]
+        used += size
+        at += len(chunk)
+    return text
+
+
+def fit_text(text: str, max_bytes: int, marker: str) -> tuple[str, bool]:
+    """``text``, or its longest prefix followed by ``marker``, such that the
+    result as a JSON string (``json_size``, quotes and escapes counted) is at
+    most ``max_bytes``. Returns (text, cut). ``marker`` may hold ``{shown}``
+    and ``{total}`` (bytes of JSON text shown and in all); if even the marker
+    does not fit, the result is the marker's longest prefix that does."""
+    total = _body_size(text)
+    if total + 2 <= max_bytes:
+        return text, False
+    # The marker at its longest (shown <= total): the room left for the head.
+    room = max_bytes - 2 - _body_size(marker.format(shown=total, total=total))
+    head = _prefix_within(text, room) if room > 0 else ""
+    out = head + marker.format(shown=_body_size(head), total=total)
+    if _body_size(out) + 2 > max_bytes:
+        out = _prefix_within(out, max(0, max_bytes - 2))
+    return out, True
+
 
 # --------------------------------------------------------------------------
 # Tool service

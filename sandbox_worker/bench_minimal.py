@@ -120,8 +120,8 @@ class Loop:
                 await pool.give_back(lease)
         if run.outcome.exit_code != 0:
             raise TurnFailed(f"the tool call exited {run.outcome.exit_code}: "
-                             f"{render(run, self.limits)[:300]!r}")
-        return render(run, self.limits)
+                             f"{render(run, self.limits)[0][:300]!r}")
+        return render(run, self.limits)[0]
 
     async def session(self, turns: int) -> None:
         items: list[dict[str, Any]] = []

@@ -12,6 +12,7 @@ command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
 [ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] || [ -e /usr/lib/aarch64-linux-gnu/libseccomp.so.2 ] \
   || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_apt+=(libseccomp2)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)  # the CLI's terminal tests (tests/cli/test_terminal.py)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing system packages: ${need_apt[*]}" >&2

@@ -4,21 +4,34 @@ Every command has ``--help``; long work shows progress; ``--json`` gives one
 JSON document (or one JSON event per line for streams) for scripts; errors
 say what to do next and exit non-zero. Exit codes: 0 ok, 1 the work failed
 (a turn aborted, a check failed), 2 usage or configuration error, 3 the farm
-is unavailable.
+is unavailable, 4 a tool call waits for an approval nobody here can give
+(``corral run`` without a terminal), 130 interrupted with Ctrl-C. A closed
+stdout (``corral ... | head``) ends the command quietly with 141, as SIGPIPE
+does for other CLIs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 from pathlib import Path
 
+from broker.plants import PLANTS
+from supervisor import __version__
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+EXIT_NEEDS_APPROVAL = 4
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+VERSION = __version__
+SESSION_STATES = ("running", "waiting_for_approval", "idle", "failed", "terminated",
+                  "suspended")
 
 
 def default_home() -> Path:
@@ -34,42 +47,73 @@ def _json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= n <= 256:
+        raise argparse.ArgumentTypeError("must be between 0 (remote workers only) and 256")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="corral",
         description="Corral: LLM agent sessions with sandboxed tools that survive crashes.",
-        epilog="Start with 'corral up --detach', then 'corral run \"PROMPT\"'. "
-               "'corral COMMAND --help' explains each command.")
+        epilog="Start with 'corral run --workspace DIR \"PROMPT\"' (a first run writes "
+               "HOME/corral.toml; 'corral init' does only that), or keep a farm up with "
+               "'corral up --detach'. 'corral COMMAND --help' explains each command.")
+    parser.add_argument("--version", action="version", version=f"corral {VERSION}",
+                        help="print the version and exit")
     parser.add_argument("--log-level", default="WARNING", help="log level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("init", help="write a commented corral.toml with a working model route",
+                       description="Write HOME/corral.toml (commented) unless it exists. Its "
+                       "[routes.main] uses a provider whose key is in the environment "
+                       "(ANTHROPIC_API_KEY, OPENAI_API_KEY), else the scripted demo model. "
+                       "The first 'corral up' or 'corral run' does the same.")
+    _home(p)
+    _json(p)
 
     p = sub.add_parser("up", help="start a farm (broker, supervisor, sandbox workers)",
                        description="Start a farm. In the foreground it supervises its "
                        "children until Ctrl-C; with --detach it returns once the farm serves "
                        "and writes HOME/farm.json.")
     _home(p)
-    p.add_argument("--workers", type=int, default=None,
-                   help="sandbox workers (default: config, else one per core, at least 2)")
+    p.add_argument("--workers", type=_workers, default=None,
+                   help="sandbox workers (default: config, else one per core, at least 2; "
+                   "0: none here, every worker is remote)")
     p.add_argument("--detach", action="store_true", help="run in the background")
     _json(p)
 
     p = sub.add_parser("down", help="stop the farm gracefully",
                        description="Stop a detached farm: sessions checkpointed, workers "
-                       "drained, no process left behind.")
+                       "drained, no process left behind. With no farm running it does "
+                       "nothing and succeeds.")
     _home(p)
     _json(p)
 
-    p = sub.add_parser("status", help="show processes, workers, sessions and queues")
+    p = sub.add_parser("status", help="show processes, workers, sessions and queues",
+                       description="Show the running farm: its processes and restarts, "
+                       "the workers of each service and host, queues and session counts.")
     _home(p)
     _json(p)
 
     p = sub.add_parser("run", help="submit one user turn and stream its events",
                        description="Submit PROMPT as one user turn and stream the events. "
-                       "Without a running farm at HOME an ephemeral one is started for the "
-                       "run; its store stays in HOME so --session ID continues later. "
-                       "Exits 0 on turn_complete, 1 on abort or failure.")
+                       "Without a running farm at HOME a temporary one runs for the run "
+                       "(reachable by approve, interrupt, show and sessions while it lives); "
+                       "its store stays in HOME so --session ID continues later. With "
+                       "--session and no PROMPT it attaches to the session's running turn "
+                       "and asks for its pending approval. Ctrl-C interrupts the turn "
+                       "(a second Ctrl-C leaves at once). Exits 0 on turn_complete, 1 on "
+                       "abort or failure, 4 when an approval is needed and there is no "
+                       "terminal to ask, 130 after Ctrl-C.")
     _home(p)
-    p.add_argument("prompt", help="the user's message")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the user's message (optional with --session: attach)")
     p.add_argument("--session", default=None, help="continue this session")
     p.add_argument("--model", default=None,
                    help="route name from corral.toml, PROVIDER:MODEL (openai-responses, "
@@ -85,11 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-git-write", action="store_true",
                    help="a new session's tools may write .git in the workspace (its config "
                    "and hooks run on the host; read-only by default); recorded")
-    p.add_argument("--workers", type=int, default=None, help="workers of an ephemeral farm")
+    p.add_argument("--workers", type=_workers, default=None,
+                   help="workers of a temporary farm (default 2)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
     _json(p)
 
-    p = sub.add_parser("approve", help="answer a pending approval request")
+    p = sub.add_parser("approve", help="answer a pending approval request",
+                       description="Answer the approval request ID that session SESSION "
+                       "waits on. An id that is not pending (stale, mistyped, already "
+                       "answered) is refused with exit 1.")
     _home(p)
     p.add_argument("session", help="the session id (see 'corral sessions')")
     p.add_argument("id", help="the approval request id (from exec_approval_request)")
@@ -99,23 +147,57 @@ def build_parser() -> argparse.ArgumentParser:
                    "exact calls later; denied: answer them with an error; abort: end the turn")
     _json(p)
 
-    p = sub.add_parser("interrupt", help="interrupt a session's active turn")
+    p = sub.add_parser("interrupt", help="interrupt a session's active turn",
+                       description="Interrupt the session's running turn: its tools are "
+                       "cancelled and it ends as 'interrupted'; the session stays usable.")
     _home(p)
     p.add_argument("session", help="the session id (see 'corral sessions')")
     _json(p)
 
-    p = sub.add_parser("sessions", help="list sessions")
+    p = sub.add_parser("sessions", help="list sessions with their state, times and turns",
+                       description="List the sessions of the farm at HOME, most recently "
+                       "active first, with created and last-active times, state, turns, "
+                       "route and workspace. Reads the store read-only, so it works with "
+                       "the farm stopped (a turn left running then shows as 'suspended': "
+                       "it resumes when a farm starts).")
     _home(p)
+    p.add_argument("--state", action="append", choices=SESSION_STATES, default=None,
+                   help="only sessions in this state (repeat for several)")
+    p.add_argument("--since", default=None,
+                   help="only sessions active since then: a duration (90s, 30m, 2h, 7d) or "
+                   "a date (2026-12-01 or 2026-12-01T10:00)")
     p.add_argument("--limit", type=int, default=100,
-                   help="list at most this many, by session id (default 100, at most 1000)")
+                   help="list at most this many (default 100, at most 1000)")
     _json(p)
 
-    p = sub.add_parser("show", help="show a session's history, replayed from the store")
+    p = sub.add_parser("show", help="show a session's history, replayed from the store",
+                       description="Replay a session's recorded events. Works with the "
+                       "farm stopped (reads the store read-only).")
     _home(p)
     p.add_argument("session", help="the session id (see 'corral sessions')")
     _json(p)
 
-    p = sub.add_parser("export", help="write a session's latest portable checkpoint")
+    p = sub.add_parser("terminate", help="end a session: abort its turn, refuse new ones",
+                       description="Terminate a session: its running turn is aborted (tools "
+                       "cancelled) and it accepts no further input, also after restarts. "
+                       "Its history stays ('corral show'); 'corral delete' removes it.")
+    _home(p)
+    p.add_argument("session", help="the session id (see 'corral sessions')")
+    _json(p)
+
+    p = sub.add_parser("delete", help="remove a session and its history from the store",
+                       description="Delete a stored session (terminating it first if it "
+                       "runs). Asks for confirmation at a terminal; --yes skips that (needed "
+                       "without a terminal). Files it made in its workspace stay.")
+    _home(p)
+    p.add_argument("session", help="the session id (see 'corral sessions')")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    _json(p)
+
+    p = sub.add_parser("export", help="write a session's latest portable checkpoint",
+                       description="Write the session's latest checkpoint (made at each "
+                       "tool boundary) to --out; 'corral verify' checks it and 'corral "
+                       "import' resumes it in another farm.")
     _home(p)
     p.add_argument("session", help="the session id (see 'corral sessions')")
     p.add_argument("--out", type=Path, required=True, help="the file to write")
@@ -127,7 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path, help="a checkpoint written by 'corral export'")
     _json(p)
 
-    p = sub.add_parser("import", help="resume an exported session in this farm's store")
+    p = sub.add_parser("import", help="resume an exported session in this farm's store",
+                       description="Import a checkpoint from 'corral export' into the store "
+                       "of the (stopped) farm at HOME; the session continues with 'corral "
+                       "run --session ID'.")
     _home(p)
     p.add_argument("file", type=Path, help="a checkpoint written by 'corral export'")
     p.add_argument("--session", default=None, help="the new session id (default: same)")
@@ -152,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _remote_commands(sub)
 
+    p = sub.add_parser("completion", help="print a shell completion script (bash or zsh)",
+                       description="Print a completion script. bash: eval \"$(corral "
+                       "completion bash)\" in ~/.bashrc; zsh: eval \"$(corral completion "
+                       "zsh)\" in ~/.zshrc.")
+    p.add_argument("shell", choices=["bash", "zsh"], help="the shell")
+
     p = sub.add_parser("chaos", help="run a farm under injected faults and check invariants",
                        description="Start a private farm, run scripted sessions through it "
                        "while injecting faults on a seeded schedule, then check every "
@@ -162,11 +253,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of faults")
     p.add_argument("--sessions", type=int, default=8, help="sessions to run (default 8)")
     p.add_argument("--faults", default="all",
-                   help="comma list of fault kinds or groups (process, frame, provider, "
-                   "store), or 'all' (default); e.g. worker_kill_tool,broker_kill")
+                   help="comma list of fault kinds or groups (process, window, cancel, "
+                   "frame, provider, store), or 'all' (default); e.g. "
+                   "worker_kill_tool,crash_publish")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
+    p.add_argument("--fault-gap", type=float, default=2.5, metavar="S",
+                   help="minimum seconds between timed faults (gaps are S to 2S; default "
+                   "2.5): every enabled kind is reached within 2 + 2*S*(kinds-1) s")
+    p.add_argument("--frame-rate", type=float, default=0.02, metavar="R",
+                   help="share of request-traffic frames the broker drops, delays or "
+                   "duplicates (0-0.5, default 0.02)")
+    p.add_argument("--provider-rate", type=float, default=0.15, metavar="R",
+                   help="share of the script's model answers whose first attempt fails "
+                   "(429, 500, hang, cut; default 0.15)")
+    p.add_argument("--plant", action="append", default=[], choices=sorted(PLANTS),
+                   metavar="NAME",
+                   help="switch on a planted bug in the farm's processes, to see the "
+                   "checker catch it (repeatable): " + "; ".join(
+                       f"{name}: {what}" for name, what in sorted(PLANTS.items())))
     _json(p)
+    _describe(sub)
     return parser
+
+
+def _describe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Every command (and sub-command) explains itself in its own --help: its
+    one-line summary when it has no longer description."""
+    for name, command in sub.choices.items():
+        if not command.description:
+            command.description = next((a.help for a in sub._choices_actions
+                                        if a.dest == name), None)
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _describe(action)
 
 
 def _remote_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -212,6 +331,15 @@ def _remote_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="log level of the worker processes (default INFO)")
 
 
+def _stdout_closed() -> int:
+    """The reader of our stdout went away (``| head``): stop quietly, as CLIs do.
+    Later writes (and the interpreter's final flush) go to /dev/null."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -222,9 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     handler = getattr(cli_commands, "cmd_" + ns.command.replace("-", "_"))
     try:
         code: int = handler(ns)
+        sys.stdout.flush()
     except KeyboardInterrupt:
         print("corral: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return _stdout_closed()
     return code
 
 

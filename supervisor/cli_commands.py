@@ -10,24 +10,65 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from supervisor import config as config_mod
+from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, VERSION
+from supervisor.cli_output import print_json as _print_json
+from supervisor.cli_output import say_error
 from supervisor.cli_remote import cmd_keys, cmd_worker, render_hosts  # noqa: F401 (commands)
+from supervisor.cli_render import clean
+from supervisor.cli_sessions import (  # noqa: F401 (commands)
+    cmd_delete,
+    cmd_sessions,
+    cmd_show,
+    cmd_terminate,
+)
 from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.config import ConfigError
 from supervisor.farm.layout import FarmPaths
 from supervisor.farm.root import Farm, running_farm, serve_forever, start_detached, stop_detached
 
 
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
-    sys.stdout.flush()
+def ensure_config(home: Path, say: Any) -> Path:
+    """Write HOME/corral.toml on first use and say which route it chose."""
+    path, chosen = config_mod.write_default(home)
+    if chosen is not None:
+        say(f"wrote {path}: [routes.main] is {chosen}; edit it to change models")
+    return path
+
+
+def _stderr(msg: str) -> None:
+    print(f"corral: {clean(msg)}", file=sys.stderr)
+
+
+def cmd_init(ns: Namespace) -> int:
+    try:
+        path, chosen = config_mod.write_default(ns.home)
+    except OSError as exc:
+        return say_error(ns, "usage", f"cannot write {ns.home / 'corral.toml'}: "
+                         f"{exc.strerror}; choose another --home", EXIT_USAGE)
+    if ns.json:
+        _print_json({"ok": True, "config": str(path), "written": chosen is not None,
+                     "route": chosen})
+    elif chosen is None:
+        print(f"{path} exists; left as it is (delete it to start over)")
+    else:
+        print(f"wrote {path}: [routes.main] is {chosen}.\n"
+              f"Try: corral run --home {ns.home} --workspace DIR \"list the files\"")
+    return EXIT_OK
+
+
+def cmd_completion(ns: Namespace) -> int:
+    from supervisor.cli import build_parser
+    from supervisor.cli_completion import script
+
+    sys.stdout.write(script(ns.shell, build_parser(), VERSION))
+    return EXIT_OK
 
 
 def _no_farm(home: Path, as_json: bool) -> int:
@@ -48,6 +89,8 @@ def cmd_up(ns: Namespace) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     try:
+        ensure_config(ns.home, _stderr if not ns.json else lambda _m: None)
+        config_mod.load(ns.home)  # a bad config is said here, before detaching
         if ns.detach:
             if not ns.json:
                 print(f"starting a farm at {ns.home} ...", file=sys.stderr)
@@ -59,11 +102,11 @@ def cmd_up(ns: Namespace) -> int:
             return EXIT_OK
         farm = Farm(ns.home, workers=ns.workers)
     except ConfigError as exc:
-        print(f"corral: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(ns, "config", str(exc), EXIT_USAGE)
+    except OSError as exc:
+        return say_error(ns, "usage", f"cannot use {ns.home}: {exc}", EXIT_USAGE)
     except RuntimeError as exc:
-        print(f"corral: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return say_error(ns, "start_failed", str(exc), EXIT_FAILED)
     print(f"farm at {ns.home}: starting {len(farm.specs)} processes; Ctrl-C stops it",
           file=sys.stderr)
     return asyncio.run(serve_forever(farm))
@@ -71,7 +114,18 @@ def cmd_up(ns: Namespace) -> int:
 
 def cmd_down(ns: Namespace) -> int:
     if not running_farm(ns.home):
-        return _no_farm(ns.home, ns.json)
+        # An idempotent stop: nothing runs, so there is nothing to do.
+        if ns.json:
+            _print_json({"ok": True, "killed_after_timeout": [], "was_running": False})
+        else:
+            print(f"no farm running at {ns.home}; nothing to stop")
+        return EXIT_OK
+    info = running_farm(ns.home) or {}
+    if info.get("temporary"):
+        return say_error(ns, "usage", f"the farm at {ns.home} is the temporary farm of a "
+                         f"'corral run' (pid {info.get('root_pid')}); it stops "
+                         "when that run ends: interrupt it with Ctrl-C there, or "
+                         "corral interrupt SESSION", EXIT_USAGE)
     killed = stop_detached(ns.home)
     if ns.json:
         _print_json({"ok": True, "killed_after_timeout": killed})
@@ -81,7 +135,9 @@ def cmd_down(ns: Namespace) -> int:
 
 
 def _print_farm(info: dict[str, Any]) -> None:
-    print(f"farm {info.get('state')} at {info.get('home')} (root pid {info.get('root_pid')})")
+    kind = " (temporary: the farm of one corral run)" if info.get("temporary") else ""
+    print(f"farm {info.get('state')} at {info.get('home')} (root pid {info.get('root_pid')})"
+          f"{kind}")
     for child in info.get("children", []):
         print(f"  {child['name']:<16} pid {child['pid']!s:<8} {child['state']:<10} "
               f"restarts {child['restarts']}")
@@ -102,7 +158,7 @@ def cmd_status(ns: Namespace) -> int:
     _print_farm(info)
     sup = status["supervisor"]
     if "error" in sup:
-        print(f"supervisor: {sup['error']}")
+        print(f"supervisor: {clean(str(sup['error']))}")
         return EXIT_OK
     broker = sup.get("broker", {})
     queues = broker.get("queues", {})
@@ -110,7 +166,7 @@ def cmd_status(ns: Namespace) -> int:
         print(f"  service {service:<8} workers idle {w.get('idle', 0)} busy {w.get('busy', 0)} "
               f"queued {queues.get(service, 0)}")
     for line in render_hosts(broker):
-        print(line)
+        print(clean(line))  # host names and identities come from remote workers
     sessions = dict(sup.get("sessions", {}))
     lag, lag_max = sessions.pop("loop_lag_s", None), sessions.pop("loop_lag_max_60s_s", None)
     if sessions:
@@ -139,37 +195,8 @@ def _with_farm(ns: Namespace, call: str, **args: Any) -> tuple[int, Any]:
         if ns.json:
             _print_json({"ok": False, "error": {"kind": exc.kind, "message": exc.message}})
         else:
-            print(f"corral: {exc.message} ({exc.kind})", file=sys.stderr)
+            print(f"corral: {clean(exc.message)} ({clean(exc.kind)})", file=sys.stderr)
         return EXIT_FAILED, None
-
-
-def cmd_sessions(ns: Namespace) -> int:
-    code, result = _with_farm(ns, "list_sessions", limit=ns.limit)
-    if code != EXIT_OK:
-        return code
-    if ns.json:
-        _print_json(result)
-        return EXIT_OK
-    for s in result.get("sessions", []):
-        print(f"{s['session_id']}  {s.get('status', ''):<8} route {s.get('route', '')}  "
-              f"{s.get('workspace', '')}")
-    return EXIT_OK
-
-
-def cmd_show(ns: Namespace) -> int:
-    code, result = _with_farm(ns, "history", session_id=ns.session, after_sequence=0,
-                              limit=5000)
-    if code != EXIT_OK:
-        return code
-    if ns.json:
-        _print_json(result)
-        return EXIT_OK
-    from supervisor.cli_render import Renderer
-
-    renderer = Renderer(sys.stdout)
-    for event in result.get("events", []):
-        renderer.render(event)
-    return EXIT_OK
 
 
 def _submit(ns: Namespace, op: dict[str, Any]) -> int:
@@ -183,6 +210,16 @@ def _submit(ns: Namespace, op: dict[str, Any]) -> int:
 
 
 def cmd_approve(ns: Namespace) -> int:
+    code, described = _with_farm(ns, "describe", session_id=ns.session)
+    if code != EXIT_OK:
+        return code
+    pending = (described or {}).get("pending_approval") or {}
+    if pending.get("id") != ns.id:
+        now = (f"it waits on {pending.get('id')}" if pending.get("id")
+               else "it waits on no approval")
+        return say_error(ns, "unknown_approval", f"approval {ns.id!r} is not pending in "
+                         f"session {ns.session} ({now}); see it with: corral show "
+                         f"{ns.session}", EXIT_FAILED)
     return _submit(ns, {"type": "exec_approval", "id": ns.id, "decision": ns.decision})
 
 
@@ -248,7 +285,7 @@ def cmd_verify(ns: Namespace) -> int:
     elif problems:
         print(f"{ns.file}: FAILED", file=sys.stderr)
         for p in problems:
-            print(f"  - {p}", file=sys.stderr)
+            print(f"  - {clean(p)}", file=sys.stderr)  # text from an untrusted file
     else:
         print(f"{ns.file}: ok")
     return EXIT_OK if not problems else EXIT_FAILED
@@ -264,9 +301,14 @@ def cmd_import(ns: Namespace) -> int:
 
 
 def cmd_fake_llm(ns: Namespace) -> int:
+    """Become the scripted provider (exec): ``kill PID`` then reaches the server
+    itself, and nothing is left behind."""
     argv = [sys.executable, "-m", "sandbox_worker.fakellm", "--script", str(ns.script),
             "--port", str(ns.port), "--host", ns.host]
-    return subprocess.call(argv)
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_PARENT_PID"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)  # never returns
 
 
 def cmd_chaos(ns: Namespace) -> int:

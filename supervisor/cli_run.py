@@ -1,12 +1,19 @@
 """``corral run``: submit one user turn and stream its events; and ``corral import``.
 
-Without a farm at HOME, ``run`` starts an ephemeral one inside this process
-(the embedded default), whose store stays in HOME so ``--session ID`` can
-continue the session later. A ``script:PATH`` model route gets a scripted
-provider started for the run.
+Without a farm at HOME, ``run`` starts a temporary one inside this process.
+It writes ``HOME/farm.json`` (``"temporary": true``) while it lives, so
+``approve``, ``interrupt``, ``show`` and ``sessions`` reach it from another
+shell; its store stays in HOME so ``--session ID`` continues later. A
+``script:PATH`` model route gets a scripted provider started for the run.
 
-Approval requests are answered at the terminal when stdin is one; otherwise
-the command to answer them is printed and the run keeps waiting.
+Approvals: at a terminal the run asks (y/a/n/x). Without one it prints the
+command that answers; with a temporary farm (which stops with the run) it
+then exits at once with code 4: the request stays recorded and
+``corral run --session ID`` (no PROMPT) at a terminal shows it and asks.
+
+Ctrl-C interrupts the turn (as Codex does): the run asks the farm to
+interrupt it, shows the ``turn_aborted`` and exits 130. A second Ctrl-C
+leaves at once and says what became of the turn.
 """
 
 from __future__ import annotations
@@ -15,46 +22,76 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 from argparse import Namespace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sandbox_worker.api import parse_route
-from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
-from supervisor.cli_render import Renderer
+from supervisor.cli import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NEEDS_APPROVAL,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+)
+from supervisor.cli_render import Renderer, clean
 from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.config import ConfigError
 from supervisor.farm.layout import FarmPaths
 from supervisor.farm.root import Farm, running_farm
-from supervisor.farm.tree import ChildSpec, SupervisionTree
+from supervisor.farm.tree import ChildSpec, FarmError, SupervisionTree
 
 TERMINAL = ("turn_complete", "turn_aborted")
 
 
+class RunRefused(Exception):
+    """The run cannot start as asked; the message says what to do instead."""
+
+
+@dataclass
+class FarmHandle:
+    endpoint: str
+    temporary: bool
+
+
 @contextlib.asynccontextmanager
-async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[str]:
-    """Yield the supervisor endpoint of the farm at ``home``, starting an
-    ephemeral one for the duration when none runs."""
-    if running_farm(home) is not None:
-        yield FarmPaths.of(home).supervisor_endpoint
+async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[FarmHandle]:
+    """The farm at ``home``, or a temporary one for the duration (reachable through
+    its farm.json while it lives)."""
+    info = running_farm(home)
+    if info is not None:
+        if info.get("temporary"):
+            raise RunRefused(
+                f"the farm at {home} is the temporary farm of another 'corral run' (pid "
+                f"{info.get('root_pid')}) and stops when it ends; wait for it, or keep a farm "
+                f"up for both: corral up --home {home} --detach")
+        yield FarmHandle(FarmPaths.of(home).supervisor_endpoint, temporary=False)
         return
-    farm = Farm(home, workers=workers or 2)
-    say(f"no farm at {home}; starting an ephemeral one ({len(farm.specs)} processes)")
-    ready = asyncio.Event()
-    async with asyncio.TaskGroup() as tg:
-        task = tg.create_task(farm.tree.run(on_ready=ready.set))
-        waiter = tg.create_task(ready.wait())
-        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            waiter.cancel()
-            task.result()  # raises the start-up failure
+    from supervisor import config as config_mod
+    from supervisor.cli_commands import ensure_config
+
+    ensure_config(home, say)
+    cfg = config_mod.load(home)
+    if workers is None:
+        workers = 2 if cfg.workers is None else cfg.workers
+    if workers == 0 and not cfg.backend_tcp:
+        raise RunRefused("a temporary farm with no local worker could never run a model or "
+                         "tool call: no remote worker can reach it without [farm] backend_tcp "
+                         "in corral.toml; drop --workers 0, or start a lasting farm for "
+                         "remote workers (corral up --workers 0 --detach)")
+    farm = Farm(home, workers=workers, temporary=True)
+    say(f"no farm at {home}; starting a temporary one ({len(farm.specs)} processes) "
+        "for this run")
+    async with farm.started():
         try:
-            yield farm.paths.supervisor_endpoint
+            yield FarmHandle(farm.paths.supervisor_endpoint, temporary=True)
         finally:
-            say("stopping the ephemeral farm")
-            task.cancel()
+            say("stopping the temporary farm")
 
 
 @contextlib.asynccontextmanager
@@ -80,13 +117,20 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def run_turn(ns: Namespace) -> int:
+    if ns.prompt is None and ns.session is None:
+        print("corral: give a PROMPT (or --session ID to attach to a session's running "
+              "turn)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         try:
             return asyncio.run(_run(ns))
         except BaseExceptionGroup as group:
             raise _leaf(group) from None
-    except ConfigError as exc:
-        print(f"corral: {exc}", file=sys.stderr)
+    except (ConfigError, RunRefused) as exc:
+        _fail(ns, "usage", str(exc))
+        return EXIT_USAGE
+    except FarmError as exc:
+        _fail(ns, "start_failed", f"could not start: {exc}")
         return EXIT_USAGE
     except SupervisorError as exc:
         _fail(ns, exc.kind, exc.message)
@@ -101,35 +145,40 @@ def _fail(ns: Namespace, kind: str, message: str) -> None:
     if ns.json:
         sys.stdout.write(json.dumps({"type": "cli_error", "kind": kind,
                                      "message": message}) + "\n")
+        sys.stdout.flush()
     else:
-        print(f"corral: {message} ({kind})", file=sys.stderr)
+        print(f"corral: {clean(message)} ({kind})", file=sys.stderr)
+
+
+async def _script_route(model: str, ns: Namespace, stack: contextlib.AsyncExitStack
+                        ) -> dict[str, Any]:
+    """``--model PROVIDER:MODEL`` or ``script:PATH`` as an inline route (a script gets
+    its provider started for the run; a bad script fails here, in one line)."""
+    try:
+        route = parse_route(model, ns.base_url, name=model)
+    except ValueError as exc:
+        raise RunRefused(str(exc)) from None
+    if route.get("script"):
+        script = await asyncio.to_thread(Path(str(route["script"])).resolve)
+        if not await asyncio.to_thread(script.is_file):
+            raise RunRefused(f"script {script} does not exist")
+        route["script"] = str(script)
+        route["base_url"] = await stack.enter_async_context(scripted_provider(script, ns.home))
+    return dict(route)
 
 
 async def _run(ns: Namespace) -> int:
     def say(msg: str) -> None:
         if not ns.json:
-            print(f"corral: {msg}", file=sys.stderr)
+            print(f"corral: {clean(msg)}", file=sys.stderr)
 
     route_spec: dict[str, Any] | None = None
     model = ns.model
     async with contextlib.AsyncExitStack() as stack:
         if model and ":" in model:
-            try:
-                route = parse_route(model, ns.base_url, name=model)
-            except ValueError as exc:
-                print(f"corral: {exc}", file=sys.stderr)
-                return EXIT_USAGE
-            if route.get("script"):
-                script = await asyncio.to_thread(Path(str(route["script"])).resolve)
-                if not await asyncio.to_thread(script.is_file):
-                    print(f"corral: script {script} does not exist", file=sys.stderr)
-                    return EXIT_USAGE
-                route["script"] = str(script)
-                route["base_url"] = await stack.enter_async_context(
-                    scripted_provider(script, ns.home))
-            route_spec = dict(route)
-        endpoint = await stack.enter_async_context(farm_for(ns.home, ns.workers, say))
-        sv = await stack.enter_async_context(SupervisorClient(endpoint))
+            route_spec = await _script_route(model, ns, stack)
+        farm = await stack.enter_async_context(farm_for(ns.home, ns.workers, say))
+        sv = await stack.enter_async_context(SupervisorClient(farm.endpoint))
         if ns.session and not model:
             # A session on a script: route outlives the provider an earlier run
             # started for it; start one again for this run.
@@ -142,69 +191,247 @@ async def _run(ns: Namespace) -> int:
                     route["base_url"] = await stack.enter_async_context(
                         scripted_provider(script, ns.home))
                     model, route_spec = current, dict(route)
+        run = TurnRun(ns, sv, farm, say)
         async with asyncio.timeout(ns.timeout_s):
-            return await _drive(ns, sv, model, route_spec, say)
+            return await run.drive(model, route_spec)
     return EXIT_FAILED  # pragma: no cover - the stack re-raises
 
 
-async def _drive(ns: Namespace, sv: SupervisorClient, model: str | None,
-                 route_spec: dict[str, Any] | None, say: Any) -> int:
-    session = ns.session
-    if session is None:
-        spec: dict[str, Any] = {"workspace": str((ns.workspace or Path.cwd()).resolve())}
-        if route_spec is not None:
-            spec["route_spec"] = route_spec
-        elif model:
-            spec["route"] = model
-        if ns.approval:
-            spec["approval"] = ns.approval
-        if getattr(ns, "sandbox", None):
-            spec["sandbox_mode"] = ns.sandbox
-        if getattr(ns, "allow_git_write", False):
-            spec["git_writable"] = True
-        session = await sv.create_session(**spec)
-        say(f"session {session}")
-        after = 0
-    else:
-        described = await sv.describe(session)
-        after = int(described.get("last_event_sequence", 0))
-        if route_spec is not None or model:
-            await sv.submit(session, {"type": "set_model",
-                                      "route": model, **({"route_spec": route_spec}
-                                                         if route_spec else {})})
-    submission = await sv.submit(session, {"type": "user_input", "text": ns.prompt})
-    renderer = None if ns.json else Renderer(sys.stdout)
-    interactive = sys.stdin.isatty() and not ns.json
-    async for event in sv.events(session, after_sequence=after):
-        if ns.json:
-            sys.stdout.write(json.dumps(event, sort_keys=True, default=str) + "\n")
-            sys.stdout.flush()
-        elif renderer is not None:
-            renderer.render(event)
-        if event.get("submission_id") != submission:
-            continue
-        etype = event.get("type")
-        payload = event.get("payload", {})
-        if etype == "exec_approval_request":
-            if interactive:
-                decision = await _ask(payload)
-                await sv.submit(session, {"type": "exec_approval", "id": payload.get("id"),
-                                          "decision": decision})
-            elif not ns.json:
-                say(f"answer with: corral approve {session} {payload.get('id')} "
-                    f"--decision approved|approved_for_session|denied|abort")
-        if etype in TERMINAL:
-            return EXIT_OK if etype == "turn_complete" else EXIT_FAILED
-    return EXIT_FAILED
+def session_spec(ns: Namespace, model: str | None,
+                 route_spec: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``create_session`` spec of a new session from the run's options."""
+    spec: dict[str, Any] = {"workspace": str((ns.workspace or Path.cwd()).resolve())}
+    if route_spec is not None:
+        spec["route_spec"] = route_spec
+    elif model:
+        spec["route"] = model
+    if ns.approval:
+        spec["approval"] = ns.approval
+    if getattr(ns, "sandbox", None):
+        spec["sandbox_mode"] = ns.sandbox
+    if getattr(ns, "allow_git_write", False):
+        spec["git_writable"] = True
+    return spec
 
 
-async def _ask(payload: dict[str, Any]) -> str:
-    choices = {"y": "approved", "a": "approved_for_session", "n": "denied", "x": "abort"}
-    prompt = "approve? [y]es / [a]lways this session / [n]o / abort turn [x]: "
+@dataclass
+class TurnRun:
+    """One ``corral run``: follows the session's events until the turn it watches
+    ends, answers approvals, and turns Ctrl-C into an interrupt."""
+
+    ns: Namespace
+    sv: SupervisorClient
+    farm: FarmHandle
+    say: Callable[[str], None]
+    session: str = ""
+    target: str | None = None  # the submission whose turn we follow
+    asked: set[str] = field(default_factory=set)
+    interrupts: int = 0
+    interrupt_sent: bool = False
+    interrupted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def drive(self, model: str | None, route_spec: dict[str, Any] | None) -> int:
+        ns, sv = self.ns, self.sv
+        pending_id: str | None = None
+        if ns.session is None:
+            self.session = await sv.create_session(**session_spec(ns, model, route_spec))
+            self.say(f"session {self.session}")
+            after = live_from = 0
+        else:
+            self.session = ns.session
+            described = await sv.describe(self.session)
+            if described.get("status") == "closed":
+                raise RunRefused(f"session {self.session} is terminated; it takes no more "
+                                 "turns (its history: corral show "
+                                 f"{self.session})")
+            after = live_from = int(described.get("last_event_sequence", 0))
+            active = described.get("active_turn") or {}
+            pending_id = (described.get("pending_approval") or {}).get("id")
+            if active.get("submission_id"):
+                # Show the running turn from its start, with its pending approval.
+                after = min(after, max(0, int(active.get("first_sequence") or 1) - 1))
+                self.target = str(active["submission_id"])
+            if route_spec is not None or model:
+                await sv.submit(self.session, {"type": "set_model", "route": model,
+                                               **({"route_spec": route_spec}
+                                                  if route_spec else {})})
+            if ns.prompt is None and self.target is None:
+                self.say(f"session {self.session} has no running turn; start one with: "
+                         f"corral run --session {self.session} \"PROMPT\"")
+                return EXIT_OK
+            if self.target is not None and pending_id is None:
+                self.say(f"attached to the running turn of session {self.session}")
+        if ns.prompt is not None:
+            self.target = await sv.submit(self.session, {"type": "user_input",
+                                                         "text": ns.prompt})
+        return await self._follow(after, live_from, pending_id)
+
+    async def _follow(self, after: int, live_from: int, pending_id: str | None) -> int:
+        """Render events after ``after``; approval requests after ``live_from`` (or the
+        one pending at attach) are asked for, older ones were answered already."""
+        ns = self.ns
+        renderer = None if ns.json else Renderer(sys.stdout)
+        interactive = sys.stdin.isatty() and not ns.json
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        asks: set[asyncio.Task[None]] = set()
+
+        def on_sigint() -> None:
+            self.interrupts += 1
+            if self.interrupts == 1:
+                self.interrupted.set()
+                t = loop.create_task(self._interrupt())
+                asks.add(t)
+                t.add_done_callback(asks.discard)
+            elif me is not None:
+                me.cancel()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            async for event in self.sv.events(self.session, after_sequence=after):
+                if ns.json:
+                    sys.stdout.write(json.dumps(event, sort_keys=True, default=str) + "\n")
+                    sys.stdout.flush()
+                elif renderer is not None:
+                    renderer.render(event)
+                etype = event.get("type")
+                payload = event.get("payload") or {}
+                if etype == "exec_approval_request":
+                    aid = str(payload.get("id"))
+                    fresh = int(event.get("sequence") or 0) > live_from or aid == pending_id
+                    if fresh and aid not in self.asked:
+                        self.asked.add(aid)
+                        if interactive and renderer is not None:
+                            t = loop.create_task(self._ask(aid, renderer))
+                            asks.add(t)
+                            t.add_done_callback(asks.discard)
+                        else:
+                            code = self._cannot_ask(aid)
+                            if code is not None:
+                                return code
+                if event.get("submission_id") == self.target and etype in TERMINAL:
+                    if self.interrupted.is_set():
+                        self.say("interrupted the turn (Ctrl-C)")
+                        return EXIT_INTERRUPTED
+                    return EXIT_OK if etype == "turn_complete" else EXIT_FAILED
+            return EXIT_FAILED
+        except asyncio.CancelledError:
+            if self.interrupts < 2:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            self._detached()
+            return EXIT_INTERRUPTED
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            for t in list(asks):
+                t.cancel()
+            for t in list(asks):
+                with contextlib.suppress(asyncio.CancelledError, SupervisorError):
+                    await t
+
+    def _detached(self) -> None:
+        if self.interrupt_sent and not self.farm.temporary:
+            self.say(f"left at once (second Ctrl-C); the turn was asked to stop: corral show "
+                     f"{self.session}")
+        elif self.farm.temporary:
+            self.say(f"left at once (second Ctrl-C); the temporary farm stops now, so the "
+                     f"turn is suspended and resumes when a farm starts: corral run --session "
+                     f"{self.session} (no prompt) follows it")
+        else:
+            self.say(f"detached (second Ctrl-C); the turn goes on in the farm: corral "
+                     f"interrupt {self.session}")
+
+    def _cannot_ask(self, approval_id: str) -> int | None:
+        """An approval and no terminal: say how to answer; with a temporary farm (it
+        stops with us) exit now instead of waiting for an answer nobody can give."""
+        answer = (f"corral approve {self.session} {approval_id} "
+                  "--decision approved|approved_for_session|denied|abort")
+        if not self.farm.temporary:
+            if not self.ns.json:
+                self.say(f"answer with: {answer}")
+            return None
+        message = (f"approval {approval_id} needed and there is no terminal to ask. The "
+                   f"request stays recorded: answer it at a terminal with: corral run "
+                   f"--home {self.ns.home} --session {self.session} (no prompt); or keep a "
+                   f"farm up (corral up --detach) and use: {answer}; or run with --approval "
+                   "allow|deny")
+        _fail(self.ns, "needs_approval", message)
+        return EXIT_NEEDS_APPROVAL
+
+    async def _interrupt(self) -> None:
+        """Ctrl-C: interrupt the turn we follow (or say why not)."""
+        self.say("interrupting the turn (Ctrl-C again leaves at once)")
+        try:
+            described = await self.sv.describe(self.session)
+            turn = described.get("active_turn") or {}
+            if not turn.get("turn_id"):
+                self.say("no turn is running yet (Ctrl-C again leaves)")
+                return
+            if self.target is not None and turn.get("submission_id") != self.target:
+                # Never interrupt another client's turn: ours waits behind it.
+                self.say("this run's input waits behind another turn, which is left alone "
+                         "(Ctrl-C again leaves; corral interrupt "
+                         f"{self.session} stops that turn)")
+                return
+            await self.sv.submit(self.session, {"type": "interrupt",
+                                                "turn_id": turn["turn_id"]})
+            self.interrupt_sent = True
+        except SupervisorError as exc:
+            self.say(f"could not interrupt: {exc.message}")
+
+    async def _ask(self, approval_id: str, renderer: Renderer) -> None:
+        decision = await ask_line(renderer)
+        if decision is None:
+            return
+        try:
+            await self.sv.submit(self.session, {"type": "exec_approval", "id": approval_id,
+                                                "decision": decision})
+        except SupervisorError as exc:
+            self.say(f"could not answer approval {approval_id}: {exc.message}")
+
+
+_CHOICES = {"y": "approved", "a": "approved_for_session", "n": "denied", "x": "abort"}
+_PROMPT = "approve? [y]es / [a]lways this session / [n]o / abort turn [x]: "
+
+
+async def ask_line(renderer: Renderer) -> str | None:
+    """Ask at the terminal until a valid answer (None at end of input). Reads stdin
+    with the event loop (no thread left blocked in input() when the turn ends)."""
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
     while True:
-        answer = (await asyncio.to_thread(input, prompt)).strip().lower()[:1]
-        if answer in choices:
-            return choices[answer]
+        renderer.prompt(_PROMPT)
+        line = await _read_line(loop, fd)
+        if line is None:
+            return None
+        answer = line.strip().lower()[:1]
+        if answer in _CHOICES:
+            return _CHOICES[answer]
+
+
+async def _read_line(loop: asyncio.AbstractEventLoop, fd: int) -> str | None:
+    got: asyncio.Future[bytes] = loop.create_future()
+    buf = bytearray()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if not got.done():
+                got.set_exception(exc)
+            return
+        buf.extend(chunk)
+        if (not chunk or b"\n" in buf) and not got.done():
+            got.set_result(bytes(buf))
+
+    loop.add_reader(fd, readable)
+    try:
+        data = await got
+    finally:
+        loop.remove_reader(fd)
+    return data.decode("utf-8", "replace") if data else None
 
 
 def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -215,7 +442,9 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     from supervisor.engine.config import SessionSpec
     from supervisor.engine.tooling import tool_schemas
     from supervisor.export import capability_binding
+    from supervisor.facade import pin_workspace
     from supervisor.main import session_defaults
+    from supervisor.server import CallError
 
     home: Path = ns.home.resolve()
     config_mod.write_default(home)
@@ -231,11 +460,15 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     if not workspace.is_dir():
         raise ConfigError(f"workspace {workspace} is not a directory; create it or pass "
                           "--workspace")
-    values: dict[str, Any] = {**session_defaults(cfg), "workspace": str(workspace),
-                              "route": route}
+    try:  # the checks and the identity pin create_session makes
+        real, extra = pin_workspace(str(workspace), home)
+    except CallError as exc:
+        raise ConfigError(exc.message) from None
+    values: dict[str, Any] = {**session_defaults(cfg), "workspace": real, "route": route}
     if ns.approval:
         values["approval"] = ns.approval
     spec = SessionSpec(**values)
+    spec.extra = {**spec.extra, **extra}
     binding = capability_binding(tool_schemas(spec.tools),
                                  {"approval": spec.approval,
                                   "tool_policy": dict(spec.tool_policy)})
@@ -261,13 +494,15 @@ def _binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
 def import_checkpoint(ns: Namespace) -> int:
     from supervisor.export import BindingMismatch, CheckpointInvalid
     from supervisor.export import import_checkpoint as do_import
+    from supervisor.facade import check_workspace
+    from supervisor.server import CallError
     from supervisor.store import SessionId, Store, StoreError
     from supervisor.store.errors import SessionExists
 
     try:
         doc = json.loads(ns.file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        print(f"corral: cannot read {ns.file}: {exc}", file=sys.stderr)
+        print(f"corral: cannot read {ns.file}: {clean(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     if running_farm(ns.home) is not None:
         print(f"corral: stop the farm first (corral down --home {ns.home}): the supervisor "
@@ -287,6 +522,7 @@ def import_checkpoint(ns: Namespace) -> int:
             wanted = ns.session or doc.get("descriptor", {}).get("session_id")
             if isinstance(wanted, str) and await store.get_session(SessionId(wanted)):
                 raise SessionExists(f"session {wanted} already exists in {ns.home}")
+            await check_workspace(store, str(config["workspace"]), None)
             record = await do_import(store, doc, expected_binding=binding,
                                      new_session_id=ns.session, config=config)
             return str(record.session_id)
@@ -296,7 +532,7 @@ def import_checkpoint(ns: Namespace) -> int:
     try:
         session = asyncio.run(go())
     except CheckpointInvalid as exc:
-        print(f"corral: import refused: {exc}; see every problem with: corral verify "
+        print(f"corral: import refused: {clean(str(exc))}; see every problem with: corral verify "
               f"{ns.file}", file=sys.stderr)
         return EXIT_FAILED
     except BindingMismatch:
@@ -306,11 +542,14 @@ def import_checkpoint(ns: Namespace) -> int:
               "with the same [session]/[sandbox] settings in corral.toml, or pass the "
               "--approval the session ran with", file=sys.stderr)
         return EXIT_FAILED
+    except CallError as exc:
+        print(f"corral: import refused: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
     except StoreError as exc:
         hint = (" pass --session NEW_ID to import it under another id"
                 if getattr(exc, "kind", "") == "session_exists" else "")
-        print(f"corral: import refused: {exc};{hint}" if hint else
-              f"corral: import refused: {exc}", file=sys.stderr)
+        print(clean(f"corral: import refused: {exc};{hint}" if hint else
+                    f"corral: import refused: {exc}"), file=sys.stderr)
         return EXIT_FAILED
     if ns.json:
         sys.stdout.write(json.dumps({"ok": True, "session_id": session}) + "\n")

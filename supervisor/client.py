@@ -271,6 +271,11 @@ class SupervisorClient:
                 return sub_id
             except SupervisorUnavailable:
                 self._subs.pop(sub_id, None)
+                # A slow server may still take the subscribe after our deadline:
+                # withdraw it, or each retry would leave one behind (the server's
+                # calls start in arrival order, so this lands after it).
+                with contextlib.suppress(SupervisorError):
+                    await self._send({"id": 0, "call": "unsubscribe", "args": {"sub": sub_id}})
                 if time.monotonic() + delay_s > deadline:
                     raise
                 await asyncio.sleep(delay_s)

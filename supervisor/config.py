@@ -1,26 +1,37 @@
 """Farm configuration: ``HOME/corral.toml``, read with the standard ``tomllib``.
 
-``corral up`` writes ``DEFAULT_CONFIG`` (commented) on first run. ``load``
+``corral init`` (or the first ``corral up``/``run``) writes ``DEFAULT_CONFIG``
+(commented) with a working ``[routes.main]``: a provider whose key is in the
+environment, else the scripted demo model (``first_route``). ``load``
 validates every field and raises ``ConfigError`` naming the file, the key and
-what to write instead; nothing here reads the network or the environment
-except to check that a named credential variable exists.
+what to write instead, with types in words ("an integer"); a file that is
+not UTF-8 is said so, with the byte and line. Nothing here reads the network;
+the environment is read only to see which provider keys are set (never their
+values) when the first config is written.
 
 Invariants:
 - API keys are never stored in the config: a route names the environment
   variable of the *worker* that holds its key (``credential_env``).
-- Unknown keys are errors (a typo must not silently change behaviour).
+- Unknown keys are errors (a typo must not silently change behaviour), and so
+  are unknown ``[[hooks.EVENT]]`` events: a hook in the file is either run
+  (every session's command hooks, in the sandbox) or refused at start-up.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sandbox_worker.api import PROVIDERS, TIER_ORDER, ModelRoute, ToolLimits
 from sandbox_worker.api import parse_route as parse_api_route
+from supervisor.engine.config import MAX_COMMAND_HOOKS
+from supervisor.engine.hooks import HookEvent
 
 DEFAULT_CONFIG = """\
 # Corral farm configuration. Edit and restart the farm (corral down; corral up).
@@ -39,6 +50,8 @@ liveness = 4                 # missed heartbeats before a peer counts as dead
 tier_min = "T2"              # refuse to run tools below this tier (T0 < T1 < T2- < T2)
 allow_unsandboxed = false    # T0 opt-in; recorded on every tool result
 network = false              # grant network to tools (recorded on every result)
+mode = "workspace-write"     # or "read-only": the workspace is bound read-only
+git_writable = false         # true: tools may write .git (config, hooks run on the host)
 
 [sandbox.limits]
 wall_s = 600
@@ -61,17 +74,29 @@ approval_timeout_s = 0       # > 0: an unanswered approval denies its calls afte
 compaction_threshold_tokens = 100000
 instructions = "You are a careful coding agent. Use the tools to do the work."
 
-# Model routes. A route is either a provider route or a scripted one.
+# Model routes. A route is either a provider route or a scripted one; a
+# session uses default_route unless corral run --model names another.
 # Keys come from the workers' environment: CORRAL_API_KEY or the provider's
 # usual variable (OPENAI_API_KEY, ANTHROPIC_API_KEY), or credential_env.
 #
-# [routes.main]
+# [routes.local]
 # provider = "openai-chat"     # openai-responses | openai-chat | anthropic
 # model = "qwen2.5"
 # base_url = "http://127.0.0.1:8000/v1"
 #
 # [routes.offline]
-# script = "script.json"       # a scripted provider serving this file
+# script = "script.json"       # a scripted provider serving this file (docs/models.md)
+
+# Command hooks: a program run IN THE SANDBOX (as a shell tool call) at a hook
+# event, with the event as JSON on stdin. The last line of its stdout may be a
+# JSON verdict, e.g. {"deny": "why"} or {"allow": true}; empty output: no
+# opinion. For pre_tool, permission_request and user_prompt_submit a crash,
+# a timeout or unreadable output counts as DENY. Events: session_start,
+# user_prompt_submit, pre_model, model_request, pre_tool, permission_request,
+# post_tool, pre_compact, post_compact, stop, turn_end, session_end.
+# [[hooks.pre_tool]]
+# command = "python3 /opt/policy/check_tool.py"
+# timeout_s = 10               # (0, 600]; default 10
 
 # Portable checkpoints are exported at every tool boundary to each sink.
 # [[export.sinks]]
@@ -102,6 +127,8 @@ class FarmConfig:
     tier_min: str = "T2"
     allow_unsandboxed: bool = False
     network: bool = False
+    sandbox_mode: str = "workspace-write"  # or "read-only" (sandbox_worker.api.SANDBOX_MODES)
+    git_writable: bool = False
     limits: dict[str, Any] = field(default_factory=dict)
     default_route: str = "main"
     approval: str = "ask"
@@ -117,7 +144,9 @@ class FarmConfig:
     instructions: str = "You are a careful coding agent. Use the tools to do the work."
     routes: dict[str, ModelRoute] = field(default_factory=dict)  # incl. script routes
     export_sinks: tuple[dict[str, Any], ...] = ()
-    hooks: dict[str, Any] = field(default_factory=dict)
+    # [[hooks.EVENT]] tables as the session spec's command hooks:
+    # ({"event", "command", "timeout_s"}, ...) in file order.
+    hooks: tuple[dict[str, Any], ...] = ()
     tenants: dict[str, Any] = field(default_factory=dict)
 
 
@@ -131,14 +160,64 @@ def _check_keys(path: Path, where: str, table: dict[str, Any], allowed: set[str]
         raise _fail(path, where, f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
 
 
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+               list: "a list", dict: "a table"}
+
+
+def _type_words(typ: type | tuple[type, ...]) -> str:
+    """``int`` -> "an integer"; ``(int, float)`` -> "a number" (what the user writes)."""
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if set(types) == {int, float}:
+        return "a number"
+    return " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in types)
+
+
 def _typed(path: Path, where: str, table: dict[str, Any], key: str, typ: type | tuple[type, ...],
            default: Any) -> Any:
     value = table.get(key, default)
     if value is default:
         return value
-    if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, float)):
-        raise _fail(path, f"{where}.{key}", f"must be {typ}, got {value!r}")
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if not isinstance(value, typ) or (isinstance(value, bool) and bool not in types):
+        raise _fail(path, f"{where}.{key}", f"must be {_type_words(typ)}, got {value!r}")
     return value
+
+
+def _table(path: Path, where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(path, where, f"must be a table ([{where}]), got {value!r}")
+    return value
+
+
+def parse_hooks(path: Path, table: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """``[[hooks.EVENT]]`` tables -> the session's command hooks, checked here so a
+    hook the user wrote is either run or refused at start-up, never ignored."""
+    events = [str(e) for e in HookEvent]
+    hooks: list[dict[str, Any]] = []
+    for event, entries in table.items():
+        if event not in events:
+            raise _fail(path, f"hooks.{event}", f"unknown hook event; one of {events}")
+        if isinstance(entries, dict):
+            entries = [entries]
+        if not isinstance(entries, list):
+            raise _fail(path, f"hooks.{event}", "must be a list of tables "
+                        f"([[hooks.{event}]] with command = \"...\")")
+        for i, entry in enumerate(entries):
+            where = f"hooks.{event}[{i}]"
+            _check_keys(path, where, _table(path, where, entry), {"command", "timeout_s"})
+            command = entry.get("command")
+            if not isinstance(command, str) or not command.strip():
+                raise _fail(path, f"{where}.command", "is required (the program to run, "
+                            "a non-empty string)")
+            timeout_s = _typed(path, where, entry, "timeout_s", (int, float), 10.0)
+            if not 0 < timeout_s <= 600:
+                raise _fail(path, f"{where}.timeout_s", "must be above 0 and at most 600")
+            hooks.append({"event": event, "command": command, "timeout_s": float(timeout_s)})
+    if len(hooks) > MAX_COMMAND_HOOKS:
+        raise _fail(path, "hooks", f"at most {MAX_COMMAND_HOOKS} hooks")
+    return tuple(hooks)
+
+
 
 
 def parse_route(path: Path, name: str, table: dict[str, Any]) -> ModelRoute:
@@ -167,12 +246,28 @@ def load(home: Path) -> FarmConfig:
     """Read ``home/corral.toml`` (missing file: all defaults)."""
     path = home / "corral.toml"
     raw: dict[str, Any] = {}
-    if path.exists():
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        data = None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror}); check its permissions"
+                          ) from None
+    if data is not None:
         try:
-            raw = tomllib.loads(path.read_text())
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            raise ConfigError(f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} on line "
+                              f"{line}); save the file as UTF-8") from None
+        try:
+            raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     _check_keys(path, "top level", raw, _SECTIONS)
+    for section in _SECTIONS:
+        if section in raw:
+            _table(path, section, raw[section])
     farm = raw.get("farm", {})
     _check_keys(path, "farm", farm, {"workers", "heartbeat_interval_s", "liveness",
                                      "backend_tcp"})
@@ -180,9 +275,17 @@ def load(home: Path) -> FarmConfig:
     if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
         raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
     sandbox = raw.get("sandbox", {})
-    _check_keys(path, "sandbox", sandbox, {"tier_min", "allow_unsandboxed", "network", "limits"})
-    limits = sandbox.get("limits", {})
+    _check_keys(path, "sandbox", sandbox, {"tier_min", "allow_unsandboxed", "network", "limits",
+                                           "mode", "git_writable"})
+    mode = _typed(path, "sandbox", sandbox, "mode", str, "workspace-write")
+    if mode not in ("workspace-write", "read-only"):
+        raise _fail(path, "sandbox.mode", 'must be "workspace-write" or "read-only"')
+    limits = _table(path, "sandbox.limits", sandbox.get("limits", {}))
     _check_keys(path, "sandbox.limits", limits, _LIMIT_KEYS)
+    for key in limits:
+        value = _typed(path, "sandbox.limits", limits, key, (int, float), None)
+        if value is not None and value < 0:
+            raise _fail(path, f"sandbox.limits.{key}", "must not be negative")
     tier_min = _typed(path, "sandbox", sandbox, "tier_min", str, "T2")
     if tier_min not in TIER_ORDER:
         raise _fail(path, "sandbox.tier_min", f"must be one of {list(TIER_ORDER)}")
@@ -204,12 +307,14 @@ def load(home: Path) -> FarmConfig:
             raise _fail(path, f"routes.{name}", "must be a table")
         routes[name] = parse_route(path, name, table)
     sinks = raw.get("export", {}).get("sinks", [])
+    if not isinstance(sinks, list):
+        raise _fail(path, "export.sinks", "must be a list of tables ([[export.sinks]])")
     for i, sink in enumerate(sinks):
         if not isinstance(sink, dict) or sink.get("type") not in ("directory", "http"):
             raise _fail(path, f"export.sinks[{i}]", "needs type = \"directory\" or \"http\"")
     workers = _typed(path, "farm", farm, "workers", int, None)
-    if workers is not None and not 1 <= workers <= 256:
-        raise _fail(path, "farm.workers", "must be between 1 and 256")
+    if workers is not None and not 0 <= workers <= 256:
+        raise _fail(path, "farm.workers", "must be between 0 (remote workers only) and 256")
     return FarmConfig(
         home=home,
         workers=workers,
@@ -220,6 +325,8 @@ def load(home: Path) -> FarmConfig:
         tier_min=tier_min,
         allow_unsandboxed=_typed(path, "sandbox", sandbox, "allow_unsandboxed", bool, False),
         network=_typed(path, "sandbox", sandbox, "network", bool, False),
+        sandbox_mode=mode,
+        git_writable=_typed(path, "sandbox", sandbox, "git_writable", bool, False),
         limits=dict(limits),
         default_route=_typed(path, "session", session, "default_route", str, "main"),
         approval=approval,
@@ -242,15 +349,61 @@ def load(home: Path) -> FarmConfig:
                             FarmConfig.instructions),
         routes=routes,
         export_sinks=tuple(sinks),
-        hooks=dict(raw.get("hooks", {})),
+        hooks=parse_hooks(path, raw.get("hooks", {})),
         tenants=dict(raw.get("tenants", {})),
     )
 
 
-def write_default(home: Path) -> Path:
-    """Write the commented default config unless one exists; returns its path."""
+# The first config's route: a provider whose key is in the environment, else the
+# scripted demo (so the README's first run works on a machine without any key).
+_KEY_ROUTES = (
+    ("ANTHROPIC_API_KEY", "anthropic", "claude-sonnet-4-5", "https://api.anthropic.com"),
+    ("OPENAI_API_KEY", "openai-responses", "gpt-5-mini", "https://api.openai.com/v1"),
+)
+DEMO_SCRIPT = "demo-script.json"
+_DEMO_TEXT = ("This is Corral's scripted demo model, not a real LLM: it listed the workspace "
+              "with the list_dir tool (above) and answers every prompt the same way. For real "
+              "answers put an API key in the environment (OPENAI_API_KEY or "
+              "ANTHROPIC_API_KEY) and a [routes.main] in {config}; see the comments there.")
+
+
+def first_route(env: Mapping[str, str]) -> tuple[str, str]:
+    """The ``[routes.main]`` table of a first config and a one-line description."""
+    for var, provider, model, base_url in _KEY_ROUTES:
+        if env.get(var):
+            return (f'[routes.main]                 # chosen by corral init: {var} is set\n'
+                    f'provider = "{provider}"\nmodel = "{model}"              '
+                    f'# any model of this provider\nbase_url = "{base_url}"\n'
+                    f'credential_env = "{var}"       # the workers read the key from here\n',
+                    f"{provider} {model} (the key comes from ${var})")
+    return ('[routes.main]                 # chosen by corral init: no provider key was set\n'
+            f'script = "{DEMO_SCRIPT}"     # the scripted demo model (no network, no key)\n',
+            "the scripted demo model (no provider key in the environment)")
+
+
+def demo_script(config_path: Path) -> dict[str, Any]:
+    """The demo route's script: each turn lists the workspace, then says what it is
+    (entries are picked by the number of model outputs so far: 2 per turn)."""
+    turn = [{"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}],
+             "usage": {"input": 40, "output": 8}},
+            {"text": _DEMO_TEXT.format(config=config_path), "usage": {"input": 60, "output": 60}}]
+    return {"responses": turn * 50}
+
+
+def write_default(home: Path, env: Mapping[str, str] | None = None) -> tuple[Path, str | None]:
+    """Write the commented default config, with a working ``[routes.main]``, unless
+    one exists (``corral init``, and the first ``up`` or ``run``). Returns its path
+    and, when it was written now, a description of the route it chose."""
     home.mkdir(parents=True, exist_ok=True)
     path = home / "corral.toml"
-    if not path.exists():
-        path.write_text(DEFAULT_CONFIG)
-    return path
+    if path.exists():
+        return path, None
+    route, said = first_route(os.environ if env is None else env)
+    if "script" in route:
+        script = home / DEMO_SCRIPT
+        if not script.exists():
+            script.write_text(json.dumps(demo_script(path), indent=1) + "\n")
+    tmp = path.with_name(".corral.toml.tmp")
+    tmp.write_text(DEFAULT_CONFIG + "\n" + route)
+    os.replace(tmp, path)
+    return path, said

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_worker.api import parse_route
-from supervisor.chaos.harness import ChaosOptions, Harness
+from supervisor.chaos.harness import ChaosOptions, Harness, recovery_group
 from supervisor.chaos.schedule import PROCESS_FAULTS, Fault
 
 DEFAULT_FAULTS = "worker_kill_tool,broker_kill,supervisor_kill"
@@ -197,8 +197,11 @@ def render(r: dict[str, Any]) -> str:
                                       for f in r["faults"]) or "none"),
     ]
     for group, rec in r["recovery"].items():
+        why = sorted({f.get("explained", "") for f in r["faults"] if "affected" in f
+                      and not f["affected"] and recovery_group(f["kind"]) == group} - {""})
         rows.append((f"recovery after {group} kill", f"p50 {rec['p50_s']} s, "
-                     f"p99 {rec['p99_s']} s (n={rec['count']})"))
+                     f"p99 {rec['p99_s']} s (n={rec['count']})" if rec["count"] else
+                     "no session affected: " + ("; ".join(why) or "see the faults")))
     rows += [
         ("violations", len(r["violations"])),
         ("checks applied", ", ".join(r["checks"])),

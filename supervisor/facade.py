@@ -155,6 +155,60 @@ def _pin_workspace(workspace: str, farm_dirs: list[str]) -> tuple[str, list[int]
     return real, [st.st_dev, st.st_ino]
 
 
+async def check_workspace(store: Store, workspace: str, tenant: str | None) -> None:
+    """Refuse (``CallError``) a workspace nested in (or holding) another
+    session's, whatever the tenant, and one that is, contains or lies in a
+    workspace of another tenant's session (symlinks resolved, on the
+    supervisor's view of the shared storage). Also used by ``corral import``."""
+    others: dict[str, tuple[str, Any]] = {}
+    everyone: dict[str, str] = {}
+    after: str | None = None
+    while True:
+        page = await store.list_sessions(after=after, limit=1000)
+        for r in page.items:
+            other = r.config.get("workspace")
+            if not isinstance(other, str):
+                continue
+            everyone[other] = r.session_id
+            if r.config.get("tenant") != tenant:
+                others[other] = (r.session_id, r.config.get("tenant"))
+        if not isinstance(page.next_cursor, str):
+            break
+        after = page.next_cursor
+    nested = await asyncio.to_thread(_overlap, workspace, list(everyone), nested_only=True)
+    if nested is not None and nested not in others:
+        log.warning("refused: workspace %s is nested with %s of session %s", workspace,
+                    nested, everyone[nested])
+        raise CallError(ErrorKind.BAD_REQUEST,
+                        f"workspace {workspace} contains or lies inside the workspace "
+                        f"{nested} of session {everyone[nested]}: a tool of the outer "
+                        "one could replace the inner one; use the same directory or "
+                        "one outside it")
+    clash = await asyncio.to_thread(_overlap, workspace, list(others))
+    if clash is not None:
+        sid, owner = others[clash]
+        log.warning("refused: tenant %r asked for workspace %s, which overlaps session "
+                    "%s of tenant %r", tenant, workspace, sid, owner)
+        raise CallError(ErrorKind.BAD_REQUEST,
+                        f"workspace {workspace} is not available to this client "
+                        "(another tenant works there); choose another directory")
+
+
+def farm_dirs(home: Path) -> list[str]:
+    """Directories no workspace may overlap: the home (corral.db, keys/, logs/,
+    exports/), its run directory (sockets; in /tmp for deep homes) and the
+    configured export directories."""
+    return [str(home.resolve()), str(FarmPaths.of(home).run),
+            *(str(d) for d in export_dirs(home))]
+
+
+def pin_workspace(workspace: str, home: Path) -> tuple[str, dict[str, Any]]:
+    """The resolved workspace and the session ``extra`` fields pinning it
+    (identity and host); ``CallError`` as ``_pin_workspace``. Blocking."""
+    real, identity = _pin_workspace(workspace, farm_dirs(home))
+    return real, {"workspace_identity": identity, "workspace_host": socket.gethostname()}
+
+
 def _sandbox_options(spec: dict[str, Any]) -> None:
     """Move the session options ``sandbox_mode`` and ``git_writable`` into the
     session's tool policy (every tool call carries them; every isolation
@@ -196,10 +250,7 @@ class Facade:
         self.engine_config = engine_config
         self.routes_file = home / "routes.json"
         self.export_dirs = export_dirs(home)
-        # Directories no workspace may overlap: the home holds corral.db, keys/,
-        # logs/ and run/ (or the run dir sits in /tmp when the home is too deep).
-        self.farm_dirs = [str(home.resolve()), str(FarmPaths.of(home).run),
-                          *(str(d) for d in self.export_dirs)]
+        self.farm_dirs = farm_dirs(home)
         self._load_inline_routes()
 
     # -- routes -------------------------------------------------------------
@@ -247,42 +298,7 @@ class Facade:
                             f"no session {session_id!r}; list them with: corral sessions")
 
     async def _check_workspace(self, workspace: str, tenant: str | None) -> None:
-        """Refuse a workspace nested in (or holding) another session's, whatever
-        the tenant, and one that is, contains or lies in a workspace of another
-        tenant's session (symlinks resolved, on the supervisor's view of the
-        shared storage)."""
-        others: dict[str, tuple[str, Any]] = {}
-        everyone: dict[str, str] = {}
-        after: str | None = None
-        while True:
-            page = await self.store.list_sessions(after=after, limit=1000)
-            for r in page.items:
-                other = r.config.get("workspace")
-                if not isinstance(other, str):
-                    continue
-                everyone[other] = r.session_id
-                if r.config.get("tenant") != tenant:
-                    others[other] = (r.session_id, r.config.get("tenant"))
-            if not isinstance(page.next_cursor, str):
-                break
-            after = page.next_cursor
-        nested = await asyncio.to_thread(_overlap, workspace, list(everyone), nested_only=True)
-        if nested is not None and nested not in others:
-            log.warning("refused: workspace %s is nested with %s of session %s", workspace,
-                        nested, everyone[nested])
-            raise CallError(ErrorKind.BAD_REQUEST,
-                            f"workspace {workspace} contains or lies inside the workspace "
-                            f"{nested} of session {everyone[nested]}: a tool of the outer "
-                            "one could replace the inner one; use the same directory or "
-                            "one outside it")
-        clash = await asyncio.to_thread(_overlap, workspace, list(others))
-        if clash is not None:
-            sid, owner = others[clash]
-            log.warning("refused: tenant %r asked for workspace %s, which overlaps session "
-                        "%s of tenant %r", tenant, workspace, sid, owner)
-            raise CallError(ErrorKind.BAD_REQUEST,
-                            f"workspace {workspace} is not available to this client "
-                            "(another tenant works there); choose another directory")
+        await check_workspace(self.store, workspace, tenant)
 
     # -- calls --------------------------------------------------------------
 
@@ -349,6 +365,16 @@ class Facade:
             for r in page.items if r.config.get("tenant") == tenant
         ]
         return {"sessions": sessions, "next": page.next_cursor}
+
+    async def delete_session(self, session_id: str, tenant: str | None) -> Any:
+        """Remove a terminated session from the store (``corral delete``)."""
+        await self._check_tenant(session_id, tenant)
+        if SessionId(session_id) in self.manager.sessions:
+            raise CallError(ErrorKind.BAD_OP, f"session {session_id} is not terminated; "
+                            f"terminate it first: corral terminate {session_id}")
+        await self.store.delete_session(SessionId(session_id))
+        log.info("session %s deleted", session_id)
+        return True
 
     async def describe(self, session_id: str, tenant: str | None) -> Any:
         await self._check_tenant(session_id, tenant)

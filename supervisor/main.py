@@ -89,11 +89,17 @@ def session_defaults(cfg: config_mod.FarmConfig) -> dict[str, Any]:
                               "limits": dict(cfg.limits)}
     if cfg.allow_unsandboxed:
         policy["allow_unsandboxed"] = True
+    if cfg.sandbox_mode != "workspace-write":
+        policy["sandbox_mode"] = cfg.sandbox_mode
+    if cfg.git_writable:
+        policy["git_writable"] = True
     return {
         "approval": {"default": cfg.approval, "allow": list(cfg.allow),
                      "deny": list(cfg.deny), "ask": list(cfg.ask)},
         "tool_policy": policy,
         "instructions": cfg.instructions,
+        # [[hooks.EVENT]] from corral.toml: command hooks run in the sandbox.
+        "hooks": [dict(h) for h in cfg.hooks],
     }
 
 

@@ -56,6 +56,7 @@ class Backend(Protocol):
                   tenant: str | None) -> Any: ...  # AsyncIterator[dict]
     async def list_sessions(self, args: dict[str, Any], tenant: str | None) -> Any: ...
     async def describe(self, session_id: str, tenant: str | None) -> Any: ...
+    async def delete_session(self, session_id: str, tenant: str | None) -> Any: ...
     async def history(self, session_id: str, after_sequence: int, limit: int,
                       tenant: str | None) -> Any: ...
     async def status(self) -> Any: ...
@@ -319,6 +320,8 @@ class ClientServer:
             return await b.list_sessions(args, tenant)
         if call == "describe":
             return await b.describe(self._arg(args, "session_id", str), tenant)
+        if call == "delete_session":
+            return await b.delete_session(self._arg(args, "session_id", str), tenant)
         if call == "history":
             return await b.history(self._arg(args, "session_id", str),
                                    self._arg(args, "after_sequence", int, 0),

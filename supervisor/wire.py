@@ -23,6 +23,8 @@ fresh id per supervisor process, so clients notice a restart at once.
 
 Invariants:
 - ``decode`` raises only ``WireError`` for any input, and never asserts.
+- Strings are UTF-8 both ways: a lone surrogate is sent as U+FFFD, and a
+  message with invalid UTF-8 is refused (``WireError``).
 - Error answers carry a kind from ``ErrorKind`` and a message that says what
   to do next; tracebacks stay in the supervisor's log.
 """
@@ -33,11 +35,13 @@ from typing import Any, Final
 
 import msgpack
 
+from broker.protocol import pack
+
 HEADER: Final = b"CORRAL-SESSIONS/1"
 MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
 CALLS: Final = frozenset({
     "hello", "ping", "create_session", "submit", "subscribe", "unsubscribe",
-    "list_sessions", "describe", "status", "history", "export",
+    "list_sessions", "describe", "status", "history", "export", "delete_session",
 })
 
 
@@ -57,7 +61,9 @@ class WireError(Exception):
 
 
 def encode(msg: dict[str, Any]) -> list[bytes]:
-    return [HEADER, msgpack.packb(msg, use_bin_type=True)]
+    # broker.protocol.pack: strings as UTF-8, a lone surrogate sent as U+FFFD
+    # (a CLI argument or a stored value can hold one) instead of failing.
+    return [HEADER, pack(msg)]
 
 
 def decode(frames: list[bytes]) -> dict[str, Any]:

@@ -147,13 +147,29 @@ def from_status(status: int, body: bytes, headers: httpx.Headers, what: str) -> 
     return BadRequestError(message, status=status)
 
 
-def from_httpx(exc: httpx.HTTPError, what: str, *, streaming: bool) -> ModelError:
-    """Translate an httpx exception; ``streaming`` means the response had begun."""
+def _url_of(exc: httpx.HTTPError, url: httpx.URL | None) -> str:
+    """The request's URL without query or credentials (they may hold a key)."""
+    if url is None:
+        try:
+            url = exc.request.url
+        except RuntimeError:
+            return "the route's base_url"
+    port = f":{url.port}" if url.port else ""
+    return f"{url.scheme}://{url.host}{port}{url.path}"
+
+
+def from_httpx(exc: httpx.HTTPError, what: str, *, streaming: bool,
+               url: httpx.URL | None = None) -> ModelError:
+    """Translate an httpx exception; ``streaming`` means the response had begun.
+    A connection error names the URL it could not reach (``url``, else the
+    exception's request)."""
     name = type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return ModelTimeout(f"{what}: {name}")
     if isinstance(exc, httpx.ConnectError):
-        return ConnectError(f"{what}: {name}")
+        return ConnectError(f"{what}: cannot connect to {_url_of(exc, url)} ({name}: "
+                            f"{str(exc)[:200] or 'refused'}); check the route's base_url "
+                            "and that the server is up")
     if streaming or isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
         # The peer cut the connection mid-answer, or the framing broke.
         return StreamError(f"{what}: stream broken ({name})")

@@ -145,9 +145,11 @@ async def attempt(
     stream = req["stream"] and req["op"] == "respond"
     what = f"{provider} {req['route']['model']}"
     started = False
+    url: httpx.URL | None = None  # named in connection errors
     try:
         request = build_request(req, api_key=api_key, attempt_no=attempt_no, stream=stream,
                                 http_timeout=http_timeout)
+        url = request.url
         async with pool.lease(request.url) as transport, \
                 open_stream(transport, request) as resp:
             if resp.status_code >= 400:
@@ -173,7 +175,7 @@ async def attempt(
     except ModelError:
         raise
     except httpx.HTTPError as exc:
-        raise from_httpx(exc, what, streaming=started) from exc
+        raise from_httpx(exc, what, streaming=started, url=url) from exc
     except httpx.InvalidURL as exc:
         raise BadRequestError(f"{what}: invalid URL ({exc})") from exc
     except SSEError as exc:

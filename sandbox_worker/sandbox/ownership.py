@@ -12,7 +12,8 @@ is given back:
 - every entry owned by a tool uid (the per-call range, or the file tools'
   uid) is chowned to the workspace root's owner and group, without following
   a symlink (``fchownat(..., AT_SYMLINK_NOFOLLOW)`` beneath a pinned
-  directory fd);
+  directory fd), and loses the ``user:<owner>`` ACL entry it inherited (the
+  owner owns it now; only the workspace group's entry stays);
 - S_ISUID and S_ISGID are cleared on every such entry that is not a
   directory; a directory keeps S_ISGID only when its parent has it (the
   kernel's inheritance) and never keeps S_ISUID;
@@ -37,6 +38,13 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
+
+from sandbox_worker.sandbox.workspace import (
+    ACL_USER,
+    XATTR_ACCESS,
+    decode_acl,
+    encode_acl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,52 +80,97 @@ def _strip(dfd: int, name: str, mode: int, parent_setgid: bool) -> bool:
     return True
 
 
-def normalise(root_fd: int, is_tool_uid: Callable[[int], bool]) -> SweepReport:
+def _visit(entry: os.DirEntry[str], dfd: int, rel: str, setgid: bool, fresh: bool,
+           owner: int, group: int, is_tool_uid: Callable[[int], bool], report: SweepReport,
+           stack: list[tuple[int, str, bool, bool]]) -> None:
+    name = entry.name
+    path = f"{rel}{name}"
+    if name == ".git" and len(report.git) < MAX_GIT_DIRS:
+        report.git.append(path)
+    try:
+        if not fresh:  # d_type is enough to find the directories below
+            if entry.is_dir(follow_symlinks=False):
+                cfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC,
+                              dir_fd=dfd)
+                stack.append((cfd, f"{path}/", bool(os.fstat(cfd).st_mode & stat.S_ISGID),
+                              False))
+            return
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        tools = is_tool_uid(st.st_uid)
+        if tools:
+            os.chown(name, owner, group, dir_fd=dfd, follow_symlinks=False)
+            report.chowned += 1
+            _drop_owner_entry(dfd, name, owner)
+            if _strip(dfd, name, st.st_mode, setgid):
+                report.stripped += 1
+        if stat.S_ISDIR(st.st_mode):
+            cfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC,
+                          dir_fd=dfd)
+            stack.append((cfd, f"{path}/", bool(st.st_mode & stat.S_ISGID), tools))
+    except OSError:
+        return  # vanished or replaced meanwhile
+
+
+def _drop_owner_entry(dfd: int, name: str, owner: int) -> None:
+    """Remove the ``user:<owner>`` entry a new entry inherited from its parent's
+    default ACL: once the owner owns it, the entry adds nothing."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            return
+        path = f"/proc/self/fd/{fd}"
+        try:
+            acl = decode_acl(os.getxattr(path, XATTR_ACCESS))
+        except (OSError, ValueError):
+            return
+        if (ACL_USER, owner) in acl:
+            # The mask stays as the creator's mode made it: never widen.
+            del acl[(ACL_USER, owner)]
+            os.setxattr(path, XATTR_ACCESS, encode_acl(acl))
+    finally:
+        os.close(fd)
+
+
+def normalise(root_fd: int, is_tool_uid: Callable[[int], bool],
+              since: float | None = None) -> SweepReport:
     """Give tool-created entries under ``root_fd`` (a pinned workspace fd) to the
-    root's owner and clear their setid bits (see the module docstring). Blocking."""
+    root's owner and clear their setid bits (see the module docstring). With
+    ``since`` (a wall-clock time before the call began), only the entries of
+    directories modified since then, or created by a tool, are examined: a
+    new entry changes its directory's mtime, and a tool can neither set an
+    older mtime on a directory it does not own nor change an entry it did not
+    create in this call (earlier ones were swept). Blocking."""
     report = SweepReport()
     root = os.fstat(root_fd)
     owner, group = root.st_uid, root.st_gid
     if is_tool_uid(owner):
         return report  # a workspace owned by a tool uid: nobody to give it to
-    stack: list[tuple[int, str, bool]] = [(os.dup(root_fd), "", bool(root.st_mode &
-                                                                     stat.S_ISGID))]
+    # (directory O_PATH fd, relative path, parent setgid, created by a tool)
+    stack: list[tuple[int, str, bool, bool]] = [
+        (os.dup(root_fd), "", bool(root.st_mode & stat.S_ISGID), False)]
     try:
         while stack:
-            dfd, rel, setgid = stack.pop()
+            dfd, rel, setgid, forced = stack.pop()
             try:
+                fresh = forced or since is None or os.fstat(dfd).st_mtime >= since
                 rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
                 try:
-                    names = os.listdir(rfd)
+                    with os.scandir(rfd) as it:
+                        for entry in it:
+                            if report.entries >= MAX_ENTRIES:
+                                report.complete = False
+                                break
+                            report.entries += 1
+                            _visit(entry, dfd, rel, setgid, fresh, owner, group, is_tool_uid,
+                                   report, stack)
                 finally:
                     os.close(rfd)
-                for name in names:
-                    if report.entries >= MAX_ENTRIES:
-                        report.complete = False
-                        break
-                    report.entries += 1
-                    try:
-                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                        if is_tool_uid(st.st_uid):
-                            os.chown(name, owner, group, dir_fd=dfd, follow_symlinks=False)
-                            report.chowned += 1
-                            if _strip(dfd, name, st.st_mode, setgid):
-                                report.stripped += 1
-                        path = f"{rel}{name}"
-                        if name == ".git" and len(report.git) < MAX_GIT_DIRS:
-                            report.git.append(path)
-                        if stat.S_ISDIR(st.st_mode):
-                            cfd = os.open(name, os.O_PATH | os.O_NOFOLLOW |
-                                          os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-                            stack.append((cfd, f"{path}/", bool(st.st_mode & stat.S_ISGID)))
-                    except OSError:
-                        continue  # vanished or replaced meanwhile
             except OSError:
                 pass
             finally:
                 os.close(dfd)
     finally:
-        for dfd, _, _ in stack:
+        for dfd, *_ in stack:
             os.close(dfd)
     if not report.complete:
         log.warning("workspace sweep stopped at %d entries", MAX_ENTRIES)

@@ -34,6 +34,7 @@ from typing import Any, Final, Literal
 
 import psutil
 
+from broker import plants  # chaos plant switches
 from sandbox_worker.sandbox.reaper import MANAGED_HEADS, spawning
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,8 @@ async def kill_tree(proc: asyncio.subprocess.Process, grace_s: float,
     catches what was forked or re-parented meanwhile), bounded by
     ``KILL_DEADLINE_S``. Returns how many were still alive at the SIGKILL step.
     """
+    if plants.on("no_tree_kill"):  # chaos plant: the direct child only, no tree
+        return await _kill_head_only(proc)
     loop = asyncio.get_running_loop()
     snapshot = call_processes(_head(proc), uid)
     _signal_all(snapshot, signal.SIGTERM)
@@ -235,6 +238,14 @@ def _living(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
         if p.pid not in seen and _alive(p):
             seen[p.pid] = p
     return list(seen.values())
+
+
+async def _kill_head_only(proc: asyncio.subprocess.Process) -> int:
+    """The ``no_tree_kill`` plant's bad path (``broker/plants.py``)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
+    return 0
 
 
 def _alive(p: psutil.Process) -> bool:

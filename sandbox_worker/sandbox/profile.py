@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
+from broker import plants  # chaos plant switches
 from sandbox_worker.api import TIER_ORDER, IsolationRecord, SandboxMode, Tier, ToolLimits
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, prlimit_argv
@@ -188,6 +189,8 @@ class Profile:
                 argv.append("--share-net")
             argv += ["--unshare-user", "--disable-userns", "--die-with-parent",
                      "--new-session", "--cap-drop", "ALL", "--clearenv"]
+            if plants.on("no_tree_kill"):  # chaos plant: the sandbox outlives its parent
+                argv.remove("--die-with-parent")
             for key, value in {**env_inside, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
                 argv += ["--setenv", key, value]
             argv += system_binds()
@@ -218,8 +221,8 @@ class Profile:
             argv += ["--", *command]
             # The head's own environment: nothing of the worker's (bwrap clears it anyway).
             shape = chain_shape(argv[:len(argv) - len(command)],
-                                [str(uid), str(group), call_id, workspace, size,
-                                 *map(str, pass_fds)])
+                                [str(uid), str(group), call_id, workspace, inside, cwd,
+                                 size, *map(str, pass_fds)])
             return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
         tmp = tmpdir or "/tmp"
         # Read-only at T1: Landlock grants writes to the tmp dir alone, and the
@@ -240,7 +243,7 @@ class Profile:
         argv += ["--", *command]
         env = {**env_inside, "HOME": tmp, "TMPDIR": tmp}
         shape = chain_shape(argv[:len(argv) - len(command)],
-                            [str(uid), str(group), call_id, workspace, tmp,
+                            [str(uid), str(group), call_id, workspace, tmp, cwd,
                              *map(str, pass_fds)])
         return Chain(argv, env, pass_fds, shape)
 

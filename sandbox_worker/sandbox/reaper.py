@@ -36,6 +36,8 @@ import signal
 from collections.abc import Iterator
 from typing import Final
 
+from broker import plants  # chaos plant switches
+
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER: Final = 36
@@ -118,7 +120,7 @@ class OrphanReaper:
                 with contextlib.suppress(ChildProcessError):
                     if os.waitpid(pid, os.WNOHANG)[0] == pid:
                         self.reaped += 1
-            else:
+            elif not plants.on("no_tree_kill"):  # chaos plant: remnants left running
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                     self.killed += 1

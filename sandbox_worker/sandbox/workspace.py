@@ -109,8 +109,16 @@ def _with_entries(entries: Entries, named: dict[tuple[int, int], int]) -> Entrie
     out = dict(entries)
     for key, perm in named.items():
         out[key] = out.get(key, 0) | perm
-    # The mask bounds every group-class entry; recompute it as their union,
-    # as setfacl does, so the named entries are effective.
+    return recompute_mask(out)
+
+
+def recompute_mask(out: Entries) -> Entries:
+    """The mask bounds every group-class entry; recompute it as their union,
+    as setfacl does, so the named entries are effective (no mask without any)."""
+    out = dict(out)
+    out.pop((ACL_MASK, UNDEFINED_ID), None)
+    if not any(tag in (ACL_USER, ACL_GROUP) for tag, _ in out):
+        return out
     mask = 0
     for (tag, _), perm in out.items():
         if tag in (ACL_USER, ACL_GROUP, ACL_GROUP_OBJ):
@@ -126,6 +134,17 @@ def _read_acl(path: str, name: str, mode: int) -> Entries | None:
         if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP):
             return _from_mode(mode) if name == XATTR_ACCESS else None
         raise
+
+
+def _keep_mask(before: Entries, after: Entries) -> Entries:
+    """An ACL that already had a mask keeps it: raising it would widen every
+    named entry and the owning group's effective rights (a user's ``user:bob``
+    under mask ``r--``, or a file a tool made 0600). Our entry is then bounded
+    by that mask, like anyone's."""
+    mask = before.get((ACL_MASK, UNDEFINED_ID))
+    if mask is None:
+        return after
+    return {**after, (ACL_MASK, UNDEFINED_ID): mask}
 
 
 def _without(entries: Entries, gids: tuple[int, ...]) -> Entries:
@@ -149,7 +168,7 @@ def grant_entry(fd: int, st: os.stat_result, sandbox_gid: int, owner_uid: int,
     access = _read_acl(path, XATTR_ACCESS, st.st_mode)
     if access is None:
         return False
-    new = _with_entries(_without(access, legacy_gids), named)
+    new = _keep_mask(access, _with_entries(_without(access, legacy_gids), named))
     changed = False
     if new != access:
         os.setxattr(path, XATTR_ACCESS, encode_acl(new))
@@ -160,7 +179,7 @@ def grant_entry(fd: int, st: os.stat_result, sandbox_gid: int, owner_uid: int,
         dnamed = {group: owner_bits}
         if owner_uid != 0:
             dnamed[(ACL_USER, owner_uid)] = 7
-        dnew = _with_entries(default, dnamed)
+        dnew = _keep_mask(default, _with_entries(default, dnamed))
         if dnew != default:
             os.setxattr(path, XATTR_DEFAULT, encode_acl(dnew))
             changed = True
@@ -169,20 +188,18 @@ def grant_entry(fd: int, st: os.stat_result, sandbox_gid: int, owner_uid: int,
 
 def is_granted(root: int | str, sandbox_gid: int) -> bool:
     """True when the workspace root (a pinned fd, or a path) already carries the
-    group's access and default entries with the owner's rights (the mark of a
-    completed ``grant_tree``). One syscall pair, so it is checked on every
-    call rather than cached by inode (inodes of deleted workspaces are reused)."""
-    path = f"/proc/self/fd/{root}" if isinstance(root, int) else root
+    group's access and default entries (the mark of a completed ``grant_tree``).
+    One syscall pair, so it is checked on every call rather than cached by
+    inode (inodes of deleted workspaces are reused)."""
+    # The fd's magic link is followed to the pinned inode; a path is not followed.
+    path, follow = (f"/proc/self/fd/{root}", True) if isinstance(root, int) else (root, False)
     try:
-        owner_bits = (os.stat(path, follow_symlinks=False).st_mode >> 6) & 7
-        access = decode_acl(os.getxattr(path, XATTR_ACCESS, follow_symlinks=False))
-        default = decode_acl(os.getxattr(path, XATTR_DEFAULT, follow_symlinks=False))
+        access = decode_acl(os.getxattr(path, XATTR_ACCESS, follow_symlinks=follow))
+        default = decode_acl(os.getxattr(path, XATTR_DEFAULT, follow_symlinks=follow))
     except (OSError, ValueError):
         return False
     key = (ACL_GROUP, sandbox_gid)
-    return key in access and key in default and \
-        access[key] & owner_bits == owner_bits and \
-        access.get((ACL_MASK, UNDEFINED_ID), 0) & owner_bits == owner_bits
+    return key in access and key in default
 
 
 @dataclass

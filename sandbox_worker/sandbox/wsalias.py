@@ -17,8 +17,9 @@ Invariants:
   identity; a stale mount there (the gid's previous identity) is detached
   first.
 - Nothing but the workspace's group can traverse ``ALIAS_ROOT/<gid>``.
-- Mounts stay until the host reboots (``/run`` is a tmpfs) or a later call
-  finds them stale: one per workspace that needs one.
+- Mounts stay until the host reboots (``/run`` is a tmpfs), a later call
+  finds them stale, or a worker starting finds their workspace deleted
+  (``prune``): one per live workspace that needs one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ MS_BIND: Final = 4096
 MNT_DETACH: Final = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _is_mount(path: str) -> bool:
+    """Whether ``path`` is a mount point in this mount namespace (from
+    mountinfo: ``os.path.ismount`` looks up ``..``, which a deleted directory
+    mounted there no longer has)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(line.split()[4] == path for line in f)
+    except OSError:
+        return False
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -65,7 +77,7 @@ def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> str:
         base = f"{ALIAS_ROOT}/{gid}"
         _dir(base, 0o710, gid)
         target = f"{base}/ws"
-        if not os.path.ismount(target):
+        if not _is_mount(target):
             _dir(target, 0o700, 0)  # the mount point (hidden by the mount)
     except OSError as exc:
         raise WorkspaceUnusable(f"cannot prepare {ALIAS_ROOT}: {exc.strerror}",
@@ -73,7 +85,7 @@ def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> str:
     seen = _identity(target)
     if seen == identity:
         return target
-    if seen is not None and os.path.ismount(target):
+    if seen is not None and _is_mount(target):
         _libc.umount2(target.encode(), MNT_DETACH)  # stale: the gid's old workspace
     if _libc.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, MS_BIND,
                    None) != 0:
@@ -86,3 +98,25 @@ def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> str:
         _libc.umount2(target.encode(), MNT_DETACH)
         raise WorkspaceUnusable(f"the workspace mounted at {target} is not the pinned one")
     return target
+
+
+def prune() -> int:
+    """Detach the aliases of workspaces that were deleted (their mounted
+    directory has no links left), so a host does not keep a mount -- and the
+    deleted tree's disk space -- per workspace it ever served. Run at worker
+    start. Blocking; returns how many were detached."""
+    detached = 0
+    try:
+        names = os.listdir(ALIAS_ROOT)
+    except OSError:
+        return 0
+    for name in names:
+        target = f"{ALIAS_ROOT}/{name}/ws"
+        try:
+            if not _is_mount(target) or os.stat(target).st_nlink > 0:
+                continue
+        except OSError:
+            continue
+        if _libc.umount2(target.encode(), MNT_DETACH) == 0:
+            detached += 1
+    return detached

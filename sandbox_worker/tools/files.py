@@ -11,6 +11,12 @@ Invariants:
   ``write_limit_bytes`` (and the call's RLIMIT_FSIZE value); listings by
   ``MAX_LIST_ENTRIES``. Going over a bound is a clear error or a truncated
   result marked ``truncated`` -- never an unbounded allocation.
+- Every output is at most ``FileLimits.output_bytes`` as a JSON string (the
+  store's item bound less the envelope, ``sandbox_worker.api``), whatever the
+  file holds: a read shows whole lines up to it, a listing whole rows.
+- File names come from the kernel as bytes; a name that is not UTF-8 (or has
+  control characters) is shown escaped and flagged, never passed on raw
+  (``fsops.display_name``).
 - Writes happen in place on the opened fd (truncate, then write), so the file
   written is the file that was checked; new files are created with mode 0666
   minus the umask (or as the workspace's default ACL says), owned by the
@@ -24,9 +30,11 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Final
 
+from sandbox_worker.api import TOOL_OUTPUT_BYTES, fit_text, json_size
 from sandbox_worker.sandbox.errors import BadArguments, EditMismatch, FileProblem
 from sandbox_worker.tools.fsops import (
     check_relative,
+    display_name,
     make_parents,
     map_oserror,
     open_regular,
@@ -36,12 +44,14 @@ from sandbox_worker.tools.fsops import (
 
 DEFAULT_READ_LINES: Final = 2000
 MAX_LIST_ENTRIES: Final = 1000
+_MARKER_ROOM: Final = 512  # bytes kept free for a truncation marker
 
 
 @dataclass
 class FileLimits:
     read_limit_bytes: int = 1024 * 1024
     write_limit_bytes: int = 10 * 1024 * 1024
+    output_bytes: int = TOOL_OUTPUT_BYTES  # the result's output, as a JSON string
 
 
 @dataclass
@@ -91,12 +101,26 @@ def read_file(workspace: int | str, args: dict[str, Any], lim: FileLimits) -> Fi
     lines = raw.decode("utf-8", errors="replace").splitlines(keepends=True)
     chosen = lines[offset: offset + max_lines]
     text = "".join(chosen)
-    truncated = cut or offset + max_lines < len(lines)
+    # The output bound (U+FFFD and JSON escapes can make the text several times
+    # the bytes read): whole lines, as many as fit with the marker.
+    room = lim.output_bytes - _MARKER_ROOM
+    over = json_size(text) > room
+    if over:
+        head, _ = fit_text(text, room, "")
+        # Whole lines of the head (a prefix of the chosen lines, the last maybe cut).
+        parts = head.splitlines(keepends=True)
+        keep = sum(1 for i, part in enumerate(parts) if part == chosen[i])
+        text = "".join(chosen[:keep]) if keep else head
+        chosen = chosen[:keep] if keep else chosen[:1]
+    truncated = cut or over or offset + max_lines < len(lines)
     if truncated:
         shown_to = offset + len(chosen)
         more = (f"file is {size} bytes; read stopped at {lim.read_limit_bytes} bytes"
                 if cut else f"{len(lines)} lines in total")
-        text += (f"\n[... truncated: showed lines {offset}-{shown_to - 1}; {more}; "
+        if over:
+            more += f"; the result is bounded at {lim.output_bytes} bytes"
+        text += (f"\n[... truncated: showed lines {offset}-{shown_to - 1}"
+                 f"{' (the last one cut)' if over and not keep else ''}; {more}; "
                  f"use offset/limit to read more]")
     return FileResult(text, truncated)
 
@@ -174,7 +198,8 @@ def edit_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize
     return FileResult(f"replaced {n} occurrence{'s' if n != 1 else ''} in {path}")
 
 
-def list_dir(workspace: int | str, args: dict[str, Any]) -> FileResult:
+def list_dir(workspace: int | str, args: dict[str, Any], lim: FileLimits | None = None,
+             ) -> FileResult:
     path = check_relative(args.get("path", "."))
     wsfd = open_workspace(workspace)
     try:
@@ -184,34 +209,44 @@ def list_dir(workspace: int | str, args: dict[str, Any]) -> FileResult:
             raise map_oserror(exc, path) from exc
     finally:
         os.close(wsfd)
+    room = (lim or FileLimits()).output_bytes - _MARKER_ROOM
+    used = 2
     try:
         names = sorted(os.listdir(dfd))
         rows: list[str] = []
         for name in names[:MAX_LIST_ENTRIES]:
+            # A name that is not clean UTF-8 text is shown escaped (display_name).
+            shown, odd = display_name(name)
+            note = "  (name shown escaped: not UTF-8 or has control characters)" if odd else ""
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
-                rows.append(f"{name}  (vanished)")
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                rows.append(f"{name}/")
-            elif stat.S_ISLNK(st.st_mode):
-                try:
-                    target = os.readlink(name, dir_fd=dfd)
-                except OSError:
-                    target = "?"
-                rows.append(f"{name} -> {target}  (symlink, not followed by file tools)")
-            elif stat.S_ISREG(st.st_mode):
-                rows.append(f"{name}  {st.st_size} bytes")
+                row = f"{shown}  (vanished)"
             else:
-                rows.append(f"{name}  (special file)")
+                if stat.S_ISDIR(st.st_mode):
+                    row = f"{shown}/"
+                elif stat.S_ISLNK(st.st_mode):
+                    try:
+                        target, _ = display_name(os.readlink(name, dir_fd=dfd))
+                    except OSError:
+                        target = "?"
+                    row = f"{shown} -> {target}  (symlink, not followed by file tools)"
+                elif stat.S_ISREG(st.st_mode):
+                    row = f"{shown}  {st.st_size} bytes"
+                else:
+                    row = f"{shown}  (special file)"
+            size = json_size(row + note) - 1  # its JSON body and the newline
+            if used + size > room:
+                break
+            used += size
+            rows.append(row + note)
     except OSError as exc:
         raise map_oserror(exc, path) from exc
     finally:
         os.close(dfd)
-    truncated = len(names) > MAX_LIST_ENTRIES
+    truncated = len(names) > len(rows)
     if truncated:
-        rows.append(f"[... {len(names) - MAX_LIST_ENTRIES} more entries not shown]")
+        rows.append(f"[... {len(names) - len(rows)} more entries not shown]")
     if not rows:
         rows.append("(empty directory)")
     return FileResult("\n".join(rows), truncated)

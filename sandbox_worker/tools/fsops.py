@@ -27,6 +27,7 @@ import ctypes
 import errno
 import os
 import platform
+import re
 import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,34 @@ def check_relative(path: str) -> str:
     if ".." in path.split("/"):
         raise OutsideWorkspace(f"{path!r} contains '..'; paths must stay in the workspace")
     return path.strip("/") or "."
+
+
+def display_name(name: str) -> tuple[str, bool]:
+    """How a file name is shown to the model, and whether it had to be escaped.
+
+    ``os.listdir``/``readlink`` give names as ``os.fsdecode`` does: a byte that
+    is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF), which no UTF-8 text
+    (the wire, the store, a provider) can carry. A name that is clean text is
+    shown as it is. Otherwise every undecodable byte and control character is
+    shown as ``\\xNN`` and a backslash as ``\\\\`` (as ``ls -b`` does), so the
+    shown text is valid UTF-8 and names the bytes unambiguously."""
+    if not _ODD_NAME.search(name):
+        return name, False
+    out = []
+    for ch in name:
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif code < 0x20 or code == 0x7F or 0xD800 <= code <= 0xDFFF:
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        elif ch == "\\":
+            out.append("\\\\")
+        else:
+            out.append(ch)
+    return "".join(out), True
+
+
+_ODD_NAME: Final = re.compile("[\\x00-\\x1f\\x7f\\ud800-\\udfff]")
 
 
 def map_oserror(exc: OSError, path: str) -> ToolError:

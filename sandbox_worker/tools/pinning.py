@@ -56,6 +56,9 @@ from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
 log = logging.getLogger(__name__)
 
 MEMO_MAX: Final = 10_000
+# Directory mtimes come from the kernel's coarse clock (and, on NFS, the
+# server's): look at directories changed a little before the call began too.
+SWEEP_SLACK_S: Final = 2.0
 Identity = tuple[int, int]
 
 
@@ -170,11 +173,15 @@ class WorkspacePins:
                     os.close(gfd)
         return pinned
 
-    async def sweep(self, pinned: Pinned) -> SweepReport | None:
+    async def sweep(self, pinned: Pinned, started_at: float) -> SweepReport | None:
         """Give what tools created to the owner, clear setid bits, note ``.git``
-        entries (never raises: a failed sweep is logged)."""
+        entries (never raises: a failed sweep is logged). ``started_at`` is the
+        call's start (``time.time()``): only directories changed since then
+        are examined, except at this worker's first sweep of the workspace,
+        which examines everything (what a dead worker's call may have left)."""
+        since = (started_at - SWEEP_SLACK_S) if pinned.identity in self._git else None
         try:
-            report = await asyncio.to_thread(normalise, pinned.fd, self.is_tool_uid)
+            report = await asyncio.to_thread(normalise, pinned.fd, self.is_tool_uid, since)
         except OSError as exc:
             log.warning("sweep of workspace %s failed: %s", pinned.path, exc)
             return None

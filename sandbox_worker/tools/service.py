@@ -41,14 +41,19 @@ from broker.protocol import FailureKind, pack, unpack
 from broker.worker import RequestContext
 from sandbox_worker.api import (
     SANDBOX_MODES,
+    SURROGATES,
     TIER_ORDER,
+    TOOL_OUTPUT_BYTES,
     IsolationRecord,
     Tier,
     ToolCallResult,
     ToolLimits,
     ToolOutputChunk,
     ToolSchema,
+    fit_text,
+    replace_surrogates,
 )
+from sandbox_worker.sandbox import wsalias
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.detect import Detection, detect
 from sandbox_worker.sandbox.errors import (
@@ -175,6 +180,9 @@ class ToolService:
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
                                unsandboxed_opt_in=tier == "T0", extra_degraded=degraded,
                                verified=dict(self.detection.verified.get(tier, {})))
+        pruned = await asyncio.to_thread(wsalias.prune)
+        if pruned:
+            log.info("detached %d workspace aliases of deleted workspaces", pruned)
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)
@@ -271,7 +279,7 @@ class ToolService:
         if task is not None:
             self._calls.add(task)
         try:
-            return pack(await self._handle(ctx))
+            return pack(bounded(await self._handle(ctx)))
         finally:
             if task is not None:
                 self._calls.discard(task)
@@ -400,6 +408,7 @@ class ToolService:
         pool = self.pool
         if pool is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
+        wall_start = time.time()  # compared with directory mtimes by the sweep
         lease = await pool.acquire(timeout_s=max(0.0, ctx.remaining_s() - 1.0))
         try:
             run: ShellRun = await run_shell(
@@ -412,7 +421,7 @@ class ToolService:
             # it left is given to the workspace's owner before the uid goes back.
             try:
                 if not read_only and self.pins is not None:
-                    await self.pins.sweep(pinned)
+                    await self.pins.sweep(pinned, wall_start)
             finally:
                 await pool.give_back(lease)
         o = run.outcome
@@ -428,11 +437,13 @@ class ToolService:
             outcome = "ok"
         else:
             outcome, kind = "error", ("killed" if o.signal is not None else "nonzero_exit")
+        output, cut = render(run, limits)
         result = ToolCallResult(
             call_id=req["call_id"], tool="shell", outcome=outcome,  # type: ignore[typeddict-item]
-            is_error=outcome != "ok", output=render(run, limits), exit_code=o.exit_code,
+            is_error=outcome != "ok", output=output, exit_code=o.exit_code,
             signal=o.signal, duration_s=time.monotonic() - start,
-            stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes, truncated=o.truncated,
+            stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes,
+            truncated=o.truncated or cut,
             isolation=profile.isolation(applied, network=network, uid=lease.uid,
                                         shape=run.shape, read_only=read_only,
                                         git_writable=git_writable, gid=pinned.gid))
@@ -449,6 +460,7 @@ class ToolService:
         fsize = int(limits["file_size_bytes"])
         fn: Any
         workspace = pinned.fd
+        wall_start = time.time()
         if tool == "read_file":
             fn = functools.partial(files.read_file, workspace, args, self._flimits)
         elif tool == "write_file":
@@ -456,12 +468,12 @@ class ToolService:
         elif tool == "edit_file":
             fn = functools.partial(files.edit_file, workspace, args, self._flimits, fsize)
         else:
-            fn = functools.partial(files.list_dir, workspace, args)
+            fn = functools.partial(files.list_dir, workspace, args, self._flimits)
         loop = asyncio.get_running_loop()
         res: files.FileResult = await loop.run_in_executor(
             fs.executor, functools.partial(fs.run_as_group, pinned.gid, fn))
         if tool == "write_file" and self.pins is not None:
-            await self.pins.sweep(pinned)
+            await self.pins.sweep(pinned, wall_start)
         size = len(res.output.encode("utf-8", errors="replace"))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="ok", is_error=False, output=res.output,
@@ -485,6 +497,25 @@ class ToolService:
             exit_code=None, signal=None, duration_s=time.monotonic() - start,
             stdout_bytes=0, stderr_bytes=0, truncated=False, isolation=isolation,
             error_kind=kind)
+
+
+_RESULT_CUT = ("\n[... result cut to fit the stored result: {shown} of {total} bytes "
+               "shown]")
+
+
+def bounded(result: ToolCallResult) -> ToolCallResult:
+    """Every result leaves the worker with its ``output`` within
+    ``TOOL_OUTPUT_BYTES`` as a JSON string (the tools render within it already;
+    this is the one place that makes it true for any path, error messages
+    included) and without lone surrogates, which the wire cannot carry."""
+    output = result["output"]
+    if SURROGATES.search(output):
+        output = replace_surrogates(output)
+    output, cut = fit_text(output, TOOL_OUTPUT_BYTES, _RESULT_CUT)
+    if output is not result["output"]:
+        result = ToolCallResult(**{**result, "output": output,
+                                   "truncated": result["truncated"] or cut})
+    return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

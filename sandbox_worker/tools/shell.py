@@ -9,6 +9,8 @@ Invariants:
 - The result always says how the command ended: exit code, or the signal
   that ended the chain's head, or "timeout"/"output limit"; output kept up to
   the moment it ended is returned, with a truncation marker when capped.
+- The rendered output fits the store's item bound by construction
+  (``render``: at most ``TOOL_OUTPUT_BYTES`` as a JSON string).
 - Nothing of the call survives ``run_shell`` (process.run's guarantee), and
   the per-call tmp dir (T1/T0) is removed afterwards.
 """
@@ -24,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from sandbox_worker.api import ToolLimits
+from sandbox_worker.api import TOOL_OUTPUT_BYTES, ToolLimits, fit_text, json_size
 from sandbox_worker.sandbox.errors import BadArguments, ToolError
 from sandbox_worker.sandbox.process import OnChunk, RunOutcome, RunSpec, run
 from sandbox_worker.sandbox.profile import Profile, Shape
@@ -149,40 +151,69 @@ def _signame(num: int) -> str:
     return f"signal {num}"
 
 
-def _text(data: bytes, cap: int) -> str:
-    """Decode for the model, never longer than ``cap`` bytes of UTF-8 (invalid
-    bytes become U+FFFD, three bytes each, so decoding can grow the text)."""
-    text = data.decode("utf-8", errors="replace")
-    encoded = text.encode("utf-8")
-    if len(encoded) > cap:
-        text = encoded[:cap].decode("utf-8", errors="ignore")
-        text += "\n[... cut: undecodable bytes expanded the text]"
-    return text
+def _share(stdout_size: int, stderr_size: int, room: int) -> tuple[int, int]:
+    """Split ``room`` bytes between the two streams: each gets what it needs if
+    that is at most half, the other the rest; both over half get half each."""
+    half = room // 2
+    if stdout_size + stderr_size <= room:
+        return stdout_size, stderr_size
+    if stderr_size <= half:
+        return room - stderr_size, stderr_size
+    if stdout_size <= half:
+        return stdout_size, room - stdout_size
+    return half, room - half
 
 
-def render(run_: ShellRun, limits: ToolLimits) -> str:
-    """What the model reads: stdout, stderr apart, and how the command ended."""
+def render(run_: ShellRun, limits: ToolLimits,
+           max_bytes: int = TOOL_OUTPUT_BYTES) -> tuple[str, bool]:
+    """What the model reads: stdout, stderr apart, and how the command ended;
+    and whether anything was cut. Bytes that are not UTF-8 become U+FFFD. The
+    text as a JSON string (``json_size``) is at most ``max_bytes`` (the store's
+    item bound less the item envelope, see ``sandbox_worker.api``): when the
+    two streams do not fit together they share the room (``_share``), each
+    cut at its head with a marker; the line saying how the command ended is
+    always kept."""
     o = run_.outcome
     cap = int(limits["output_bytes"])
-    parts: list[str] = []
-    if o.stdout:
-        parts.append(_text(o.stdout, cap))
+    out = o.stdout.decode("utf-8", errors="replace")
+    err = o.stderr.decode("utf-8", errors="replace")
+    notes: list[str] = []
     if len(o.stdout) >= cap:
-        parts.append(f"\n[... stdout truncated at {cap} bytes]")
-    if o.stderr:
-        parts.append("\n[stderr]\n" + _text(o.stderr, cap))
+        notes.append(f"\n[... stdout truncated at {cap} bytes]")
     if len(o.stderr) >= cap:
-        parts.append(f"\n[... stderr truncated at {cap} bytes]")
+        notes.append(f"\n[... stderr truncated at {cap} bytes]")
     if o.timed_out:
-        parts.append(f"\n[timed out after {run_.wall_s:g} s; the command was killed]")
+        notes.append(f"\n[timed out after {run_.wall_s:g} s; the command was killed]")
     elif o.flooded:
-        parts.append(f"\n[output limit of {cap} bytes per stream reached; "
+        notes.append(f"\n[output limit of {cap} bytes per stream reached; "
                      "the command was killed]")
     elif o.signal is not None:
-        parts.append(f"\n[killed by {_signame(o.signal)}]")
+        notes.append(f"\n[killed by {_signame(o.signal)}]")
     elif o.exit_code is not None and o.exit_code > 128 and o.exit_code - 128 < 65:
-        parts.append(f"\n[exit code {o.exit_code} (128+{_signame(o.exit_code - 128)}: "
+        notes.append(f"\n[exit code {o.exit_code} (128+{_signame(o.exit_code - 128)}: "
                      "killed by a signal or a limit such as CPU time or file size)]")
     elif o.exit_code:
-        parts.append(f"\n[exit code {o.exit_code}]")
-    return "".join(parts).lstrip("\n") or "[no output]"
+        notes.append(f"\n[exit code {o.exit_code}]")
+    trailer = "".join(notes)
+    err_head = "\n[stderr]\n" if err else ""
+    # JSON string bodies add up: the room for the two streams is what the
+    # quoted trailer and stderr heading leave, less two cut markers.
+    room = max_bytes - json_size(trailer + err_head) - 2 * _MARKER_ROOM
+    out_size, err_size = json_size(out) - 2, json_size(err) - 2
+    cut = False
+    if out_size + err_size > room:
+        out_room, err_room = _share(out_size, err_size, max(0, room))
+        out, cut_out = fit_text(out, out_room + 2 + _MARKER_ROOM, _STDOUT_CUT)
+        err, cut_err = fit_text(err, err_room + 2 + _MARKER_ROOM, _STDERR_CUT)
+        cut = cut_out or cut_err
+    text = (out + err_head + err + trailer).lstrip("\n") or "[no output]"
+    # Not reached unless max_bytes is smaller than the trailer: a last bound.
+    text, last = fit_text(text, max_bytes, _STDOUT_CUT)
+    return text, cut or last
+
+
+_MARKER_ROOM = 128  # bytes a cut marker may take, at most
+_STDOUT_CUT = ("\n[... output cut to fit the stored result: {shown} of {total} bytes "
+               "shown]")
+_STDERR_CUT = ("\n[... stderr cut to fit the stored result: {shown} of {total} bytes "
+               "shown]")

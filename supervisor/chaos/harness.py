@@ -15,6 +15,16 @@ in the wanted state is recorded as skipped. Recovery is measured per fault,
 for the sessions it really affected (``recovery.py``), from the fault to
 their next progress event.
 
+Plants (``--plant NAME``, ``broker/plants.py``): the names go into the
+environment of every farm child this harness starts (never into its own),
+and into that of the export check; nothing else changes. The harness, the
+schedule and the invariants are the same whatever plant is on: a plant must
+be found from the evidence.
+
+Evidence gathered while the farm runs, besides what clients see live: the
+process table, sampled every ``WATCH_EVERY_S`` (``evidence.ProcWatch``), and,
+for every worker fault, the calls in the worker's cgroup at the instant.
+
 Invariants:
 - Every wait has a deadline; a session that does not finish a turn within
   ``turn_deadline_s`` is reported (``not_wedged``), never waited on forever.
@@ -24,22 +34,43 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
+import dataclasses
 import json
 import logging
 import os
+import secrets
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker import plants
 from broker.client import BrokerClient
 from broker.errors import BrokerError
+from supervisor import crashpoints
+from supervisor.chaos import evidence, recovery
 from supervisor.chaos import invariants as inv
-from supervisor.chaos import recovery
-from supervisor.chaos.schedule import FRAME_FAULTS, Fault, make_schedule, parse_faults
+from supervisor.chaos.evidence import ProcWatch
+from supervisor.chaos.schedule import (
+    FRAME_FAULTS,
+    Fault,
+    coverage_s,
+    make_schedule,
+    parse_faults,
+    timed_kinds,
+)
 from supervisor.chaos.targets import Injector
-from supervisor.chaos.workload import count_markers, write_script
+from supervisor.chaos.workload import (
+    ID_FILE,
+    LONG_S,
+    count_markers,
+    make_script,
+    requests_in,
+)
 from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.farm.root import Farm
 from supervisor.store import slowdisk
@@ -67,6 +98,10 @@ class ChaosOptions:
     # fields); then the workload is not scripted, so the marker checks are off.
     route: dict[str, Any] | None = None
     prompt: str = "do the next step ({n})"
+    plants: tuple[str, ...] = ()  # planted bugs (broker/plants.py), for the checker's self-test
+    fault_gap_s: float = 2.5  # minimum gap between timed faults (bounded: up to twice that)
+    frame_rate: float = 0.02  # share of request-traffic frames the broker mangles
+    provider_rate: float = 0.15  # share of script entries with a provider fault (1st attempt)
 
 
 @dataclass
@@ -92,8 +127,17 @@ class Report:
     unrecovered: dict[str, int] = field(default_factory=dict)
     continuous: dict[str, Any] = field(default_factory=dict)
     checks: list[str] = field(default_factory=list)
-    repeated_requests: int = 0  # markers the model asked for twice (not a violation)
+    repeated_requests: int = 0  # markers the model asked for twice (a violation)
     elapsed_s: float = 0.0
+    recovery_by_kind: dict[str, list[float]] = field(default_factory=dict)
+    killed_calls: dict[str, int] = field(default_factory=dict)
+    coverage_s: float = 0.0
+    duration_s: float = 0.0
+    plants: tuple[str, ...] = ()
+    proc_samples: int = 0
+    provider_faults: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase
+    host: dict[str, Any] = field(default_factory=dict)  # cores, load, CPU the run used
 
     def as_dict(self) -> dict[str, Any]:
         rec = {}
@@ -101,9 +145,19 @@ class Report:
             rec[group] = {**recovery.summarize(times),
                           "unrecovered": self.unrecovered.get(group, 0)}
         tool_calls = sum(1 for s in self.sessions for _, e in s.live
-                         if e.get("type") == "tool_call_end")
+                         if e.get("type") == "tool_call_end" and e.get("sequence", 0) > 0)
+        by_kind: dict[str, dict[str, Any]] = {}
+        for f in self.injected:
+            k = by_kind.setdefault(f["kind"], {"injected": 0, "skipped": 0})
+            k["skipped" if "skipped" in f else "injected"] += 1
+        for kind, times in sorted(self.recovery_by_kind.items()):
+            by_kind.setdefault(kind, {"injected": 0, "skipped": 0})["recovery"] = (
+                recovery.summarize(times))
         return {
             "seed": self.seed,
+            "plants": list(self.plants),
+            "duration_s": self.duration_s,
+            "coverage_s": self.coverage_s,
             "checks": self.checks,
             "violations": [v.as_dict() for v in self.violations],
             "counts": {
@@ -116,11 +170,17 @@ class Report:
                 "exports_verified": self.exports,
                 "sessions_final_turn_ok": sum(s.final_ok for s in self.sessions),
                 "repeated_requests": self.repeated_requests,
+                "killed_calls": self.killed_calls,
+                "process_table_samples": self.proc_samples,
             },
+            "faults_by_kind": by_kind,
+            "provider_faults_in_script": self.provider_faults,
             "faults": self.injected,
             "continuous_faults": self.continuous,
             "recovery": rec,
             "elapsed_s": round(self.elapsed_s, 1),
+            "phases_s": {k: round(v, 1) for k, v in self.phases.items()},
+            "host": self.host,
         }
 
 
@@ -152,29 +212,67 @@ path = "exports"
 """
 
 
+LIVENESS_WINDOW_S = 0.25 * 4  # [farm] heartbeat_interval_s x liveness, above
+LOSS_MARGIN_S = 2.0  # commit and delivery of the loss report, on a loaded 2-core host
+RESUME_S = 1.5  # a restarted supervisor resumes its sessions after it is up
+EXPORTCHECK_S = 1800  # an hour-long soak leaves ~2,000 exports (measured: ~3 s per 80)
+FINAL_TRIES = 3  # turns a session may need after the faults (each must end, one complete)
+RETRIES = 10  # a skipped fault is retried in the next slots (targets come and go)
+ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
+KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
+WATCH_EVERY_S = 0.5
+
+
 class Harness:
     def __init__(self, opts: ChaosOptions) -> None:
         self.opts = opts
+        if not 0.0 <= opts.frame_rate <= 0.5:
+            raise ValueError(f"--frame-rate must be between 0 and 0.5, got {opts.frame_rate}")
+        if not 0.0 <= opts.provider_rate <= 1.0:
+            raise ValueError(f"--provider-rate must be between 0 and 1, got {opts.provider_rate}")
+        if opts.fault_gap_s <= 0:
+            raise ValueError(f"--fault-gap must be positive, got {opts.fault_gap_s}")
         self.kinds = parse_faults(opts.faults)
+        self.plants = plants.parse(",".join(opts.plants))
         self.home = opts.home or Path(tempfile.mkdtemp(prefix="corral-chaos-"))
         self.schedule = (opts.schedule if opts.schedule is not None
-                         else make_schedule(opts.seed, opts.duration_s, self.kinds))
+                         else make_schedule(opts.seed, opts.duration_s, self.kinds,
+                                            min_gap_s=opts.fault_gap_s))
         self.report = Report(opts.seed, self.schedule)
+        self.report.plants = tuple(sorted(self.plants))
+        self.report.duration_s = opts.duration_s
+        self.report.coverage_s = coverage_s(self.kinds, opts.fault_gap_s)
         self.pids: set[int] = set()
         self.farm: Farm | None = None
         self.faults_over = asyncio.Event()
         self.marks: list[tuple[int, recovery.FaultMark]] = []  # (index in injected, mark)
+        self.at: dict[int, float] = {}  # index in injected -> monotonic instant of the hit
         self.slow_flag = self.home / "chaos-slow-disk.flag"
+        self.arm_path = self.home / "chaos-crashpoint.arm"
+        self.run_tag = secrets.token_hex(4)
+        self.watch = ProcWatch(self.run_tag)
+        self.script: dict[str, Any] = {}
+        self.sv: SupervisorClient | None = None
+        self.ups: list[tuple[str, float]] = []  # (supervisor | broker, when it was up again)
+        self._seen_up: set[tuple[str, int]] = set()
 
     # -- set-up -------------------------------------------------------------
 
     def prepare(self, tier_min: str = "T2") -> None:
+        for i in range(self.opts.sessions):  # effects are counted on disk: start clean
+            ws = self.workspace(i)
+            if ws.exists() and any(ws.iterdir()):
+                raise ValueError(f"workspace {ws} is not empty: a previous run's effects "
+                                 "would be counted; remove it or choose another --home")
         self.home.mkdir(parents=True, exist_ok=True)
         script = self.home / "workload.json"
         if self.opts.script is not None:
-            script.write_text(json.dumps(self.opts.script))
+            self.script = self.opts.script
         else:
-            write_script(script, self.opts.turns, self.opts.steps, self.opts.seed, self.kinds)
+            turns = max(self.opts.turns, int(self.opts.duration_s) + 100)
+            self.script = make_script(turns, self.opts.steps, self.opts.seed, self.kinds,
+                                      provider_rate=self.opts.provider_rate)
+        script.write_text(json.dumps(self.script))
         if self.opts.route is not None:
             route = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.opts.route.items())
         else:
@@ -182,76 +280,167 @@ class Harness:
                      "read_timeout_s = 3.0\nconnect_timeout_s = 2.0")
         (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, route=route))
 
+    def workspace(self, i: int) -> Path:
+        """Session ``i``'s workspace: beside the home, never inside it (a farm refuses
+        a workspace that overlaps its own directory: store, keys, logs, sockets)."""
+        return self.home.parent / f"{self.home.name}-ws" / f"s{i}"
+
     @property
     def marker_checks(self) -> bool:
         """Marker-based checks need the scripted workload (a real model improvises)."""
         return self.opts.route is None
 
     def _track_pids(self) -> None:
+        """On every change of the farm's tree: every pid it ever ran, and when the
+        supervisor and the broker came up again (for ``_overlap``)."""
         if self.farm is not None:
             for c in self.farm.tree.children.values():
                 if c.pid:
                     self.pids.add(c.pid)
+                if (c.spec.name in ("supervisor", "broker") and c.state == "running"
+                        and c.pid and (c.spec.name, c.pid) not in self._seen_up):
+                    self._seen_up.add((c.spec.name, c.pid))
+                    self.ups.append((c.spec.name, time.monotonic()))
+
+    def child_env(self) -> dict[str, str]:
+        """What every farm child (and the export check) gets besides the inherited env."""
+        return {plants.ENV: ",".join(sorted(self.plants))} if self.plants else {}
 
     # -- the run ------------------------------------------------------------
 
     async def run(self) -> Report:
         started = time.monotonic()
+        cpu0 = os.times()
+        self.report.host = {"cpus": os.cpu_count(),
+                            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
         self.prepare()
         frame = [k for k in self.kinds if k in FRAME_FAULTS]
-        env = None
+        env: dict[str, str] = {crashpoints.ARM_ENV: str(self.arm_path)}
         if "store_slow" in self.kinds:
-            env = {slowdisk.DELAY_ENV: str(STORE_SLOW_DELAY_S),
-                   slowdisk.FLAG_ENV: str(self.slow_flag)}
+            env.update({slowdisk.DELAY_ENV: str(STORE_SLOW_DELAY_S),
+                        slowdisk.FLAG_ENV: str(self.slow_flag)})
         self.farm = Farm(self.home, workers=self.opts.workers,
-                         broker_faults=",".join(frame) or None,
+                         broker_faults=(",".join(frame) + f":rate={self.opts.frame_rate}"
+                                        if frame else None),
                          broker_faults_seed=self.opts.seed, supervisor_env=env,
                          log_level="INFO",
+                         # The faults restart children on purpose, up to a few per second
+                         # in a soak: the farm's crash-loop escalation (20 in 60 s) would
+                         # stop the run, so it is set above what the schedule can cause.
+                         max_restarts=100_000,
                          on_change=self._track_pids)  # every pid the farm ever ran
+        for child in self.farm.tree.children.values():  # plants reach the children only
+            child.spec = dataclasses.replace(child.spec,
+                                             env={**(child.spec.env or {}), **self.child_env()})
         ready = asyncio.Event()
+        ph = self.report.phases
+        tick = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal tick
+            now = time.monotonic()
+            ph[name] = now - tick
+            tick = now
         async with asyncio.TaskGroup() as tg:
             farm_task = tg.create_task(self.farm.tree.run(on_ready=ready.set))
             async with asyncio.timeout(120):
                 await ready.wait()
             self._track_pids()
+            watcher = tg.create_task(self._watch())
+            frames = tg.create_task(self._count_frames()) if frame else None
             endpoint = self.farm.paths.supervisor_endpoint
             async with SupervisorClient(endpoint, timeout_s=15) as sv, \
                     BrokerClient(self.farm.paths.broker_frontend) as broker:
-                injector = Injector(self.farm, broker, self.slow_flag)
+                self.sv = sv
+                injector = Injector(self.farm, broker, self.slow_flag, arm_path=self.arm_path,
+                                    run_tag=self.run_tag, interrupter=self._interrupt)
                 runs = [await self._create(sv, i) for i in range(self.opts.sessions)]
                 self.report.sessions = runs
+                phase("startup")
                 async with asyncio.TaskGroup() as work:
-                    collectors = [work.create_task(self._collect(sv, r)) for r in runs]
+                    collectors = [work.create_task(self._collect(endpoint, r)) for r in runs]
                     drivers = [work.create_task(self._drive(sv, r)) for r in runs]
                     await self._inject(injector, t0=time.monotonic())
                     self.faults_over.set()
-                    if frame:
-                        self.report.continuous["frame"] = await _frame_counts(broker)
+                    phase("faults")
+                    with contextlib.suppress(FileNotFoundError):
+                        self.arm_path.unlink()  # an arming not reached stays off
                     await asyncio.gather(*drivers)
+                    phase("drain")
                     # Not wedged: one more turn each, all at once, which must complete.
-                    finals = await asyncio.gather(*(self._turn(sv, r) for r in runs))
+                    finals = await asyncio.gather(*(self._final(sv, r) for r in runs))
                     for r, ok in zip(runs, finals, strict=True):
                         r.final_ok = ok
+                    phase("final_turn")
                     await asyncio.sleep(0.5)  # let collectors see the last durable events
                     for c in collectors:
                         c.cancel()
+                # Calls still winding down (a worker's last long call) get their grace.
+                await asyncio.sleep(1.0)
+            watcher.cancel()
+            if frames is not None:
+                frames.cancel()
             farm_task.cancel()
         await asyncio.sleep(0)
+        phase("stop")
         self._recovery()
         await self._check()
+        phase("check")
+        cpu1 = os.times()
+        self.report.host.update(
+            loadavg_end=[round(x, 2) for x in os.getloadavg()],
+            # this process plus the farm's children it waited for (the checks included)
+            cpu_s=round(cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
+                        - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system,
+                        1))
         self.report.elapsed_s = time.monotonic() - started
         return self.report
 
+    async def _count_frames(self) -> None:
+        """Frame faults across broker restarts: the broker counts since its start, so
+        its STATUS is polled every second and a drop in a counter means a new broker
+        (what the old one did after its last poll is not counted: a lower bound)."""
+        assert self.farm is not None
+        totals = {"drop": 0, "delay": 0, "duplicate": 0}
+        last = dict(totals)
+        self.report.continuous["frame"] = {"rate": self.opts.frame_rate, "total": totals,
+                                           "note": "lower bound across broker restarts"}
+        async with BrokerClient(self.farm.paths.broker_frontend) as broker:
+            while True:
+                now = await _frame_counts(broker)
+                if now is not None:
+                    for k in totals:
+                        n = int(now.get(k, 0))
+                        totals[k] += n - last[k] if n >= last[k] else n
+                        last[k] = n
+                await asyncio.sleep(1.0)
+
+    async def _watch(self) -> None:
+        """Sample the process table while the farm runs (evidence for no_orphans)."""
+        while True:
+            await asyncio.to_thread(self.watch.sample)
+            await asyncio.sleep(WATCH_EVERY_S)
+
     async def _create(self, sv: SupervisorClient, i: int) -> SessionRun:
-        ws = self.home / "ws" / f"s{i}"
+        ws = self.workspace(i)
         ws.mkdir(parents=True, exist_ok=True)
+        # The farm set this process's umask to 077 (its home is private).
+        os.chmod(ws.parent, 0o755)
         os.chmod(ws, 0o755)
+        (ws / ID_FILE).write_text(f"{self.run_tag}-{i}\n")
+        (ws / ID_FILE).chmod(0o644)
         sid = await _retry(lambda: sv.create_session(workspace=str(ws)))
         return SessionRun(str(sid), ws)
 
-    async def _collect(self, sv: SupervisorClient, run: SessionRun) -> None:
-        async for event in sv.events(run.session_id, reconnect_timeout_s=600):
-            run.live.append((time.monotonic(), event))
+    async def _collect(self, endpoint: str, run: SessionRun) -> None:
+        """What a client of this session sees live, with receive times. One client
+        per session: a client that takes a slow supervisor for a lost one
+        resubscribes while its old subscriptions still stand on the server, which
+        caps them at 256 per client (an hour-long soak with 16 sessions on one
+        client hit that cap after 17 minutes)."""
+        async with SupervisorClient(endpoint, timeout_s=15) as sv:
+            async for event in sv.events(run.session_id, reconnect_timeout_s=600):
+                run.live.append((time.monotonic(), event))
 
     async def _turn(self, sv: SupervisorClient, run: SessionRun) -> bool:
         """Submit one turn and wait (with a deadline) for its terminal event."""
@@ -275,30 +464,82 @@ class Harness:
         finally:
             run.busy = False
 
+    async def _final(self, sv: SupervisorClient, run: SessionRun) -> bool:
+        """The turn after the faults must complete. Frame and provider faults stay on,
+        so a turn may end aborted once its model call ran out of attempts (a clean,
+        reported end): up to ``FINAL_TRIES`` turns are submitted; a session none of
+        whose turns completes within its deadline is wedged."""
+        for _ in range(FINAL_TRIES):
+            if await self._turn(sv, run):
+                return True
+            if not run.submissions or not _aborted_cleanly(run.live, run.submissions[-1]):
+                return False  # no end at all within the deadline: wedged
+        return False
+
     async def _drive(self, sv: SupervisorClient, run: SessionRun) -> None:
         limit = self.opts.max_turns_per_session or self.opts.turns - 2
         while not self.faults_over.is_set() and run.turns_done < limit:
             if not await self._turn(sv, run) and not self.faults_over.is_set():
                 await asyncio.sleep(0.2)
 
+    async def _interrupt(self, pick: int) -> dict[str, Any] | None:
+        """Interrupt a turn early in one of its long tool calls (``interrupt_tool``): the
+        call has most of ``LONG_S`` to run, so only a working kill ends it promptly."""
+        deadline = time.monotonic() + 3.0 + LONG_S
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            fresh = []
+            for i, r in enumerate(self.report.sessions):
+                call = _open_long_call(r.live, self.opts.steps)
+                if call is not None and 0.5 <= now - call[2] <= 1.5:  # running, young
+                    fresh.append((i, r, call))
+            if fresh and self.sv is not None:
+                i, r, (turn_id, k, _) = fresh[pick % len(fresh)]
+                sent = time.monotonic()
+                try:
+                    async with asyncio.timeout(3.0):
+                        await self.sv.submit(r.session_id,
+                                             {"type": "interrupt", "turn_id": turn_id})
+                except (SupervisorError, TimeoutError) as exc:
+                    return {"target": r.session_id, "error": str(exc), "call": [i, k]}
+                return {"target": r.session_id, "turn_id": turn_id, "call": [i, k],
+                        "sent_at": sent}
+            await asyncio.sleep(0.05)
+        return None
+
     # -- faults -------------------------------------------------------------
 
     async def _inject(self, injector: Injector, t0: float) -> None:
-        for fault in self.schedule:
-            wait = t0 + fault.at_s - time.monotonic()
+        """Fire the schedule; a skipped fault is retried (up to ``RETRIES`` times) in
+        the next slots, before the slot's own fault, so every enabled kind gets
+        reached."""
+        debt: list[tuple[Fault, int]] = []
+        for slot in self.schedule:
+            wait = t0 + slot.at_s - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
+            fault, tries = slot, 0
+            if debt:
+                fault, tries = debt.pop(0)
+                debt.append((slot, 0))
             index = len(self.report.injected)
             at_s = round(time.monotonic() - t0, 3)
 
-            def mark(service: str | None, kind: str = fault.kind, index: int = index) -> None:
-                group = "worker" if kind.startswith("worker_") else kind.split("_")[0]
-                marks = {r.session_id: len(r.live) for r in self.report.sessions}
-                self.marks.append((index, recovery.FaultMark(group, time.monotonic(),
-                                                             service, marks)))
+            def mark(service: str | None, at: float | None = None, kind: str = fault.kind,
+                     index: int = index) -> None:
+                when = time.monotonic() if at is None else at
+                self.at[index] = when
+                group = recovery_group(kind)
+                if group is None:
+                    return
+                marks = {r.session_id: _count_upto(r.live, when) for r in self.report.sessions}
+                self.marks.append((index, recovery.FaultMark(group, when, service, marks)))
 
             record = await injector.fire(fault, mark)
             record["at_s"] = at_s
+            if "skipped" in record and tries < RETRIES:
+                record["retry"] = tries + 1
+                debt.append((fault, tries + 1))
             self.report.injected.append(record)
             log.info("chaos: %s", record)
         rest = t0 + self.opts.duration_s - time.monotonic()
@@ -314,10 +555,86 @@ class Harness:
                                   for sid, t in sorted(hit.items())}
             times = [t for t in hit.values() if t is not None]
             self.report.recovery.setdefault(fm.group, []).extend(times)
+            self.report.recovery_by_kind.setdefault(record["kind"], []).extend(times)
             missing = sum(1 for t in hit.values() if t is None)
             if missing:
                 self.report.unrecovered[fm.group] = (
                     self.report.unrecovered.get(fm.group, 0) + missing)
+            if not hit:
+                self._explain(index, fm, record, lives)
+
+    def _explain(self, index: int, fm: recovery.FaultMark, record: dict[str, Any],
+                 lives: dict[str, recovery.LiveLog]) -> None:
+        """A fault that affected no session: say why from the evidence, or it is a
+        ``recovery_accounted`` violation: a worker that held requests when it was
+        frozen (the broker's STATUS read after the SIGSTOP) must cost some session
+        a loss report (``worker_lost`` on a tool call or a model step, or an
+        idempotent call's second attempt) within the loss bound."""
+        if fm.group != "worker":
+            record["explained"] = {
+                "supervisor": "no turn was running", "broker": "nothing was in flight",
+                "provider": "no model stream was cut (none open at the provider)",
+            }.get(fm.group, "not measured")
+            return
+        held = record.get("held")
+        if not held:
+            record["explained"] = ("the worker held nothing when frozen" if held == []
+                                   else "the broker did not list the frozen worker")
+            return
+        excused, extra = self._overlap(index)
+        if excused:
+            record["explained"] = "the supervisor or the broker was killed in its window"
+            return
+        bound = LIVENESS_WINDOW_S + LOSS_MARGIN_S + extra
+        for live in lives.values():
+            for t, e in live[_count_upto(live, fm.at):]:
+                if t > fm.at + bound:
+                    break
+                if _loss_evidence(e):
+                    record["explained"] = "lost requests were reported outside open work"
+                    return
+        self.report.violations.append(inv.Violation(
+            "recovery_accounted", "", None,
+            f"fault #{index} ({record['kind']}) froze {record.get('target')} holding "
+            f"{held} and no session saw a loss report within {bound:.1f}s"))
+
+    def _downs(self) -> list[tuple[float, float]]:
+        """When the supervisor or the broker was down: from each kill of it to
+        ``RESUME_S`` after the farm had it running again (to the end if never)."""
+        out = []
+        for j, rec in enumerate(self.report.injected):
+            group = recovery_group(rec["kind"])
+            if j in self.at and group in ("supervisor", "broker") and "skipped" not in rec:
+                start = self.at[j]
+                up = next((t for name, t in self.ups if name == group and t > start), None)
+                out.append((start, (up if up is not None else float("inf")) + RESUME_S))
+        return out
+
+    def _overlap(self, index: int) -> tuple[bool, float]:
+        """For fault ``index``: whether the supervisor or the broker was down during
+        its loss bound (from its kill to when the farm had it running again, plus
+        ``RESUME_S`` to resume the sessions), which excuses a late or restart-made
+        loss report; and the seconds that store faults overlapping the bound may
+        have delayed a commit."""
+        at = self.at.get(index)
+        if at is None:
+            return True, 0.0
+        hi = at + LIVENESS_WINDOW_S + LOSS_MARGIN_S
+        extra = 0.0
+        for j, rec in enumerate(self.report.injected):
+            if j == index or "skipped" in rec or j not in self.at:
+                continue
+            start = self.at[j]
+            group = recovery_group(rec["kind"])
+            if group in ("supervisor", "broker") and start <= hi:
+                up = next((t for name, t in self.ups if name == group and t > start), None)
+                if up is None or up + RESUME_S >= at:
+                    return True, 0.0
+            if rec["kind"].startswith("store_"):
+                end = start + float(rec.get("duration_s") or 0.0)
+                if start <= hi + extra and end >= at:
+                    extra += float(rec.get("duration_s") or 0.0)
+        return False, extra
 
     # -- checking -----------------------------------------------------------
 
@@ -329,6 +646,37 @@ class Harness:
                               if self.marker_checks or c not in inv.MARKER_CHECKS]
         # off the loop: a process still listed in a cgroup gets seconds to die
         v.extend(await asyncio.to_thread(inv.no_orphans, set(self.pids)))
+        await asyncio.to_thread(self.watch.sample)
+        left = await asyncio.to_thread(self.watch.alive_now)
+        lives = [(r.session_id, r.live) for r in self.report.sessions]
+        for (what, i, k), pid in sorted(left.items()):
+            sid = lives[i][0] if i < len(lives) else ""
+            v.append(inv.Violation("no_orphans", sid, None,
+                                   f"process chaos-{what} of call m-{k} (pid {pid}) outlived "
+                                   "the farm"))
+        evidence.kill_leftovers(list(left.values()))
+        self.report.proc_samples = self.watch.samples
+        seen = {tok: (s.pid, s.last) for tok, s in self.watch.seen.items()}
+        if self.marker_checks:
+            v.extend(inv.orphans_seen(seen, lives, ORPHAN_GRACE_S))
+            kills = [inv.Kill(i, rec["kind"], self.at[i],
+                              frozenset((a, b) for a, b in rec.get("calls", [])),
+                              self._overlap(i)[1])
+                     for i, rec in enumerate(self.report.injected)
+                     if rec.get("calls") and i in self.at]
+            counts, bad = inv.killed_calls(kills, lives, LIVENESS_WINDOW_S + LOSS_MARGIN_S,
+                                           self._downs())
+            cut = [(i, rec["kind"], self.at[i], frozenset(
+                       [tuple(rec["call"])] if rec["kind"] == "interrupt_tool"
+                       else (tuple(c) for c in rec.get("calls", []))))
+                   for i, rec in enumerate(self.report.injected)
+                   if i in self.at and rec["kind"] in ("interrupt_tool", "worker_kill_tool",
+                                                       "worker_kill_model", "worker_kill_idle")
+                   and (rec.get("calls") or rec.get("call")) and "error" not in rec]
+            v.extend(inv.orphans_after_kill(cut, seen, lives, KILL_BOUND_S))
+            self.report.killed_calls = counts
+            v.extend(bad)
+        asked = requests_in(self.script)
         store = await Store.open(self.home / "corral.db")
         try:
             for r in self.report.sessions:
@@ -342,29 +690,141 @@ class Harness:
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
                 if self.marker_checks:
-                    v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace)))
+                    v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace),
+                                         asked))
                     self.report.repeated_requests += inv.repeated_requests(replay)
+                if "frame_drop" not in self.kinds:
+                    v.extend(inv.silent_timeouts(r.session_id, replay))
                 v.extend(inv.replay_equals_live(r.session_id, live, replay))
+                self._provider_faults(live)
         finally:
             await store.close()
-        n, bad = inv.exports_verify(self.home / "exports")
-        self.report.exports = n
-        v.extend(bad)
+        results = await self._exports()
+        self.report.exports = len(results)
+        v.extend(inv.exports_verify(results))
+        v.extend(self._reached())
+
+    def _provider_faults(self, live: list[dict[str, Any]]) -> None:
+        """Provider faults served to one session (estimate: the script's faulty entries
+        below the number of model outputs the session got)."""
+        outputs = sum(1 for e in live if e.get("type") == "model_step_completed"
+                      and (e.get("payload") or {}).get("outcome") == "completed"
+                      and e.get("sequence", 0) > 0)
+        for entry in self.script.get("responses", [])[:outputs]:
+            kind = _provider_kind(entry)
+            if kind:
+                self.report.provider_faults[kind] = self.report.provider_faults.get(kind, 0) + 1
+
+    async def _exports(self) -> dict[str, dict[str, Any]]:
+        """Every export checked (and tampered with) by ``exportcheck`` in a child process
+        with the farm's environment: the verify under test is the farm's."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "supervisor.chaos.exportcheck", str(self.home / "exports"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **self.child_env()})
+        try:
+            async with asyncio.timeout(EXPORTCHECK_S):
+                out, err = await proc.communicate()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return {"(exportcheck)": {"problems": [
+                f"the export check took over {EXPORTCHECK_S} s"]}}
+        if proc.returncode != 0:
+            return {"(exportcheck)": {"problems": [err.decode(errors="replace")[-500:]]}}
+        result: dict[str, dict[str, Any]] = json.loads(out)
+        return result
+
+    def _reached(self) -> list[inv.Violation]:
+        """``faults_reached``: a run at least ``coverage_s`` long injected every kind."""
+        if self.opts.schedule is not None or self.opts.duration_s < self.report.coverage_s:
+            return []
+        done = {f["kind"] for f in self.report.injected if "skipped" not in f}
+        return [inv.Violation("faults_reached", "", None,
+                              f"fault kind {kind} was never injected in a "
+                              f"{self.opts.duration_s:g}s run (coverage bound "
+                              f"{self.report.coverage_s:g}s)")
+                for kind in timed_kinds(self.kinds) if kind not in done]
+
+
+def recovery_group(kind: str) -> str | None:
+    """The recovery group of a fault kind (None: not a process fault)."""
+    if kind.startswith("worker_"):
+        return "worker"
+    if kind.startswith("crash_") or kind == "supervisor_kill":
+        return "supervisor"
+    if kind in ("broker_kill", "provider_kill"):
+        return kind.split("_")[0]
+    return None
+
+
+def _aborted_cleanly(live: recovery.LiveLog, sub: str) -> bool:
+    """Whether submission ``sub`` ended ``turn_aborted`` with a reason."""
+    return any(e.get("submission_id") == sub and e.get("type") == "turn_aborted"
+               and (e.get("payload") or {}).get("reason") for _, e in live)
+
+
+def _loss_evidence(e: dict[str, Any]) -> bool:
+    """A durable event saying a request was lost with its worker."""
+    if e.get("sequence", 0) <= 0:
+        return False
+    p = e.get("payload") or {}
+    if e.get("type") == "tool_call_end":
+        return bool((p.get("error") or {}).get("kind") == "worker_lost")
+    if e.get("type") == "model_step_completed":
+        return bool(((p.get("diagnostics") or {}).get("error") or {}).get("kind")
+                    == "worker_lost")
+    return e.get("type") == "tool_call_begin" and int(p.get("attempt") or 1) > 1
+
+
+def _count_upto(live: recovery.LiveLog, at: float) -> int:
+    return bisect.bisect_right(live, at, key=lambda te: te[0])
+
+
+def _open_long_call(live: recovery.LiveLog, steps: int) -> tuple[str, int, float] | None:
+    """(turn id, k, begin's receive time) of a long shell call begun and not ended,
+    as the client saw it."""
+    open_calls: dict[str, tuple[str, int, float]] = {}
+    for t, e in live[-200:]:
+        p = e.get("payload") or {}
+        if e.get("type") == "tool_call_begin" and p.get("name") == "shell":
+            m = inv.MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
+            if m and int(m.group(1)) % (steps + 1) == 0:
+                open_calls[str(p.get("call_id"))] = (str(p.get("turn_id")), int(m.group(1)), t)
+        elif e.get("type") == "tool_call_end":
+            open_calls.pop(str(p.get("call_id")), None)
+        elif e.get("type") in ("turn_complete", "turn_aborted"):
+            open_calls.clear()
+    return next(iter(open_calls.values()), None)
+
+
+def _provider_kind(entry: dict[str, Any]) -> str | None:
+    if "times" not in entry:
+        return None
+    if entry.get("status") == 429:
+        return "provider_429"
+    if entry.get("status") == 500:
+        return "provider_500"
+    if entry.get("hang"):
+        return "provider_hang"
+    if "cut_after_bytes" in entry:
+        return "provider_cut"
+    return None
 
 
 def _wire(e: Any) -> dict[str, Any]:
     return {"sequence": e.sequence, "type": e.type, "payload": e.payload,
-            "submission_id": e.submission_id}
+            "submission_id": e.submission_id, "created_at": e.created_at}
 
 
-async def _frame_counts(broker: BrokerClient) -> dict[str, Any]:
-    """The broker's frame-fault counters (since its last start: a broker kill resets them)."""
+async def _frame_counts(broker: BrokerClient) -> dict[str, Any] | None:
+    """The broker's frame-fault counters since its start (None: no answer now)."""
     try:
-        status = await broker.status(timeout_s=2.0)
-    except (BrokerError, TimeoutError) as exc:  # a report field, not a failure of the run
-        return {"error": str(exc)}
-    counters = status.get("counters") or {}
-    return {"since_last_broker_start": counters.get("faults", {}), "rate": 0.02}
+        status = await broker.status(timeout_s=1.0)
+    except (BrokerError, TimeoutError):  # down or restarting: try again later
+        return None
+    faults: dict[str, Any] = (status.get("counters") or {}).get("faults") or {}
+    return faults
 
 
 async def _retry(make: Any, *, attempts: int = 60) -> Any:
@@ -383,8 +843,17 @@ def render(report: dict[str, Any]) -> str:
              f"{report['elapsed_s']}s"]
     for k, n in report["counts"].items():
         lines.append(f"  {k:<24} {n}")
+    if report.get("plants"):
+        lines.append(f"  plants                   {', '.join(report['plants'])}")
     for group, r in report["recovery"].items():
-        lines.append(f"  recovery {group:<15} n={r['count']} p50={r['p50_s']}s p99={r['p99_s']}s")
+        if r["count"]:
+            lines.append(f"  recovery {group:<15} n={r['count']} p50={r['p50_s']}s "
+                         f"p99={r['p99_s']}s unrecovered={r['unrecovered']}")
+        else:
+            lines.append(f"  recovery {group:<15} n=0: no session affected (each fault's "
+                         "'explained' in --json says why)")
+    for kind, k in sorted(report.get("faults_by_kind", {}).items()):
+        lines.append(f"  fault {kind:<22} injected={k['injected']} skipped={k['skipped']}")
     for v in report["violations"][:10]:
         lines.append(f"  VIOLATION {v['invariant']} session={v['session_id']} "
                      f"seq={v['sequence']}: {v['detail']}")
@@ -394,7 +863,11 @@ def render(report: dict[str, Any]) -> str:
 def main(ns: Any) -> int:
     opts = ChaosOptions(seed=ns.seed, duration_s=ns.duration, sessions=ns.sessions,
                         faults=ns.faults, workers=getattr(ns, "workers", 3),
-                        home=ns.home if ns.home != Path.home() / ".corral" else None)
+                        home=ns.home if ns.home != Path.home() / ".corral" else None,
+                        plants=tuple(getattr(ns, "plant", None) or ()),
+                        fault_gap_s=getattr(ns, "fault_gap", 2.5),
+                        frame_rate=getattr(ns, "frame_rate", 0.02),
+                        provider_rate=getattr(ns, "provider_rate", 0.15))
     try:
         report = asyncio.run(Harness(opts).run()).as_dict()
     except ValueError as exc:

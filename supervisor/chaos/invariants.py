@@ -14,15 +14,26 @@ The invariants (issue 7):
 3. ``one_output_per_call``: every function call in every context has exactly
    one output, and no output lacks its call.
 4. ``effect_at_most_once``: no non-idempotent tool effect happened more
-   often than the model requested it (markers counted on disk, requests are
-   ``tool_call_begin`` events); every ``ok`` call's effect is on disk.
+   often than the script asks for it (once; markers counted on disk); no
+   non-idempotent call is dispatched a second time (``attempt`` > 1); the
+   model is never asked for a marker more often than the script asks; every
+   ``ok`` call's effect is on disk.
 5. ``unknown_reported``: an effect on disk whose call did not end ``ok`` was
    reported as ``unknown`` (or as a failure that may have run), never as
-   "not run"; an effect with no ``tool_call_end`` at all is a violation.
+   "not run"; an effect with no ``tool_call_end`` at all is a violation; a
+   call running on a worker that was killed or hung (its cgroup, read at the
+   kill) ends ``unknown`` with ``worker_lost`` within the liveness window
+   plus a margin.
 6. ``replay_equals_live``: the durable events replayed from the store equal
    what clients saw live, with no gap or duplicate in the sequences.
-7. ``exports_verify``: every exported checkpoint verifies.
-8. ``no_orphans``: no process outlives the farm's shutdown.
+7. ``exports_verify``: every exported checkpoint verifies, and a copy with
+   any one section tampered with does not (``exportcheck.py``).
+8. ``no_orphans``: no process outlives the farm's shutdown, and a long
+   call's processes are gone soon after the call ends (``orphans_seen``).
+9. ``recovery_accounted``: a worker fault that hit a worker holding requests
+   affected some session, or the evidence explains why not (the harness).
+10. ``faults_reached``: in a run at least ``schedule.coverage_s`` long, every
+   enabled timed fault kind was injected (the harness).
 """
 
 from __future__ import annotations
@@ -31,20 +42,23 @@ import json
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 
 from sandbox_worker.api import worker_cgroup_dirs
 
+LiveLog = list[tuple[float, dict[str, Any]]]
+
 ALL_CHECKS = ("turn_ends_once", "not_wedged", "one_output_per_call", "effect_at_most_once",
-              "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans")
+              "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans",
+              "recovery_accounted", "faults_reached")
 # These count the scripted workload's markers on disk; a real model improvises.
 MARKER_CHECKS = ("effect_at_most_once", "unknown_reported")
 MARKER_ARG_RE = re.compile(r"echo m-(\d+) >> effects\.log")
-MAY_HAVE_RUN = {"unknown", "timeout", "cancelled", "error", "failed"}
+MAY_HAVE_RUN = {"unknown", "timeout", "cancelled", "error", "failed", "aborted"}
 
 
 @dataclass(frozen=True)
@@ -90,35 +104,86 @@ def one_output_per_call(sid: str, items: list[dict[str, Any]]) -> list[Violation
     return out
 
 
-def effects(sid: str, replay: list[dict[str, Any]], markers: Counter[int]) -> list[Violation]:
-    """Invariants 4 and 5, from tool_call_begin/end events and the marker counts.
+def silent_timeouts(sid: str, replay: list[dict[str, Any]]) -> list[Violation]:
+    """Invariant 5 when no fault can drop a message (``frame_drop`` off): a tool
+    call that ends on its deadline (error ``timeout``) lost its request or its
+    answer with nothing to say so: a lost call must end ``unknown`` with
+    ``worker_lost``, never be left to time out. (The workload's calls all end
+    well within the 10 s budget; a hung worker is expired by liveness.)"""
+    return [Violation("unknown_reported", sid, e["sequence"],
+                      f"tool call {e['payload'].get('call_id')} ended on its deadline "
+                      "(timeout) though no fault could drop its messages: a lost request "
+                      "left to time out")
+            for e in replay if e["type"] == "tool_call_end"
+            and ((e["payload"].get("error") or {}).get("kind") == "timeout")]
 
-    The unit is a *request*: one ``tool_call_begin`` (the engine never re-runs
-    a non-idempotent call itself, so each begin is one request from the model).
-    If the model asks for the same marker twice (a resumed turn can ask the
-    scripted model again), two effects are right, so effects are compared with
-    the requests: never more effects than requests, and every request that
-    ended ``ok`` left its effect.
-    """
-    out: list[Violation] = []
-    requests: Counter[int] = Counter()
-    k_of_call: dict[str, int] = {}
-    outcomes: dict[int, list[tuple[str, int]]] = {}
+
+def _marker_calls(replay: list[dict[str, Any]]) -> dict[str, int]:
+    """call id -> marker k, for the shell calls of the workload."""
+    out: dict[str, int] = {}
     for e in replay:
         p = e["payload"]
         if e["type"] == "tool_call_begin" and p.get("name") == "shell":
             m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
             if m:
-                k_of_call[p["call_id"]] = int(m.group(1))
-                requests[int(m.group(1))] += 1
-        elif e["type"] == "tool_call_end" and p.get("call_id") in k_of_call:
-            k = k_of_call[p["call_id"]]
-            outcomes.setdefault(k, []).append((str(p.get("outcome")), e["sequence"]))
-    for k, n in sorted(markers.items()):
-        if n > max(requests[k], 1):
+                out[str(p["call_id"])] = int(m.group(1))
+    return out
+
+
+def effects(sid: str, replay: list[dict[str, Any]], markers: Counter[int],
+            asked: Counter[int]) -> list[Violation]:
+    """Invariants 4 and 5, from the script, the tool_call_begin/end events and
+    the marker counts on disk.
+
+    ``asked[k]`` is how many times the script (which the harness wrote) asks
+    for marker ``k``'s effect: once. Requests are counted per call id and
+    attempt: a ``tool_call_begin`` with ``attempt`` 1 is the model's request,
+    a later attempt of the same call is the engine dispatching it again. So:
+    an effect on disk more often than the script asks, a non-idempotent call
+    dispatched a second time, or the model asked for a marker more often than
+    the script asks (a repeated request) is a violation; and every call that
+    ended ``ok`` left its effect.
+    """
+    out: list[Violation] = []
+    k_of_call = _marker_calls(replay)
+    requests: Counter[int] = Counter()
+    outcomes: dict[int, list[tuple[str, int]]] = {}
+    turn_of: dict[str, str] = {}
+    ended: set[str] = set()
+    for e in replay:
+        p = e["payload"]
+        call = str(p.get("call_id"))
+        if e["type"] == "turn_aborted":
+            # An abort closes the calls it cut off (their outputs say the effect may
+            # be partial): for a call with no tool_call_end, that is its report.
+            for c, turn in turn_of.items():
+                if turn == p.get("turn_id") and c not in ended:
+                    outcomes.setdefault(k_of_call[c], []).append(("aborted", e["sequence"]))
+                    ended.add(c)
+        if e["type"] == "tool_call_end" and call in k_of_call:
+            ended.add(call)
+        if e["type"] == "tool_call_begin" and call in k_of_call:
+            turn_of[call] = str(p.get("turn_id"))
+            k, attempt = k_of_call[call], int(p.get("attempt") or 1)
+            if attempt == 1:
+                requests[k] += 1
+            else:
+                out.append(Violation("effect_at_most_once", sid, e["sequence"],
+                                     f"non-idempotent call {call} (m-{k}) dispatched again "
+                                     f"(attempt {attempt})"))
+        elif e["type"] == "tool_call_end" and call in k_of_call:
+            outcomes.setdefault(k_of_call[call], []).append(
+                (str(p.get("outcome")), e["sequence"]))
+    for k, n in sorted(requests.items()):
+        if n > asked[k]:
             out.append(Violation("effect_at_most_once", sid, None,
-                                 f"shell effect m-{k} happened {n} times for "
-                                 f"{requests[k]} request(s)"))
+                                 f"the model was asked for m-{k} {n} times; the script asks "
+                                 f"{asked[k]} time(s) (a repeated request)"))
+    for k, n in sorted(markers.items()):
+        if n > asked[k]:
+            out.append(Violation("effect_at_most_once", sid, None,
+                                 f"shell effect m-{k} happened {n} times; the script asks "
+                                 f"{asked[k]} time(s) ({requests[k]} request(s) seen)"))
         if n >= 1 and k not in outcomes:
             out.append(Violation("unknown_reported", sid, None,
                                  f"shell effect m-{k} is on disk but no tool_call_end "
@@ -129,10 +194,6 @@ def effects(sid: str, replay: list[dict[str, Any]], markers: Counter[int]) -> li
             if outcome not in ("ok", *MAY_HAVE_RUN):
                 out.append(Violation("unknown_reported", sid, seq,
                                      f"call m-{k} ended with unexpected outcome {outcome!r}"))
-        if oks > requests[k]:
-            out.append(Violation("effect_at_most_once", sid, ends[-1][1],
-                                 f"call m-{k} ended ok {oks} times for {requests[k]} "
-                                 "request(s)"))
         if oks and markers[k] < oks:
             out.append(Violation("effect_at_most_once", sid, ends[-1][1],
                                  f"call m-{k} ended ok {oks} time(s) but its effect is on "
@@ -141,15 +202,173 @@ def effects(sid: str, replay: list[dict[str, Any]], markers: Counter[int]) -> li
 
 
 def repeated_requests(replay: list[dict[str, Any]]) -> int:
-    """Markers the model asked for more than once (reported, not a violation)."""
+    """Markers the model asked for more than once (first attempts only)."""
     seen: Counter[int] = Counter()
+    k_of_call = _marker_calls(replay)
     for e in replay:
         p = e["payload"]
-        if e["type"] == "tool_call_begin" and p.get("name") == "shell":
+        if (e["type"] == "tool_call_begin" and str(p.get("call_id")) in k_of_call
+                and int(p.get("attempt") or 1) == 1):
+            seen[k_of_call[str(p["call_id"])]] += 1
+    return sum(1 for n in seen.values() if n > 1)
+
+
+@dataclass(frozen=True)
+class Kill:
+    """A worker fault and the calls its cgroup showed running at that instant."""
+
+    index: int  # in the report's fault list
+    kind: str
+    at: float  # time.monotonic() of the kill (or SIGSTOP)
+    calls: frozenset[tuple[int, int]]  # (session index, marker k)
+    extra_s: float = 0.0  # store faults overlapping its window (commits delayed)
+
+
+def killed_calls(kills: list[Kill], sessions: list[tuple[str, LiveLog]], window_s: float,
+                 downs: Sequence[tuple[float, float]] = ()
+                 ) -> tuple[dict[str, int], list[Violation]]:
+    """Invariant 5's second half: every call running on a worker when it was
+    killed (or hung) ends ``unknown`` with a ``worker_lost`` error, within
+    ``window_s`` (the liveness window plus a margin) of the kill, as the
+    client saw it live. A call that had already ended before the kill, whose
+    ``ok`` answer was already on its way, or that an interrupt aborted, is not
+    counted. ``downs`` are the intervals the supervisor or the broker was down
+    (from its kill to a while after the farm had it running again): a call
+    dispatched before such an interval, or with one starting before its loss
+    bound ends, belongs to a process that could not report the loss, so a
+    restart's ``unknown`` (never ``failed``) and lateness are accepted for it
+    (``excused``). Store faults overlapping the bound extend it (``extra_s``).
+    Returns counts and violations."""
+    counts = {"checked": 0, "ended_before": 0, "ok_in_flight": 0, "excused": 0, "aborted": 0}
+    out: list[Violation] = []
+    index = [marker_ends(live) for _, live in sessions]
+    begun = [marker_begins(live) for _, live in sessions]
+    for kill in kills:
+        for i, k in sorted(kill.calls):
+            if i >= len(sessions):
+                continue
+            sid = sessions[i][0]
+            ends = index[i].get(k, [])
+            after = [(t, e) for t, e in ends if t >= kill.at]
+            if ends and not after:
+                counts["ended_before"] += 1
+                continue
+            counts["checked"] += 1
+            if not after:
+                out.append(Violation("unknown_reported", sid, None,
+                                     f"call m-{k} was running on the worker hit by fault "
+                                     f"#{kill.index} ({kill.kind}) and never ended"))
+                continue
+            t, e = after[0]
+            p = e["payload"]
+            outcome, err = p.get("outcome"), (p.get("error") or {}).get("kind")
+            if outcome == "ok":
+                counts["ok_in_flight"] += 1
+                continue
+            if e["type"] == "turn_aborted":  # cancelled by an interrupt: not a loss
+                counts["aborted"] += 1
+                continue
+            bound = window_s + kill.extra_s
+            since = max((b for b in begun[i].get(k, []) if b <= kill.at), default=kill.at)
+            excused = any(lo <= kill.at + bound and hi >= since for lo, hi in downs)
+            if excused:
+                counts["excused"] += 1
+            if outcome != "unknown" or (err != "worker_lost" and not excused):
+                out.append(Violation("unknown_reported", sid, e["sequence"],
+                                     f"call m-{k} was running on the worker hit by fault "
+                                     f"#{kill.index} ({kill.kind}) and ended {outcome!r} "
+                                     f"({err}), not 'unknown' with worker_lost"))
+            elif t - kill.at > bound and not excused:
+                out.append(Violation("unknown_reported", sid, e["sequence"],
+                                     f"call m-{k} on the worker hit by fault #{kill.index} "
+                                     f"({kill.kind}) was reported lost {t - kill.at:.2f}s "
+                                     f"after the kill (bound {bound:.2f}s)"))
+    return counts, out
+
+
+def marker_begins(live: LiveLog) -> dict[int, list[float]]:
+    """Per marker k, the receive times of its calls' ``tool_call_begin`` events."""
+    out: dict[int, list[float]] = {}
+    for t, e in live:
+        p = e.get("payload") or {}
+        if e.get("type") == "tool_call_begin" and e.get("sequence", 0) > 0 \
+                and p.get("name") == "shell":
             m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
             if m:
-                seen[int(m.group(1))] += 1
-    return sum(1 for n in seen.values() if n > 1)
+                out.setdefault(int(m.group(1)), []).append(t)
+    return out
+
+
+def marker_ends(live: LiveLog) -> dict[int, list[tuple[float, dict[str, Any]]]]:
+    """Per marker k, what ended its calls, as the client saw it live (with receive
+    times): their ``tool_call_end`` events, or the ``turn_aborted`` of their turn
+    (an abort closes the calls it cuts off). One pass over the log."""
+    k_of_call: dict[str, int] = {}
+    open_in_turn: dict[str, set[int]] = {}
+    out: dict[int, list[tuple[float, dict[str, Any]]]] = {}
+    for t, e in live:
+        if e.get("sequence", 0) <= 0:
+            continue
+        p, kind = e.get("payload") or {}, e.get("type")
+        if kind == "tool_call_begin" and p.get("name") == "shell":
+            m = MARKER_ARG_RE.search(json.dumps(p.get("arguments", "")))
+            if m:
+                k_of_call[str(p.get("call_id"))] = int(m.group(1))
+                open_in_turn.setdefault(str(p.get("turn_id")), set()).add(int(m.group(1)))
+        elif kind == "tool_call_end" and str(p.get("call_id")) in k_of_call:
+            out.setdefault(k_of_call[str(p.get("call_id"))], []).append((t, e))
+        elif kind == "turn_aborted":
+            for k in open_in_turn.pop(str(p.get("turn_id")), set()):
+                out.setdefault(k, []).append((t, e))
+    return out
+
+
+def orphans_after_kill(kills: list[tuple[int, str, float, frozenset[tuple[int, int]]]],
+                       seen: dict[tuple[str, int, int], tuple[int, float]],
+                       sessions: list[tuple[str, LiveLog]], bound_s: float) -> list[Violation]:
+    """Invariant 8 at the kill: when a call is cancelled (``interrupt_tool``) or its
+    worker is SIGKILLed, every process of the call (its TERM-ignoring child, its
+    double-forked loop) is gone within ``bound_s`` (the sandbox's TERM grace plus
+    a margin), although the call would have run on for seconds. ``kills`` lists
+    (fault index, kind, instant, calls as (session index, k))."""
+    out: list[Violation] = []
+    for index, kind, at, calls in kills:
+        for i, k in sorted(calls):
+            for what in ("long", "orphan"):
+                sighting = seen.get((what, i, k))
+                if sighting is None or sighting[1] - at <= bound_s:
+                    continue
+                sid = sessions[i][0] if i < len(sessions) else ""
+                out.append(Violation("no_orphans", sid, None,
+                                     f"process chaos-{what} of call m-{k} (pid {sighting[0]}) "
+                                     f"was alive {sighting[1] - at:.1f}s after fault #{index} "
+                                     f"({kind}) killed its call (bound {bound_s:.1f}s)"))
+    return out
+
+
+def orphans_seen(seen: dict[tuple[str, int, int], tuple[int, float]],
+                 sessions: list[tuple[str, LiveLog]], grace_s: float) -> list[Violation]:
+    """Invariant 8 while the farm runs: a long call's processes (its TERM-ignoring
+    child and its double-forked loop) are gone within ``grace_s`` of the call's
+    last ``tool_call_end``, whatever ended it (a worker kill, an interrupt, a
+    restart, a timeout). ``seen`` maps (long|orphan, session, k) to (pid, last
+    sighting time)."""
+    out: list[Violation] = []
+    index = [marker_ends(live) for _, live in sessions]
+    for (what, i, k), (pid, last) in sorted(seen.items()):
+        if i >= len(sessions):
+            continue
+        sid = sessions[i][0]
+        ends = index[i].get(k, [])
+        if not ends:
+            continue  # still running when the run ended: the check at farm-down judges it
+        ended = ends[-1][0]
+        if last - ended > grace_s:
+            out.append(Violation("no_orphans", sid, ends[-1][1]["sequence"],
+                                 f"process chaos-{what} of call m-{k} (pid {pid}) was alive "
+                                 f"{last - ended:.1f}s after the call ended (bound "
+                                 f"{grace_s:.1f}s)"))
+    return out
 
 
 def replay_equals_live(sid: str, live: list[dict[str, Any]],
@@ -174,27 +393,34 @@ def replay_equals_live(sid: str, live: list[dict[str, Any]],
             out.append(Violation("replay_equals_live", sid, e["sequence"],
                                  "clients saw an event the store does not have"))
             break
-        if (stored["type"], stored["payload"], stored.get("submission_id")) != (
-                e["type"], e["payload"], e.get("submission_id")):
+        if (stored["type"], stored["payload"], stored.get("submission_id"),
+                stored.get("created_at", e.get("created_at"))) != (
+                e["type"], e["payload"], e.get("submission_id"), e.get("created_at")):
+            same = stored["type"] == e["type"] and stored["payload"] == e["payload"]
             out.append(Violation("replay_equals_live", sid, e["sequence"],
-                                 f"live {e['type']} differs from the stored {stored['type']}"))
+                                 f"live {e['type']} differs from the stored {stored['type']}"
+                                 + (" (same content, made at another instant: the event "
+                                    "seen live was never stored)" if same else "")))
             break
     return out
 
 
-def exports_verify(export_dir: Path) -> tuple[int, list[Violation]]:
-    from supervisor.export import verify
-
-    files = sorted(export_dir.glob("*.json")) if export_dir.is_dir() else []
+def exports_verify(results: dict[str, dict[str, Any]]) -> list[Violation]:
+    """Invariant 7 from ``exportcheck.check_dir``'s results: every export verifies,
+    and a copy with any one section tampered with does not."""
     out = []
-    for f in files:
-        try:
-            problems = verify(json.loads(f.read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            problems = [str(exc)]
-        if problems:
-            out.append(Violation("exports_verify", "", None, f"{f.name}: {problems[0]}"))
-    return len(files), out
+    for name, r in sorted(results.items()):
+        if r.get("problems"):
+            out.append(Violation("exports_verify", "", None, f"{name}: {r['problems'][0]}"))
+        for section in r.get("tamper_undetected", []):
+            out.append(Violation("exports_verify", "", None,
+                                 f"{name}: a copy with its {section} tampered with still "
+                                 "verifies (the digest does not cover it)"))
+        for section, why in sorted((r.get("tamper_skipped") or {}).items()):
+            out.append(Violation("exports_verify", "", None,
+                                 f"{name}: section {section} could not be tampered with "
+                                 f"({why}): the export lacks it"))
+    return out
 
 
 def no_orphans(pids: set[int], cgroup_root: str = "/sys/fs/cgroup",

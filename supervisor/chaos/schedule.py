@@ -10,6 +10,21 @@ entry they hit, so they too are a pure function of the seed. Frame faults
 are not scheduled in time either: the broker applies them for the whole run
 from its own RNG, seeded with the run's seed (``--faults-seed``).
 
+Coverage: the timed kinds are dealt in rounds, each round a seeded
+permutation of every enabled timed kind, and gaps are bounded
+(``min_gap_s`` to ``2 * min_gap_s``), so every enabled timed kind is
+scheduled by ``coverage_s(kinds, min_gap_s)``; a run at least that long
+reaches each one (the harness retries a fault it had to skip, and reports a
+kind never injected as a violation, ``faults_reached``).
+
+Window faults (``crash_*``) arm one of the supervisor's crash points
+(``supervisor/crashpoints.py``, armed at run time through a file): the
+supervisor SIGKILLs itself the next time it reaches that exact place (a
+step committed but not yet published, the turn's stopping phase, mid model
+stream, mid tool, ...), which a timed kill from outside would almost never
+hit. ``interrupt_tool`` interrupts a turn while one of its long tool calls
+runs (the cancel path of the sandbox's tree kill).
+
 Invariants:
 - Faults are spaced by at least ``min_gap_s`` so each recovery can be
   measured on its own; at most ``max_faults`` are scheduled.
@@ -31,10 +46,22 @@ PROCESS_FAULTS: Final = (
     "supervisor_kill",  # SIGKILL the supervisor (the farm restarts it)
     "provider_kill",  # SIGKILL the scripted provider (the farm restarts it, same port)
 )
+# Crash points armed by the schedule (fault kind -> crashpoints.POINTS name).
+WINDOW_POINTS: Final = {
+    "crash_publish": "publish",  # a step committed, its events not yet published
+    "crash_final_answer": "final_answer",  # the turn's stopping phase
+    "crash_model_stream": "model_stream",  # mid model stream
+    "crash_tool_running": "tool_running",  # mid tool call
+    "crash_model_reply": "model_reply",  # calls requested, none dispatched
+    "crash_tool_result": "tool_result",  # a call's output committed, next step not sent
+}
+WINDOW_FAULTS: Final = tuple(WINDOW_POINTS)
+CANCEL_FAULTS: Final = ("interrupt_tool",)  # interrupt a turn mid long tool call
 FRAME_FAULTS: Final = ("frame_drop", "frame_delay", "frame_duplicate")
 PROVIDER_FAULTS: Final = ("provider_429", "provider_500", "provider_hang", "provider_cut")
 STORE_FAULTS: Final = ("store_busy", "store_slow")
-ALL_FAULTS: Final = PROCESS_FAULTS + FRAME_FAULTS + PROVIDER_FAULTS + STORE_FAULTS
+ALL_FAULTS: Final = (PROCESS_FAULTS + WINDOW_FAULTS + CANCEL_FAULTS + FRAME_FAULTS
+                     + PROVIDER_FAULTS + STORE_FAULTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +74,9 @@ class Fault:
 
 def parse_faults(spec: str) -> tuple[str, ...]:
     """``all`` or a comma list of kinds (or groups: process, frame, provider, store)."""
-    groups = {"process": PROCESS_FAULTS, "frame": FRAME_FAULTS, "provider": PROVIDER_FAULTS,
-              "store": STORE_FAULTS, "all": ALL_FAULTS}
+    groups = {"process": PROCESS_FAULTS, "window": WINDOW_FAULTS, "cancel": CANCEL_FAULTS,
+              "frame": FRAME_FAULTS, "provider": PROVIDER_FAULTS, "store": STORE_FAULTS,
+              "all": ALL_FAULTS}
     kinds: list[str] = []
     for word in (w.strip() for w in spec.split(",") if w.strip()):
         if word in groups:
@@ -61,23 +89,35 @@ def parse_faults(spec: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(kinds))
 
 
+def timed_kinds(faults: tuple[str, ...]) -> list[str]:
+    return [k for k in faults if k not in PROVIDER_FAULTS and k not in FRAME_FAULTS]
+
+
+def coverage_s(faults: tuple[str, ...], min_gap_s: float = 2.5) -> float:
+    """Offset by which every enabled timed kind has been scheduled at least once."""
+    return 2.0 + 2 * min_gap_s * max(0, len(timed_kinds(faults)) - 1)
+
+
 def make_schedule(seed: int, duration_s: float, faults: tuple[str, ...], *,
-                  min_gap_s: float = 2.5, max_faults: int = 400) -> list[Fault]:
+                  min_gap_s: float = 2.5, max_faults: int = 20000) -> list[Fault]:
     rng = random.Random(seed)
-    timed = [k for k in faults if k not in PROVIDER_FAULTS and k not in FRAME_FAULTS]
+    timed = timed_kinds(faults)
     out: list[Fault] = []
     if not timed:
         return out
     t = 1.0 + rng.random()
+    deck: list[str] = []
     while t < duration_s and len(out) < max_faults:
-        kind = rng.choice(timed)
+        if not deck:  # a new round: every enabled kind once, in a seeded order
+            deck = rng.sample(timed, len(timed))
+        kind = deck.pop()
         duration = 0.0
         if kind == "worker_hang":
             duration = rng.uniform(1.0, 3.0)
         elif kind in STORE_FAULTS:
             duration = rng.uniform(0.5, 2.0)
         out.append(Fault(round(t, 3), kind, rng.randrange(1 << 16), round(duration, 3)))
-        t += min_gap_s + rng.expovariate(1 / min_gap_s)
+        t += min_gap_s + rng.uniform(0, min_gap_s)
     return out
 
 

@@ -9,6 +9,16 @@ farm's child by the pid in its READY info. If no worker is in the wanted state
 the injector polls STATUS for at most ``wait_s``; if still none, the fault is
 recorded as skipped (with why), never as injected.
 
+For a worker kill or hang, the calls the worker's cgroup holds at that
+instant (``evidence.calls_in_cgroup``) are recorded with it: the checker
+requires each to end ``unknown`` with ``worker_lost`` promptly.
+
+Window faults (``crash_*``) write the crash point's name into the arm file
+the supervisor watches (``supervisor/crashpoints.py``) and wait up to
+``arm_wait_s`` for it to be claimed; the kill's instant is the claim's
+(``.fired`` file). ``interrupt_tool`` asks the harness's ``interrupter`` to
+interrupt a turn with a long tool call open.
+
 Other targets: the broker, the supervisor and the scripted provider are
 SIGKILLed (the farm restarts them); ``store_busy`` holds SQLite's write lock
 from a second connection; ``store_slow`` switches the store's slow-disk hook
@@ -29,12 +39,14 @@ import os
 import signal
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
 from broker.client import BrokerClient
 from broker.errors import BrokerError
-from supervisor.chaos.schedule import Fault
+from supervisor.chaos.evidence import calls_in_cgroup
+from supervisor.chaos.schedule import WINDOW_POINTS, Fault
 from supervisor.farm.root import Farm
 
 log = logging.getLogger(__name__)
@@ -42,17 +54,24 @@ log = logging.getLogger(__name__)
 # kind -> what the target worker must hold: a service, "" (nothing) or "*" (anything)
 WANT: Final = {"worker_kill_model": "model", "worker_kill_tool": "tool",
                "worker_kill_idle": "", "worker_hang": "*"}
+FREEZE_SETTLE_S: Final = 0.05  # SIGSTOP to the STATUS read that says what was held
 SINGLE: Final = {"broker_kill": "broker", "supervisor_kill": "supervisor",
                  "provider_kill": "fakellm-"}
 
 
 class Injector:
     def __init__(self, farm: Farm, broker: BrokerClient, slow_flag: Path, *,
-                 wait_s: float = 3.0) -> None:
+                 wait_s: float = 3.0, arm_path: Path | None = None, run_tag: str = "",
+                 interrupter: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
+                 arm_wait_s: float = 6.0) -> None:
         self.farm = farm
         self.broker = broker
         self.slow_flag = slow_flag
         self.wait_s = wait_s
+        self.arm_path = arm_path
+        self.run_tag = run_tag
+        self.interrupter = interrupter
+        self.arm_wait_s = arm_wait_s
 
     def _running(self, prefix: str) -> list[Any]:
         return sorted((c for c in self.farm.tree.children.values()
@@ -74,6 +93,7 @@ class Injector:
     async def find_worker(self, want: str, pick: int) -> tuple[Any, list[str]] | None:
         """A running worker child in the wanted state, and what it held; or None."""
         deadline = time.monotonic() + self.wait_s
+        fallback = None
         while True:
             by_pid = {c.pid: c for c in self._running("worker-")}
             candidates = []
@@ -85,12 +105,26 @@ class Injector:
                 if (want == "*" and services) or (want == "" and not services) or (
                         want not in ("", "*") and want in services):
                     candidates.append((child, services))
+            candidates.sort(key=lambda cs: cs[0].spec.name)
+            if want == "tool" and candidates:
+                # A worker mid long call (seen in its cgroup) first: the kill then
+                # surely lands mid-call; else any worker holding a tool request.
+                fallback = fallback or candidates[pick % len(candidates)]
+                candidates = [cs for cs in candidates
+                              if calls_in_cgroup(cs[0].pid, self.run_tag)]
             if candidates:
-                candidates.sort(key=lambda cs: cs[0].spec.name)
                 return candidates[pick % len(candidates)]
             if time.monotonic() >= deadline:
-                return None
+                return fallback
             await asyncio.sleep(0.05)
+
+    async def _held_by(self, pid: int) -> list[str] | None:
+        """The services of the requests the broker says worker ``pid`` holds (None:
+        unknown, the broker did not answer or does not list it)."""
+        for w in await self._status_workers():
+            if (w.get("info") or {}).get("pid") == pid:
+                return list(w.get("in_flight_services") or [])
+        return None
 
     async def fire(self, fault: Fault, before_kill: Any) -> dict[str, Any]:
         """Inject ``fault``; ``before_kill(service)`` is called at the instant of the
@@ -105,16 +139,21 @@ class Injector:
             child, services = found
             pid = child.pid
             rec.update(target=child.spec.name, pid=pid, in_flight=services)
+            # Freeze it first: from now on it can answer nothing, so what the broker
+            # says it holds a moment later is exactly what the fault takes from it.
+            _signal(pid, signal.SIGSTOP)
             before_kill(_service_of(WANT[kind], services))
-            if kind == "worker_hang":
-                _signal(pid, signal.SIGSTOP)
-                try:
-                    await asyncio.sleep(fault.duration_s)
-                finally:
-                    _signal(pid, signal.SIGCONT)
-                rec["duration_s"] = fault.duration_s
-            else:
-                _signal(pid, signal.SIGKILL)
+            try:
+                await asyncio.sleep(FREEZE_SETTLE_S)  # answers already sent reach the broker
+                rec["held"] = await self._held_by(pid)
+                rec["calls"] = sorted(calls_in_cgroup(pid, self.run_tag))  # (session, k)
+                if kind == "worker_hang":
+                    await asyncio.sleep(max(0.0, fault.duration_s - FREEZE_SETTLE_S))
+                    rec["duration_s"] = fault.duration_s
+                else:
+                    _signal(pid, signal.SIGKILL)
+            finally:
+                _signal(pid, signal.SIGCONT)
             return rec
         if kind in SINGLE:
             targets = self._running(SINGLE[kind])
@@ -125,6 +164,18 @@ class Injector:
             rec.update(target=child.spec.name, pid=child.pid)
             before_kill(None)
             _signal(child.pid, signal.SIGKILL)
+            return rec
+        if kind in WINDOW_POINTS:
+            return await self._arm(WINDOW_POINTS[kind], rec, before_kill)
+        if kind == "interrupt_tool" and self.interrupter is not None:
+            hit = await self.interrupter(fault.pick)
+            if hit is None:
+                rec["skipped"] = "no long tool call was starting"
+            else:
+                sent = hit.pop("sent_at", None)
+                if sent is not None:
+                    before_kill(None, sent)
+                rec.update(hit)
             return rec
         if kind == "store_busy":
             await asyncio.to_thread(hold_write_lock, self.farm.paths.db, fault.duration_s)
@@ -143,16 +194,71 @@ class Injector:
         return rec
 
 
+    async def _arm(self, point: str, rec: dict[str, Any], before_kill: Any) -> dict[str, Any]:
+        """Arm crash point ``point`` once; wait for the supervisor to reach it."""
+        if self.arm_path is None:
+            rec["skipped"] = "crash points are not armable in this farm"
+            return rec
+        fired = f"{self.arm_path}.fired"
+        _write_arm(str(self.arm_path), point, fired)
+        rec.update(target="supervisor", point=point)
+        deadline = time.monotonic() + self.arm_wait_s
+        while time.monotonic() < deadline:
+            if _exists(fired):
+                break
+            await asyncio.sleep(0.02)
+        if not _exists(fired) and not _disarm(str(self.arm_path)):
+            await asyncio.sleep(0.1)  # claimed just as we disarmed: its .fired follows
+        if not _exists(fired):
+            rec["skipped"] = f"crash point {point} not reached within {self.arm_wait_s}s"
+            return rec
+        # the instant of the kill, from the claim (wall clock) mapped to monotonic
+        wall = _fired_at(fired)
+        before_kill(None, time.monotonic() - max(0.0, time.time() - wall) if wall else None)
+        return rec
+
+
+def _write_arm(path: str, point: str, fired: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(fired)
+    with open(f"{path}.tmp", "w") as f:
+        f.write(point)
+    os.replace(f"{path}.tmp", path)  # atomic: the supervisor never reads half a name
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def _disarm(path: str) -> bool:
+    """Remove the arm file; False if it was already gone (claimed)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _fired_at(fired: str) -> float | None:
+    for _ in range(20):  # the claimer appends its time right after the rename
+        with open(fired) as f:
+            parts = f.read().split()
+        if len(parts) >= 2:
+            with contextlib.suppress(ValueError):
+                return float(parts[1])
+        time.sleep(0.005)
+    return None
+
+
 def _state_name(want: str) -> str:
     return {"": "idle", "*": "busy"}.get(want, f"running a {want} request")
 
 
 def _service_of(want: str, services: list[str]) -> str | None:
-    if want in ("model", "tool"):
-        return want
-    if want == "*" and services:
-        return services[0] if len(set(services)) == 1 else "mixed"
-    return None
+    """What the hit worker held: every request on it is lost, whatever was wanted."""
+    if not services:
+        return None
+    return services[0] if len(set(services)) == 1 else "mixed"
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

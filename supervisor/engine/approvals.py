@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -131,8 +132,16 @@ def call_subject(tool: str, arguments: Mapping[str, Any]) -> str:
 
 
 def call_key(tool: str, arguments: Mapping[str, Any]) -> str:
-    """The exact identity of a call, remembered by ``approved_for_session``."""
-    return f"{tool}({json.dumps(dict(arguments), sort_keys=True, default=str)})"
+    """The exact identity of a call, remembered by ``approved_for_session``.
+    A long one is kept as its digest: the keys live in the state row, whose
+    size is bounded (docs/storage.md, "Bounds and encoding")."""
+    key = f"{tool}({json.dumps(dict(arguments), sort_keys=True, default=str)})"
+    if len(key) <= _MAX_KEY_CHARS:
+        return key
+    return f"{tool[:256]}#sha256:{hashlib.sha256(key.encode('utf-8', 'replace')).hexdigest()}"
+
+
+_MAX_KEY_CHARS = 1024
 
 
 @dataclass(slots=True)

@@ -15,6 +15,9 @@ Invariants:
   events; a failed commit rolls the sequence counters back. A cancellation
   (interrupt) never cuts a commit in half: the step is finished, published,
   and only then is the cancellation re-raised, so memory and store agree.
+- Everything ``commit`` stores is storable: items, rewrites and event
+  payloads pass ``bounds.fit_items``/``fit_value`` (the store's bounds, valid
+  UTF-8) before they are stored, kept in memory or published.
 - ``commit`` calls are serialized by one lock per session, so parallel tool
   calls of a step enter the transcript in completion order.
 - ``call_ids`` is exactly the set of ``call_id`` of the ``function_call`` items
@@ -39,12 +42,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sandbox_worker.api import empty_usage
+from broker import plants  # chaos plant switches (broker/plants.py)
+from sandbox_worker.api import empty_usage, json_size
+from supervisor import crashpoints
+from supervisor.engine import bounds
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import ApprovalPolicy, parse_policy
 from supervisor.engine.config import EngineConfig, SessionSpec
-from supervisor.engine.errors import HookFailed, SubscriberDropped, TurnError
+from supervisor.engine.errors import BadOp, HookFailed, SubscriberDropped, TurnError
 from supervisor.engine.hooks import HookEvent, HookRunner
+from supervisor.store.codec import Limits
 from supervisor.store.records import (
     CheckpointState,
     ContextRewrite,
@@ -145,6 +152,12 @@ class Session:
         return self.manager.config
 
     @property
+    def store_limits(self) -> Limits:
+        """The bounds the store enforces (``supervisor.store.codec.Limits``)."""
+        limits = getattr(self.manager.store, "limits", None)
+        return limits if isinstance(limits, Limits) else Limits()
+
+    @property
     def route_name(self) -> str:
         return self.state.route or self.spec.route or self.config.default_route
 
@@ -163,6 +176,15 @@ class Session:
         last committed, is not sent to the store: the row would be rewritten
         with the same bytes (one turn made one such step of 14 in the sessions
         benchmark)."""
+        # Storable whatever the model or a hook produced: bounded, valid UTF-8.
+        limits = self.store_limits
+        events = [(t, bounds.fit_value(p, limits.max_payload_bytes), sub)
+                  for t, p, sub in events]
+        if items:
+            items = bounds.fit_items(items, limits.max_item_bytes, limits.max_batch_bytes)
+        if rewrite is not None:
+            rewrite = (bounds.fit_items(rewrite[0], limits.max_item_bytes,
+                                        limits.max_rewrite_bytes), rewrite[1])
         async with self._lock:
             st = self.state
             saved = (st.next_event_sequence, st.next_batch_sequence, st.context_epoch,
@@ -192,6 +214,12 @@ class Session:
             self._last_committed = None  # unknown until this step is known to have landed
             step = StepWrite(self.sid, records, batch, rw,
                              CheckpointState.from_json(snapshot), execution)
+            early = plants.on("publish_before_commit")  # chaos plant: visible first
+            if early:
+                for record in records:
+                    self._publish(record)
+                if records and crashpoints.ARMED:
+                    await crashpoints.reach_async("publish")
             commit = asyncio.ensure_future(self.manager.store_commit(step))
             deferred: asyncio.CancelledError | None = None
             while not commit.done():
@@ -218,8 +246,11 @@ class Session:
                     self.context.extend(batch.items)
                     self.call_ids.update(call_ids_of(batch.items))
                 self.context_len = len(self.context)
-            for record in records:
-                self._publish(record)
+            if not early:
+                if records and crashpoints.ARMED:
+                    await crashpoints.reach_async("publish")  # committed, not yet visible
+                for record in records:
+                    self._publish(record)
             if deferred is not None:
                 raise deferred
             return records
@@ -276,6 +307,17 @@ class Session:
             entry = {"submission_id": submission_id, "turn_id": turn_id,
                      "text": folded.text if folded.text is not None else text,
                      "attachments": attachments, "contexts": folded.contexts}
+            # Queued input lives in the state row (bounded) until its turn takes it:
+            # it may use a quarter of it (docs/storage.md, "Bounds and encoding").
+            room = self.store_limits.max_state_bytes // 4
+            queued = sum(json_size(e) for e in self.state.queued_input)
+            size = json_size(entry)
+            if queued + size > room:
+                raise BadOp(f"this input is {size} bytes as stored and {queued} bytes of "
+                            f"input are queued; a session queues at most {room} bytes "
+                            + ("(wait for the running turn to take them)" if queued else
+                               "(send a shorter text, or the rest as a file in the "
+                               "workspace)"))
             await self.commit(mutate=lambda st: st.queued_input.append(entry))
         self.kick()
 

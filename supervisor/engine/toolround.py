@@ -45,8 +45,17 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from sandbox_worker.api import IDEMPOTENT_TOOLS, SERVICE_TOOL, TIER_ORDER, ToolCallRequest
+from broker import plants  # chaos plant switches (broker/plants.py)
+from sandbox_worker.api import (
+    IDEMPOTENT_TOOLS,
+    SERVICE_TOOL,
+    TIER_ORDER,
+    ToolCallRequest,
+    json_size,
+    replace_surrogates,
+)
 from supervisor import crashpoints
+from supervisor.engine import bounds
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import Decision, call_key
 from supervisor.engine.calls import CallFailure, stream_call
@@ -67,20 +76,6 @@ RESTART_OUTPUT = ("The supervisor restarted while this tool call was running. Wh
                   "call had any effect is unknown; check before repeating it.")
 
 
-def _parse_arguments(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
-    if isinstance(raw, dict):
-        return raw, None
-    if not isinstance(raw, str):
-        return None, "arguments must be a JSON object"
-    try:
-        value = json.loads(raw or "{}")
-    except ValueError as exc:
-        return None, f"arguments are not valid JSON: {exc}"
-    if not isinstance(value, dict):
-        return None, "arguments must be a JSON object"
-    return value, None
-
-
 async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str, Any]]) -> None:
     """Run pre_tool hooks, then commit the model step with its calls ``requested``."""
     s = turn.session
@@ -89,9 +84,13 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
     items: list[dict[str, Any]] = []
     seen: set[str] = set()
     renamed: list[tuple[str, str, bool]] = []  # (given, fresh, given earlier in this step)
+    dropped = calls[bounds.MAX_CALLS_PER_STEP:]
+    calls = calls[:bounds.MAX_CALLS_PER_STEP]
+    # The calls' arguments stay in the state row until they are done (and once
+    # more in a pending approval): together they get a quarter of its bound.
+    budget = s.store_limits.max_state_bytes // 4
     for raw in calls:
-        call_id = raw.get("call_id") if isinstance(raw.get("call_id"), str) else None
-        call_id = call_id or ev.new_id("call")
+        call_id = bounds.clean_id(raw.get("call_id")) or ev.new_id("call")
         if call_id in seen or call_id in s.call_ids:
             # Calls and their outputs are matched by call_id: a second call under
             # the same id would get the first one's output (or be lost). Some
@@ -102,12 +101,23 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
             renamed.append((call_id, fresh, call_id in seen))
             call_id = fresh
         seen.add(call_id)
-        name = str(raw["name"]) if isinstance(raw.get("name"), str) else ""
-        item = {"type": "function_call", "call_id": call_id, "name": name,
-                "arguments": raw.get("arguments") if isinstance(raw.get("arguments"), str)
-                else json.dumps(raw.get("arguments", {}))}
+        name = replace_surrogates(raw["name"] if isinstance(raw.get("name"), str) else "")
+        name = name[:bounds.MAX_NAME_CHARS]
+        given = raw.get("arguments", {})
+        text = given if isinstance(given, str) else json.dumps(given, default=str)
+        args, problem, scrubbed = bounds.parse_arguments(given)
+        size = json_size(text)
+        if size > budget:
+            args, problem = None, (
+                f"the arguments are {size} bytes; the calls of one model step may carry "
+                f"at most {budget} bytes of arguments in all (write large files in parts)")
+            text = json.dumps({"corral_dropped": f"arguments of {size} bytes, not stored"})
+        elif scrubbed:
+            text = json.dumps(args, ensure_ascii=False)  # as run: lone surrogates replaced
+        if args is not None:
+            budget -= json_size(args)
+        item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": text}
         items.append(item)
-        args, problem = _parse_arguments(raw.get("arguments"))
         pc: dict[str, Any] = {"call_id": call_id, "name": name, "arguments": args or {},
                               "state": str(CallState.REQUESTED), "attempt": 0,
                               "verdict": None, "reason": None}
@@ -121,9 +131,19 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
                                        {"call_id": call_id, "name": name, "arguments": args})
             contexts.extend(context_item("pre_tool_hook", c) for c in folded.contexts)
             if folded.arguments is not None:
-                pc["arguments"] = folded.arguments
+                # A hook's rewrite is held to the same rules as the model's arguments.
+                rewritten, why, _ = bounds.parse_arguments(folded.arguments)
+                grown = json_size(rewritten) - json_size(args) if rewritten is not None else 0
+                if rewritten is None or grown > budget:
+                    pc["verdict"], pc["reason"] = "bad", (
+                        f"a pre_tool hook rewrote the arguments: {why or 'too large'}")
+                    pc["arguments"] = {}
+                else:
+                    pc["arguments"] = rewritten
+                    budget -= grown
             if folded.deny is not None:
-                pc["verdict"], pc["reason"] = "deny", f"denied by a pre_tool hook: {folded.deny}"
+                pc["verdict"], pc["reason"] = "deny", (  # the reason lives in the state row
+                    f"denied by a pre_tool hook: {ev.clip(str(folded.deny), 4096)}")
         pcs.append(pc)
     result = {**result, "items": [i for i in result["items"]
                                   if i.get("type") != "function_call"]}
@@ -132,6 +152,10 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
         st.pending_tool_calls = pcs
         st.active_turn["phase"] = str(TurnPhase.TOOLS)  # requested, not yet decided
     await turn._commit_model_result(result, items, extra_items=contexts, mutate_more=mutate)
+    if dropped:
+        await s.warn(f"the model asked for {len(calls) + len(dropped)} tool calls in one step; "
+                     f"the {len(dropped)} after the first {bounds.MAX_CALLS_PER_STEP} were "
+                     "dropped", turn.submission_id, dropped_calls=len(dropped))
     for old, fresh, in_step in renamed:
         what = ("to more than one call in one step; the later call" if in_step else
                 "that an earlier call in the session's context has; this call")
@@ -156,7 +180,7 @@ async def tool_round(turn: Turn) -> None:
                                f"Tool call not run: {pc['reason']}", True, None, executed=False)
     resumed = [pc for pc in pcs if pc["state"] in (CallState.DISPATCHED, CallState.STARTED)]
     for pc in resumed:
-        if pc["name"] not in IDEMPOTENT_TOOLS:
+        if pc["name"] not in IDEMPOTENT_TOOLS and not plants.on("rerun_after_restart"):
             await _finish_call(turn, pc, CallState.UNKNOWN, "unknown", RESTART_OUTPUT, True,
                                None, executed=False)
     runnable = [pc for pc in pcs if not CallState(pc["state"]).terminal
@@ -205,7 +229,8 @@ async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
                                    {"calls": summary, "reason": "; ".join(r for _, r in ask)})
         if folded.deny is not None:  # any deny wins; no later allow can weaken it
             for pc, _ in ask:
-                pc["verdict"], pc["reason"] = "deny", f"denied by a permission hook: {folded.deny}"
+                pc["verdict"], pc["reason"] = "deny", (
+                    f"denied by a permission hook: {ev.clip(str(folded.deny), 4096)}")
             ask = []
         elif folded.allow:
             for pc, _ in ask:

@@ -34,6 +34,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage, empty_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
@@ -227,6 +228,8 @@ class Turn:
             self.last_message = _last_assistant_text(self.session.context)
             if await self._stopping():
                 await self._finish_completed()
+                if plants.on("double_turn_end"):  # chaos plant: ends the turn again
+                    await self._finish_completed()
                 return
         elif self.phase is not TurnPhase.PREPARING:
             # mid model call / compaction / stop hooks: re-issue the step

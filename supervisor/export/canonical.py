@@ -1,7 +1,9 @@
 """Canonical JSON and content digests for portable checkpoints.
 
 Canonical form: keys sorted, no whitespace (separators ``,`` and ``:``), UTF-8, non-ASCII
-kept as is, NaN/Infinity refused. The digest is ``"sha256:" + hex`` of those bytes.
+kept as is, a lone surrogate (which UTF-8 cannot carry) written as its lower-case
+``\\uXXXX`` escape, NaN/Infinity refused. The digest is ``"sha256:" + hex`` of those
+bytes. The encoder is the store's (``sandbox_worker.api.json_text``).
 
 Invariant: equal JSON values give equal bytes, so a digest identifies content.
 """
@@ -9,16 +11,15 @@ Invariant: equal JSON values give equal bytes, so a digest identifies content.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
+
+from sandbox_worker.api import json_text
 
 DIGEST_PREFIX = "sha256:"
 
 
 def canonical_bytes(value: Any) -> bytes:
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return json_text(value, sort_keys=True)[0].encode("utf-8")
 
 
 def digest_bytes(data: bytes) -> str:

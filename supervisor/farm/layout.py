@@ -149,7 +149,9 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
         broker_dynamic = _pin_backend_tcp(broker_argv)
     specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0,
                            dynamic_argv=broker_dynamic))
-    n = workers or cfg.workers or default_workers()
+    # 0 is a real answer (every worker is remote), not "the default".
+    n = workers if workers is not None else (
+        cfg.workers if cfg.workers is not None else default_workers())
     for i in range(1, n + 1):
         argv = [py, "-m", "sandbox_worker", "--broker", paths.broker_backend, *hb,
                 "--tier-min", cfg.tier_min, "--log-level", log_level]

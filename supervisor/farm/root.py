@@ -22,25 +22,31 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from broker import plants
+from supervisor import __version__
 from supervisor import config as config_mod
 from supervisor.farm.layout import FarmPaths, child_specs, read_farm_json, write_farm_json
-from supervisor.farm.tree import SupervisionTree
+from supervisor.farm.tree import SupervisionTree, last_error_line
 
 log = logging.getLogger(__name__)
-VERSION = "0.1.0"
+VERSION = __version__
 
 
 class Farm:
     def __init__(self, home: Path, *, workers: int | None = None, log_level: str = "INFO",
                  broker_faults: str | None = None, broker_faults_seed: int = 0,
                  supervisor_env: dict[str, str] | None = None, max_restarts: int = 20,
-                 within_s: float = 60.0, on_change: Callable[[], None] | None = None) -> None:
+                 within_s: float = 60.0, on_change: Callable[[], None] | None = None,
+                 temporary: bool = False) -> None:
+        if os.environ.get(plants.ENV):  # planted bugs never run in a normal farm
+            raise RuntimeError(f"{plants.ENV} is set: planted bugs are only for the "
+                               "processes `corral chaos --plant` starts; unset it")
         self.paths = FarmPaths.of(home)
         self.paths.prepare()
         config_mod.write_default(self.paths.home)
@@ -53,6 +59,8 @@ class Farm:
                                     max_restarts=max_restarts, within_s=within_s,
                                     on_change=self._write_state)
         self.serving = False
+        # The farm of one 'corral run' (stops with it); said in farm.json.
+        self.temporary = temporary
         self.started_at = time.time()
         self._extra_on_change = on_change
 
@@ -71,6 +79,7 @@ class Farm:
             },
             "children": self.tree.status(),
             "restarts": list(self.tree.restart_log),
+            "temporary": self.temporary,
         }
 
     def _write_state(self) -> None:
@@ -87,6 +96,31 @@ class Farm:
         """Run until cancelled; the tree is stopped and farm.json removed on exit."""
         try:
             await self.tree.run(on_ready=self._ready)
+        finally:
+            self.serving = False
+            with contextlib.suppress(FileNotFoundError):
+                self.paths.farm_json.unlink()
+
+
+    @contextlib.asynccontextmanager
+    async def started(self) -> AsyncIterator[None]:
+        """Start the farm and keep it supervised (and farm.json true) for the body;
+        stop it on exit. A start-up failure raises here, before the body runs
+        (``ChildFailedToStart`` with the child's own error line)."""
+        try:
+            await self.tree.start()
+            self._ready()
+            task = asyncio.create_task(self.tree.supervise(), name="farm-supervise")
+            try:
+                yield
+            finally:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise  # we are being cancelled ourselves: never swallow that
         finally:
             self.serving = False
             with contextlib.suppress(FileNotFoundError):
@@ -133,11 +167,13 @@ def start_detached(home: Path, *, workers: int | None, timeout_s: float = 90.0,
     paths.prepare()
     argv = [sys.executable, "-m", "supervisor.farm", "--home", str(paths.home),
             "--log-level", log_level]
-    if workers:
+    if workers is not None:
         argv += ["--workers", str(workers)]
     with contextlib.suppress(FileNotFoundError):
         paths.farm_json.unlink()
-    with open(paths.logs / "farm.log", "ab") as out:
+    log_path = paths.logs / "farm.log"
+    with open(log_path, "ab") as out:
+        offset = out.tell()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -146,9 +182,10 @@ def start_detached(home: Path, *, workers: int | None, timeout_s: float = 90.0,
         if info is not None:
             return info
         if proc.poll() is not None:
+            why = last_error_line(log_path, offset).removeprefix("corral: ")
             raise RuntimeError(
-                f"the farm exited during start-up (exit {proc.returncode}); "
-                f"see {paths.logs / 'farm.log'}")
+                f"the farm exited during start-up (exit {proc.returncode})"
+                f"{': ' + why if why else ''}; full log: {log_path}")
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"the farm did not serve within {timeout_s:.0f}s; "

@@ -47,7 +47,32 @@ class FarmError(Exception):
 
 
 class ChildFailedToStart(FarmError):
-    pass
+    """A child exited or timed out before its ready line; the message carries the
+    last error line it logged (its own words), and the log's path."""
+
+
+_ERROR_TAIL_BYTES = 64 * 1024
+_ERROR_MARKS = ("corral:", "error:", "Error:", "Error ", "failed")
+
+
+def last_error_line(log_path: Path, offset: int = 0, *, prefix: str = "") -> str:
+    """The line of ``log_path`` (written after ``offset``) that best says why a
+    process failed: the last line with an error mark, else the last line; ``""``
+    when there is none. Read from a bounded tail; control characters removed."""
+    try:
+        with open(log_path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(offset, size - _ERROR_TAIL_BYTES))
+            data = f.read(_ERROR_TAIL_BYTES)
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    marked = [ln for ln in lines if any(m in ln for m in _ERROR_MARKS)]
+    line = (marked or lines)[-1]
+    line = "".join(c if c.isprintable() else "?" for c in line)[:500]
+    return prefix + line
 
 
 class Escalation(FarmError):
@@ -117,6 +142,7 @@ class SupervisionTree:
         log_path = self.log_dir / f"{child.spec.name}.log"
         # A local append-only log; opening it cannot block on anything remote.
         err = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log_offset = os.fstat(err).st_size
         try:
             child.proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -140,8 +166,8 @@ class SupervisionTree:
         except TimeoutError:
             await self._kill(child)
             raise ChildFailedToStart(
-                f"{child.spec.name} did not report ready within {child.spec.ready_timeout_s}s; "
-                f"see {log_path}") from None
+                f"{child.spec.name} did not report ready within {child.spec.ready_timeout_s}s"
+                f"{last_error_line(log_path, log_offset, prefix=': ')}; see {log_path}") from None
         try:
             ready = json.loads(line[:MAX_READY_LINE_BYTES]) if line else None
         except json.JSONDecodeError:
@@ -150,8 +176,9 @@ class SupervisionTree:
             await self._kill(child)
             code = child.proc.returncode if child.proc else None
             raise ChildFailedToStart(
-                f"{child.spec.name} exited or spoke before it was ready (exit {code}); "
-                f"see {log_path}")
+                f"{child.spec.name} failed to start"
+                f"{last_error_line(log_path, log_offset, prefix=': ')} (exit {code}; "
+                f"log {log_path})")
         child.ready = ready
         child.state = "running"
         self._on_change()
@@ -175,6 +202,11 @@ class SupervisionTree:
         await self.start()
         if on_ready is not None:
             on_ready()
+        await self.supervise()
+
+    async def supervise(self) -> None:
+        """Restart children as they exit, until cancelled (then stop the tree) or
+        escalation; the tree must have been started."""
         try:
             async with asyncio.TaskGroup() as tg:
                 for child in self.children.values():

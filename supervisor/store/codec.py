@@ -15,6 +15,14 @@ Invariants:
   refusal would turn a defensive check into a failed turn, and the value never reaches
   the disk either way. Each redaction is logged (key path only, never the value).
 - Values must be JSON-compatible (no bytes, no NaN); otherwise ``InvalidRequest``.
+- The text is always valid UTF-8: a lone surrogate in a string (which UTF-8
+  cannot carry) is written as its ``\\uXXXX`` JSON escape and reads back as the
+  same string (``sandbox_worker.api.json_text``, the one encoder the worker's
+  output bound is measured with too). Plain text columns (an execution's
+  reason) get U+FFFD for it (``text_column``); a key (a session id, an event
+  type) holding one is refused (``InvalidRequest``).
+- The default bounds come from ``sandbox_worker.api`` (``STORE_ITEM_BYTES``,
+  ``STORE_PAYLOAD_BYTES``), where the worker's output bound is derived from.
 """
 
 from __future__ import annotations
@@ -25,6 +33,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from sandbox_worker.api import (
+    STORE_ITEM_BYTES,
+    STORE_PAYLOAD_BYTES,
+    SURROGATES,
+    json_text,
+    replace_surrogates,
+)
 from supervisor.store.errors import InvalidRequest, RecordTooLarge
 
 log = logging.getLogger(__name__)
@@ -51,16 +66,15 @@ _KEY_RE = re.compile(
     r'"(?:' + "|".join(sorted(k.replace("_", "[_-]") for k in SECRET_KEYS)) + r')":',
     re.IGNORECASE,
 )
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Upper bounds of what one write may carry, in bytes of encoded JSON."""
 
-    max_item_bytes: int = 1 << 20  # one transcript item
+    max_item_bytes: int = STORE_ITEM_BYTES  # one transcript item
     max_batch_bytes: int = 8 << 20  # one transcript batch
-    max_payload_bytes: int = 1 << 20  # one event payload
+    max_payload_bytes: int = STORE_PAYLOAD_BYTES  # one event payload
     max_state_bytes: int = 1 << 20  # the checkpoint state row (no context in it)
     max_config_bytes: int = 256 << 10  # a session config
     max_rewrite_bytes: int = 64 << 20  # a whole rewritten context
@@ -86,23 +100,22 @@ def _redact(value: Any, path: str, hits: list[str]) -> Any:
     return value
 
 
-def _dumps(value: Any, what: str) -> str:
+def _dumps(value: Any, what: str) -> tuple[str, int]:
     try:
-        return _ENCODER.encode(value)
-    except (TypeError, ValueError) as exc:
+        return json_text(value)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequest(f"{what} is not JSON-compatible: {exc}") from exc
 
 
 def encode(value: Any, *, what: str, limit: int) -> str:
     """Compact JSON of ``value`` with secrets redacted; ``RecordTooLarge`` above ``limit``."""
-    text = _dumps(value, what)
+    text, size = _dumps(value, what)
     if _KEY_RE.search(text):
         hits: list[str] = []
         value = _redact(value, what, hits)
         if hits:
             log.warning("store redacted credential-named fields: %s", ", ".join(hits[:10]))
-            text = _dumps(value, what)
-    size = len(text.encode())
+            text, size = _dumps(value, what)
     if size > limit:
         raise RecordTooLarge(f"{what} is {size} bytes, above its bound of {limit} bytes")
     return text
@@ -118,10 +131,21 @@ def encode_items(items: list[dict[str, Any]], *, what: str, limits: Limits,
             raise InvalidRequest(f"{what}[{i}] must be an object, not {type(item).__name__}")
     text = encode(items, what=what, limit=total_limit)
     # The per-item bound can only be exceeded when the whole list is above it.
-    if len(text.encode()) > limits.max_item_bytes:
+    if len(text) > limits.max_item_bytes // 4 and len(text.encode()) > limits.max_item_bytes:
         for i, item in enumerate(items):
             encode(item, what=f"{what}[{i}]", limit=limits.max_item_bytes)
     return text
+
+
+def check_key(value: str | None, what: str) -> None:
+    """A key column (a session id, a type) must be UTF-8 text: ``InvalidRequest``."""
+    if value is not None and SURROGATES.search(value):
+        raise InvalidRequest(f"{what} is not valid text (it holds a lone surrogate)")
+
+
+def text_column(text: str) -> str:
+    """A plain TEXT column's value: a lone surrogate becomes U+FFFD."""
+    return replace_surrogates(text)
 
 
 def decode(text: str | bytes) -> Any:

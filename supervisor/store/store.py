@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from supervisor.store import reader, schema, writer
-from supervisor.store.codec import Limits, encode
+from supervisor.store.codec import Limits, check_key, encode
 from supervisor.store.errors import (
     InvalidRequest,
     RecordTooLarge,
@@ -237,6 +237,8 @@ class Store:
     async def create_session(self, record: SessionRecord, first: StepWrite | None = None) -> None:
         if first is not None and first.session_id != record.session_id:
             raise InvalidRequest("first step belongs to another session")
+        check_key(record.session_id, "session id")
+        check_key(record.parent_session_id, "parent session id")
         config = encode(record.config, what="session config",
                         limit=self.limits.max_config_bytes)
         prepared = writer.prepare_step(first, self.limits) if first is not None else None
@@ -260,9 +262,14 @@ class Store:
     async def set_status(self, session_id: SessionId, status: str) -> None:
         await self._submit(partial(_status_op, session_id, status))
 
+    async def delete_session(self, session_id: SessionId) -> None:
+        """Remove the session and all its rows (raises ``SessionNotFound``)."""
+        await self._submit(partial(_delete_op, session_id))
+
     async def fork(
         self, session_id: SessionId, *, at_sequence: int, new_session_id: SessionId
     ) -> SessionRecord:
+        check_key(new_session_id, "new session id")
         result: SessionRecord = await self._submit(
             partial(_fork_op, session_id, at_sequence, new_session_id, self.limits)
         )
@@ -435,6 +442,10 @@ def _step_op(prepared: writer.PreparedStep, conn: sqlite3.Connection,
 def _status_op(session_id: str, status: str, conn: sqlite3.Connection,
                sids: writer.Sids) -> None:
     writer.set_status(conn, sids, session_id, status)
+
+
+def _delete_op(session_id: str, conn: sqlite3.Connection, sids: writer.Sids) -> None:
+    writer.delete_session(conn, sids, session_id)
 
 
 def _fork_op(session_id: str, at_sequence: int, new_session_id: str, limits: Limits,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.store import reader, slowdisk
-from supervisor.store.codec import Limits, encode, encode_items
+from supervisor.store.codec import Limits, check_key, encode, encode_items, text_column
 from supervisor.store.errors import (
     InvalidRequest,
     SequenceConflict,
@@ -75,6 +75,11 @@ class Sids:
             raise SessionNotFound(f"no session {session_id!r}")
         return sid
 
+    def forget(self, session_id: str) -> None:
+        """The session's rows are gone (deleted): its sid may be reused."""
+        self._known.pop(session_id, None)
+        self._tentative.pop(session_id, None)
+
     def mark(self) -> dict[str, int]:
         """A savepoint of the tentative lookups (restore with ``rolled_back_to``)."""
         return dict(self._tentative)
@@ -116,6 +121,7 @@ def prepare_step(step: StepWrite, limits: Limits) -> PreparedStep:
     sid = step.session_id
     if not isinstance(sid, str) or not sid:
         raise InvalidRequest("step.session_id must be a non-empty string")
+    check_key(sid, "step.session_id")
     if len(step.events) > limits.max_events_per_step:
         raise InvalidRequest(f"{len(step.events)} events in one step (max "
                              f"{limits.max_events_per_step})")
@@ -130,6 +136,8 @@ def prepare_step(step: StepWrite, limits: Limits) -> PreparedStep:
         previous = seq
         if not isinstance(ev.type, str) or not ev.type:
             raise InvalidRequest("event type must be a non-empty string")
+        check_key(ev.type, "event type")
+        check_key(ev.submission_id, "submission_id")
         payload = encode(ev.payload, what=f"event {seq} payload",
                          limit=limits.max_payload_bytes)
         events.append((seq, ev.type, ev.submission_id, float(ev.created_at), payload))
@@ -162,13 +170,15 @@ def prepare_step(step: StepWrite, limits: Limits) -> PreparedStep:
         x = step.execution
         if x.session_id != sid:
             raise InvalidRequest(f"execution of session {x.session_id!r} in a step of {sid!r}")
+        check_key(x.turn_id, "execution turn_id")
         if x.outcome not in EXECUTION_OUTCOMES:
             raise InvalidRequest(f"execution outcome must be one of {EXECUTION_OUTCOMES}")
         execution = (
             x.turn_id, x.outcome, int(x.model_calls), int(x.tool_calls),
             int(x.failed_tool_calls),
             encode(x.usage, what="execution usage", limit=limits.max_payload_bytes),
-            float(x.started_at), x.ended_at, x.elapsed_s, x.sandbox_tier, x.reason,
+            float(x.started_at), x.ended_at, x.elapsed_s, _str_or_none(x.sandbox_tier),
+            _str_or_none(x.reason),
         )
     return PreparedStep(sid, events, batch, rewrite, state, execution)
 
@@ -335,7 +345,8 @@ def create_session(conn: sqlite3.Connection, sids: Sids, record: SessionRecord, 
 
 
 def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+    # A plain TEXT column: UTF-8 cannot carry a lone surrogate (U+FFFD instead).
+    return text_column(value) if isinstance(value, str) else None
 
 
 def set_status(conn: sqlite3.Connection, sids: Sids, session_id: str, status: str) -> None:
@@ -343,6 +354,22 @@ def set_status(conn: sqlite3.Connection, sids: Sids, session_id: str, status: st
         raise InvalidRequest(f"status must be one of {SESSION_STATUSES}, not {status!r}")
     sid = sids.require(conn, session_id)
     conn.execute("UPDATE sessions SET status = ? WHERE sid = ?", (status, sid))
+
+
+# Every table holding a session's rows, keyed by rowid range (k) or by sid.
+_KEYED_TABLES = ("transcript_batches", "context_rewrites", "events")
+_SID_TABLES = ("executions", "checkpoint_state", "sessions")
+
+
+def delete_session(conn: sqlite3.Connection, sids: Sids, session_id: str) -> None:
+    """Remove every row of the session (``corral delete``), in one transaction."""
+    sid = sids.require(conn, session_id)
+    lo, hi = key_range(sid)
+    for table in _KEYED_TABLES:
+        conn.execute(f"DELETE FROM {table} WHERE k BETWEEN ? AND ?", (lo, hi))
+    for table in _SID_TABLES:
+        conn.execute(f"DELETE FROM {table} WHERE sid = ?", (sid,))
+    sids.forget(session_id)
 
 
 def fork(conn: sqlite3.Connection, sids: Sids, session_id: str, at_sequence: int,

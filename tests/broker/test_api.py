@@ -136,6 +136,7 @@ async def test_handler_failures_travel_as_data(procs: Procs, broker: BrokerProc)
         assert crashed.value.kind == "internal"
         assert not crashed.value.retryable
         assert "Traceback" not in crashed.value.message
+        assert "Error" not in crashed.value.message  # no exception name crosses the wire
         assert "\n" not in crashed.value.message
 
 

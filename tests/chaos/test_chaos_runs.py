@@ -1,9 +1,11 @@
-"""``corral chaos`` with three fixed seeds, 60 s of faults each: 0 violations.
+"""``corral chaos`` for 60 s with every fault kind: 0 violations.
 
-Each run is a real farm (scripted provider, broker, workers, supervisor) in
-its own process tree, sized small (3 sessions on 2 workers) so the three runs
-fit a 2-core CI machine; they are separate parametrized tests so xdist
-spreads them over its workers.
+A real farm (scripted provider, broker, workers, supervisor) in its own
+process tree, sized small (3 sessions on 2 workers) for a 2-core CI machine.
+60 s is past the schedule's coverage bound for ``all`` at a 1.8 s gap
+(2 + 2 x 1.8 x 15 = 56 s), so every timed fault kind must be injected (``faults_reached``)
+and the run checks each kind's windows. The planted bugs this same checker
+must catch are in ``test_plants.py``.
 """
 
 from __future__ import annotations
@@ -16,19 +18,20 @@ import pytest
 
 from tests.helpers import PYTHON, Procs
 
-SEEDS = (11, 23, 37)
+SEEDS = (11,)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_chaos_60s_has_no_violation(seed: int, workspace_root: Path, procs: Procs) -> None:
     home = workspace_root / f"chaos-{seed}"
     proc = procs.spawn([PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(seed),
-                        "--duration", "60", "--sessions", "3", "--workers", "2",
+                        "--duration", "60", "--fault-gap", "1.8", "--sessions", "3",
+                        "--workers", "2",
                         "--json", "--home", str(home)],
                        name=f"chaos-{seed}", stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=450)
+    out, _ = proc.communicate(timeout=400)
     lines = out.decode().strip().splitlines()
     assert lines, f"no report; log:\n{procs.log(proc)[-3000:]}"
     report = json.loads(lines[0])
@@ -53,3 +56,7 @@ def test_chaos_60s_has_no_violation(seed: int, workspace_root: Path, procs: Proc
     assert report["checks"][0] == "turn_ends_once"
     # No process outlived the run: every pid the farm ever ran is checked (no_orphans).
     assert "no_orphans" in report["checks"]
+    assert report["duration_s"] >= report["coverage_s"]
+    assert "faults_reached" in report["checks"]
+    for kind, k in report["faults_by_kind"].items():
+        assert k["injected"] >= 1, (kind, k)

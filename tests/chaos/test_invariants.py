@@ -1,49 +1,204 @@
-"""The marker invariants compare effects on disk with the model's requests."""
+"""The checker's own tests: evidence in, violations out.
+
+Each test builds the evidence a run leaves (a replay, a live log with
+receive times, a workspace on disk, process-table sightings, an export file)
+and checks the invariant reports exactly the violation it must, naming it.
+Several of these pass on the old checker's bugs only by failing: an effect
+re-run by a second dispatch attempt, the model asked twice, a lost call
+reported as ``failed``/``timeout``, a late loss report, a digest that does
+not cover the run records.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from supervisor.chaos.invariants import effects, no_orphans, repeated_requests
+from supervisor.chaos.exportcheck import check_doc
+from supervisor.chaos.invariants import (
+    Kill,
+    effects,
+    exports_verify,
+    killed_calls,
+    no_orphans,
+    orphans_after_kill,
+    orphans_seen,
+    repeated_requests,
+    silent_timeouts,
+)
+from supervisor.chaos.workload import count_markers, make_script, requests_in
+from supervisor.export.canonical import canonical_bytes, digest_bytes
+from tests.helpers import PYTHON, REPO
+
+GOLDEN = Path(__file__).parent / "data" / "export_compacted_mid_turn.json"
+ONCE = Counter({k: 1 for k in range(100)})  # the script asks for every marker once
 
 
-def begin(seq: int, k: int, call: str) -> dict[str, Any]:
+def begin(seq: int, k: int, call: str, attempt: int = 1, turn: str = "t1") -> dict[str, Any]:
     return {"sequence": seq, "type": "tool_call_begin", "payload": {
-        "name": "shell", "call_id": call,
+        "name": "shell", "call_id": call, "turn_id": turn, "attempt": attempt,
         "arguments": {"command": f"echo m-{k} >> effects.log && sleep 0.05"}}}
 
 
-def end(seq: int, call: str, outcome: str) -> dict[str, Any]:
-    return {"sequence": seq, "type": "tool_call_end",
-            "payload": {"call_id": call, "outcome": outcome}}
+def end(seq: int, call: str, outcome: str, error: str | None = None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"call_id": call, "outcome": outcome}
+    if error:
+        payload["error"] = {"kind": error, "message": "x", "retryable": True}
+    return {"sequence": seq, "type": "tool_call_end", "payload": payload}
+
+
+def aborted(seq: int, turn: str = "t1") -> dict[str, Any]:
+    return {"sequence": seq, "type": "turn_aborted",
+            "payload": {"turn_id": turn, "reason": "interrupted"}}
+
+
+# -- effect_at_most_once / unknown_reported from the script and the disk ---------
 
 
 def test_one_request_one_effect_is_clean() -> None:
-    assert effects("s", [begin(1, 7, "c"), end(2, "c", "ok")], Counter({7: 1})) == []
+    assert effects("s", [begin(1, 7, "c"), end(2, "c", "ok")], Counter({7: 1}), ONCE) == []
 
 
-def test_an_effect_twice_for_one_request_is_a_violation() -> None:
-    found = effects("s", [begin(1, 7, "c"), end(2, "c", "ok")], Counter({7: 2}))
-    assert [v.invariant for v in found] == ["effect_at_most_once"]
-    assert "2 times for 1 request" in found[0].detail
+def test_a_second_dispatch_attempt_of_a_shell_call_is_a_violation() -> None:
+    # The rerun_after_restart bug: one request, dispatched again after a restart.
+    # The old checker counted each begin as a request and saw 2 effects, 2 requests.
+    replay = [begin(1, 7, "c"), begin(2, 7, "c", attempt=2), end(3, "c", "ok")]
+    found = effects("s", replay, Counter({7: 2}), ONCE)
+    assert {v.invariant for v in found} == {"effect_at_most_once"}
+    assert any("dispatched again (attempt 2)" in v.detail for v in found)
+    assert any("happened 2 times; the script asks 1" in v.detail for v in found)
 
 
-def test_the_model_asking_twice_is_two_requests_not_a_violation() -> None:
+def test_the_model_asked_twice_when_the_script_asks_once_is_a_violation() -> None:
     replay = [begin(1, 7, "c"), end(2, "c", "ok"), begin(3, 7, "c"), end(4, "c", "ok")]
-    assert effects("s", replay, Counter({7: 2})) == []
+    found = effects("s", replay, Counter({7: 2}), ONCE)
+    assert {v.invariant for v in found} == {"effect_at_most_once"}
+    assert any("a repeated request" in v.detail for v in found)
     assert repeated_requests(replay) == 1
 
 
 def test_an_effect_with_no_reported_end_and_an_ok_without_effect() -> None:
-    lost = effects("s", [begin(1, 7, "c")], Counter({7: 1}))
+    lost = effects("s", [begin(1, 7, "c")], Counter({7: 1}), ONCE)
     assert [v.invariant for v in lost] == ["unknown_reported"]
-    missing = effects("s", [begin(1, 8, "d"), end(2, "d", "ok")], Counter())
+    missing = effects("s", [begin(1, 8, "d"), end(2, "d", "ok")], Counter(), ONCE)
     assert [v.invariant for v in missing] == ["effect_at_most_once"]
-    unknown_ok = effects("s", [begin(1, 9, "e"), end(2, "e", "unknown")], Counter({9: 1}))
-    assert unknown_ok == []
+    unknown = effects("s", [begin(1, 9, "e"), end(2, "e", "unknown")], Counter({9: 1}), ONCE)
+    assert unknown == []
+
+
+def test_an_abort_reports_the_calls_it_cut_off() -> None:
+    replay = [begin(1, 7, "c", turn="t1"), aborted(2, "t1")]
+    assert effects("s", replay, Counter({7: 1}), ONCE) == []
+    other_turn = [begin(1, 7, "c", turn="t1"), aborted(2, "t2")]
+    assert [v.invariant for v in effects("s", other_turn, Counter({7: 1}), ONCE)] == [
+        "unknown_reported"]
+
+
+def test_count_markers_reads_the_workspace(tmp_path: Path) -> None:
+    assert count_markers(tmp_path) == Counter()  # no effects.log yet
+    (tmp_path / "effects.log").write_text("m-1\nm-2\n m-2 \nnoise m-3\nm-x\n\nm-10\n")
+    assert count_markers(tmp_path) == Counter({1: 1, 2: 2, 10: 1})
+
+
+def test_from_disk_evidence_to_a_reported_violation(tmp_path: Path) -> None:
+    # The whole path: the script the harness wrote, the workspace a run left, the
+    # replay; a marker twice on disk must come out as a named violation.
+    script = make_script(2, 3, 1, ())
+    asked = requests_in(script)
+    assert asked[0] == 1
+    assert asked[3] == 0
+    (tmp_path / "effects.log").write_text("m-0\nm-0\nm-1\n")
+    replay = [begin(1, 0, "call_0_0"), end(2, "call_0_0", "ok"),
+              begin(3, 1, "call_1_0"), end(4, "call_1_0", "ok")]
+    found = effects("s", replay, count_markers(tmp_path), asked)
+    assert [(v.invariant, v.session_id) for v in found] == [("effect_at_most_once", "s")]
+    assert "m-0 happened 2 times" in found[0].detail
+
+
+# -- unknown_reported: calls on a killed worker ----------------------------------
+
+
+def live_of(*items: tuple[float, dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
+    return list(items)
+
+
+def killed(extra: float = 0.0) -> list[Kill]:
+    return [Kill(3, "worker_kill_tool", 10.0, frozenset({(0, 4)}), extra)]
+
+
+def test_a_call_on_a_killed_worker_must_end_unknown_with_worker_lost_promptly() -> None:
+    start = (9.0, begin(1, 4, "c"))
+    prompt = live_of(start, (11.2, end(2, "c", "unknown", "worker_lost")))
+    counts, found = killed_calls(killed(), [("s", prompt)], 3.0)
+    assert found == []
+    assert counts["checked"] == 1
+    # lost_call_as_timeout: left to time out, reported as failed at the deadline
+    timed_out = live_of(start, (19.0, end(2, "c", "failed", "timeout")))
+    found = killed_calls(killed(), [("s", timed_out)], 3.0)[1]
+    assert [v.invariant for v in found] == ["unknown_reported"]
+    assert "ended 'failed' (timeout)" in found[0].detail
+    late = live_of(start, (14.5, end(2, "c", "unknown", "worker_lost")))
+    found = killed_calls(killed(), [("s", late)], 3.0)[1]
+    assert "reported lost 4.50s after the kill" in found[0].detail
+    # a store fault in the window extends the bound by its length
+    assert killed_calls(killed(extra=2.0), [("s", late)], 3.0)[1] == []
+    never = live_of(start)
+    assert "never ended" in killed_calls(killed(), [("s", never)], 3.0)[1][0].detail
+
+
+def test_killed_call_exceptions_come_from_the_evidence() -> None:
+    start = (9.0, begin(1, 4, "c"))
+    before = live_of(start, (9.9, end(2, "c", "ok")))
+    counts, found = killed_calls(killed(), [("s", before)], 3.0)
+    assert found == []
+    assert counts["ended_before"] == 1
+    in_flight = live_of(start, (10.1, end(2, "c", "ok")))
+    counts, found = killed_calls(killed(), [("s", in_flight)], 3.0)
+    assert found == []
+    assert counts["ok_in_flight"] == 1
+    cancelled = live_of(start, (10.5, aborted(2)))
+    counts, found = killed_calls(killed(), [("s", cancelled)], 3.0)
+    assert found == []
+    assert counts["aborted"] == 1
+    # the supervisor down between the call's dispatch and the end of its loss bound:
+    # its restart's own "unknown" is fine, late is fine ...
+    restart = live_of(start, (16.0, end(2, "c", "unknown")))
+    for down in [(8.0, 9.5), (12.5, 15.0)]:  # before the kill (after dispatch), after it
+        assert killed_calls(killed(), [("s", restart)], 3.0, [down])[1] == []
+    # ... but not when it was down only before the call was dispatched or after the bound
+    for down in [(5.0, 8.9), (13.1, 15.0)]:
+        assert killed_calls(killed(), [("s", restart)], 3.0, [down])[1] != []
+    # ... and "failed" never is
+    failed = live_of(start, (16.0, end(2, "c", "failed", "timeout")))
+    assert killed_calls(killed(), [("s", failed)], 3.0, [(8.0, 9.5)])[1] != []
+
+
+def test_a_tool_call_on_its_deadline_without_frame_drops_is_a_lost_call() -> None:
+    replay = [begin(1, 4, "c"), end(2, "c", "failed", "timeout"),
+              begin(3, 5, "d"), end(4, "d", "failed", "exit")]
+    found = silent_timeouts("s", replay)
+    assert [(v.invariant, v.sequence) for v in found] == [("unknown_reported", 2)]
+
+
+# -- no_orphans ------------------------------------------------------------------
+
+
+def test_orphans_after_a_kill_and_after_the_call_ended() -> None:
+    live = [("s", live_of((1.0, begin(1, 4, "c")), (5.0, end(2, "c", "unknown", "worker_lost"))))]
+    cut = [(2, "interrupt_tool", 4.0, frozenset({(0, 4)}))]
+    gone = {("long", 0, 4): (100, 5.5), ("orphan", 0, 4): (101, 6.0)}
+    assert orphans_after_kill(cut, gone, live, 4.0) == []
+    assert orphans_seen(gone, live, 10.0) == []
+    lingering = {("long", 0, 4): (100, 5.5), ("orphan", 0, 4): (101, 30.0)}
+    found = orphans_after_kill(cut, lingering, live, 4.0)
+    assert [v.invariant for v in found] == ["no_orphans"]
+    assert "chaos-orphan of call m-4 (pid 101) was alive 26.0s after fault #2" in found[0].detail
+    assert [v.invariant for v in orphans_seen(lingering, live, 10.0)] == ["no_orphans"]
 
 
 def test_no_orphans_sees_live_farm_pids_and_tool_processes_left_in_worker_cgroups(
@@ -64,3 +219,52 @@ def test_no_orphans_sees_live_farm_pids_and_tool_processes_left_in_worker_cgroup
     # a process that leaves the cgroup within the grace is no orphan
     (left / "cgroup.procs").write_text("")
     assert no_orphans({gone}, str(tmp_path)) == []
+
+
+# -- exports_verify: every section tampered with ---------------------------------
+
+
+def test_a_good_export_verifies_and_every_tampered_section_is_caught() -> None:
+    doc = json.loads(GOLDEN.read_text())
+    result = check_doc(doc)
+    assert result == {"problems": [], "tamper_undetected": [], "tamper_skipped": {}}
+    assert exports_verify({"good.json": result}) == []
+
+
+def test_a_digest_that_leaves_out_the_run_records_is_a_violation() -> None:
+    # What export_digest_partial writes: the digest of the content without the run
+    # records. The old checker only verified the file as written -- and a verify
+    # computing the same partial digest passes it.
+    doc = json.loads(GOLDEN.read_text())
+    partial = copy.deepcopy(doc["content"])
+    partial["snapshot"]["run_records"] = []
+    data = canonical_bytes(partial)
+    doc["descriptor"]["digest"], doc["descriptor"]["size"] = digest_bytes(data), len(data)
+    assert check_doc(doc)["problems"]  # the real verify rejects it as written ...
+    fake = {"problems": [], "tamper_undetected": ["run_records", "snapshot"],
+            "tamper_skipped": {}}  # ... a verify with the same bug reports this
+    found = exports_verify({"bad.json": fake})
+    assert [v.invariant for v in found] == ["exports_verify", "exports_verify"]
+    assert "run_records tampered with still verifies" in found[0].detail
+    missing = exports_verify({"odd.json": {"problems": [], "tamper_undetected": [],
+                                           "tamper_skipped": {"snapshot": "no run"}}})
+    assert [v.invariant for v in missing] == ["exports_verify"]
+
+
+def test_the_planted_partial_digest_is_caught_by_tampering(tmp_path: Path) -> None:
+    # End to end in a process with the plant on: an export sealed and verified by
+    # the same partial digest verifies as written; only tampering shows the hole.
+    probe = (
+        "import json, sys\n"
+        "from supervisor.chaos.exportcheck import check_doc\n"
+        "from supervisor.export.checkpoint import seal\n"
+        "doc = json.load(open(sys.argv[1]))\n"
+        "print(json.dumps(check_doc(seal(doc['content']))))\n")
+    out = subprocess.run([PYTHON, "-c", probe, str(GOLDEN)], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True,
+                         env={"PATH": "/usr/bin:/bin",
+                              "CORRAL_CHAOS_PLANTS": "export_digest_partial"})
+    result = json.loads(out.stdout)
+    assert result["problems"] == []
+    assert result["tamper_undetected"] == ["run_records", "snapshot"]
+    assert {v.invariant for v in exports_verify({"x.json": result})} == {"exports_verify"}

@@ -36,9 +36,9 @@ def test_every_command_has_help() -> None:
         assert "usage: corral " + command in result.stdout
 
 
-@pytest.mark.parametrize("command", ["status", "down", "sessions"])
+@pytest.mark.parametrize("command", ["status", "interrupt S", "approve S A --decision denied"])
 def test_commands_without_a_farm_say_how_to_start_one(tmp_path: Path, command: str) -> None:
-    result = corral(command, home=tmp_path / "nofarm")
+    result = corral(*command.split(), home=tmp_path / "nofarm")
     assert result.returncode == 3
     assert "corral up" in result.stderr
 

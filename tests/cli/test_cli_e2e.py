@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import psutil
 import pytest
 
 from supervisor.farm.layout import FarmPaths
-from tests.helpers import PYTHON, REPO, Procs, kill_tree, read_line_with_deadline, wait_until
+from tests.helpers import PYTHON, REPO, Procs, read_line_with_deadline, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,16 +94,23 @@ def processes_naming(home: Path) -> list[psutil.Process]:
 
 
 def sandbox_processes_in(ws: Path) -> list[psutil.Process]:
-    """Processes of a non-root uid working in ``ws`` (tool processes left behind)."""
+    """Processes of a non-root uid working in ``ws`` (tool processes left behind).
+
+    The sandbox may mount the workspace at another path (bound from a pinned fd,
+    or through an alias), so the working directory is compared by identity
+    (device and inode, through ``/proc/PID/cwd``) as well as by path."""
+    want = ws.stat()
     out = []
     for p in psutil.process_iter(["uids", "cmdline"]):
         try:
             if not p.info["uids"] or p.info["uids"].real == 0:
                 continue
             cwd = p.cwd()
-        except psutil.Error:
+            st = os.stat(f"/proc/{p.pid}/cwd")
+        except (psutil.Error, OSError):
             continue
-        if cwd.startswith(str(ws)) or str(ws) in " ".join(p.info["cmdline"] or []):
+        if ((st.st_dev, st.st_ino) == (want.st_dev, want.st_ino) or cwd.startswith(str(ws))
+                or str(ws) in " ".join(p.info["cmdline"] or [])):
             out.append(p)
     return out
 
@@ -114,21 +120,6 @@ def alive(pid: int) -> bool:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
-
-
-@pytest.fixture
-def homes(workspace_root: Path) -> Iterator[list[Path]]:
-    """Homes the test creates; every process of their farms is killed afterwards."""
-    created: list[Path] = []
-    yield created
-    for home in created:
-        info = _farm_json(home)
-        pids = [c.get("pid") for c in (info or {}).get("children", [])]
-        for pid in [(info or {}).get("root_pid"), *pids]:
-            if isinstance(pid, int):
-                kill_tree(pid)
-        for p in processes_naming(home):
-            kill_tree(p.pid)
 
 
 def _farm_json(home: Path) -> dict[str, Any] | None:
@@ -314,7 +305,8 @@ def test_approve_from_another_process(homes: list[Path], workspace_root: Path,
     assert run.wait(timeout=60) == 0, log.read_text()
     assert (ws / "effects.log").read_text() == "m-1\n"
     stale = corral(home, "approve", hint.group(1), hint.group(2), "--decision", "approved")
-    assert stale.returncode == 0  # accepted as an op; the session warns it is stale
+    assert stale.returncode == 1  # no longer pending: said, and refused
+    assert "not pending" in stale.stderr
     assert corral(home, "down").returncode == 0
 
 
@@ -418,6 +410,17 @@ def test_export_verify_tamper_import_and_continue(
     twice = corral(fresh, "import", str(out), "--workspace", str(ws2))
     assert twice.returncode == 1
     assert "--session" in twice.stderr
+    # An import makes create_session's workspace checks: not nested with another
+    # session's workspace, not overlapping the farm's home.
+    (ws2 / "sub").mkdir()
+    nested = corral(fresh, "import", str(out), "--workspace", str(ws2 / "sub"),
+                    "--session", "sess_nested")
+    assert nested.returncode == 1
+    assert "contains or lies inside" in nested.stderr
+    in_home = corral(fresh, "import", str(out), "--workspace", str(fresh / "logs"),
+                     "--session", "sess_in_home")
+    assert in_home.returncode != 0
+    assert "overlaps the farm's own directory" in in_home.stderr
     cont = corral(fresh, "run", "--json", "--session", new_sid, "continue")
     assert cont.returncode == 0, cont.stderr
     # The provider picks its reply by the model outputs in the context: only the

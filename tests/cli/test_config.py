@@ -10,12 +10,13 @@ from supervisor.config import ConfigError, load, write_default
 
 
 def test_the_default_file_loads_to_the_defaults(tmp_path: Path) -> None:
-    write_default(tmp_path)
+    write_default(tmp_path, env={})
     cfg = load(tmp_path)
     assert cfg.tier_min == "T2"
     assert cfg.approval == "ask"
     assert cfg.limits["output_bytes"] == 1048576
-    assert cfg.routes == {}
+    assert set(cfg.routes) == {"main"}  # the scripted demo: no key in the environment
+    assert cfg.routes["main"]["script"] == str(tmp_path / "demo-script.json")
     assert not cfg.allow_unsandboxed
 
 
@@ -50,4 +51,18 @@ def test_routes_provider_and_script(tmp_path: Path) -> None:
 def test_invalid_configs_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
     (tmp_path / "corral.toml").write_text(text)
     with pytest.raises(ConfigError, match=needle):
+        load(tmp_path)
+
+
+def test_sandbox_mode_and_git_writable_reach_the_session_policy(tmp_path: Path) -> None:
+    from supervisor.main import session_defaults
+
+    write_default(tmp_path)
+    assert "sandbox_mode" not in session_defaults(load(tmp_path))["tool_policy"]
+    (tmp_path / "corral.toml").write_text('[sandbox]\nmode = "read-only"\ngit_writable = true\n')
+    policy = session_defaults(load(tmp_path))["tool_policy"]
+    assert policy["sandbox_mode"] == "read-only"
+    assert policy["git_writable"] is True
+    (tmp_path / "corral.toml").write_text('[sandbox]\nmode = "yolo"\n')
+    with pytest.raises(ConfigError, match=r"sandbox\.mode"):
         load(tmp_path)

@@ -199,3 +199,20 @@ async def test_an_idle_session_drops_its_context_and_reloads_it_from_the_store(
         assert second[-1].payload["last_agent_message"] == "second"  # k = 1: history reloaded
         sent = farm.llm_requests()[-1]["body"]["input"]
         assert [i.get("role") for i in sent] == ["user", "assistant", "user"]
+
+
+async def test_an_input_too_large_for_the_queue_is_a_typed_refusal(
+        procs: Procs, tmp_path: Path) -> None:
+    # Queued input lives in the bounded state row: 1,000,000 quote characters are
+    # 2 MB as stored (each one escaped). Before, the store refused the state row
+    # (RecordTooLarge from submit); now it is BadOp and the session goes on.
+    from supervisor.engine import BadOp
+
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "fine"}]})
+    async with engine(farm) as eng:
+        sid = await eng.session()
+        with pytest.raises(BadOp, match="queues at most 262144 bytes"):
+            await eng.manager.submit(sid, {"type": "user_input", "text": '"' * 1_000_000})
+        events = await eng.run_until(sid, {"type": "user_input", "text": "hi"})
+        assert events[-1].type == "turn_complete"
+        assert [e.payload["text"] for e in events if e.type == "agent_message"] == ["fine"]

@@ -231,8 +231,8 @@ def test_calls_differing_in_per_call_values_share_one_probe(
     other_uid = 4_100_000 + os.getpid() % 100_000  # no process of it exists
 
     async def call(uid: int, workdir: str, limits: dict[str, int], network: bool) -> int:
-        # As the worker calls it: the workspace bound from a pinned fd.
-        fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # bound by a pinned fd, as the tool service binds every workspace
+        fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             run = await run_shell(profile, {"command": "true", "workdir": workdir}, scratch,
                                   merge_limits(DEFAULT_LIMITS, limits), network=network,

@@ -21,6 +21,9 @@ import pytest
 from broker.client import BrokerClient
 from sandbox_worker.sandbox.workspace import (
     ACL_GROUP,
+    ACL_MASK,
+    ACL_USER,
+    UNDEFINED_ID,
     XATTR_ACCESS,
     decode_acl,
 )
@@ -76,15 +79,24 @@ async def test_no_setuid_or_setgid_file_is_left_on_the_host(
 
 async def test_created_files_end_owned_by_the_workspace_owner(
         stack: Stack, client: BrokerClient, user_ws: Path) -> None:
-    r = await shell(client, "mkdir -p a/b && echo x > a/b/f && ln -s f a/b/l && echo y > g",
-                    user_ws)
+    r = await shell(client, "mkdir -p a/b && echo x > a/b/f && ln -s f a/b/l && echo y > g "
+                    "&& echo s > priv && chmod 600 priv", user_ws)
     assert r.result["outcome"] == "ok", r.result["output"]
     w = await call_tool(client, "write_file", {"path": "d/new.txt", "content": "hi"}, user_ws)
     assert w.result["outcome"] == "ok", w.result["output"]
     owners = {str(p.relative_to(user_ws)): (st.st_uid, st.st_gid) for p, st in _tree(user_ws)}
     assert set(owners.values()) == {(OWNER, OWNER)}, owners
+    # No ACL entry naming the owner is left on them (the owner owns them), and
+    # a file made private by the tool stays private to the group.
+    for p, st in _tree(user_ws):
+        if not stat.S_ISLNK(st.st_mode):
+            acl = decode_acl(os.getxattr(p, XATTR_ACCESS))
+            assert (ACL_USER, OWNER) not in acl, (p, acl)
+    priv = decode_acl(os.getxattr(user_ws / "priv", XATTR_ACCESS))
+    assert priv[(ACL_MASK, UNDEFINED_ID)] == 0, priv  # the tool's chmod 600 holds
     # The next call (another uid) still reads and writes them.
-    again = await shell(client, "cat a/b/f d/new.txt && echo z >> a/b/f && rm g", user_ws)
+    again = await shell(client, "cat a/b/f d/new.txt && echo z >> a/b/f && rm g && "
+                        "! cat priv", user_ws)
     assert again.result["outcome"] == "ok", again.result["output"]
 
 
@@ -285,3 +297,96 @@ async def test_a_workspace_under_a_0700_parent_works_without_loosening_it(
         with searchable_dir("corral-other-", "/tmp") as other:
             probe = await shell(client, "ls /run/corral/workspaces/*/ws 2>&1; true", other)
             assert "notes.txt" not in probe.result["output"]
+
+
+def test_workspace_groups_are_one_per_identity_across_workers(tmp_path: Path) -> None:
+    """Two registries on one directory (two workers) racing for 40 workspaces:
+    one gid per identity, the same gid for the same identity, none shared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sandbox_worker.sandbox.errors import SandboxSetupError
+    from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
+
+    d = str(tmp_path / "groups")
+    a, b = WorkspaceGroups(910_000, 64, d), WorkspaceGroups(910_000, 64, d)
+    a.setup()
+    b.setup()
+    idents = [(7, 1000 + 64 * i) for i in range(40)]  # all start at the same gid
+    with ThreadPoolExecutor(8) as ex:
+        got_a = list(ex.map(lambda i: a.gid_for(*i), idents))
+        got_b = list(ex.map(lambda i: b.gid_for(*i), reversed(idents)))
+    assert got_a == list(reversed(got_b))
+    assert len(set(got_a)) == 40
+    assert all(910_000 <= g < 910_064 for g in got_a)
+    with pytest.raises(SandboxSetupError, match="belongs to a group"):
+        WorkspaceGroups(0 + 65534, 2, d).setup()  # nogroup's gid
+
+
+def test_grant_never_raises_an_existing_mask(user_ws: Path) -> None:
+    """A user's file with an extended ACL (user:4243 rw- under mask r--): the grant
+    must not raise the mask, which would give 4243 write access."""
+    from sandbox_worker.sandbox.workspace import (
+        ACL_GROUP_OBJ,
+        ACL_OTHER,
+        ACL_USER_OBJ,
+        encode_acl,
+        grant_tree,
+        is_granted,
+    )
+
+    f = user_ws / "shared.txt"
+    f.write_text("x\n")
+    os.chown(f, OWNER, OWNER)
+    acl = {(ACL_USER_OBJ, UNDEFINED_ID): 6, (ACL_USER, 4243): 6,
+           (ACL_GROUP_OBJ, UNDEFINED_ID): 4, (ACL_MASK, UNDEFINED_ID): 4,
+           (ACL_OTHER, UNDEFINED_ID): 4}
+    os.setxattr(f, XATTR_ACCESS, encode_acl(acl))
+    fd = os.open(user_ws, os.O_PATH | os.O_DIRECTORY)
+    try:
+        grant_tree(fd, 777_001)
+        assert is_granted(fd, 777_001)  # through the fd: no re-grant at the next call
+    finally:
+        os.close(fd)
+    after = decode_acl(os.getxattr(f, XATTR_ACCESS))
+    assert after[(ACL_MASK, UNDEFINED_ID)] == 4
+    assert after[(ACL_USER, 4243)] == 6
+    assert after[(ACL_GROUP, 777_001)] == 6
+
+
+async def test_sweep_finds_new_files_deep_in_old_directories(stack: Stack, client: BrokerClient,
+                                                             user_ws: Path) -> None:
+    """The sweep examines only directories changed during the call (after a full
+    first sweep per workspace and worker): new entries deep in directories
+    untouched for years are still found, through their parents' mtimes."""
+    deep = user_ws / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    await shell(client, "true", user_ws)  # the first, full sweep
+    for p in (deep, deep.parent, deep.parent.parent, user_ws):
+        os.chown(p, OWNER, OWNER)
+        os.utime(p, (1_000_000_000, 1_000_000_000))
+    r = await shell(client, "echo new > a/b/c/new.txt && mkdir -p a/b/c/d/e && "
+                    "echo x > a/b/c/d/e/f", user_ws)
+    assert r.result["outcome"] == "ok", r.result["output"]
+    for p in (deep / "new.txt", deep / "d", deep / "d" / "e" / "f"):
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (OWNER, OWNER), p
+
+
+def test_aliases_of_deleted_workspaces_are_detached(tmp_path: Path) -> None:
+    from sandbox_worker.sandbox import wsalias
+
+    with searchable_dir("corral-gone-", "/tmp") as parent:
+        os.chmod(parent, 0o700)
+        ws = parent / "proj"
+        ws.mkdir()
+        fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
+        try:
+            st = os.fstat(fd)
+            alias = wsalias.alias_for(fd, 777_123, (st.st_dev, st.st_ino))
+        finally:
+            os.close(fd)
+        assert wsalias._is_mount(alias)
+        assert wsalias.prune() == 0 or wsalias._is_mount(alias)  # alive: kept
+    assert wsalias._is_mount(alias)  # the workspace is gone, its alias not yet
+    wsalias.prune()
+    assert not wsalias._is_mount(alias)

@@ -1,0 +1,421 @@
+"""``corral sessions``, ``show``, ``terminate`` and ``delete``.
+
+``sessions`` and ``show`` read the farm's store **read-only** (SQLite
+``mode=ro``; ``immutable=1`` when the farm is stopped and its WAL index is
+gone), so they work the same with the farm running, stopped or crashed, and
+never write to it. A session's state is derived from what the store holds:
+
+- ``terminated``: the session was shut down (``corral terminate``);
+- ``waiting_for_approval``: its turn waits on a recorded approval request;
+- ``running``: a turn is in progress (``suspended`` when no farm runs: the
+  turn resumes when a farm starts on this home);
+- ``failed``: its last turn failed; ``idle`` otherwise.
+
+``terminate`` submits the session's ``shutdown`` op (the turn is interrupted,
+the session is closed in the store and refuses every later op). ``delete``
+removes the session's rows: through the running farm's supervisor (the
+store's only writer) when one runs, else by opening the store itself.
+
+Invariants:
+- Listing reads at most ``MAX_SCANNED`` sessions and says when it stopped.
+- Every answer with ``--json`` is one JSON document with the same fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import re
+import sqlite3
+import sys
+import time
+from argparse import Namespace
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from supervisor.cli_output import print_json, say_error
+from supervisor.farm.layout import FarmPaths
+from supervisor.farm.root import running_farm
+from supervisor.store import reader
+from supervisor.store.codec import decode
+from supervisor.store.records import CheckpointState
+from supervisor.store.schema import key_range
+
+MAX_SCANNED = 10_000
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+class StoreUnreadable(Exception):
+    """The farm's store cannot be read (locked, corrupt); the message says why."""
+
+
+class NoStore(StoreUnreadable):
+    """The home has no store yet: no session was ever created there."""
+
+
+def parse_since(text: str, now: float) -> float:
+    """``--since``: ``90s``/``30m``/``2h``/``7d``/``1w`` ago, or an ISO date/time (local)."""
+    m = _DURATION.fullmatch(text.strip())
+    if m:
+        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        raise ValueError(f"--since {text!r}: give a duration (90s, 30m, 2h, 7d) or a date "
+                         "(2026-12-01 or 2026-12-01T10:00)") from None
+
+
+@contextlib.contextmanager
+def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Connection]:
+    db = FarmPaths.of(home).db
+    if not db.exists():
+        raise NoStore(f"no store at {db} yet: no session was ever created in this "
+                              "home; start one with: corral run --workspace DIR \"PROMPT\"")
+    modes = ["mode=ro"] if farm_running else ["mode=ro", "immutable=1"]
+    last: sqlite3.Error | None = None
+    for mode in modes:
+        try:
+            conn = sqlite3.connect(f"file:{quote(str(db))}?{mode}", uri=True, timeout=5.0)
+            conn.execute("SELECT count(*) FROM sessions").fetchone()
+        except sqlite3.Error as exc:
+            last = exc
+            continue
+        try:
+            yield conn
+        finally:
+            conn.close()
+        return
+    raise StoreUnreadable(f"cannot read the store {db}: {last}")
+
+
+def _default_route(home: Path) -> str:
+    from supervisor import config as config_mod
+
+    try:
+        return config_mod.load(home).default_route
+    except config_mod.ConfigError:
+        return "main"
+
+
+def _summary(conn: sqlite3.Connection, row: tuple[Any, ...], farm_running: bool,
+             default_route: str) -> dict[str, Any]:
+    record = reader.to_session(row)
+    sid = int(row[0])
+    state_row = conn.execute("SELECT updated_at, state FROM checkpoint_state WHERE sid = ?",
+                             (sid,)).fetchone()
+    state = CheckpointState.from_json(decode(state_row[1])) if state_row else CheckpointState()
+    turns, last_turn_at = conn.execute(
+        "SELECT count(*), max(coalesce(ended_at, started_at)) FROM executions WHERE sid = ?",
+        (sid,)).fetchone()
+    last = conn.execute("SELECT outcome, reason FROM executions WHERE sid = ? "
+                        "ORDER BY id DESC LIMIT 1", (sid,)).fetchone()
+    lo, hi = key_range(sid)
+    event = conn.execute("SELECT created_at FROM events WHERE k BETWEEN ? AND ? "
+                         "ORDER BY k DESC LIMIT 1", (lo, hi)).fetchone()
+    times = [record.created_at, state_row[0] if state_row else None,
+             last_turn_at, event[0] if event else None]
+    if record.status != "active":
+        status = "terminated"
+    elif state.pending_approval is not None:
+        status = "waiting_for_approval"
+    elif state.active_turn is not None:
+        status = "running" if farm_running else "suspended"
+    elif last is not None and last[0] == "failed":
+        status = "failed"
+    else:
+        status = "idle"
+    config = record.config if isinstance(record.config, dict) else {}
+    return {
+        "session_id": record.session_id,
+        "state": status,
+        "created_at": record.created_at,
+        "last_active_at": max(t for t in times if isinstance(t, int | float)),
+        "turns": int(turns or 0),
+        "last_turn": {"outcome": last[0], "reason": last[1]} if last else None,
+        "route": state.route or config.get("route") or default_route,
+        "workspace": config.get("workspace"),
+        "tenant": config.get("tenant"),
+        "parent_session_id": record.parent_session_id,
+        "pending_approval": (state.pending_approval or {}).get("id"),
+    }
+
+
+def list_sessions(home: Path, *, farm_running: bool) -> tuple[list[dict[str, Any]], bool]:
+    """Every session's summary, most recently active first; True if cut at MAX_SCANNED."""
+    default_route = _default_route(home)
+    with read_only_store(home, farm_running=farm_running) as conn:
+        conn.execute("BEGIN")
+        rows = conn.execute(f"SELECT {reader.SESSION_COLUMNS} FROM sessions ORDER BY sid "
+                            "DESC LIMIT ?", (MAX_SCANNED + 1,)).fetchall()
+        out = [_summary(conn, row, farm_running, default_route)
+               for row in rows[:MAX_SCANNED]]
+        conn.execute("COMMIT")
+    out.sort(key=lambda s: (s["last_active_at"], s["session_id"]), reverse=True)
+    return out, len(rows) > MAX_SCANNED
+
+
+def _ago(t: float, now: float) -> str:
+    s = max(0.0, now - t)
+    if s < 60:
+        return f"{s:.0f}s ago"
+    if s < 3600:
+        return f"{s / 60:.0f}m ago"
+    if s < 86_400:
+        return f"{s / 3600:.0f}h ago"
+    return time.strftime("%Y-%m-%d", time.localtime(t))
+
+
+def cmd_sessions(ns: Namespace) -> int:
+    now = time.time()
+    try:
+        since = parse_since(ns.since, now) if ns.since else None
+    except ValueError as exc:
+        return say_error(ns, "usage", str(exc), EXIT_USAGE)
+    if not 1 <= ns.limit <= 1000:
+        return say_error(ns, "usage", "--limit must be between 1 and 1000", EXIT_USAGE)
+    farm = running_farm(ns.home) is not None
+    try:
+        sessions, cut = list_sessions(ns.home, farm_running=farm)
+    except NoStore:
+        sessions, cut = [], False
+    except StoreUnreadable as exc:
+        return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
+    if ns.state:
+        sessions = [s for s in sessions if s["state"] in ns.state]
+    if since is not None:
+        sessions = [s for s in sessions if s["last_active_at"] >= since]
+    shown = sessions[: ns.limit]
+    if ns.json:
+        print_json({"sessions": shown, "farm_running": farm, "more": len(sessions) > ns.limit
+                    or cut})
+        return EXIT_OK
+    if not shown:
+        print("no sessions" + (" match" if ns.state or since else "") +
+              ("" if farm else f" (no farm running at {ns.home})"))
+        return EXIT_OK
+    from supervisor.cli_render import clean
+
+    print(f"{'SESSION':<26} {'STATE':<20} {'TURNS':>5}  {'CREATED':<16} {'LAST ACTIVE':<11} "
+          f"{'ROUTE':<14} WORKSPACE")
+    for s in shown:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created_at"]))
+        print(f"{clean(s['session_id']):<26} {s['state']:<20} {s['turns']:>5}  {created:<16} "
+              f"{_ago(s['last_active_at'], now):<11} {clean(str(s['route'] or '-')):<14} "
+              f"{clean(str(s['workspace'] or '-'))}")
+    if len(sessions) > len(shown) or cut:
+        print("(more sessions: raise --limit, or filter with --state / --since)")
+    if not farm:
+        print(f"(no farm running at {ns.home}: read from its store)")
+    return EXIT_OK
+
+
+def session_pages(home: Path, session_id: str, *, farm_running: bool
+                  ) -> Iterator[list[dict[str, Any]]]:
+    """A session's recorded events, page by page (bounded memory), read-only, in
+    order; raises ``LookupError`` when there is no such session."""
+    from supervisor.facade import event_to_wire
+
+    with read_only_store(home, farm_running=farm_running) as conn:
+        if reader.session_row(conn, session_id) is None:
+            raise LookupError(session_id)
+        after = 0
+        while True:
+            page = reader.events_page(conn, session_id, after, reader.MAX_PAGE_EVENTS)
+            yield [event_to_wire(e) for e in page.items]
+            if page.next_cursor is None:
+                return
+            after = int(page.next_cursor)
+
+
+def session_exists(home: Path, session_id: str) -> bool:
+    try:
+        with read_only_store(home, farm_running=running_farm(home) is not None) as conn:
+            return reader.session_row(conn, session_id) is not None
+    except NoStore:
+        return False
+
+
+def cmd_show(ns: Namespace) -> int:
+    farm = running_farm(ns.home) is not None
+    pages = session_pages(ns.home, ns.session, farm_running=farm)
+    try:
+        first = next(pages)
+    except (LookupError, NoStore):
+        return say_error(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}; "
+                         "list them with: corral sessions", EXIT_FAILED)
+    except StoreUnreadable as exc:
+        return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
+    from supervisor.cli_render import Renderer
+
+    renderer = Renderer(sys.stdout)
+    out = sys.stdout
+    if ns.json:  # one document, written as it is read ({"events": [...], "next": null})
+        out.write('{"events": [')
+    sep = ""
+    for page in itertools.chain([first], pages):
+        for event in page:
+            if ns.json:
+                out.write(sep + json.dumps(event, sort_keys=True, default=str))
+                sep = ", "
+            else:
+                renderer.render(event)
+    if ns.json:
+        out.write('], "next": null}\n')
+    out.flush()
+    return EXIT_OK
+
+
+# -- terminate / delete ---------------------------------------------------------
+
+
+async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
+    """Shut the session down through the running farm; wait until it is closed."""
+    from supervisor.client import SupervisorClient, SupervisorError
+
+    async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
+        described = await sv.describe(session_id)
+        if described.get("status") == "closed":
+            return "already terminated"
+        try:
+            await sv.submit(session_id, {"type": "shutdown"})
+        except SupervisorError as exc:
+            if "shut down" in exc.message:
+                return "already terminated"
+            raise
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                described = await sv.describe(session_id)
+            except SupervisorError as exc:
+                if "shut down" in exc.message:
+                    return "terminated"
+                raise
+            if described.get("status") == "closed":
+                return "terminated"
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"session {session_id} did not close within {wait_s:.0f}s; see "
+                       f"{FarmPaths.of(home).logs / 'supervisor.log'}")
+
+
+async def _close_in_store(home: Path, session_id: str) -> str:
+    """No farm: mark the session closed in the store itself (a turn left running is
+    then never resumed)."""
+    from supervisor.store import SessionId, Store
+
+    store = await Store.open(FarmPaths.of(home).db)
+    try:
+        record = await store.get_session(SessionId(session_id))
+        if record is None:
+            raise LookupError(session_id)
+        if record.status != "active":
+            return "already terminated"
+        await store.set_status(SessionId(session_id), "closed")
+        return "terminated"
+    finally:
+        await store.close()
+
+
+def _session_call(ns: Namespace, what: str, coro_fn: Any) -> tuple[int, str | None]:
+    from supervisor.client import SupervisorError
+
+    try:
+        return EXIT_OK, asyncio.run(coro_fn())
+    except LookupError:
+        return say_error(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}; "
+                         "list them with: corral sessions", EXIT_FAILED), None
+    except SupervisorError as exc:
+        return say_error(ns, exc.kind, f"{what}: {exc.message}", EXIT_FAILED), None
+    except (TimeoutError, OSError) as exc:
+        return say_error(ns, "failed", f"{what}: {exc}", EXIT_FAILED), None
+
+
+def cmd_terminate(ns: Namespace) -> int:
+    if running_farm(ns.home) is not None:
+        code, outcome = _session_call(ns, "terminate", lambda: _terminate(ns.home, ns.session))
+    elif not FarmPaths.of(ns.home).db.exists():
+        return say_error(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}",
+                         EXIT_FAILED)
+    else:
+        code, outcome = _session_call(ns, "terminate",
+                                      lambda: _close_in_store(ns.home, ns.session))
+    if code != EXIT_OK:
+        return code
+    if ns.json:
+        print_json({"ok": True, "session_id": ns.session, "outcome": outcome})
+    else:
+        print(f"session {ns.session} {outcome}; its history stays (corral show "
+              f"{ns.session}); remove it with: corral delete {ns.session}")
+    return EXIT_OK
+
+
+async def _delete_via_farm(home: Path, session_id: str) -> str:
+    from supervisor.client import SupervisorClient
+
+    await _terminate(home, session_id)
+    async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
+        await sv.call("delete_session", session_id=session_id)
+    return "deleted"
+
+
+async def _delete_in_store(home: Path, session_id: str) -> str:
+    from supervisor.store import SessionId, Store
+
+    store = await Store.open(FarmPaths.of(home).db)
+    try:
+        if await store.get_session(SessionId(session_id)) is None:
+            raise LookupError(session_id)
+        await store.delete_session(SessionId(session_id))
+        return "deleted"
+    finally:
+        await store.close()
+
+
+def _confirm(ns: Namespace) -> bool | None:
+    """True to go on; False refused; None: cannot ask (no terminal)."""
+    if ns.yes:
+        return True
+    if not sys.stdin.isatty():
+        return None
+    try:
+        answer = input(f"delete session {ns.session} and its whole history from {ns.home}? "
+                       "This cannot be undone. [y/N] ")
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def cmd_delete(ns: Namespace) -> int:
+    farm = running_farm(ns.home) is not None
+    try:
+        known = session_exists(ns.home, ns.session)
+    except StoreUnreadable as exc:
+        return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
+    if not known:
+        return say_error(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}; "
+                         "list them with: corral sessions", EXIT_FAILED)
+    confirmed = _confirm(ns)
+    if confirmed is None:
+        return say_error(ns, "usage", "deleting needs a confirmation and there is no "
+                         f"terminal to ask; pass --yes: corral delete {ns.session} --yes",
+                         EXIT_USAGE)
+    if not confirmed:
+        print("not deleted", file=sys.stderr)
+        return EXIT_FAILED
+    if farm:
+        code, _ = _session_call(ns, "delete", lambda: _delete_via_farm(ns.home, ns.session))
+    else:
+        code, _ = _session_call(ns, "delete", lambda: _delete_in_store(ns.home, ns.session))
+    if code != EXIT_OK:
+        return code
+    if ns.json:
+        print_json({"ok": True, "session_id": ns.session, "outcome": "deleted"})
+    else:
+        print(f"session {ns.session} deleted (its workspace files stay)")
+    return EXIT_OK
