@@ -154,7 +154,10 @@ def test_escape_sequences_never_reach_the_operators_terminal(
     ends = [e["payload"] for e in events if e["type"] == "tool_call_end"]
     assert "\x1b]52;c;cHduZWQ=\x07\x1b]0;PWNED\x07" in ends[0]["output"]
     assert "\u202egnirts" in ends[0]["output"]
-    assert EVIL_NAME in ends[1]["output"]
+    # list_dir itself shows a name with control characters escaped (ls -b style,
+    # flagged), as the model sees it; --json carries that output unchanged
+    assert r"evil\x1b]2;FILETITLE\x07name" in ends[1]["output"]
+    assert "name shown escaped" in ends[1]["output"]
     said = [e["payload"]["text"] for e in events if e["type"] == "agent_message"]
     assert said == [EVIL_MODEL]
 

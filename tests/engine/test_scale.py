@@ -38,8 +38,9 @@ async def test_a_thousand_sessions_with_a_hung_one_and_a_killed_worker(
         {"text": "finished"}]}
     farm = start_farm(procs, tmp_path, script, workers=2, capacity=64)
     hang_farm_route = farm.route("hang")
-    # a second scripted provider that hangs forever, for the hung session
-    hang_script = write_script(tmp_path, {"responses": [{"hang": True}]}, "hang.json")
+    # a second scripted provider that hangs forever, for the hung session (every
+    # answer hangs: if its call was on the killed worker, the retry hangs again)
+    hang_script = write_script(tmp_path, {"responses": [{"hang": True}] * 8}, "hang.json")
     hang_llm = procs.spawn([PYTHON, "-m", "sandbox_worker.fakellm", "--script",
                             str(hang_script), "--port", "0"], name="hangllm",
                            stdout=subprocess.PIPE)
