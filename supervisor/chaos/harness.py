@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from broker import plants
 from broker.client import BrokerClient
 from broker.errors import BrokerError
@@ -242,7 +244,7 @@ class Harness:
         self.report.plants = tuple(sorted(self.plants))
         self.report.duration_s = opts.duration_s
         self.report.coverage_s = coverage_s(self.kinds, opts.fault_gap_s)
-        self.pids: set[int] = set()
+        self.pids: dict[int, float | None] = {}  # pid -> start time (pid reuse)
         self.farm: Farm | None = None
         self.faults_over = asyncio.Event()
         self.marks: list[tuple[int, recovery.FaultMark]] = []  # (index in injected, mark)
@@ -295,8 +297,11 @@ class Harness:
         supervisor and the broker came up again (for ``_overlap``)."""
         if self.farm is not None:
             for c in self.farm.tree.children.values():
-                if c.pid:
-                    self.pids.add(c.pid)
+                if c.pid and c.pid not in self.pids:
+                    try:
+                        self.pids[c.pid] = psutil.Process(c.pid).create_time()
+                    except psutil.Error:
+                        self.pids[c.pid] = None
                 if (c.spec.name in ("supervisor", "broker") and c.state == "running"
                         and c.pid and (c.spec.name, c.pid) not in self._seen_up):
                     self._seen_up.add((c.spec.name, c.pid))
@@ -645,7 +650,7 @@ class Harness:
         self.report.checks = [c for c in inv.ALL_CHECKS
                               if self.marker_checks or c not in inv.MARKER_CHECKS]
         # off the loop: a process still listed in a cgroup gets seconds to die
-        v.extend(await asyncio.to_thread(inv.no_orphans, set(self.pids)))
+        v.extend(await asyncio.to_thread(inv.no_orphans, dict(self.pids)))
         await asyncio.to_thread(self.watch.sample)
         left = await asyncio.to_thread(self.watch.alive_now)
         lives = [(r.session_id, r.live) for r in self.report.sessions]

@@ -423,7 +423,7 @@ def exports_verify(results: dict[str, dict[str, Any]]) -> list[Violation]:
     return out
 
 
-def no_orphans(pids: set[int], cgroup_root: str = "/sys/fs/cgroup",
+def no_orphans(pids: set[int] | dict[int, float | None], cgroup_root: str = "/sys/fs/cgroup",
                grace_s: float = 2.0) -> list[Violation]:
     """No process the farm ran outlived it, and no tool process of its
     workers did: what is left in each worker's cgroups (``worker_cgroup_dirs``;
@@ -433,11 +433,15 @@ def no_orphans(pids: set[int], cgroup_root: str = "/sys/fs/cgroup",
     itself, and may be another farm's worker reusing the number), and a
     process still listed gets ``grace_s`` to finish dying (SIGKILL and
     die-with-parent are not instantaneous)."""
+    started = pids if isinstance(pids, dict) else dict.fromkeys(pids)
     out = []
-    for pid in sorted(pids):
+    for pid in sorted(started):
         try:
             p = psutil.Process(pid)
-            if p.status() != psutil.STATUS_ZOMBIE:
+            # A pid with another start time is a reused number, not the farm's process
+            # (over thousands of restarts on a busy host, reuse happens).
+            reused = started[pid] is not None and abs(p.create_time() - started[pid]) > 0.01
+            if p.status() != psutil.STATUS_ZOMBIE and not reused:
                 out.append(Violation("no_orphans", "", None,
                                      f"pid {pid} ({' '.join(p.cmdline()[:4])}) outlived the farm"))
                 continue

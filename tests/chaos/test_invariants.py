@@ -19,6 +19,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from supervisor.chaos.exportcheck import check_doc
 from supervisor.chaos.invariants import (
     Kill,
@@ -219,6 +221,15 @@ def test_no_orphans_sees_live_farm_pids_and_tool_processes_left_in_worker_cgroup
     # a process that leaves the cgroup within the grace is no orphan
     (left / "cgroup.procs").write_text("")
     assert no_orphans({gone}, str(tmp_path)) == []
+
+
+def test_no_orphans_tells_a_reused_pid_from_the_farms_process(tmp_path: Path) -> None:
+    """Pids are compared with their start time: a live pid that started at another
+    time is a reused number (a soak with 700 restarts met one), not an orphan."""
+    me = psutil.Process().create_time()
+    assert no_orphans({os.getpid(): me}, str(tmp_path), grace_s=0.2) != []
+    assert no_orphans({os.getpid(): me - 60.0}, str(tmp_path), grace_s=0.2) == []
+    assert no_orphans({os.getpid(): None}, str(tmp_path), grace_s=0.2) != []  # unknown: kept
 
 
 # -- exports_verify: every section tampered with ---------------------------------
