@@ -38,6 +38,10 @@ async def test_a_thousand_sessions_with_a_hung_one_and_a_killed_worker(
         {"text": "finished"}]}
     farm = start_farm(procs, tmp_path, script, workers=2, capacity=64)
     hang_farm_route = farm.route("hang")
+    # silence inside a stream is a provider error after read_timeout_s (120 s by
+    # default): on a loaded CI machine the run outlasted two of them and the hung
+    # session's third attempt failed its turn. It must stay hung for the whole test.
+    hang_farm_route["read_timeout_s"] = 1800.0
     # a second scripted provider that hangs forever, for the hung session (every
     # answer hangs: if its call was on the killed worker, the retry hangs again)
     hang_script = write_script(tmp_path, {"responses": [{"hang": True}] * 8}, "hang.json")
@@ -93,7 +97,7 @@ async def test_a_thousand_sessions_with_a_hung_one_and_a_killed_worker(
         # sessions whose call was on the killed worker complete too (a lost model call is
         # retried; a lost tool call is "unknown"); none waits on the hung session
         assert outcomes.count("turn_complete") == N_SESSIONS, outcomes.count("turn_aborted")
-        assert m.sessions[hung].turn is not None  # still hung, bothering nobody
+        assert m.sessions[hung].turn is not None, "the hung session's turn ended"  # bothering nobody
         stats = m.stats()
         assert stats["turns_running"] == 1
         counters = (await eng.client.status())["counters"]
