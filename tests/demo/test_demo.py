@@ -71,6 +71,9 @@ def test_fresh_clone_demo_help_then_corral_run(workspace_root: Path) -> None:
         assert option in helped.stdout
     corral = clone / ".venv" / "bin" / "corral"
     assert corral.exists(), "scripts/demo bootstrapped .venv with the corral command"
+    # the demo needs the runtime only: the test extra (pytest, mypy, ruff...) is
+    # scripts/test's, and left out it halves a new user's first install
+    assert not (clone / ".venv" / "bin" / "pytest").exists()
     script = workspace_root / "script.json"
     script.write_text(json.dumps({"responses": [
         {"tool_calls": [{"name": "shell",
