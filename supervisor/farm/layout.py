@@ -121,7 +121,11 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
                 supervisor_env: dict[str, str] | None = None) -> list[ChildSpec]:
     """The farm's children in start order: scripted providers, broker, workers,
     supervisor (stopped in reverse: the supervisor checkpoints first, workers
-    drain, the broker goes last).
+    drain, the broker goes last). They start in two stages: the providers and
+    the broker together, then the workers and the supervisor together (they
+    only need the broker's endpoints, which are fixed, and the providers' URLs;
+    a request the supervisor sends before any worker has registered waits in
+    the broker's queue).
 
     ``broker_faults`` (with its seed) and ``supervisor_env`` are for chaos runs
     only: the broker's frame-fault hook and the store's slow-disk hook."""
@@ -136,7 +140,7 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
             continue
         argv = [py, "-m", "sandbox_worker.fakellm", "--script", str(script),
                 "--host", "127.0.0.1", "--port", "0"]
-        specs.append(ChildSpec(f"fakellm-{name}", argv,
+        specs.append(ChildSpec(f"fakellm-{name}", argv, stage=0,
                                dynamic_argv=_pin_port(f"fakellm-{name}", argv)))
         route_urls.append(name)
     broker_argv = [py, "-m", "broker", "--frontend", paths.broker_frontend,
@@ -147,7 +151,7 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
     if cfg.backend_tcp:
         broker_argv += _curve_backend_args(paths.home, cfg.backend_tcp)
         broker_dynamic = _pin_backend_tcp(broker_argv)
-    specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0,
+    specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0, stage=0,
                            dynamic_argv=broker_dynamic))
     # 0 is a real answer (every worker is remote), not "the default".
     n = workers if workers is not None else (
@@ -157,7 +161,7 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
                 "--tier-min", cfg.tier_min, "--log-level", log_level]
         if cfg.allow_unsandboxed:
             argv.append("--allow-unsandboxed")
-        specs.append(ChildSpec(f"worker-{i}", argv, shutdown_timeout_s=8.0))
+        specs.append(ChildSpec(f"worker-{i}", argv, shutdown_timeout_s=8.0, stage=1))
     sup_argv = [py, "-m", "supervisor", "--home", str(paths.home),
                 "--broker", paths.broker_frontend, "--listen", paths.supervisor_endpoint,
                 *hb, "--log-level", log_level]
@@ -173,7 +177,7 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
     # Its ready line waits until every stored session is resumed (supervisor/main.py):
     # a large store on a loaded machine needs more than the default 30 s.
     specs.append(ChildSpec("supervisor", sup_argv, shutdown_timeout_s=10.0,
-                           ready_timeout_s=180.0,
+                           ready_timeout_s=180.0, stage=1,
                            env=supervisor_env, dynamic_argv=supervisor_argv))
     return specs
 

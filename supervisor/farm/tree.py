@@ -1,10 +1,12 @@
 """The farm's root: supervises child processes the Erlang/OTP way.
 
 Each child has a ``ChildSpec``: its argv, a restart policy, a readiness
-timeout and a shutdown timeout. Children start in order; each must print one
-JSON line ``{"event": "ready", ...}`` on stdout before the next starts
-(readiness is a handshake, never a sleep). A child that exits is restarted
-according to its policy; more than ``max_restarts`` restarts within
+timeout and a shutdown timeout. Children start in stages, in order: the
+children of one stage start together, and a stage starts only once every
+child before it printed its one JSON line ``{"event": "ready", ...}`` on
+stdout (readiness is a handshake, never a sleep). A child's stage is its
+spec's ``stage``; by default each child is a stage of its own (strict order).
+A child that exits is restarted according to its policy; more than ``max_restarts`` restarts within
 ``within_s`` seconds escalates: the whole tree stops and ``run`` raises
 ``Escalation`` naming the child, its exit status and its log file.
 Children stop in reverse order: SIGTERM to the child's process group, the
@@ -91,6 +93,9 @@ class ChildSpec:
     # far (its own previous one included, on a restart); returns the argv to use,
     # e.g. to pass an URL learned from an earlier child or to pin a port.
     dynamic_argv: Callable[[dict[str, dict[str, Any]]], list[str]] | None = None
+    # Consecutive children with the same stage (not None) start together: none of
+    # them may need another's ready line. None: a stage of its own.
+    stage: int | None = None
 
     def argv_for(self, ready: dict[str, dict[str, Any]]) -> list[str]:
         return self.dynamic_argv(ready) if self.dynamic_argv else self.argv
@@ -183,15 +188,38 @@ class SupervisionTree:
         child.state = "running"
         self._on_change()
 
+    def stages(self) -> list[list[ChildState]]:
+        """The children in start order, grouped into the stages that start together."""
+        stages: list[list[ChildState]] = []
+        for child in self.children.values():
+            stage = child.spec.stage
+            if stages and stage is not None and stages[-1][0].spec.stage == stage:
+                stages[-1].append(child)
+            else:
+                stages.append([child])
+        return stages
+
     async def start(self) -> None:
-        """Start every child in order, each after the previous one is ready."""
-        started: list[ChildState] = []
+        """Start every stage in order, each after every child before it is ready;
+        the children of a stage start together. On any failure every child
+        started (or starting) is stopped and the first failure is raised."""
         try:
-            for child in self.children.values():
-                await self._spawn(child, child.spec.argv_for(self.ready_lines()))
-                started.append(child)
+            for stage in self.stages():
+                ready = self.ready_lines()
+                if len(stage) == 1:
+                    await self._spawn(stage[0], stage[0].spec.argv_for(ready))
+                    continue
+                # Every spawn of the stage runs to its end (ready, or failed within
+                # its own ready timeout): none is cancelled half-way, where a
+                # process could be left started and not yet known.
+                results = await asyncio.gather(
+                    *(self._spawn(child, child.spec.argv_for(ready)) for child in stage),
+                    return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
         except BaseException:
-            for child in reversed(started):
+            for child in reversed(list(self.children.values())):
                 await self._stop_child(child)
             raise
 

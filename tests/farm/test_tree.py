@@ -183,3 +183,49 @@ async def test_a_chatty_child_log_stays_bounded(tmp_path: Path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_a_stage_starts_together_after_the_stage_before_is_ready(tmp_path: Path) -> None:
+    # Each child of stage 1 waits for a file the other creates: sequentially they
+    # could never both get ready. The stage-0 child's ready line is passed on.
+    gate = textwrap.dedent("""
+        import json, os, sys, time
+        mine, other = sys.argv[1], sys.argv[2]
+        open(mine, "w").close()
+        deadline = time.monotonic() + 20
+        while not os.path.exists(other):
+            if time.monotonic() > deadline:
+                sys.exit(4)
+            time.sleep(0.01)
+        print(json.dumps({"event": "ready", "seen": sys.argv[3]}), flush=True)
+        import signal
+        signal.pause()
+    """)
+    (tmp_path / "gate.py").write_text(gate)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+
+    def gated(name: str, mine: str, other: str) -> ChildSpec:
+        base = [sys.executable, str(tmp_path / "gate.py"), mine, other]
+        return ChildSpec(name, base, stage=1, ready_timeout_s=30.0,
+                         dynamic_argv=lambda ready: [*base, str(ready["first"]["pid"])])
+
+    tree = SupervisionTree([spec(tmp_path, "first", stage=0), gated("x", a, b),
+                            gated("y", b, a)], log_dir=tmp_path / "logs")
+    assert [[c.spec.name for c in s] for s in tree.stages()] == [["first"], ["x", "y"]]
+    await tree.start()
+    try:
+        first = tree.children["first"].pid
+        assert tree.children["x"].ready["seen"] == tree.children["y"].ready["seen"] == str(first)
+    finally:
+        await tree.stop()
+
+
+async def test_a_failure_in_a_stage_stops_its_siblings_too(tmp_path: Path) -> None:
+    bad = ChildSpec("bad", [sys.executable, "-c", "raise SystemExit(5)"], stage=1)
+    tree = SupervisionTree([spec(tmp_path, "first"), spec(tmp_path, "sibling", stage=1), bad],
+                           log_dir=tmp_path / "logs")
+    with pytest.raises(ChildFailedToStart, match="bad failed to start"):
+        await tree.start()
+    for child in tree.children.values():
+        assert child.proc is not None, child.spec.name
+        assert child.proc.returncode is not None, child.spec.name
