@@ -125,7 +125,7 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
     the broker together, then the workers and the supervisor together (they
     only need the broker's endpoints, which are fixed, and the providers' URLs;
     a request the supervisor sends before any worker has registered waits in
-    the broker's queue).
+    the broker's queue). The workers stop together, after the supervisor.
 
     ``broker_faults`` (with its seed) and ``supervisor_env`` are for chaos runs
     only: the broker's frame-fault hook and the store's slow-disk hook."""
@@ -161,7 +161,8 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
                 "--tier-min", cfg.tier_min, "--log-level", log_level]
         if cfg.allow_unsandboxed:
             argv.append("--allow-unsandboxed")
-        specs.append(ChildSpec(f"worker-{i}", argv, shutdown_timeout_s=8.0, stage=1))
+        specs.append(ChildSpec(f"worker-{i}", argv, shutdown_timeout_s=8.0, stage=1,
+                               stop_group="workers"))
     sup_argv = [py, "-m", "supervisor", "--home", str(paths.home),
                 "--broker", paths.broker_frontend, "--listen", paths.supervisor_endpoint,
                 *hb, "--log-level", log_level]

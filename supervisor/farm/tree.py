@@ -9,8 +9,9 @@ spec's ``stage``; by default each child is a stage of its own (strict order).
 A child that exits is restarted according to its policy; more than ``max_restarts`` restarts within
 ``within_s`` seconds escalates: the whole tree stops and ``run`` raises
 ``Escalation`` naming the child, its exit status and its log file.
-Children stop in reverse order: SIGTERM to the child's process group, the
-shutdown timeout, SIGKILL, then always a wait until reaped.
+Children stop in reverse order (consecutive children of one ``stop_group``
+together): SIGTERM to the child's process group, the shutdown timeout,
+SIGKILL, then always a wait until reaped.
 
 Invariants:
 - The parent learns of a child's death at once (it awaits the child's exit),
@@ -96,6 +97,9 @@ class ChildSpec:
     # Consecutive children with the same stage (not None) start together: none of
     # them may need another's ready line. None: a stage of its own.
     stage: int | None = None
+    # Consecutive children (in stop order) with the same stop_group (not None)
+    # stop together, e.g. the sandbox workers; None: stopped on its own.
+    stop_group: str | None = None
 
     def argv_for(self, ready: dict[str, dict[str, Any]]) -> list[str]:
         return self.dynamic_argv(ready) if self.dynamic_argv else self.argv
@@ -311,10 +315,21 @@ class SupervisionTree:
     # -- stopping ---------------------------------------------------------
 
     async def stop(self) -> None:
-        """Stop every child in reverse start order; always returns with none left."""
+        """Stop every child in reverse start order (a stop group together);
+        always returns with none left."""
         self._stopping = True
+        group: list[ChildState] = []
         for child in reversed(list(self.children.values())):
-            await self._stop_child(child)
+            name = child.spec.stop_group
+            if group and (name is None or group[0].spec.stop_group != name):
+                await self._stop_together(group)
+                group = []
+            group.append(child)
+        await self._stop_together(group)
+
+    async def _stop_together(self, children: list[ChildState]) -> None:
+        # _stop_child never raises but for cancellation; each has its deadline
+        await asyncio.gather(*(self._stop_child(child) for child in children))
 
     async def _stop_child(self, child: ChildState) -> None:
         proc = child.proc

@@ -229,3 +229,44 @@ async def test_a_failure_in_a_stage_stops_its_siblings_too(tmp_path: Path) -> No
     for child in tree.children.values():
         assert child.proc is not None, child.spec.name
         assert child.proc.returncode is not None, child.spec.name
+
+
+async def test_a_stop_group_stops_together_after_the_child_started_last(
+        tmp_path: Path) -> None:
+    # On SIGTERM each worker waits for the other's SIGTERM before it exits: one
+    # at a time, the first would wait out its shutdown timeout and be killed.
+    script = textwrap.dedent("""
+        import json, os, signal, sys, time
+        name, mine, other, order = sys.argv[1:5]
+        def term(*_):
+            open(mine, "w").close()
+            deadline = time.monotonic() + 10
+            while not os.path.exists(other):
+                if time.monotonic() > deadline:
+                    sys.exit(4)
+                time.sleep(0.01)
+            with open(order, "a") as f:
+                f.write(name + "\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, term)
+        print(json.dumps({"event": "ready"}), flush=True)
+        while True:
+            signal.pause()
+    """)
+    (tmp_path / "w.py").write_text(script)
+    order = str(tmp_path / "order")
+
+    def worker(name: str, mine: str, other: str) -> ChildSpec:
+        return ChildSpec(name, [sys.executable, str(tmp_path / "w.py"), name,
+                                str(tmp_path / mine), str(tmp_path / other), order],
+                         stop_group="workers", shutdown_timeout_s=3.0)
+
+    tree = SupervisionTree([spec(tmp_path, "broker"), worker("w1", "a", "b"),
+                            worker("w2", "b", "a"), spec(tmp_path, "supervisor")],
+                           log_dir=tmp_path / "logs")
+    await tree.start()
+    await tree.stop()
+    stopped = (tmp_path / "order").read_text().split()
+    assert stopped[0] == "supervisor"
+    assert sorted(stopped[1:3]) == ["w1", "w2"]
+    assert stopped[3] == "broker"
