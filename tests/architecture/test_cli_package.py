@@ -4,6 +4,7 @@
   too: a function-level import that hides a circle is still a circle);
 - dispatch is explicit: every command's sub-parser carries its own handler
   (``set_defaults(handler=...)``), no name lookup;
+- only ``dev.py`` (``corral chaos``) imports dev tooling, inside its handler;
 - building the parser stays light: no engine, store, farm, export or config
   module and no dev tooling is loaded by ``corral --help`` or ``corral
   completion`` (a shell start-up evals the latter).
@@ -66,6 +67,14 @@ def test_every_command_is_bound_to_its_own_handler() -> None:
     handlers = [p.get_default("handler") for _, p in leaves]
     names = [getattr(h, "func", h).__qualname__ for h in handlers]
     assert len(set(names)) == len(names), f"two commands share a handler: {sorted(names)}"
+
+
+def test_only_the_dev_commands_import_dev_tooling() -> None:
+    """``corral chaos`` (``supervisor.cli.dev``) is the one way in from the CLI."""
+    modules = {n: p for n, p in all_modules().items() if n.startswith(CLI + ".")}
+    reaching = sorted(n for n, deps in graph(modules).items()
+                      if any(d.startswith("supervisor.chaos") or ".devtools" in d for d in deps))
+    assert reaching == [CLI + ".dev"]
 
 
 HEAVY = ("supervisor.engine", "supervisor.store", "supervisor.export", "supervisor.config",
