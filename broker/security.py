@@ -191,7 +191,6 @@ class AllowList:
         self.directory = directory
         self._keys: dict[bytes, Allowed] = {}
         self._stamp: tuple[int, int] | None = None
-        self.reloads = 0
         self.reload()
 
     def __len__(self) -> int:
@@ -213,7 +212,6 @@ class AllowList:
                 continue
             keys[kf.public] = Allowed(path.name[:-len(".key")], kf.role or "worker", kf.tenant)
         self._keys, self._stamp = keys, stamp
-        self.reloads += 1
         log.info("allow-list %s: %d key(s)", self.directory, len(keys))
 
     def invalidate(self) -> None:

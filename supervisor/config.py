@@ -104,7 +104,7 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # path = "exports"             # relative to the farm's home
 """
 
-_SECTIONS = {"farm", "sandbox", "session", "routes", "export", "hooks", "tenants"}
+_SECTIONS = {"farm", "sandbox", "session", "routes", "export", "hooks"}
 _ROUTE_KEYS = {
     "provider", "model", "base_url", "credential_env", "native_compaction",
     "context_window", "max_output_tokens", "connect_timeout_s", "read_timeout_s",
@@ -147,7 +147,6 @@ class FarmConfig:
     # [[hooks.EVENT]] tables as the session spec's command hooks:
     # ({"event", "command", "timeout_s"}, ...) in file order.
     hooks: tuple[dict[str, Any], ...] = ()
-    tenants: dict[str, Any] = field(default_factory=dict)
 
 
 def _fail(path: Path, key: str, why: str) -> ConfigError:
@@ -350,7 +349,6 @@ def load(home: Path) -> FarmConfig:
         routes=routes,
         export_sinks=tuple(sinks),
         hooks=parse_hooks(path, raw.get("hooks", {})),
-        tenants=dict(raw.get("tenants", {})),
     )
 
 

@@ -58,9 +58,6 @@ class FarmKeys:
     def secret(self, name: str) -> Path:
         return self.directory / f"{name}.key_secret"
 
-    def broker_server(self) -> CurveServer:
-        return CurveServer.from_files(self.secret("broker"), self.allow_dir)
-
     def supervisor_server(self) -> CurveServer:
         return CurveServer.from_files(self.secret("supervisor"), self.allow_dir)
 

@@ -49,7 +49,6 @@ class ErrorKind:
     BAD_REQUEST = "bad_request"  # malformed call or arguments
     UNKNOWN_SESSION = "unknown_session"
     BAD_OP = "bad_op"  # an op the session cannot take
-    FORBIDDEN = "forbidden"  # another tenant's session
     SLOW_CONSUMER = "slow_consumer"  # subscription dropped; resubscribe from last sequence
     UNAVAILABLE = "unavailable"  # supervisor shutting down or not ready
     NOT_FOUND = "not_found"  # the thing asked for does not exist (yet), e.g. a checkpoint

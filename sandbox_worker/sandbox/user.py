@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import grp
 import logging
 import pwd
 import shutil
@@ -87,10 +86,3 @@ async def ensure_user(name: str = DEFAULT_SANDBOX_USER, *, fixed_uid: int | None
         hint=f"create it: useradd --system --user-group --no-create-home {name}, "
         "or configure a fixed uid with --sandbox-uid",
     )
-
-
-def group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)

@@ -168,7 +168,7 @@ async def test_silent_broker_fails_calls_and_recovers_after_sigcont(
 
 
 def test_command_line_help(procs: Procs) -> None:
-    for module in ("broker", "broker.echo", "broker.bench"):
+    for module in ("broker", "broker.echo", "broker.devtools.bench"):
         proc = procs.python(module, "--help", name="help", stdout=subprocess.PIPE)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0

@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.cli_render import Renderer, clean
+from supervisor.cli.render import Renderer, clean
 
 OWN_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 BIDI_AND_INVISIBLE = set("\u061c\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202c\u202d\u202e"

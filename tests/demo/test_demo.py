@@ -27,7 +27,7 @@ EVERY_KIND = "worker_kill_tool,broker_kill,supervisor_kill,provider_kill,worker_
 def test_demo_survives_every_kind_of_process_killed(workspace_root: Path,
                                                     procs: Procs) -> None:
     home = workspace_root / "demo"
-    proc = procs.spawn([PYTHON, "-m", "supervisor.demo", "--json", "--sessions", "8",
+    proc = procs.spawn([PYTHON, "-m", "supervisor.devtools.demo", "--json", "--sessions", "8",
                         "--faults", EVERY_KIND, "--home", str(home)],
                        name="demo", stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=280)

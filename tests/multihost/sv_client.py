@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.security import CurveClient
-from supervisor.cli_remote import render_hosts
+from supervisor.cli.remote import render_hosts
 from supervisor.client import SupervisorClient, SupervisorError
 
 

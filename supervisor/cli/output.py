@@ -13,6 +13,8 @@ import sys
 from argparse import Namespace
 from typing import Any
 
+from supervisor.cli.render import clean
+
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
@@ -23,7 +25,5 @@ def say_error(ns: Namespace, kind: str, message: str, code: int) -> int:
     if getattr(ns, "json", False):
         print_json({"ok": False, "error": {"kind": kind, "message": message}})
     else:
-        from supervisor.cli_render import clean
-
         print(f"corral: {clean(message)}", file=sys.stderr)
     return code

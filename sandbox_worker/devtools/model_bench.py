@@ -1,6 +1,6 @@
 """Benchmark: a 2,000-token scripted answer streamed through worker and broker.
 
-``python -m sandbox_worker.model.bench [--quick] [--json] [--tokens N] [--rounds N]``
+``python -m sandbox_worker.devtools.model_bench [--quick] [--json] [--tokens N] [--rounds N]``
 
 Starts the scripted provider, a broker and one model worker as child
 processes. In one run, call by call in a new random order every round (so
@@ -37,7 +37,7 @@ back):
 - ``echo_round_trip``: a small request through our broker to an ``echo``
   worker (``broker.echo``) and back, read by the same ``BrokerClient``;
 - ``proxy_round_trip``: the same through libzmq's C ``zmq.proxy`` to a
-  blocking echo loop, read by a blocking socket (``broker.bench``'s proxy
+  blocking echo loop, read by a blocking socket (``broker.devtools.bench``'s proxy
   roles): what four hops cost with no Python in the middle.
 
 ``floor_first_token_vs_direct`` is (direct first token + the C proxy's round
@@ -73,9 +73,9 @@ import httpx
 import msgpack
 import zmq
 
-from broker import bench as broker_bench
 from broker import protocol
 from broker.client import BrokerClient
+from broker.devtools import bench as broker_bench
 from broker.protocol import pack, unpack
 from sandbox_worker.api import SERVICE_MODEL, ModelCallRequest
 from sandbox_worker.model.http import body_for, build_request, headers_for, open_stream
@@ -153,9 +153,9 @@ def _children(tmp: Path, tokens: int, pace_s: float, nice: int
         spawn("sandbox_worker", "--broker", broker["backend"], "--services", SERVICE_MODEL,
               "--log-level", "WARNING")
         spawn("broker.echo", "--backend", broker["backend"])
-        proxy = spawn("broker.bench", "--role", "proxy", "--frontend", f"ipc://{tmp}/pf",
+        proxy = spawn("broker.devtools.bench", "--role", "proxy", "--frontend", f"ipc://{tmp}/pf",
                       "--backend", f"ipc://{tmp}/pb")
-        spawn("broker.bench", "--role", "worker", "--mode", "proxy", "--endpoint",
+        spawn("broker.devtools.bench", "--role", "worker", "--mode", "proxy", "--endpoint",
               str(proxy["backend"]))
         yield str(url), str(broker["frontend"]), str(proxy["frontend"]), grouped
     finally:
@@ -248,7 +248,7 @@ async def _echo(client: BrokerClient) -> float:
 
 
 class _ProxyEcho:
-    """A blocking DEALER through libzmq's C proxy to ``broker.bench``'s echo loop."""
+    """A blocking DEALER through libzmq's C proxy to ``broker.devtools.bench``'s echo loop."""
 
     def __init__(self, endpoint: str) -> None:
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -366,7 +366,7 @@ async def _run(url: str, frontend: str, proxy_frontend: str, rounds: int, paced_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sandbox_worker.model.bench",
+    parser = argparse.ArgumentParser(prog="python -m sandbox_worker.devtools.model_bench",
                                      description="Model streaming through worker and broker, "
                                      "against a direct httpx client (see module docstring).")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (< 60 s)")

@@ -1,4 +1,4 @@
-"""Store benchmark: ``python -m supervisor.store.bench [--quick] [--json]``.
+"""Store benchmark: ``python -m supervisor.devtools.store_bench [--quick] [--json]``.
 
 One session through N model+tool steps (a user message, an assistant function_call, a
 function_call_output of 1-2 KB and an assistant message per step, with the events the
@@ -328,7 +328,7 @@ def print_table(doc: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m supervisor.store.bench",
+    parser = argparse.ArgumentParser(prog="python -m supervisor.devtools.store_bench",
                                      description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a reduced run, under 60 s")
     parser.add_argument("--json", action="store_true",

@@ -16,6 +16,9 @@ the session is closed in the store and refuses every later op). ``delete``
 removes the session's rows: through the running farm's supervisor (the
 store's only writer) when one runs, else by opening the store itself.
 
+The farm, store and client modules are imported by the functions that use
+them, not with the parser (``corral --help`` stays light).
+
 Invariants:
 - Listing reads at most ``MAX_SCANNED`` sessions and says when it stopped.
 - Every answer with ``--json`` is one JSON document with the same fields.
@@ -38,18 +41,68 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from supervisor.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from supervisor.cli_output import print_json, say_error
-from supervisor.farm.layout import FarmPaths
-from supervisor.farm.root import running_farm
-from supervisor.store import reader
-from supervisor.store.codec import decode
-from supervisor.store.records import CheckpointState
-from supervisor.store.schema import key_range
+from supervisor.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_home,
+    add_json,
+)
+from supervisor.cli.output import print_json, say_error
+from supervisor.cli.render import Renderer, clean
 
 MAX_SCANNED = 10_000
+SESSION_STATES = ("running", "waiting_for_approval", "idle", "failed", "terminated",
+                  "suspended")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def add_parsers(sub: Subparsers) -> None:
+    p = sub.add_parser("sessions", help="list sessions with their state, times and turns",
+                       description="List the sessions of the farm at HOME, most recently "
+                       "active first, with created and last-active times, state, turns, "
+                       "route and workspace. Reads the store read-only, so it works with "
+                       "the farm stopped (a turn left running then shows as 'suspended': "
+                       "it resumes when a farm starts).")
+    add_home(p)
+    p.add_argument("--state", action="append", choices=SESSION_STATES, default=None,
+                   help="only sessions in this state (repeat for several)")
+    p.add_argument("--since", default=None,
+                   help="only sessions active since then: a duration (90s, 30m, 2h, 7d) or "
+                   "a date (2026-12-01 or 2026-12-01T10:00)")
+    p.add_argument("--limit", type=int, default=100,
+                   help="list at most this many (default 100, at most 1000)")
+    add_json(p)
+    p.set_defaults(handler=cmd_sessions)
+
+    p = sub.add_parser("show", help="show a session's history, replayed from the store",
+                       description="Replay a session's recorded events. Works with the "
+                       "farm stopped (reads the store read-only).")
+    add_home(p)
+    p.add_argument("session", help="the session id (see 'corral sessions')")
+    add_json(p)
+    p.set_defaults(handler=cmd_show)
+
+    p = sub.add_parser("terminate", help="end a session: abort its turn, refuse new ones",
+                       description="Terminate a session: its running turn is aborted (tools "
+                       "cancelled) and it accepts no further input, also after restarts. "
+                       "Its history stays ('corral show'); 'corral delete' removes it.")
+    add_home(p)
+    p.add_argument("session", help="the session id (see 'corral sessions')")
+    add_json(p)
+    p.set_defaults(handler=cmd_terminate)
+
+    p = sub.add_parser("delete", help="remove a session and its history from the store",
+                       description="Delete a stored session (terminating it first if it "
+                       "runs). Asks for confirmation at a terminal; --yes skips that (needed "
+                       "without a terminal). Files it made in its workspace stay.")
+    add_home(p)
+    p.add_argument("session", help="the session id (see 'corral sessions')")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    add_json(p)
+    p.set_defaults(handler=cmd_delete)
 
 
 class StoreUnreadable(Exception):
@@ -74,6 +127,8 @@ def parse_since(text: str, now: float) -> float:
 
 @contextlib.contextmanager
 def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Connection]:
+    from supervisor.farm.layout import FarmPaths
+
     db = FarmPaths.of(home).db
     if not db.exists():
         raise NoStore(f"no store at {db} yet: no session was ever created in this "
@@ -106,6 +161,11 @@ def _default_route(home: Path) -> str:
 
 def _summary(conn: sqlite3.Connection, row: tuple[Any, ...], farm_running: bool,
              default_route: str) -> dict[str, Any]:
+    from supervisor.store import reader
+    from supervisor.store.codec import decode
+    from supervisor.store.records import CheckpointState
+    from supervisor.store.schema import key_range
+
     record = reader.to_session(row)
     sid = int(row[0])
     state_row = conn.execute("SELECT updated_at, state FROM checkpoint_state WHERE sid = ?",
@@ -149,6 +209,8 @@ def _summary(conn: sqlite3.Connection, row: tuple[Any, ...], farm_running: bool,
 
 def list_sessions(home: Path, *, farm_running: bool) -> tuple[list[dict[str, Any]], bool]:
     """Every session's summary, most recently active first; True if cut at MAX_SCANNED."""
+    from supervisor.store import reader
+
     default_route = _default_route(home)
     with read_only_store(home, farm_running=farm_running) as conn:
         conn.execute("BEGIN")
@@ -173,6 +235,8 @@ def _ago(t: float, now: float) -> str:
 
 
 def cmd_sessions(ns: Namespace) -> int:
+    from supervisor.farm.root import running_farm
+
     now = time.time()
     try:
         since = parse_since(ns.since, now) if ns.since else None
@@ -200,8 +264,6 @@ def cmd_sessions(ns: Namespace) -> int:
         print("no sessions" + (" match" if ns.state or since else "") +
               ("" if farm else f" (no farm running at {ns.home})"))
         return EXIT_OK
-    from supervisor.cli_render import clean
-
     print(f"{'SESSION':<26} {'STATE':<20} {'TURNS':>5}  {'CREATED':<16} {'LAST ACTIVE':<11} "
           f"{'ROUTE':<14} WORKSPACE")
     for s in shown:
@@ -221,6 +283,7 @@ def session_pages(home: Path, session_id: str, *, farm_running: bool
     """A session's recorded events, page by page (bounded memory), read-only, in
     order; raises ``LookupError`` when there is no such session."""
     from supervisor.facade import event_to_wire
+    from supervisor.store import reader
 
     with read_only_store(home, farm_running=farm_running) as conn:
         if reader.session_row(conn, session_id) is None:
@@ -235,6 +298,9 @@ def session_pages(home: Path, session_id: str, *, farm_running: bool
 
 
 def session_exists(home: Path, session_id: str) -> bool:
+    from supervisor.farm.root import running_farm
+    from supervisor.store import reader
+
     try:
         with read_only_store(home, farm_running=running_farm(home) is not None) as conn:
             return reader.session_row(conn, session_id) is not None
@@ -243,6 +309,8 @@ def session_exists(home: Path, session_id: str) -> bool:
 
 
 def cmd_show(ns: Namespace) -> int:
+    from supervisor.farm.root import running_farm
+
     farm = running_farm(ns.home) is not None
     pages = session_pages(ns.home, ns.session, farm_running=farm)
     try:
@@ -252,8 +320,6 @@ def cmd_show(ns: Namespace) -> int:
                          "list them with: corral sessions", EXIT_FAILED)
     except StoreUnreadable as exc:
         return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
-    from supervisor.cli_render import Renderer
-
     renderer = Renderer(sys.stdout)
     out = sys.stdout
     if ns.json:  # one document, written as it is read ({"events": [...], "next": null})
@@ -278,6 +344,7 @@ def cmd_show(ns: Namespace) -> int:
 async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
     """Shut the session down through the running farm; wait until it is closed."""
     from supervisor.client import SupervisorClient, SupervisorError
+    from supervisor.farm.layout import FarmPaths
 
     async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
         described = await sv.describe(session_id)
@@ -307,6 +374,7 @@ async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
 async def _close_in_store(home: Path, session_id: str) -> str:
     """No farm: mark the session closed in the store itself (a turn left running is
     then never resumed)."""
+    from supervisor.farm.layout import FarmPaths
     from supervisor.store import SessionId, Store
 
     store = await Store.open(FarmPaths.of(home).db)
@@ -337,6 +405,9 @@ def _session_call(ns: Namespace, what: str, coro_fn: Any) -> tuple[int, str | No
 
 
 def cmd_terminate(ns: Namespace) -> int:
+    from supervisor.farm.layout import FarmPaths
+    from supervisor.farm.root import running_farm
+
     if running_farm(ns.home) is not None:
         code, outcome = _session_call(ns, "terminate", lambda: _terminate(ns.home, ns.session))
     elif not FarmPaths.of(ns.home).db.exists():
@@ -357,6 +428,7 @@ def cmd_terminate(ns: Namespace) -> int:
 
 async def _delete_via_farm(home: Path, session_id: str) -> str:
     from supervisor.client import SupervisorClient
+    from supervisor.farm.layout import FarmPaths
 
     await _terminate(home, session_id)
     async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
@@ -365,6 +437,7 @@ async def _delete_via_farm(home: Path, session_id: str) -> str:
 
 
 async def _delete_in_store(home: Path, session_id: str) -> str:
+    from supervisor.farm.layout import FarmPaths
     from supervisor.store import SessionId, Store
 
     store = await Store.open(FarmPaths.of(home).db)
@@ -392,6 +465,8 @@ def _confirm(ns: Namespace) -> bool | None:
 
 
 def cmd_delete(ns: Namespace) -> int:
+    from supervisor.farm.root import running_farm
+
     farm = running_farm(ns.home) is not None
     try:
         known = session_exists(ns.home, ns.session)

@@ -1,4 +1,4 @@
-"""Sessions benchmark: ``python -m supervisor.engine.bench [--quick] [--json]``.
+"""Sessions benchmark: ``python -m supervisor.devtools.sessions_bench [--quick] [--json]``.
 
 What the supervisor costs per turn, against a minimal agent loop doing the
 same work. One farm is started (our broker process, ``--workers`` sandbox
@@ -16,7 +16,7 @@ model outputs already in the request).
   behind ``SupervisorClient``) so that the process measured for CPU and
   memory is exactly the one running the engine, and tracemalloc can see it;
   the client/server wire in front of it is not part of the per-turn cost.
-- ``minimal``: ``python -m sandbox_worker.bench_minimal`` in a child process:
+- ``minimal``: ``python -m sandbox_worker.devtools.bench_minimal`` in a child process:
   httpx to the same provider (same wire format, streamed), the same tool run
   with the worker's own sandbox code (``run_shell``: setpriv, prlimit, bwrap),
   no broker, no persistence. Its concurrent calls are bounded by the farm's
@@ -296,7 +296,7 @@ async def _idle_memory(manager: SessionManager, ws: str, n: int) -> dict[str, An
 def _minimal(procs: list[subprocess.Popen[bytes]], url: str, ws: str,
              levels: tuple[tuple[int, int], ...], slots: int, log: Path) -> dict[str, Any]:
     spec = ",".join(f"{n}:{m}" for n, m in levels)
-    proc = spawn(procs, "sandbox_worker.bench_minimal", "--url", url, "--workspace", ws,
+    proc = spawn(procs, "sandbox_worker.devtools.bench_minimal", "--url", url, "--workspace", ws,
                  "--levels", spec, "--slots", str(slots), stderr=log)
     try:
         ready = read_json_line(proc, READY_TIMEOUT_S)
@@ -442,7 +442,7 @@ def _levels(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m supervisor.engine.bench",
+    parser = argparse.ArgumentParser(prog="python -m supervisor.devtools.sessions_bench",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 and 100 sessions, under 60 s")
     parser.add_argument("--json", action="store_true",

@@ -1,6 +1,6 @@
 """The baseline of ``scripts/bench sessions``: a minimal in-process agent loop.
 
-``python -m sandbox_worker.bench_minimal --url URL --workspace WS --levels 1:20,100:5``
+``python -m sandbox_worker.devtools.bench_minimal --url URL --workspace WS --levels 1:20,100:5``
 runs, for each level ``N:M``, N concurrent sessions of M turns each, with no
 broker and no persistence. A turn is what the supervisor path does on the
 same scripted provider:
@@ -180,7 +180,7 @@ async def run_levels(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sandbox_worker.bench_minimal",
+    parser = argparse.ArgumentParser(prog="python -m sandbox_worker.devtools.bench_minimal",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the scripted provider's base URL")
     parser.add_argument("--workspace", required=True, help="an absolute, reachable directory")

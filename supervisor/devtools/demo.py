@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.echo:
-        from broker.demo import main as echo_main
+        from broker.devtools.demo import main as echo_main
 
         return echo_main(["--json"] if ns.json else [])
     route = None

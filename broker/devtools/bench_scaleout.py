@@ -1,4 +1,5 @@
-"""Does the farm scale out? ``python -m broker.bench_scaleout [--hosts 1,2] [--quick] [--json]``.
+"""Does the farm scale out?
+``python -m broker.devtools.bench_scaleout [--hosts 1,2] [--quick] [--json]``.
 
 Sandboxed tool calls per second (``shell`` running ``true``) through our
 broker over tcp + CURVE, as worker hosts grow from 1 to 2. A "host" is one
@@ -31,8 +32,8 @@ from typing import Any, Final
 
 import msgpack
 
-from broker import bench
 from broker.client import BrokerClient
+from broker.devtools import bench
 from broker.security import CurveClient, read_key_file, write_allowed, write_key_pair
 
 PYTHON: Final = sys.executable
@@ -117,7 +118,7 @@ def run(host_counts: list[int], quick: bool, repeat: int, capacity: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m broker.bench_scaleout",
+    parser = argparse.ArgumentParser(prog="python -m broker.devtools.bench_scaleout",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", default="1,2", help="host counts to measure (default 1,2)")
     parser.add_argument("--quick", action="store_true", help="a reduced run, under 60 s")

@@ -1,5 +1,5 @@
 """The foundation demo: a broker, two echo workers, 1,000 requests, and one
-worker SIGKILLed in the middle. ``python -m broker.demo [--requests N] [--json]``.
+worker SIGKILLed in the middle. ``python -m broker.devtools.demo [--requests N] [--json]``.
 
 Every number printed is counted: requests sent, replies received, requests
 that failed with ``worker_lost`` (the killed worker's in-flight ones), and
@@ -121,7 +121,7 @@ async def run(requests: int, in_flight: int, kill_at: int, as_json: bool) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m broker.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m broker.devtools.demo", description=__doc__)
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--in-flight", type=int, default=16)
     p.add_argument("--json", action="store_true")

@@ -1,7 +1,7 @@
-"""What CURVE costs: ``python -m broker.bench --curve [--quick] [--json]``.
+"""What CURVE costs: ``python -m broker.devtools.bench --curve [--quick] [--json]``.
 
 Our broker on tcp loopback, measured twice in the same run with the SAME
-minimal blocking client and echo-worker loops as ``broker.bench``: once plain,
+minimal blocking client and echo-worker loops as ``broker.devtools.bench``: once plain,
 once with CURVE + ZAP on both endpoints (client and worker present allowed
 keys). Interleaved ``--repeat`` times; medians reported. Results: p50/p99 at 1
 in flight, msgs/s at 64 in flight, and the cost of a new connection (connect,
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
-from broker import bench
+from broker.devtools import bench
 from broker.security import CurveClient, read_key_file, write_allowed, write_key_pair
 
 PYTHON: Final = sys.executable
@@ -44,14 +44,14 @@ def _curve(key_dir: Path | None, name: str) -> CurveClient | None:
 
 
 def run_worker(endpoint: str, key_dir: Path | None) -> None:
-    """``broker.bench``'s echo worker loop, over CURVE when ``key_dir`` is given."""
+    """``broker.devtools.bench``'s echo worker loop, over CURVE when ``key_dir`` is given."""
     curve = _curve(key_dir, "worker")
     bench.run_worker("broker", endpoint, configure=curve.apply if curve is not None else None)
 
 
 def client_run(endpoint: str, curve: CurveClient | None, in_flight: int, total: int,
                warmup: int) -> dict[str, float]:
-    """``broker.bench.client_run`` (the same loop) with the client's CURVE keys."""
+    """``broker.devtools.bench.client_run`` (the same loop) with the client's CURVE keys."""
     return bench.client_run(endpoint, in_flight, total, warmup,
                             configure=curve.apply if curve is not None else None)
 
@@ -76,7 +76,7 @@ def middle(curve: bool, keys: Path) -> Iterator[str]:
     if curve:
         argv += ["--curve-secret", str(keys / "broker.key_secret"),
                  "--allow-dir", str(keys / "allowed")]
-    worker = [PYTHON, "-m", "broker.bench_curve", "--role", "worker"]
+    worker = [PYTHON, "-m", "broker.devtools.bench_curve", "--role", "worker"]
     with bench._spawn(argv) as ready:
         worker += ["--endpoint", str(ready["backend"])]
         if curve:
@@ -140,7 +140,7 @@ if __name__ == "__main__":
     # Only the worker role runs this module directly (from ``middle``).
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m broker.bench_curve")
+    parser = argparse.ArgumentParser(prog="python -m broker.devtools.bench_curve")
     parser.add_argument("--role", choices=["worker"], required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--keys", type=Path, default=None)

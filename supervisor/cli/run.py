@@ -1,4 +1,4 @@
-"""``corral run``: submit one user turn and stream its events; and ``corral import``.
+"""``corral run``: submit one user turn and stream its events.
 
 Without a farm at HOME, ``run`` starts a temporary one inside this process.
 It writes ``HOME/farm.json`` (``"temporary": true``) while it lives, so
@@ -14,6 +14,9 @@ then exits at once with code 4: the request stays recorded and
 Ctrl-C interrupts the turn (as Codex does): the run asks the farm to
 interrupt it, shows the ``turn_aborted`` and exits 130. A second Ctrl-C
 leaves at once and says what became of the turn.
+
+The config and farm modules (which load the engine) are imported when a run
+starts, not with the parser.
 """
 
 from __future__ import annotations
@@ -31,22 +34,61 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_worker.api import parse_route
-from supervisor.cli import (
+from supervisor.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_NEEDS_APPROVAL,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
+    Subparsers,
+    add_home,
+    add_json,
+    workers_arg,
 )
-from supervisor.cli_render import Renderer, clean
+from supervisor.cli.lifecycle import ensure_config
+from supervisor.cli.render import Renderer, clean
 from supervisor.client import SupervisorClient, SupervisorError
-from supervisor.config import ConfigError
-from supervisor.farm.layout import FarmPaths
-from supervisor.farm.root import Farm, running_farm
 from supervisor.farm.tree import ChildSpec, FarmError, SupervisionTree
 
 TERMINAL = ("turn_complete", "turn_aborted")
+
+
+
+def add_parsers(sub: Subparsers) -> None:
+    p = sub.add_parser("run", help="submit one user turn and stream its events",
+                       description="Submit PROMPT as one user turn and stream the events. "
+                       "Without a running farm at HOME a temporary one runs for the run "
+                       "(reachable by approve, interrupt, show and sessions while it lives); "
+                       "its store stays in HOME so --session ID continues later. With "
+                       "--session and no PROMPT it attaches to the session's running turn "
+                       "and asks for its pending approval. Ctrl-C interrupts the turn "
+                       "(a second Ctrl-C leaves at once). Exits 0 on turn_complete, 1 on "
+                       "abort or failure, 4 when an approval is needed and there is no "
+                       "terminal to ask, 130 after Ctrl-C.")
+    add_home(p)
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the user's message (optional with --session: attach)")
+    p.add_argument("--session", default=None, help="continue this session")
+    p.add_argument("--model", default=None,
+                   help="route name from corral.toml, PROVIDER:MODEL (openai-responses, "
+                   "openai-chat, anthropic) or script:PATH")
+    p.add_argument("--base-url", default=None, help="base URL for a PROVIDER:MODEL route")
+    p.add_argument("--workspace", type=Path, default=None,
+                   help="the directory tools work in (default: the current directory)")
+    p.add_argument("--approval", default=None, choices=["ask", "allow", "deny"],
+                   help="approval policy for tool calls (default: from corral.toml)")
+    p.add_argument("--sandbox", default=None, choices=["read-only", "workspace-write"],
+                   help="a new session's sandbox mode: read-only binds the workspace "
+                   "read-only (default: workspace-write; network is a separate grant)")
+    p.add_argument("--allow-git-write", action="store_true",
+                   help="a new session's tools may write .git in the workspace (its config "
+                   "and hooks run on the host; read-only by default); recorded")
+    p.add_argument("--workers", type=workers_arg, default=None,
+                   help="workers of a temporary farm (default 2)")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+    add_json(p)
+    p.set_defaults(handler=run_turn)
 
 
 class RunRefused(Exception):
@@ -63,6 +105,10 @@ class FarmHandle:
 async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[FarmHandle]:
     """The farm at ``home``, or a temporary one for the duration (reachable through
     its farm.json while it lives)."""
+    from supervisor import config as config_mod
+    from supervisor.farm.layout import FarmPaths
+    from supervisor.farm.root import Farm, running_farm
+
     info = running_farm(home)
     if info is not None:
         if info.get("temporary"):
@@ -72,9 +118,6 @@ async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[F
                 f"up for both: corral up --home {home} --detach")
         yield FarmHandle(FarmPaths.of(home).supervisor_endpoint, temporary=False)
         return
-    from supervisor import config as config_mod
-    from supervisor.cli_commands import ensure_config
-
     ensure_config(home, say)
     cfg = config_mod.load(home)
     if workers is None:
@@ -97,6 +140,8 @@ async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[F
 @contextlib.asynccontextmanager
 async def scripted_provider(script: Path, home: Path) -> AsyncIterator[str]:
     """Run a scripted provider for the duration; yields its URL."""
+    from supervisor.farm.layout import FarmPaths
+
     spec = ChildSpec("fakellm-run", [sys.executable, "-m", "sandbox_worker.fakellm",
                                      "--script", str(script), "--port", "0"],
                      restart="temporary")
@@ -117,6 +162,9 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def run_turn(ns: Namespace) -> int:
+    """``corral run``: the handler."""
+    from supervisor.config import ConfigError
+
     if ns.prompt is None and ns.session is None:
         print("corral: give a PROMPT (or --session ID to attach to a session's running "
               "turn)", file=sys.stderr)
@@ -432,129 +480,3 @@ async def _read_line(loop: asyncio.AbstractEventLoop, fd: int) -> str | None:
     finally:
         loop.remove_reader(fd)
     return data.decode("utf-8", "replace") if data else None
-
-
-def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The session config an import creates in the farm at HOME (its corral.toml
-    defaults, route, workspace, ``--approval``) and the capability binding that
-    config gives the session; raises ``ConfigError`` saying what is wrong."""
-    from supervisor import config as config_mod
-    from supervisor.engine.config import SessionSpec
-    from supervisor.engine.tooling import tool_schemas
-    from supervisor.export import capability_binding
-    from supervisor.facade import pin_workspace
-    from supervisor.main import session_defaults
-    from supervisor.server import CallError
-
-    home: Path = ns.home.resolve()
-    config_mod.write_default(home)
-    cfg = config_mod.load(home)
-    routes = set(cfg.routes)
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        routes |= set(json.loads((home / "routes.json").read_text()))
-    route = ns.model or cfg.default_route
-    if route not in routes:
-        raise ConfigError(f"unknown model route {route!r}; routes of this farm: "
-                          f"{sorted(routes)} (add one to {home / 'corral.toml'} or pass --model)")
-    workspace = (ns.workspace or Path.cwd()).resolve()
-    if not workspace.is_dir():
-        raise ConfigError(f"workspace {workspace} is not a directory; create it or pass "
-                          "--workspace")
-    try:  # the checks and the identity pin create_session makes
-        real, extra = pin_workspace(str(workspace), home)
-    except CallError as exc:
-        raise ConfigError(exc.message) from None
-    values: dict[str, Any] = {**session_defaults(cfg), "workspace": real, "route": route}
-    if ns.approval:
-        values["approval"] = ns.approval
-    spec = SessionSpec(**values)
-    spec.extra = {**spec.extra, **extra}
-    binding = capability_binding(tool_schemas(spec.tools),
-                                 {"approval": spec.approval,
-                                  "tool_policy": dict(spec.tool_policy)})
-    return spec.to_config(), binding
-
-
-def _binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
-    try:
-        have = doc["content"]["logical_resume"]["capability_binding"]
-        parts = []
-        mine = {t["name"]: t["schema_digest"] for t in expected["tools"]}
-        theirs = {t["name"]: t["schema_digest"] for t in have["tools"]}
-        if mine != theirs:
-            changed = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
-            parts.append(f"tools differ ({', '.join(changed)})")
-        if have.get("policy_digest") != expected.get("policy_digest"):
-            parts.append("the approval/tool policy differs")
-        return "; ".join(parts) or "the binding differs"
-    except (KeyError, TypeError):
-        return "the binding is malformed"
-
-
-def import_checkpoint(ns: Namespace) -> int:
-    from supervisor.export import BindingMismatch, CheckpointInvalid
-    from supervisor.export import import_checkpoint as do_import
-    from supervisor.facade import check_workspace
-    from supervisor.server import CallError
-    from supervisor.store import SessionId, Store, StoreError
-    from supervisor.store.errors import SessionExists
-
-    try:
-        doc = json.loads(ns.file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        print(f"corral: cannot read {ns.file}: {clean(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
-    if running_farm(ns.home) is not None:
-        print(f"corral: stop the farm first (corral down --home {ns.home}): the supervisor "
-              "is the store's only writer", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        config, binding = import_spec(ns)
-    except ConfigError as exc:
-        print(f"corral: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-
-    async def go() -> str:
-        paths = FarmPaths.of(ns.home)
-        paths.prepare()
-        store = await Store.open(paths.db)
-        try:
-            wanted = ns.session or doc.get("descriptor", {}).get("session_id")
-            if isinstance(wanted, str) and await store.get_session(SessionId(wanted)):
-                raise SessionExists(f"session {wanted} already exists in {ns.home}")
-            await check_workspace(store, str(config["workspace"]), None)
-            record = await do_import(store, doc, expected_binding=binding,
-                                     new_session_id=ns.session, config=config)
-            return str(record.session_id)
-        finally:
-            await store.close()
-
-    try:
-        session = asyncio.run(go())
-    except CheckpointInvalid as exc:
-        print(f"corral: import refused: {clean(str(exc))}; see every problem with: corral verify "
-              f"{ns.file}", file=sys.stderr)
-        return EXIT_FAILED
-    except BindingMismatch:
-        print(f"corral: import refused: the checkpoint was made with other capabilities than "
-              f"this farm would give the session: {_binding_difference(doc, binding)}. A "
-              "checkpoint never resumes under other tools or policy: import it into a farm "
-              "with the same [session]/[sandbox] settings in corral.toml, or pass the "
-              "--approval the session ran with", file=sys.stderr)
-        return EXIT_FAILED
-    except CallError as exc:
-        print(f"corral: import refused: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
-    except StoreError as exc:
-        hint = (" pass --session NEW_ID to import it under another id"
-                if getattr(exc, "kind", "") == "session_exists" else "")
-        print(clean(f"corral: import refused: {exc};{hint}" if hint else
-                    f"corral: import refused: {exc}"), file=sys.stderr)
-        return EXIT_FAILED
-    if ns.json:
-        sys.stdout.write(json.dumps({"ok": True, "session_id": session}) + "\n")
-    else:
-        print(f"imported as session {session}; continue with: corral run --session {session} "
-              "PROMPT")
-    os.sync()
-    return EXIT_OK

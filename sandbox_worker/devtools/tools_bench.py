@@ -1,4 +1,4 @@
-"""Benchmark of sandboxed tool calls: ``python -m sandbox_worker.tools.bench
+"""Benchmark of sandboxed tool calls: ``python -m sandbox_worker.devtools.tools_bench
 [--quick] [--json]`` (``scripts/bench tools``).
 
 Measured in one run, on this machine, so only ratios are compared:
@@ -262,7 +262,7 @@ def machine() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sandbox_worker.tools.bench",
+    parser = argparse.ArgumentParser(prog="python -m sandbox_worker.devtools.tools_bench",
                                      description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--quick", action="store_true", help="a reduced run, under 60 s")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

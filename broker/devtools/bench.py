@@ -1,4 +1,4 @@
-"""Broker benchmark: ``python -m broker.bench [--quick] [--json]``.
+"""Broker benchmark: ``python -m broker.devtools.bench [--quick] [--json]``.
 
 Round trips of ~200-byte msgpack bodies over ipc and over tcp loopback, with 1
 and with 64 requests in flight, through three middles, measured in the same
@@ -207,7 +207,7 @@ def _endpoints(transport: str, tmp: Path, tag: str) -> tuple[str, str]:
 @contextmanager
 def middle(mode: str, transport: str, tmp: Path) -> Iterator[str]:
     """Start worker (+ proxy or broker); yield the endpoint the client connects to."""
-    me = [PYTHON, "-m", "broker.bench"]
+    me = [PYTHON, "-m", "broker.devtools.bench"]
     front, back = _endpoints(transport, tmp, mode)
     if mode == "direct":
         with _spawn([*me, "--role", "worker", "--mode", mode, "--endpoint", back]) as ready:
@@ -344,8 +344,8 @@ def print_table(results: dict[str, Any], rat: dict[str, float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m broker.bench", description=__doc__.split(
-        "\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m broker.devtools.bench",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a reduced run, under 60 s")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object and write bench-results/broker.json")
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with --curve, runs per configuration")
     parser.add_argument("--curve", action="store_true",
                         help="instead: plain tcp vs CURVE + ZAP through our broker "
-                        "(broker/bench_curve.py; bench-results/broker_curve.json)")
+                        "(broker/devtools/bench_curve.py; bench-results/broker_curve.json)")
     parser.add_argument("--role", choices=["worker", "proxy"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         run_proxy(args.frontend, args.backend)
         return 0
     if args.curve:
-        from broker import bench_curve
+        from broker.devtools import bench_curve
 
         return bench_curve.main(args.quick, args.json, args.repeat)
     repeat = args.repeat or (5 if args.quick else 10)

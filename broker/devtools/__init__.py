@@ -1,0 +1,9 @@
+"""The broker's dev tooling: benchmarks and the echo demo. Never imported by a
+production process (``python -m broker``, the workers, the supervisor), pinned
+by tests/architecture/test_production_imports.py.
+
+- ``bench``: ``scripts/bench broker`` (``python -m broker.devtools.bench``);
+  ``--curve`` runs ``bench_curve`` (what CURVE costs);
+- ``bench_scaleout``: does the farm scale out across hosts;
+- ``demo``: the echo demo, a worker SIGKILLed in the middle of requests.
+"""

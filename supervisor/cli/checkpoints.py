@@ -1,0 +1,248 @@
+"""``corral export``, ``verify`` and ``import``: portable checkpoints.
+
+``export`` writes the session's latest checkpoint (made at each tool boundary)
+atomically (a temporary file, then rename); ``verify`` checks a file's digests
+and consistency and lists every problem; ``import`` resumes a checkpoint in the
+store of a stopped farm, under the capability binding (tools and policy) this
+farm would give the session: a checkpoint never resumes under other tools or
+policy. Everything read from a checkpoint file is untrusted and reaches the
+terminal only through ``render.clean``.
+
+The export, store and engine modules are imported by the handlers, not with
+the parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from supervisor.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_home,
+    add_json,
+)
+from supervisor.cli.output import print_json
+from supervisor.cli.reach import with_farm
+from supervisor.cli.render import clean
+
+
+def add_parsers(sub: Subparsers) -> None:
+    p = sub.add_parser("export", help="write a session's latest portable checkpoint",
+                       description="Write the session's latest checkpoint (made at each "
+                       "tool boundary) to --out; 'corral verify' checks it and 'corral "
+                       "import' resumes it in another farm.")
+    add_home(p)
+    p.add_argument("session", help="the session id (see 'corral sessions')")
+    p.add_argument("--out", type=Path, required=True, help="the file to write")
+    add_json(p)
+    p.set_defaults(handler=cmd_export)
+
+    p = sub.add_parser("verify", help="check a checkpoint file's digests and consistency",
+                       description="Exits 0 when the checkpoint verifies, 1 on any tampering "
+                       "or inconsistency (each problem is listed).")
+    p.add_argument("file", type=Path, help="a checkpoint written by 'corral export'")
+    add_json(p)
+    p.set_defaults(handler=cmd_verify)
+
+    p = sub.add_parser("import", help="resume an exported session in this farm's store",
+                       description="Import a checkpoint from 'corral export' into the store "
+                       "of the (stopped) farm at HOME; the session continues with 'corral "
+                       "run --session ID'.")
+    add_home(p)
+    p.add_argument("file", type=Path, help="a checkpoint written by 'corral export'")
+    p.add_argument("--session", default=None, help="the new session id (default: same)")
+    p.add_argument("--workspace", type=Path, default=None,
+                   help="the imported session's workspace (default: the current directory)")
+    p.add_argument("--model", default=None,
+                   help="route name from corral.toml (default: the configured default route)")
+    p.add_argument("--approval", default=None, choices=["ask", "allow", "deny"],
+                   help="the approval policy the session ran with, when it was not the "
+                   "corral.toml default (it is part of the checkpoint's capability binding)")
+    add_json(p)
+    p.set_defaults(handler=cmd_import)
+
+
+def cmd_export(ns: Namespace) -> int:
+    code, result = with_farm(ns, "export", session_id=ns.session)
+    if code != EXIT_OK:
+        return code
+    doc = result["checkpoint"]
+    out: Path = ns.out
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, sort_keys=True, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"corral: cannot write {out}: {exc.strerror}; choose another --out",
+              file=sys.stderr)
+        return EXIT_FAILED
+    descriptor = doc["descriptor"]
+    if ns.json:
+        print_json({"ok": True, "path": str(out), "digest": descriptor["digest"],
+                     "run_id": descriptor["run_id"], "turn": descriptor["turn"],
+                     "source": result.get("source")})
+    else:
+        print(f"wrote {out} (run {descriptor['run_id']}, tool round {descriptor['turn']}, "
+              f"{descriptor['digest']}); check it with: corral verify {out}")
+    return EXIT_OK
+
+
+def cmd_verify(ns: Namespace) -> int:
+    from supervisor.export import verify
+
+    try:
+        doc = json.loads(ns.file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        problems = [f"cannot read {ns.file}: {exc}"]
+    else:
+        problems = verify(doc)
+    if ns.json:
+        print_json({"ok": not problems, "problems": problems, "file": str(ns.file)})
+    elif problems:
+        print(f"{ns.file}: FAILED", file=sys.stderr)
+        for p in problems:
+            print(f"  - {clean(p)}", file=sys.stderr)  # text from an untrusted file
+    else:
+        print(f"{ns.file}: ok")
+    return EXIT_OK if not problems else EXIT_FAILED
+
+
+def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The session config an import creates in the farm at HOME (its corral.toml
+    defaults, route, workspace, ``--approval``) and the capability binding that
+    config gives the session; raises ``ConfigError`` saying what is wrong."""
+    from supervisor import config as config_mod
+    from supervisor.engine.config import SessionSpec
+    from supervisor.engine.tooling import tool_schemas
+    from supervisor.export import capability_binding
+    from supervisor.facade import pin_workspace
+    from supervisor.main import session_defaults
+    from supervisor.server import CallError
+
+    home: Path = ns.home.resolve()
+    config_mod.write_default(home)
+    cfg = config_mod.load(home)
+    routes = set(cfg.routes)
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        routes |= set(json.loads((home / "routes.json").read_text()))
+    route = ns.model or cfg.default_route
+    if route not in routes:
+        raise config_mod.ConfigError(
+            f"unknown model route {route!r}; routes of this farm: {sorted(routes)} (add one "
+            f"to {home / 'corral.toml'} or pass --model)")
+    workspace = (ns.workspace or Path.cwd()).resolve()
+    if not workspace.is_dir():
+        raise config_mod.ConfigError(f"workspace {workspace} is not a directory; create it "
+                                     "or pass --workspace")
+    try:  # the checks and the identity pin create_session makes
+        real, extra = pin_workspace(str(workspace), home)
+    except CallError as exc:
+        raise config_mod.ConfigError(exc.message) from None
+    values: dict[str, Any] = {**session_defaults(cfg), "workspace": real, "route": route}
+    if ns.approval:
+        values["approval"] = ns.approval
+    spec = SessionSpec(**values)
+    spec.extra = {**spec.extra, **extra}
+    binding = capability_binding(tool_schemas(spec.tools),
+                                 {"approval": spec.approval,
+                                  "tool_policy": dict(spec.tool_policy)})
+    return spec.to_config(), binding
+
+
+def _binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
+    try:
+        have = doc["content"]["logical_resume"]["capability_binding"]
+        parts = []
+        mine = {t["name"]: t["schema_digest"] for t in expected["tools"]}
+        theirs = {t["name"]: t["schema_digest"] for t in have["tools"]}
+        if mine != theirs:
+            changed = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
+            parts.append(f"tools differ ({', '.join(changed)})")
+        if have.get("policy_digest") != expected.get("policy_digest"):
+            parts.append("the approval/tool policy differs")
+        return "; ".join(parts) or "the binding differs"
+    except (KeyError, TypeError):
+        return "the binding is malformed"
+
+
+def cmd_import(ns: Namespace) -> int:
+    from supervisor.config import ConfigError
+    from supervisor.export import BindingMismatch, CheckpointInvalid
+    from supervisor.export import import_checkpoint as do_import
+    from supervisor.facade import check_workspace
+    from supervisor.farm.layout import FarmPaths
+    from supervisor.farm.root import running_farm
+    from supervisor.server import CallError
+    from supervisor.store import SessionId, Store, StoreError
+    from supervisor.store.errors import SessionExists
+
+    try:
+        doc = json.loads(ns.file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"corral: cannot read {ns.file}: {clean(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    if running_farm(ns.home) is not None:
+        print(f"corral: stop the farm first (corral down --home {ns.home}): the supervisor "
+              "is the store's only writer", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config, binding = import_spec(ns)
+    except ConfigError as exc:
+        print(f"corral: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def go() -> str:
+        paths = FarmPaths.of(ns.home)
+        paths.prepare()
+        store = await Store.open(paths.db)
+        try:
+            wanted = ns.session or doc.get("descriptor", {}).get("session_id")
+            if isinstance(wanted, str) and await store.get_session(SessionId(wanted)):
+                raise SessionExists(f"session {wanted} already exists in {ns.home}")
+            await check_workspace(store, str(config["workspace"]), None)
+            record = await do_import(store, doc, expected_binding=binding,
+                                     new_session_id=ns.session, config=config)
+            return str(record.session_id)
+        finally:
+            await store.close()
+
+    try:
+        session = asyncio.run(go())
+    except CheckpointInvalid as exc:
+        print(f"corral: import refused: {clean(str(exc))}; see every problem with: corral verify "
+              f"{ns.file}", file=sys.stderr)
+        return EXIT_FAILED
+    except BindingMismatch:
+        print(f"corral: import refused: the checkpoint was made with other capabilities than "
+              f"this farm would give the session: {_binding_difference(doc, binding)}. A "
+              "checkpoint never resumes under other tools or policy: import it into a farm "
+              "with the same [session]/[sandbox] settings in corral.toml, or pass the "
+              "--approval the session ran with", file=sys.stderr)
+        return EXIT_FAILED
+    except CallError as exc:
+        print(f"corral: import refused: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except StoreError as exc:
+        hint = (" pass --session NEW_ID to import it under another id"
+                if getattr(exc, "kind", "") == "session_exists" else "")
+        print(clean(f"corral: import refused: {exc};{hint}" if hint else
+                    f"corral: import refused: {exc}"), file=sys.stderr)
+        return EXIT_FAILED
+    if ns.json:
+        sys.stdout.write(json.dumps({"ok": True, "session_id": session}) + "\n")
+    else:
+        print(f"imported as session {session}; continue with: corral run --session {session} "
+              "PROMPT")
+    os.sync()
+    return EXIT_OK

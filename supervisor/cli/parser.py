@@ -1,0 +1,65 @@
+"""The ``corral`` argument parser: the root parser, and every command group's
+sub-parsers in the order ``corral --help`` lists them.
+
+Each command group module (``lifecycle``, ``run``, ``control``, ``sessions``,
+``checkpoints``, ``remote``, ``completion``, ``dev``) declares its own
+sub-parsers in ``add_parsers`` and binds each one to its handler with
+``set_defaults(handler=...)``; ``app.main`` calls ``ns.handler(ns)``. Adding a
+command touches its group module only (a new group adds one line here).
+
+Invariant: building the parser imports the command modules and nothing heavy
+(no farm, store, engine or client module, no dev tooling): ``corral --help``
+and ``corral completion`` stay fast (pinned by tests/architecture).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from supervisor.cli import (
+    checkpoints,
+    completion,
+    control,
+    dev,
+    lifecycle,
+    remote,
+    run,
+    sessions,
+)
+from supervisor.cli.common import VERSION, Subparsers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="corral",
+        description="Corral: LLM agent sessions with sandboxed tools that survive crashes.",
+        epilog="Start with 'corral run --workspace DIR \"PROMPT\"' (a first run writes "
+               "HOME/corral.toml; 'corral init' does only that), or keep a farm up with "
+               "'corral up --detach'. 'corral COMMAND --help' explains each command.")
+    parser.add_argument("--version", action="version", version=f"corral {VERSION}",
+                        help="print the version and exit")
+    parser.add_argument("--log-level", default="WARNING", help="log level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    lifecycle.add_parsers(sub)      # init, up, down, status
+    run.add_parsers(sub)            # run
+    control.add_parsers(sub)        # approve, interrupt
+    sessions.add_parsers(sub)       # sessions, show, terminate, delete
+    checkpoints.add_parsers(sub)    # export, verify, import
+    dev.add_fake_llm_parser(sub)    # fake-llm
+    remote.add_parsers(sub)         # keys, worker
+    completion.add_parsers(sub, parser)  # completion
+    dev.add_chaos_parser(sub)       # chaos
+    _describe(sub)
+    return parser
+
+
+def _describe(sub: Subparsers) -> None:
+    """Every command (and sub-command) explains itself in its own --help: its
+    one-line summary when it has no longer description."""
+    for name, command in sub.choices.items():
+        if not command.description:
+            command.description = next((a.help for a in sub._choices_actions
+                                        if a.dest == name), None)
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _describe(action)
