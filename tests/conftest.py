@@ -60,7 +60,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
 # (``--dist loadgroup`` in scripts/test), so they run one after another on one
 # worker instead of starving each other, while the other worker takes the rest.
 # (The fresh-clone test is not among them: it mostly waits on the package index.)
-HEAVY = ("tests/chaos/test_chaos_runs.py", "tests/demo/test_demo.py::test_demo_survives", "test_scale.py::test_a_thousand",
+HEAVY = ("tests/chaos/test_chaos_runs.py", "tests/demo/test_demo.py::test_demo_survives",
+         "test_scale.py::test_a_thousand",
          "test_uid_pool.py::test_fork_bomb", "tests/multihost/test_netns.py",
          "tests/crash/", "test_escape_resources.py::test_fork_bomb")
 
