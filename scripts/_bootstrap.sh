@@ -49,3 +49,11 @@ elif ! fresh "$stamp_runtime" && ! fresh "$stamp_test"; then
   touch "$stamp_runtime"
 fi
 export PATH="$VENV/bin:$PATH"
+
+# Byte-compile the project once (only what changed since; about 0.3 s when up to
+# date). Every farm process, CLI call and test child imports these modules, and
+# with PYTHONDONTWRITEBYTECODE set (as on CI and in many containers) nothing
+# would ever be cached: each of the thousands of processes a test run starts
+# compiled ~290 modules from source (0.3 s of CPU each, measured).
+"$VENV/bin/python" -m compileall -q -j 0 "$REPO/broker" "$REPO/supervisor" \
+  "$REPO/sandbox_worker" "$REPO/tests" >/dev/null || true
