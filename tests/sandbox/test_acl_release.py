@@ -190,6 +190,7 @@ def test_release_restores_every_acl_exactly(ws: Path, outside: Path) -> None:
     # and the user's mask is kept.
     assert decode_acl(granted["ro/f"][3] or b"")[(ACL_GROUP, GID)] == 4
     assert decode_acl(granted["shared"][3] or b"")[(M, X)] == 4
+    assert decode_acl(granted["shared"][3] or b"")[(ACL_GROUP, GID)] == 6  # the owner's rw-
     assert granted["hl"][3] is None  # a hard link may lead outside: never granted
     _release(ws)
     assert snapshot(ws) == before
