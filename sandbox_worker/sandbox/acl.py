@@ -32,10 +32,11 @@ one): left with base entries only, it is removed.
 parent's default ACL (see ``ownership.py``).
 
 Invariants:
-- The owner's and owning group's permissions, other entries and a mask the
-  user set are never changed by either; after a revoke the entry's ACLs are
-  exactly what they were before the grant, unless someone changed them
-  meanwhile (their change is kept, ours removed).
+- Neither widens anything: the owner's and owning group's permissions,
+  other entries and a mask the user set are kept; after a revoke the entry's
+  ACLs are exactly what they were before the grant, unless someone changed
+  them meanwhile (their change is kept -- a ``chmod`` narrowing the group
+  included -- and ours removed).
 - Neither function follows a symlink; a hard-linked regular file is never
   granted (a link may lead outside the workspace) but is revoked (removing
   an entry of ours never widens anything).

@@ -1,4 +1,4 @@
-"""Pinning a user's workspace by identity, and giving it to its group with POSIX ACLs.
+"""Pinning a user's workspace by identity, and granting it to its group for a call.
 
 **Pinning.** A session's workspace is the directory its path named when the
 session was created, identified by ``(st_dev, st_ino)`` (the supervisor
@@ -15,23 +15,20 @@ the path again.
 mode 0755, so the non-root tool processes could not write to it. Every shell
 call runs as its own uid (``uidpool.py``), all calls of one workspace with
 that workspace's own group (``wsgroups.py``), and the file tools with the
-sandbox user's uid and that group. So the worker (root) adds *group* ACL
-entries, once per workspace (until its root carries the grant,
-``is_granted``), and never more than the owner has:
+sandbox user's uid and that group. So for every call the worker (root) adds
+a ``group:<ws>:<owner's bits>`` access ACL entry to every directory and every
+regular file with one link (``acl.grant_entry``: never more than the owner
+has, so a read-only workspace -- dirs 555, files 444 -- stays read-only for
+the sandbox; no default ACL), and removes it when the call ends
+(``ownership.release``; ``wslease.py`` says which call of the workspace is
+the last).
 
-- on every directory: ``group:<ws>:<owner's bits>`` and a *default* ACL with
-  ``group:<ws>:<owner's bits>`` and ``user:<owner>:rwx``, so files created
-  later by any call's uid, by the file tools or by the owner stay usable by
-  all;
-- on every regular file with one link: ``group:<ws>:<owner's bits>``, so a
-  read-only workspace (dirs 555, files 444) stays read-only for the sandbox;
-- an entry of the old shared sandbox group (``legacy_gid``) is removed.
-
-ACLs are written as the ``system.posix_acl_*`` xattrs on file descriptors
-opened with ``O_PATH | O_NOFOLLOW`` during an fd-relative walk, so a symlink
-or a swapped entry is never followed out of the workspace. Regular files
-with more than one link are skipped: a hardlink may point outside the
-workspace and must not gain a grant. The walk is bounded (``MAX_ENTRIES``).
+The walk is fd-relative: every entry is opened with ``O_PATH | O_NOFOLLOW``
+beneath its pinned directory, so a symlink or a swapped entry is never
+followed out of the workspace. Regular files with more than one link are
+skipped: a hardlink may point outside the workspace and must not gain a
+grant. The walk is bounded (``MAX_ENTRIES``; what lies beyond is not granted,
+logged). On a read-only filesystem nothing is granted.
 
 Invariants:
 - Nothing outside the workspace is ever modified; the owner's own

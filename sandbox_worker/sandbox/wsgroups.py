@@ -1,7 +1,7 @@
 """One sandbox group per workspace: the gid every tool call of that workspace runs with.
 
 The workspace grant (``workspace.py``) gives a *group* ACL entries on the
-workspace tree. With one group for every workspace, anything that handed a
+workspace tree while calls of it run. With one group for every workspace, anything that handed a
 host user that group (a setgid file a tool left behind) or let a call reach
 another workspace's path (T1 reads the whole host filesystem) reached every
 granted workspace. So each workspace gets a gid of its own, from a range
@@ -12,7 +12,7 @@ that gid only: a call of workspace A has no entry on workspace B.
 A workspace is keyed by its identity on this host, ``(st_dev, st_ino)`` of
 its root, never by a path. The mapping is kept in a root-only directory
 (default ``/var/lib/corral/workspace-groups``, shared by all workers of the
-host, persistent like the ACLs on disk): ``ws-<dev>-<ino>`` holds the gid and
+host, persistent): ``ws-<dev>-<ino>`` holds the gid and
 ``gid-<gid>`` the identity it belongs to. Allocation runs under an exclusive
 ``flock`` of ``.lock`` in that directory, so two workers never hand one gid to
 two workspaces; lookups of a known workspace are one small file read (and an
@@ -23,8 +23,8 @@ Invariants:
 - Gids of the range are never 0, never an /etc/group gid and never inside an
   /etc/subgid delegation (checked at ``setup``; refused loudly).
 - An inode number reused after its workspace was deleted inherits that gid;
-  the deleted tree's entries went with it (files moved out of a workspace
-  keep their entries: docs/sandbox.md "Not restricted").
+  no entry of it is left outside a running call (files moved out of a
+  workspace during a call keep theirs: docs/sandbox.md).
 """
 
 from __future__ import annotations
