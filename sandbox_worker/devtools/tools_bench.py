@@ -13,10 +13,14 @@ Measured in one run, on this machine, so only ratios are compared:
 - ``throughput``: tool calls per second with 4 workers and 32 calls in flight;
 - ``uid_lease``: taking and giving back one per-call uid as the worker does
   (flock, lock-file marker; no /proc scan for a uid given back clean), which
-  every e2e call pays and the bare chain does not.
+  every e2e call pays and the bare chain does not;
+- ``workspace_grant_release``: one call's workspace cycle as the worker runs
+  it (the use file held, the tree granted, then released: every Corral ACL
+  entry revoked), on the benchmark's empty workspace and on a 1,000-entry
+  tree (100 directories of 9 files); every e2e call pays the first.
 
-Ratios: ``e2e_vs_bwrap`` (target <= 1.5), ``e2e_vs_subprocess`` and
-``uid_lease_vs_bwrap``.
+Ratios: ``e2e_vs_bwrap`` (target <= 1.5), ``e2e_vs_subprocess``,
+``uid_lease_vs_bwrap`` and ``workspace_grant_release_vs_bwrap``.
 Results are printed as a table, and with ``--json`` as one JSON object that is
 also written to ``bench-results/tools.json``.
 """
@@ -41,14 +45,17 @@ from typing import Any
 
 from broker.client import BrokerClient
 from broker.protocol import pack, unpack
+from sandbox_worker.sandbox import wslease
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
+from sandbox_worker.sandbox.ownership import release
 from sandbox_worker.sandbox.profile import Profile
 from sandbox_worker.sandbox.reaper import PR_SET_CHILD_SUBREAPER
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.uidpool import DEFAULT_UID_COUNT, DEFAULT_UID_START, UidPool
 from sandbox_worker.sandbox.user import SandboxUser, ensure_user
 from sandbox_worker.sandbox.workspace import grant_tree
+from sandbox_worker.sandbox.wsgroups import DEFAULT_GID_START
 
 READY_TIMEOUT_S = 30.0
 
@@ -87,6 +94,42 @@ def bench_uid_lease(user: SandboxUser, n: int) -> list[float]:
     finally:
         pool.close()
     return out
+
+
+def bench_workspace_cycle(n: int, entries: int) -> list[float]:
+    """One call's grant and release of a workspace of ``entries`` entries
+    (directories of 9 files each), as ``WorkspacePins`` does it."""
+    root = tempfile.mkdtemp(prefix="corral-bench-grant-", dir="/tmp")
+    groups = tempfile.mkdtemp(prefix="corral-bench-groups-", dir="/tmp")
+    try:
+        for d in range(entries // 10):
+            os.mkdir(f"{root}/d{d}")
+            for f in range(9):
+                Path(f"{root}/d{d}/f{f}").write_text("x")
+        fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino)
+        gid = DEFAULT_GID_START
+        out = []
+        try:
+            for _ in range(n):
+                t = time.perf_counter()
+                lease = wslease.acquire(groups, ident, root)
+                try:
+                    grant_tree(fd, gid)
+                    if not wslease.try_exclusive(lease):
+                        raise RuntimeError("the workspace's use file is held")
+                    if release(fd, lambda _uid: False, lambda g: g == gid).complete:
+                        wslease.mark_clean(lease)
+                finally:
+                    os.close(lease)
+                out.append(time.perf_counter() - t)
+        finally:
+            os.close(fd)
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(groups, ignore_errors=True)
 
 
 class BareChain:
@@ -276,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         grant_tree(workspace, user.gid)
         sub = bench_subprocess(n)
         lease_s = bench_uid_lease(user, n)
+        cycle_s = bench_workspace_cycle(n, 0)
+        cycle_1k_s = bench_workspace_cycle(max(5, n // 5), 1000)
         bare = BareChain(workspace, user)
         try:
             with Stack(1, 1) as one:
@@ -292,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         "e2e_shell_true_p50_ms": round(_median_ms(e2e), 3),
         "e2e_shell_true_p90_ms": round(_p90_ms(e2e), 3),
         "uid_lease_acquire_release_p50_ms": round(_median_ms(lease_s), 3),
+        "workspace_grant_release_p50_ms": round(_median_ms(cycle_s), 3),
+        "workspace_grant_release_1k_entries_p50_ms": round(_median_ms(cycle_1k_s), 3),
         "calls_per_s_4_workers_32_in_flight": round(tput, 1),
         "samples": n,
         "throughput_calls": total,
@@ -301,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "e2e_vs_subprocess": round(_median_ms(e2e) / _median_ms(sub), 3),
         "bwrap_vs_subprocess": round(_median_ms(bw) / _median_ms(sub), 3),
         "uid_lease_vs_bwrap": round(_median_ms(lease_s) / _median_ms(bw), 5),
+        "workspace_grant_release_vs_bwrap": round(_median_ms(cycle_s) / _median_ms(bw), 5),
     }
     doc = {"name": "tools", "machine": machine(), "results": results, "ratios": ratios,
            "quick": ns.quick}

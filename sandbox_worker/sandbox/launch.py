@@ -10,7 +10,8 @@ What it does, in order:
    command's whole tree and exits; ``PR_SET_CHILD_SUBREAPER``: orphans of the
    command re-parent here, so a double-forked daemon stays in reach.
 2. Landlock (``--landlock``): read/execute everywhere, write only beneath the
-   workspace and the private tmp dir (and a few /dev nodes); TCP bind/connect
+   workspace (not with ``--read-only``) and the private tmp dir (and a few
+   /dev nodes); TCP bind/connect
    denied unless ``--net`` (ABI >= 4); signals and abstract unix sockets
    scoped to the sandbox (ABI >= 6).
 3. Forks the command in a new session; the child loads the seccomp filter
@@ -191,7 +192,7 @@ def main(argv: list[str]) -> int:
     i = 0
     while i < len(argv) and argv[i] != "--":
         arg = argv[i]
-        if arg in ("--landlock", "--net"):
+        if arg in ("--landlock", "--net", "--read-only"):
             flags.add(arg)
             i += 1
         else:
@@ -215,7 +216,9 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent:
         return 125  # the worker-side parent is already gone
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    writable = [p for p in (opts.get("--workspace"), opts.get("--tmpdir")) if p]
+    # --read-only: the workspace is where the command starts, but not writable.
+    ws = None if "--read-only" in flags else opts.get("--workspace")
+    writable = [p for p in (ws, opts.get("--tmpdir")) if p]
     if "--landlock" in flags:
         apply_landlock(writable, net="--net" in flags)
     seccomp_fd = int(opts["--seccomp-fd"]) if "--seccomp-fd" in opts else -1

@@ -16,10 +16,13 @@ object on stdout:
 - ``rlimits``: ``getrlimit`` of CPU, AS, NPROC, FSIZE, NOFILE, CORE;
 - ``errno``: 0 when the operation worked, else its errno: ``unshare(0)`` (a
   no-op the deny-list refuses), ``socket(AF_VSOCK)``, ``socket(AF_INET)``,
-  and creating a file in WRITE_DIR (a world-writable host directory outside
-  the workspace; removed again if it was created).
+  creating a file in WRITE_DIR (a world-writable host directory outside
+  the workspace), in the working directory (the workspace: ``workspace_write``)
+  and in its ``.git`` directory (``git_write``; -1 when there is none); each
+  file is removed again if it was created.
 
-Invariants: it changes nothing (the one file it may create is removed), and
+Invariants: it changes nothing (the files it may create are removed, though
+the directories' mtimes move), and
 never raises: each fact it cannot read is reported as missing.
 """
 
@@ -120,7 +123,11 @@ def main(argv: list[str]) -> int:
         "errno": {"unshare": unshare_noop(),
                   "socket_vsock": socket_errno(AF_VSOCK, socket.SOCK_STREAM),
                   "socket_inet": socket_errno(socket.AF_INET, socket.SOCK_DGRAM),
-                  "host_write": write_errno(argv[0]) if argv else -1},
+                  "host_write": write_errno(argv[0]) if argv else -1,
+                  # The chain starts in the workspace: what its bind (or
+                  # Landlock) lets this uid do there and in its .git.
+                  "workspace_write": write_errno("."),
+                  "git_write": write_errno(".git") if os.path.isdir(".git") else -1},
     }
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()

@@ -226,9 +226,13 @@ class Profile:
             return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
         tmp = tmpdir or "/tmp"
         # Read-only at T1: Landlock grants writes to the tmp dir alone, and the
-        # command starts in the workspace, which it can then only read.
+        # command starts in the workspace, which it can then only read. The
+        # flag (not only the values) tells the shapes apart, so each mode's
+        # record comes from a probe of that mode.
         argv = [*head, self.python, "-I", "-S", "-c", LAUNCHER_SOURCE,
-                "--workspace", tmp if read_only else workspace, "--tmpdir", tmp]
+                "--workspace", workspace, "--tmpdir", tmp]
+        if read_only:
+            argv.append("--read-only")
         # Always given, so that a call with a workdir has the same shape as one without.
         cwd = workspace if workdir == "." else f"{workspace}/{workdir}"
         argv += ["--chdir", cwd]
@@ -332,6 +336,16 @@ class Profile:
                 unsandboxed_opt_in=self.unsandboxed_opt_in, kernel=None,
                 sandbox_mode=mode, git_writable=git_open)
         view, expect = found.view, found.expect
+        # What the probe could write, not what was asked for: its chain started
+        # in the workspace as this shape binds it (older probes did not say).
+        ws_errno = view.errnos.get("workspace_write", -1)
+        if ws_errno >= 0:
+            mode = "workspace-write" if ws_errno == 0 else "read-only"
+        git_errno = view.errnos.get("git_write", -1)
+        if git_errno >= 0:
+            git_open = git_errno == 0
+        elif ws_errno > 0:
+            git_open = False  # nothing of the workspace is writable
         sep = view.separate(self.host_ns)
         write_denied = view.errnos.get("host_write", 0) != 0
         no_ns = not view.seen_ns

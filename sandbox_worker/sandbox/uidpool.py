@@ -58,14 +58,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
-from sandbox_worker.sandbox.errors import SandboxSetupError, UidPoolExhausted
+from sandbox_worker.sandbox.errors import UidPoolExhausted
+from sandbox_worker.sandbox.ranges import ID_MAX, RangeKind, check_range, private_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_UID_START: Final = 200_000
 DEFAULT_UID_COUNT: Final = 65_536
 DEFAULT_LOCK_DIR: Final = "/run/corral/uids"
-UID_MAX: Final = 2**31 - 2  # stay clear of (uid_t)-1 and of signed-int tools
+UID_MAX: Final = ID_MAX
+UID_KIND: Final = RangeKind("sandbox uid range", "uid", "a user (or to the file tools)",
+                            "passwd entries", "/etc/subuid", "--sandbox-uid-range")
 POOL_WAIT_STEP_S: Final = 0.1
 RECENT_MAX: Final = 4096  # clean uids remembered for reuse without a scan
 # A clean uid rests until this many others were given back: consecutive calls
@@ -124,16 +127,6 @@ def uids_present(lo: int, hi: int) -> set[int]:
     return found
 
 
-def _subuid_ranges(path: str = "/etc/subuid") -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    with contextlib.suppress(OSError), open(path) as f:
-        for line in f:
-            parts = line.strip().split(":")
-            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-                out.append((int(parts[1]), int(parts[2])))
-    return out
-
-
 @dataclass(frozen=True)
 class UidLease:
     """One uid held for one call; give it back with ``UidPool.release``."""
@@ -166,33 +159,9 @@ class UidPool:
 
     def setup(self, *, reserved_uids: tuple[int, ...] = ()) -> None:
         """Check the range and create the lock directory. Blocking."""
-        if self.start <= 0 or self.count <= 0 or self.start + self.count - 1 > UID_MAX:
-            raise SandboxSetupError(f"sandbox uid range {self.start}:{self.count} is invalid",
-                                    hint=f"use START:COUNT within 1..{UID_MAX}")
-        clash = [u for u in reserved_uids if u in self.uids]
-        clash += [p.pw_uid for p in pwd.getpwall() if p.pw_uid in self.uids]
-        if clash:
-            raise SandboxSetupError(
-                f"sandbox uid range {self.start}:{self.count} contains uid {clash[0]}, "
-                "which belongs to a user (or to the file tools)",
-                hint="choose a range with no passwd entries: --sandbox-uid-range START:COUNT")
-        for lo, n in _subuid_ranges():
-            if lo < self.start + self.count and self.start < lo + n:
-                raise SandboxSetupError(
-                    f"sandbox uid range {self.start}:{self.count} overlaps the subordinate "
-                    f"uid range {lo}:{n} of /etc/subuid (a user's containers)",
-                    hint="choose a disjoint range: --sandbox-uid-range START:COUNT")
-        try:
-            os.makedirs(self.lock_dir, mode=0o700, exist_ok=True)
-            st = os.stat(self.lock_dir)
-        except OSError as exc:
-            raise SandboxSetupError(f"cannot create the uid lock directory {self.lock_dir}: "
-                                    f"{exc.strerror}",
-                                    hint="run the worker as root") from exc
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise SandboxSetupError(
-                f"uid lock directory {self.lock_dir} must be owned by the worker's user and "
-                "not group/other-writable", hint=f"chmod 700 {self.lock_dir}")
+        check_range(UID_KIND, self.start, self.count, (p.pw_uid for p in pwd.getpwall()),
+                    reserved_uids)
+        private_dir(self.lock_dir, "uid lock directory")
 
     # -- allocation ---------------------------------------------------------
     def try_acquire(self) -> UidLease | None:

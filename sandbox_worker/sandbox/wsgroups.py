@@ -1,7 +1,7 @@
 """One sandbox group per workspace: the gid every tool call of that workspace runs with.
 
 The workspace grant (``workspace.py``) gives a *group* ACL entries on the
-workspace tree. With one group for every workspace, anything that handed a
+workspace tree while calls of it run. With one group for every workspace, anything that handed a
 host user that group (a setgid file a tool left behind) or let a call reach
 another workspace's path (T1 reads the whole host filesystem) reached every
 granted workspace. So each workspace gets a gid of its own, from a range
@@ -12,7 +12,7 @@ that gid only: a call of workspace A has no entry on workspace B.
 A workspace is keyed by its identity on this host, ``(st_dev, st_ino)`` of
 its root, never by a path. The mapping is kept in a root-only directory
 (default ``/var/lib/corral/workspace-groups``, shared by all workers of the
-host, persistent like the ACLs on disk): ``ws-<dev>-<ino>`` holds the gid and
+host, persistent): ``ws-<dev>-<ino>`` holds the gid and
 ``gid-<gid>`` the identity it belongs to. Allocation runs under an exclusive
 ``flock`` of ``.lock`` in that directory, so two workers never hand one gid to
 two workspaces; lookups of a known workspace are one small file read (and an
@@ -23,35 +23,27 @@ Invariants:
 - Gids of the range are never 0, never an /etc/group gid and never inside an
   /etc/subgid delegation (checked at ``setup``; refused loudly).
 - An inode number reused after its workspace was deleted inherits that gid;
-  the deleted tree's entries went with it (files moved out of a workspace
-  keep their entries: docs/sandbox.md "Not restricted").
+  no entry of it is left outside a running call (files moved out of a
+  workspace during a call keep theirs: docs/sandbox.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import grp
 import os
 import threading
 from typing import Final
 
-from sandbox_worker.sandbox.errors import SandboxSetupError, WorkspaceUnusable
+from sandbox_worker.sandbox.errors import WorkspaceUnusable
+from sandbox_worker.sandbox.ranges import ID_MAX, RangeKind, check_range, private_dir
 
 DEFAULT_GID_START: Final = 200_000
 DEFAULT_GID_COUNT: Final = 65_536
 DEFAULT_GROUP_DIR: Final = "/var/lib/corral/workspace-groups"
-GID_MAX: Final = 2**31 - 2
-
-
-def _subgid_ranges(path: str = "/etc/subgid") -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    with contextlib.suppress(OSError), open(path) as f:
-        for line in f:
-            parts = line.strip().split(":")
-            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-                out.append((int(parts[1]), int(parts[2])))
-    return out
+GID_MAX: Final = ID_MAX
+GID_KIND: Final = RangeKind("workspace gid range", "gid", "a group of this host",
+                            "/etc/group entries", "/etc/subgid", "--workspace-gid-range")
 
 
 def _read(path: str) -> str | None:
@@ -76,34 +68,9 @@ class WorkspaceGroups:
 
     def setup(self, *, reserved_gids: tuple[int, ...] = ()) -> None:
         """Check the range and create the directory. Blocking."""
-        if self.start <= 0 or self.count <= 0 or self.start + self.count - 1 > GID_MAX:
-            raise SandboxSetupError(f"workspace gid range {self.start}:{self.count} is invalid",
-                                    hint=f"use START:COUNT within 1..{GID_MAX}")
-        clash = [g for g in reserved_gids if g in self.gids]
-        clash += [g.gr_gid for g in grp.getgrall() if g.gr_gid in self.gids]
-        if clash:
-            raise SandboxSetupError(
-                f"workspace gid range {self.start}:{self.count} contains gid {clash[0]}, "
-                "which belongs to a group of this host",
-                hint="choose a range with no /etc/group entries: "
-                "--workspace-gid-range START:COUNT")
-        for lo, n in _subgid_ranges():
-            if lo < self.start + self.count and self.start < lo + n:
-                raise SandboxSetupError(
-                    f"workspace gid range {self.start}:{self.count} overlaps the subordinate "
-                    f"gid range {lo}:{n} of /etc/subgid (a user's containers)",
-                    hint="choose a disjoint range: --workspace-gid-range START:COUNT")
-        try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            st = os.stat(self.directory)
-        except OSError as exc:
-            raise SandboxSetupError(f"cannot create the workspace group directory "
-                                    f"{self.directory}: {exc.strerror}",
-                                    hint="run the worker as root") from exc
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise SandboxSetupError(
-                f"workspace group directory {self.directory} must be owned by the worker's "
-                "user and not group/other-writable", hint=f"chmod 700 {self.directory}")
+        check_range(GID_KIND, self.start, self.count, (g.gr_gid for g in grp.getgrall()),
+                    reserved_gids)
+        private_dir(self.directory, "workspace group directory")
 
     def gid_for(self, dev: int, ino: int) -> int:
         """The workspace's gid, allocated on first use. Blocking (a file read;

@@ -1,4 +1,4 @@
-"""The workspace of one tool call: pinned by identity, granted to its own group, swept after.
+"""One tool call's workspace: pinned by identity, granted to its group for the call, released after.
 
 ``WorkspacePins.open`` turns a request's workspace path into a ``Pinned``
 workspace for one call:
@@ -10,21 +10,28 @@ workspace for one call:
    was created (``workspace_identity`` of the request) or, for a request
    without one, the identity this worker saw at that session's first call
    (``open_pinned``);
-3. its own group is looked up (``wsgroups.py``) and, if its root does not
-   carry the grant yet, the tree is granted through the pinned fd;
+3. its own group is looked up (``wsgroups.py``), the workspace's use file is
+   held shared (``wslease.py``; waits while a revoke runs) and the tree is
+   granted to the group through the pinned fd (``workspace.grant_tree``);
 4. unless the call may write ``.git``, every ``.git`` entry known for this
-   workspace (its root's, and those the last sweep saw) is opened beneath the
+   workspace (its root's, and those the last walk saw) is opened beneath the
    pinned fd with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)``, to be
    bound read-only.
 
-``sweep`` runs after a call that may have changed the workspace: what tools
-created is given to the workspace's owner, setid bits are cleared
-(``ownership.py``), and the ``.git`` entries seen are remembered.
+``release`` runs once the call's processes are gone (and before a shell
+call's uid is given back): if no other call of the workspace holds its use
+file, the whole tree is walked -- what tools created given to the owner,
+setid bits cleared, every ACL entry Corral added removed (``ownership.
+release``); otherwise only what this call created is given to the owner
+(``ownership.normalise``) and the grant stays for the calls still running,
+the last of which revokes. ``recover`` (worker start-up) revokes what calls
+of dead workers left granted.
 
 Invariants:
-- No path is resolved after step 2; the grant, the sandbox's bind mounts and
-  the file tools all use the pinned fd.
-- ``Pinned.close`` closes every fd ``open`` made; the caller calls it.
+- No path is resolved after step 2 for a call; the grant, the sandbox's bind
+  mounts and the file tools all use the pinned fd.
+- Every ``open`` is followed by one ``release`` (idempotent), which closes
+  every fd ``open`` made; the caller calls it, shielded from cancellation.
 - The per-session memo and the ``.git`` cache are bounded (``MEMO_MAX``).
 """
 
@@ -36,17 +43,18 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from sandbox_worker.sandbox import wslease
 from sandbox_worker.sandbox.errors import WorkspaceUnusable
-from sandbox_worker.sandbox.ownership import SweepReport, normalise
+from sandbox_worker.sandbox.ownership import SweepReport, normalise, release
 from sandbox_worker.sandbox.resolve import openat2
 from sandbox_worker.sandbox.workspace import (
     check_reachable,
     grant_tree,
-    is_granted,
     open_pinned,
     validate_workspace,
 )
@@ -56,6 +64,7 @@ from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
 log = logging.getLogger(__name__)
 
 MEMO_MAX: Final = 10_000
+RECOVER_MAX: Final = 1_000  # workspaces revoked at start-up (the rest at their next call)
 # Directory mtimes come from the kernel's coarse clock (and, on NFS, the
 # server's): look at directories changed a little before the call began too.
 SWEEP_SLACK_S: Final = 2.0
@@ -70,15 +79,20 @@ class Pinned:
     fd: int
     identity: Identity
     gid: int
+    root_fd: int = -1  # the pinned workspace itself (``fd`` may be its alias)
     git_fds: list[tuple[int, str]] = field(default_factory=list)  # (fd, relative path)
+    lease_fd: int = -1  # the workspace's use file, held shared (wslease.py)
+    started_at: float = 0.0  # time.time() before the grant: compared with directory mtimes
 
     def close(self) -> None:
         for fd, _ in self.git_fds:
             os.close(fd)
         self.git_fds.clear()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for name in ("fd", "root_fd", "lease_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
 
 
 def _identity(value: Any) -> Identity | None:
@@ -109,11 +123,15 @@ class WorkspacePins:
         self.legacy_gid = legacy_gid
         self.workspace_root = workspace_root
         self.is_tool_uid = is_tool_uid
-        self._grant_lock = asyncio.Lock()
         # (session id, workspace path asked for) -> the identity seen at that session's first call
         self._sessions: collections.OrderedDict[tuple[str, str], Identity] = \
             collections.OrderedDict()
         self._git: collections.OrderedDict[Identity, list[str]] = collections.OrderedDict()
+
+    def is_ours(self, gid: int) -> bool:
+        """A gid whose ACL entries Corral adds: a workspace group's, or the old
+        shared sandbox group's."""
+        return gid in self.groups.gids or gid == self.legacy_gid
 
     def _pin_for(self, key: tuple[str, str], given: Any, host: Any) -> Identity | None:
         identity = _identity(given)
@@ -132,38 +150,22 @@ class WorkspacePins:
         real = validate_workspace(path, self.workspace_root)
         key = (session_id, path)  # the path asked for: it may now resolve elsewhere
         pinned_id = self._pin_for(key, given_identity, host)
-        fd = await asyncio.to_thread(open_pinned, real, pinned_id)
+        # One thread for the whole set-up, awaited to its end even when the call
+        # is cancelled: a grant still running when the release revokes would
+        # leave entries behind, and a lock taken after we stopped waiting would
+        # never be let go.
+        task = asyncio.ensure_future(asyncio.to_thread(self._open, real, pinned_id, shell))
         try:
-            st = os.fstat(fd)
-            identity = (st.st_dev, st.st_ino)
-            if key not in self._sessions:
-                self._remember(key, identity)
-            gid = await asyncio.to_thread(self.groups.gid_for, *identity)
-            if not is_granted(fd, gid):
-                async with self._grant_lock:
-                    if not is_granted(fd, gid):
-                        report = await asyncio.to_thread(grant_tree, fd, gid,
-                                                         (self.legacy_gid,))
-                        log.info("granted workspace %s to its group %d (%d entries, %d "
-                                 "changed, %d hard-linked files skipped)", real, gid,
-                                 report.entries, report.changed, report.skipped_links)
-            pinned = Pinned(real, fd, identity, gid)
-            if shell:
-                # bwrap 0.8 resolves the fd's path again as the call's uid (and
-                # checks the result against the fd), and the T1 launcher opens it
-                # by path: the parents must be searchable, or the call goes
-                # through a group-only alias of the workspace (wsalias.py).
-                try:
-                    check_reachable(real)
-                except WorkspaceUnusable:
-                    alias = await asyncio.to_thread(alias_for, fd, gid, identity)
-                    afd = await asyncio.to_thread(open_pinned, alias, identity)
-                    os.close(fd)
-                    fd = pinned.fd = afd
-                    pinned.path = alias
-        except BaseException:
-            os.close(fd)
+            pinned = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is None:
+                await asyncio.shield(self.release(task.result()))
             raise
+        identity = pinned.identity
+        if key not in self._sessions:
+            self._remember(key, identity)
+        fd = pinned.fd
         if shell and not git_writable:
             for rel in [".git", *self._git.get(identity, [])]:
                 gfd = _open_git(fd, rel)
@@ -173,26 +175,117 @@ class WorkspacePins:
                     os.close(gfd)
         return pinned
 
-    async def sweep(self, pinned: Pinned, started_at: float) -> SweepReport | None:
-        """Give what tools created to the owner, clear setid bits, note ``.git``
-        entries (never raises: a failed sweep is logged). ``started_at`` is the
-        call's start (``time.time()``): only directories changed since then
-        are examined, except at this worker's first sweep of the workspace,
-        which examines everything (what a dead worker's call may have left)."""
-        since = (started_at - SWEEP_SLACK_S) if pinned.identity in self._git else None
+    def _open(self, real: str, pinned_id: Identity | None, shell: bool) -> Pinned:
+        """Pin, take the use file, grant, alias when needed. Blocking; on an
+        error everything taken is released before it is raised."""
+        fd = open_pinned(real, pinned_id)
+        pinned: Pinned | None = None
         try:
-            report = await asyncio.to_thread(normalise, pinned.fd, self.is_tool_uid, since)
-        except OSError as exc:
-            log.warning("sweep of workspace %s failed: %s", pinned.path, exc)
+            st = os.fstat(fd)
+            identity = (st.st_dev, st.st_ino)
+            gid = self.groups.gid_for(*identity)
+            pinned = Pinned(real, fd, identity, gid, root_fd=os.dup(fd), started_at=time.time())
+            pinned.lease_fd = wslease.acquire(self.groups.directory, identity, real)
+            report = grant_tree(fd, gid, self.is_ours)
+            if not report.complete and not report.read_only_fs:
+                log.warning("workspace %s: granted only its first %d entries", real,
+                            report.entries)
+            if shell:
+                # bwrap 0.8 resolves the fd's path again as the call's uid (and
+                # checks the result against the fd), and the T1 launcher opens it
+                # by path: the parents must be searchable, or the call goes
+                # through a group-only alias of the workspace (wsalias.py).
+                try:
+                    check_reachable(real)
+                except WorkspaceUnusable:
+                    alias = alias_for(fd, gid, identity)
+                    pinned.fd = open_pinned(alias, identity)
+                    os.close(fd)
+                    pinned.path = alias
+        except BaseException:
+            if pinned is None:
+                os.close(fd)
+            else:
+                try:
+                    self._release(pinned, full=True)
+                finally:
+                    pinned.close()
+            raise
+        return pinned
+
+    async def release(self, pinned: Pinned) -> SweepReport | None:
+        """End the call's use of its workspace (see the module docstring) and
+        close its fds; idempotent, never raises (a failed walk is logged and
+        the use file stays marked granted, for the next call or start-up).
+        The partial sweep examines only directories changed since the call
+        began, except at this worker's first sweep of the workspace. Call it
+        shielded, once the call's processes are gone."""
+        if pinned.lease_fd < 0:
+            pinned.close()
             return None
-        self._git[pinned.identity] = [g for g in report.git if g != ".git"]
-        self._git.move_to_end(pinned.identity)
-        while len(self._git) > MEMO_MAX:
-            self._git.popitem(last=False)
+        try:
+            report = await asyncio.to_thread(self._release, pinned,
+                                             full=pinned.identity not in self._git)
+        finally:
+            pinned.close()
+        if report is not None:
+            self._note_git(pinned.identity, report)
+        return report
+
+    def _release(self, pinned: Pinned, *, full: bool) -> SweepReport | None:
+        root = pinned.root_fd if pinned.root_fd >= 0 else pinned.fd
+        try:
+            if wslease.try_exclusive(pinned.lease_fd):
+                report = release(root, self.is_tool_uid, self.is_ours)
+                if report.complete:
+                    wslease.mark_clean(pinned.lease_fd)
+            else:
+                since = None if full else pinned.started_at - SWEEP_SLACK_S
+                report = normalise(root, self.is_tool_uid, since, (pinned.gid, self.is_ours))
+        except OSError as exc:
+            log.warning("release of workspace %s failed: %s", pinned.path, exc)
+            return None
         if report.chowned or report.stripped:
             log.info("workspace %s: %d entries given to its owner, setid bits cleared on %d",
                      pinned.path, report.chowned, report.stripped)
         return report
+
+    def _note_git(self, identity: Identity, report: SweepReport) -> None:
+        self._git[identity] = [g for g in report.git if g != ".git"]
+        self._git.move_to_end(identity)
+        while len(self._git) > MEMO_MAX:
+            self._git.popitem(last=False)
+
+    def recover(self) -> int:
+        """Revoke the grants calls of dead workers left (their use files marked
+        granted, held by nobody), at most ``RECOVER_MAX``. Blocking; run at
+        start-up, before any call. Returns how many workspaces were revoked."""
+        done = 0
+        for fd, identity, path in wslease.left_granted(self.groups.directory, RECOVER_MAX):
+            try:
+                try:
+                    root = open_pinned(path, identity)
+                except WorkspaceUnusable as exc:
+                    # Gone (its entries with it) or moved: nothing to reach by path.
+                    log.warning("granted workspace %s left by a dead call is not reachable "
+                                "(%s); its entries stay until it is used again", path, exc)
+                    wslease.mark_clean(fd)
+                    continue
+                try:
+                    report = release(root, self.is_tool_uid, self.is_ours)
+                finally:
+                    os.close(root)
+                if report.complete:
+                    wslease.mark_clean(fd)
+                done += 1
+                log.info("revoked the grant a dead worker's call left on %s (%d entries, %d "
+                         "changed, %d given to the owner)", path, report.entries,
+                         report.revoked, report.chowned)
+            except OSError as exc:
+                log.warning("revoking the grant left on workspace %s failed: %s", path, exc)
+            finally:
+                os.close(fd)
+        return done
 
 
 def refuses_git(path: str) -> bool:

@@ -155,8 +155,8 @@ class ToolService:
         self.pool = pool
         groups = WorkspaceGroups(cfg.gid_range_start, cfg.gid_range_count, cfg.group_dir)
         await asyncio.to_thread(groups.setup, reserved_gids=(user.gid,))
-        self.pins = WorkspacePins(groups, user.gid, cfg.workspace_root,
-                                  lambda uid: uid in pool.uids or uid == user.uid)
+        self.pins = pins = WorkspacePins(groups, user.gid, cfg.workspace_root,
+                                         lambda uid: uid in pool.uids or uid == user.uid)
         degraded: list[str] = []
         try:
             self._filters = SeccompFilters.compile()
@@ -180,6 +180,11 @@ class ToolService:
         self.profile = Profile(tier, user, self._filters, self._cgroup, cfg.tmp_root,
                                unsandboxed_opt_in=tier == "T0", extra_degraded=degraded,
                                verified=dict(self.detection.verified.get(tier, {})))
+        # Grants calls of dead workers left (a worker SIGKILLed mid-call): after
+        # detection, by when their sandboxes have died with their parent.
+        revoked = await asyncio.to_thread(pins.recover)
+        if revoked:
+            log.info("revoked the grants left on %d workspaces by dead workers", revoked)
         pruned = await asyncio.to_thread(wsalias.prune)
         if pruned:
             log.info("detached %d workspace aliases of deleted workspaces", pruned)
@@ -337,7 +342,10 @@ class ToolService:
                                "internal error in the tool service; see the worker log",
                                profile, limits, network, start, read_only, git_writable)
         finally:
-            if pinned is not None:
+            if pinned is not None and self.pins is not None:
+                # Idempotent (a shell call released before its uid went back).
+                await asyncio.shield(self.pins.release(pinned))
+            elif pinned is not None:
                 pinned.close()
 
     @staticmethod
@@ -408,7 +416,6 @@ class ToolService:
         pool = self.pool
         if pool is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
-        wall_start = time.time()  # compared with directory mtimes by the sweep
         lease = await pool.acquire(timeout_s=max(0.0, ctx.remaining_s() - 1.0))
         try:
             run: ShellRun = await run_shell(
@@ -418,10 +425,11 @@ class ToolService:
                 read_only=read_only, ro_fds=tuple(pinned.git_fds))
         finally:
             # run_shell returns (or raises) only once the call's tree is gone: what
-            # it left is given to the workspace's owner before the uid goes back.
+            # it left is given to the workspace's owner (and the grant revoked when
+            # no other call uses the workspace) before the uid goes back.
             try:
-                if not read_only and self.pins is not None:
-                    await self.pins.sweep(pinned, wall_start)
+                if self.pins is not None:
+                    await asyncio.shield(self.pins.release(pinned))
             finally:
                 await pool.give_back(lease)
         o = run.outcome
@@ -460,7 +468,6 @@ class ToolService:
         fsize = int(limits["file_size_bytes"])
         fn: Any
         workspace = pinned.fd
-        wall_start = time.time()
         if tool == "read_file":
             fn = functools.partial(files.read_file, workspace, args, self._flimits)
         elif tool == "write_file":
@@ -470,10 +477,15 @@ class ToolService:
         else:
             fn = functools.partial(files.list_dir, workspace, args, self._flimits)
         loop = asyncio.get_running_loop()
-        res: files.FileResult = await loop.run_in_executor(
-            fs.executor, functools.partial(fs.run_as_group, pinned.gid, fn))
-        if tool == "write_file" and self.pins is not None:
-            await self.pins.sweep(pinned, wall_start)
+        future = loop.run_in_executor(fs.executor,
+                                      functools.partial(fs.run_as_group, pinned.gid, fn))
+        try:
+            res: files.FileResult = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: the release (which revokes the
+            # grant) must not run while it may still create files.
+            await asyncio.wait({future})
+            raise
         size = len(res.output.encode("utf-8", errors="replace"))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="ok", is_error=False, output=res.output,

@@ -4,7 +4,9 @@ through ``BrokerClient``.
 
 A stack (broker + ``python -m sandbox_worker --services tool``) is started once
 per module and tier, and killed by pid at the end (``Procs.kill_all``).
-The detected tier is printed in the pytest summary.
+Tests that need a stack of their own (a forced tier, flags, a worker to
+SIGKILL) start it through ``stack_procs``; the layers alone use ``user`` and
+``filters``. The detected tier is printed in the pytest summary.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import pytest
 
 from broker.client import BrokerClient
 from broker.protocol import pack, unpack
+from sandbox_worker.sandbox.seccomp import SeccompFilters
+from sandbox_worker.sandbox.user import SandboxUser, ensure_user
 from tests.helpers import Procs, read_line_with_deadline, searchable_dir
 
 FAKE_KEY = "sk-test-corral-" + "7f3a9c" * 6
@@ -84,6 +88,24 @@ def start_stack(procs: Procs, tier: str, *extra: str) -> Stack:
     return Stack(tier, bready["frontend"], ready, worker, procs)
 
 
+def start_or_skip(procs: Procs, tier: str, *extra: str) -> Stack:
+    """``start_stack``, skipping the test when a forced tier cannot work here."""
+    try:
+        return start_stack(procs, tier, *extra)
+    except AssertionError as exc:
+        if tier != "T2" and "does not work here" in str(exc):
+            pytest.skip(f"tier {tier} is not available on this machine: {exc}")
+        raise
+
+
+def stop_all(procs: Procs) -> None:
+    """Kill every process a stack started, by pid, and close the pipes read from."""
+    procs.kill_all()
+    for proc in procs.started:
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 @pytest.fixture(scope="module", params=["T2", "T1"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           ) -> Iterator[Stack]:
@@ -91,18 +113,36 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     tier = request.param
     procs = Procs(tmp_path_factory.mktemp(f"stack-{tier}"))
     try:
-        try:
-            st = start_stack(procs, tier)
-        except AssertionError as exc:
-            if tier != "T2" and "does not work here" in str(exc):
-                pytest.skip(f"tier {tier} is not available on this machine: {exc}")
-            raise
-        yield st
+        yield start_or_skip(procs, tier)
     finally:
-        procs.kill_all()
-        for proc in procs.started:
-            if proc.stdout is not None:
-                proc.stdout.close()
+        stop_all(procs)
+
+
+@pytest.fixture
+def stack_procs(tmp_path: Path) -> Iterator[Procs]:
+    """For tests that start stacks of their own (a tier, flags, a worker to
+    kill): everything started through it is stopped by pid afterwards."""
+    procs = Procs(tmp_path)
+    try:
+        yield procs
+    finally:
+        stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def user() -> SandboxUser:
+    """The sandbox user (created if missing), for tests of the layers alone."""
+    return asyncio.run(ensure_user())
+
+
+@pytest.fixture(scope="module")
+def filters() -> Iterator[SeccompFilters]:
+    """The compiled seccomp filters, closed at the end of the module."""
+    f = SeccompFilters.compile()
+    try:
+        yield f
+    finally:
+        f.close()
 
 
 @pytest.fixture

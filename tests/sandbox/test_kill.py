@@ -21,7 +21,6 @@ import shutil
 import signal
 import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -35,9 +34,9 @@ from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
 from sandbox_worker.sandbox.process import RunSpec, run
 from sandbox_worker.sandbox.profile import Profile
 from sandbox_worker.sandbox.seccomp import SeccompFilters
-from sandbox_worker.sandbox.user import SandboxUser, ensure_user
+from sandbox_worker.sandbox.user import SandboxUser
 from tests.helpers import Procs
-from tests.sandbox.conftest import HB_S, Stack, request_body, shell, start_stack
+from tests.sandbox.conftest import HB_S, Stack, request_body, shell, start_or_skip
 
 pytestmark = pytest.mark.sandbox
 
@@ -99,24 +98,7 @@ def start(procs: Procs, tier: str, uids: range) -> Stack:
              str(procs.log_dir / "uid-locks")]
     if tier == "T0":
         extra.append("--allow-unsandboxed")
-    try:
-        return start_stack(procs, tier, *extra)
-    except AssertionError as exc:
-        if tier != "T2" and "does not work here" in str(exc):
-            pytest.skip(f"tier {tier} is not available on this machine: {exc}")
-        raise
-
-
-@pytest.fixture
-def stack_procs(tmp_path: Path) -> Iterator[Procs]:
-    procs = Procs(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.kill_all()
-        for proc in procs.started:
-            if proc.stdout is not None:
-                proc.stdout.close()
+    return start_or_skip(procs, tier, *extra)
 
 
 async def start_call(client: BrokerClient, workspace: Path, marker: str,
@@ -178,20 +160,6 @@ async def test_killed_worker_leaves_nothing_of_such_a_tree(
 # In a worker, orphans that a broken kill path misses may still be caught by
 # the worker's subreaper sweep (reaper.py). Here nothing else helps: the test
 # fails if kill_tree itself does not end the whole tree, at every tier.
-
-@pytest.fixture(scope="module")
-def user() -> SandboxUser:
-    return asyncio.run(ensure_user())
-
-
-@pytest.fixture(scope="module")
-def filters() -> Iterator[SeccompFilters]:
-    f = SeccompFilters.compile()
-    try:
-        yield f
-    finally:
-        f.close()
-
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["cancel", "timeout"])

@@ -10,7 +10,6 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -19,42 +18,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox_worker.api import TOOL_NAMES
+from sandbox_worker.sandbox.acl import (
+    ACL_GROUP,
+    XATTR_ACCESS,
+    XATTR_DEFAULT,
+    decode_acl,
+    encode_acl,
+)
 from sandbox_worker.sandbox.detect import detect
 from sandbox_worker.sandbox.errors import BadArguments, TierUnavailable, UnknownTool
 from sandbox_worker.sandbox.limits import CEILING_LIMITS, DEFAULT_LIMITS, merge_limits
 from sandbox_worker.sandbox.process import RunSpec, run
 from sandbox_worker.sandbox.profile import Profile
 from sandbox_worker.sandbox.seccomp import SeccompFilters
-from sandbox_worker.sandbox.user import SandboxUser, ensure_user
-from sandbox_worker.sandbox.workspace import (
-    ACL_GROUP,
-    ACL_USER,
-    XATTR_ACCESS,
-    XATTR_DEFAULT,
-    decode_acl,
-    encode_acl,
-    grant_tree,
-    is_granted,
-)
+from sandbox_worker.sandbox.user import SandboxUser
+from sandbox_worker.sandbox.workspace import grant_tree
 from sandbox_worker.tools.fsops import RESOLVE, openat2
 from sandbox_worker.tools.schemas import SCHEMAS, validate
 from sandbox_worker.tools.service import ToolService, ToolServiceConfig
 from tests.helpers import eventually
 from tests.sandbox.conftest import call_processes
-
-
-@pytest.fixture(scope="module")
-def user() -> SandboxUser:
-    return asyncio.run(ensure_user())
-
-
-@pytest.fixture(scope="module")
-def filters() -> Iterator[SeccompFilters]:
-    f = SeccompFilters.compile()
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def test_sandbox_user_is_not_root(user: SandboxUser) -> None:
@@ -111,7 +94,7 @@ def test_acl_roundtrip() -> None:
     assert decode_acl(encode_acl(entries)) == entries
 
 
-def test_grant_tree_skips_links_and_sets_defaults(workspace: Path, user: SandboxUser,
+def test_grant_tree_skips_links_and_writes_no_default_acl(workspace: Path, user: SandboxUser,
                                                   tmp_path: Path) -> None:
     outside = Path(tempfile.mkdtemp(prefix="corral-host-", dir="/var/tmp"))
     try:
@@ -124,12 +107,12 @@ def test_grant_tree_skips_links_and_sets_defaults(workspace: Path, user: Sandbox
         os.chown(workspace, 4242, 4242)  # a user's workspace, not root's
         report = grant_tree(str(workspace), user.gid)
         assert report.skipped_links == 1
-        assert is_granted(str(workspace), user.gid)
         f_acl = decode_acl(os.getxattr(workspace / "sub" / "f", XATTR_ACCESS))
         assert f_acl[(ACL_GROUP, user.gid)] == 6
-        default = decode_acl(os.getxattr(workspace, XATTR_DEFAULT))
-        assert default[(ACL_GROUP, user.gid)] == 7
-        assert default[(ACL_USER, 4242)] == 7  # the owner can use what tools create
+        # No default ACL: what a call creates has the workspace's group as its
+        # owning group, and is the owner's when the call ends (ownership.py).
+        with pytest.raises(OSError, match="No data available"):
+            os.getxattr(workspace, XATTR_DEFAULT)
         for path in (target, outside):
             with pytest.raises(OSError, match="No data available"):
                 os.getxattr(path, XATTR_ACCESS)

@@ -186,3 +186,35 @@ def test_the_run_dir_of_a_deep_home_is_private(root: Path) -> None:
     r = run(deep, _script(root, "r"), _user_ws(root))
     assert r.returncode == 0, r.stderr + r.stdout
     assert stat.S_IMODE(os.stat(FarmPaths.of(deep).run).st_mode) == 0o700
+
+
+def test_a_hostile_run_leaves_no_grant_and_nothing_a_host_user_can_use(root: Path) -> None:
+    """Issue 16: after a run, the workspace is the owner's (no Corral ACL entry,
+    nothing of a sandbox uid) and another local user gains nothing: not even
+    through ACLs or modes a tool set on its own files."""
+    import pwd
+
+    from tests.sandbox.test_acl_calls import HOSTILE, as_user, leftovers
+
+    ws = _user_ws(root)
+    (ws / "private.txt").write_text("the user's secret\n")
+    os.chown(ws / "private.txt", OWNER, OWNER)
+    (ws / "private.txt").chmod(0o600)
+    write = {"tool_calls": [{"name": "write_file",
+                             "arguments": {"path": "w/new.txt", "content": "x"}}]}
+    script = _script(root, "hostile", _shell(HOSTILE), write,
+                     _shell("cat private.txt > /dev/null; ls -la"))
+    r = run(root / "home", script, ws)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert all(not t["is_error"] for t in _tool_results(r.stdout)), r.stdout
+    uids = range(200_000, 200_000 + 65_536)
+    assert leftovers(ws, uids, pwd.getpwnam("corral-sandbox").pw_uid) == []
+    stranger = as_user(4243, f"cd {ws}; cat private.txt; echo x > d/e/f; "
+                       "touch d/new w/new2; rm -f mine; true")
+    assert "secret" not in stranger.stdout
+    assert not (ws / "d" / "new").exists()
+    assert not (ws / "w" / "new2").exists()
+    assert (ws / "mine").exists()
+    owner = as_user(OWNER, f"cd {ws} && chmod -R u+rwX . && rm -rf ./* && ls -A")
+    assert owner.returncode == 0, owner.stderr
+    assert owner.stdout.strip() == ""

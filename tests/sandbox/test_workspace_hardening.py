@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from broker.client import BrokerClient
-from sandbox_worker.sandbox.workspace import (
+from sandbox_worker.sandbox.acl import (
     ACL_GROUP,
     ACL_MASK,
     ACL_USER,
@@ -27,7 +27,7 @@ from sandbox_worker.sandbox.workspace import (
     XATTR_ACCESS,
     decode_acl,
 )
-from tests.helpers import searchable_dir
+from tests.helpers import eventually, searchable_dir
 from tests.sandbox.conftest import Stack, call_tool, needs_system_python, shell
 
 pytestmark = pytest.mark.sandbox
@@ -86,17 +86,15 @@ async def test_created_files_end_owned_by_the_workspace_owner(
     assert w.result["outcome"] == "ok", w.result["output"]
     owners = {str(p.relative_to(user_ws)): (st.st_uid, st.st_gid) for p, st in _tree(user_ws)}
     assert set(owners.values()) == {(OWNER, OWNER)}, owners
-    # No ACL entry naming the owner is left on them (the owner owns them), and
-    # a file made private by the tool stays private to the group.
+    # No ACL is left on them (the grant is revoked when the call ends), and a
+    # file the tool made private keeps its mode.
     for p, st in _tree(user_ws):
         if not stat.S_ISLNK(st.st_mode):
-            acl = decode_acl(os.getxattr(p, XATTR_ACCESS))
-            assert (ACL_USER, OWNER) not in acl, (p, acl)
-    priv = decode_acl(os.getxattr(user_ws / "priv", XATTR_ACCESS))
-    assert priv[(ACL_MASK, UNDEFINED_ID)] == 0, priv  # the tool's chmod 600 holds
-    # The next call (another uid) still reads and writes them.
-    again = await shell(client, "cat a/b/f d/new.txt && echo z >> a/b/f && rm g && "
-                        "! cat priv", user_ws)
+            with pytest.raises(OSError, match="No data available"):
+                os.getxattr(p, XATTR_ACCESS)
+    assert stat.S_IMODE((user_ws / "priv").stat().st_mode) == 0o600
+    # The next call (another uid) still reads and writes them, through its own grant.
+    again = await shell(client, "cat a/b/f d/new.txt && echo z >> a/b/f && rm g", user_ws)
     assert again.result["outcome"] == "ok", again.result["output"]
 
 
@@ -112,12 +110,27 @@ async def test_each_workspace_has_its_own_group(stack: Stack, client: BrokerClie
         gid_a, gid_b = int(a.result["output"].split()[0]), int(b.result["output"].split()[0])
         assert gid_a != gid_b
         assert stack.info["sandbox_gid"] not in (gid_a, gid_b)
-        acl = decode_acl(os.getxattr(secret, XATTR_ACCESS))
-        assert (ACL_GROUP, gid_b) in acl
-        assert (ACL_GROUP, gid_a) not in acl
-        # At T1 the host filesystem is visible: A's calls still cannot read B.
-        r = await shell(client, f"cat {secret}", user_ws)
-        assert "other workspace" not in r.result["output"]
+        # While a call of B runs, B's grant is in force; at T1 the host
+        # filesystem is visible: A's calls still cannot read B.
+        b_call = asyncio.create_task(shell(client, "sleep 3", other))
+        try:
+            async def granted() -> bool:
+                return _has_entry(secret, gid_b)
+
+            await eventually(granted, timeout_s=20, what="B's grant")
+            assert not _has_entry(secret, gid_a)
+            r = await shell(client, f"cat {secret}", user_ws)
+            assert "other workspace" not in r.result["output"]
+        finally:
+            await b_call
+        assert not _has_entry(secret, gid_b)
+
+
+def _has_entry(path: Path, gid: int) -> bool:
+    try:
+        return (ACL_GROUP, gid) in decode_acl(os.getxattr(path, XATTR_ACCESS))
+    except OSError:
+        return False
 
 
 async def test_read_only_workspace_is_not_widened(stack: Stack, client: BrokerClient,
@@ -132,11 +145,11 @@ async def test_read_only_workspace_is_not_widened(stack: Stack, client: BrokerCl
         assert "keep" in r.result["output"]
         assert (user_ws / "f.txt").read_text() == "keep\n"
         assert not (user_ws / "n.txt").exists()
-        for path in (user_ws, user_ws / "f.txt"):
-            acl = decode_acl(os.getxattr(path, XATTR_ACCESS))
-            named = [perm for (tag, _), perm in acl.items() if tag == ACL_GROUP]
-            assert named, acl
-            assert all(not perm & 2 for perm in named), acl
+        # Nothing granted is left, and the modes are the user's.
+        for path, mode in ((user_ws, 0o555), (user_ws / "f.txt", 0o444)):
+            assert stat.S_IMODE(path.stat().st_mode) == mode
+            with pytest.raises(OSError, match="No data available"):
+                os.getxattr(path, XATTR_ACCESS)
     finally:
         os.chmod(user_ws, 0o755)
 
@@ -325,14 +338,13 @@ def test_workspace_groups_are_one_per_identity_across_workers(tmp_path: Path) ->
 def test_grant_never_raises_an_existing_mask(user_ws: Path) -> None:
     """A user's file with an extended ACL (user:4243 rw- under mask r--): the grant
     must not raise the mask, which would give 4243 write access."""
-    from sandbox_worker.sandbox.workspace import (
+    from sandbox_worker.sandbox.acl import (
         ACL_GROUP_OBJ,
         ACL_OTHER,
         ACL_USER_OBJ,
         encode_acl,
-        grant_tree,
-        is_granted,
     )
+    from sandbox_worker.sandbox.workspace import grant_tree
 
     f = user_ws / "shared.txt"
     f.write_text("x\n")
@@ -344,7 +356,6 @@ def test_grant_never_raises_an_existing_mask(user_ws: Path) -> None:
     fd = os.open(user_ws, os.O_PATH | os.O_DIRECTORY)
     try:
         grant_tree(fd, 777_001)
-        assert is_granted(fd, 777_001)  # through the fd: no re-grant at the next call
     finally:
         os.close(fd)
     after = decode_acl(os.getxattr(f, XATTR_ACCESS))
