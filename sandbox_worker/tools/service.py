@@ -20,7 +20,9 @@ Invariants:
 - Every shell call runs as its own uid leased from the ``UidPool`` for the
   call's whole life and given back only after its process tree is gone
   (``process.run``'s guarantee); file tools run with the sandbox user's
-  uid, which is outside the range. All share the sandbox group.
+  uid, which is outside the range. Each call runs with its workspace's own
+  group (``wsgroups``), which holds ACL entries on that workspace only while
+  calls on it run (``acl``, ``wslease``): none is left when the last ends.
 - ``aclose`` cancels the calls still running, which kills their trees.
 """
 
