@@ -115,11 +115,15 @@ def write_script(tmp: Path, script: dict[str, Any], name: str = "script.json") -
 
 def start_farm(procs: Procs, tmp: Path, script: dict[str, Any], *, workers: int = 1,
                capacity: int = 8, services: str = "tool,model") -> Farm:
+    # The broker's liveness window is the farm's default (0.25 s x 4 = 1 s). At
+    # 0.5 s a loaded CI machine stalled live workers past it: each false expiry
+    # fails their in-flight calls, and a model step retried, or a session whose
+    # three attempts were all cut, made the engine tests fail for no bug.
     sock = tmp / "s"
     sock.mkdir(exist_ok=True)
     broker = procs.spawn(
         [PYTHON, "-m", "broker", "--frontend", f"ipc://{sock}/front",
-         "--backend", f"ipc://{sock}/back", "--heartbeat-interval-s", "0.1", "--liveness", "5"],
+         "--backend", f"ipc://{sock}/back", "--heartbeat-interval-s", "0.25", "--liveness", "4"],
         name="broker", stdout=subprocess.PIPE)
     ready = _ready(broker)
     script_path = write_script(tmp, script)
