@@ -40,6 +40,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import secrets
 import sys
 import tempfile
@@ -115,6 +116,10 @@ class SessionRun:
     turns_done: int = 0
     final_ok: bool = False
     busy: bool = False
+    role: str = "plain"  # plain | compact (small context window) | ask (approvals answered)
+    client: SupervisorClient | None = None  # the collector's client (its subscription)
+    # approval id -> what the harness answered: decision, submission ids, when
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,11 +155,14 @@ class Report:
                          if e.get("type") == "tool_call_end" and e.get("sequence", 0) > 0)
         by_kind: dict[str, dict[str, Any]] = {}
         for f in self.injected:
-            k = by_kind.setdefault(f["kind"], {"injected": 0, "skipped": 0})
+            k = by_kind.setdefault(f["kind"], {"injected": 0, "skipped": 0, "hit": 0})
             k["skipped" if "skipped" in f else "injected"] += 1
+            k["hit"] += bool(f.get("hit")) and "skipped" not in f
         for kind, times in sorted(self.recovery_by_kind.items()):
-            by_kind.setdefault(kind, {"injected": 0, "skipped": 0})["recovery"] = (
+            by_kind.setdefault(kind, {"injected": 0, "skipped": 0, "hit": 0})["recovery"] = (
                 recovery.summarize(times))
+        replay_types = [e.get("type") for s in self.sessions for _, e in s.live
+                        if e.get("sequence", 0) > 0]
         return {
             "seed": self.seed,
             "plants": list(self.plants),
@@ -174,6 +182,12 @@ class Report:
                 "repeated_requests": self.repeated_requests,
                 "killed_calls": self.killed_calls,
                 "process_table_samples": self.proc_samples,
+                "compactions": replay_types.count("context_compacted"),
+                "approvals_requested": replay_types.count("exec_approval_request"),
+                "approvals_answered": sum(len(s.answers) for s in self.sessions),
+                "sessions_by_role": dict(sorted(
+                    (role, sum(s.role == role for s in self.sessions))
+                    for role in {s.role for s in self.sessions})),
             },
             "faults_by_kind": by_kind,
             "provider_faults_in_script": self.provider_faults,
@@ -199,6 +213,9 @@ tier_min = "{tier_min}"
 [session]
 default_route = "chaos"
 approval = "allow"
+# The ask sessions' approvals: the harness answers each within a second; an
+# answer lost by the farm shows as a timed-out approval (approvals_kept).
+approval_timeout_s = {approval_timeout_s}
 turn_timeout_s = 300
 # Short request deadlines: a frame the broker drops on purpose must end its
 # call within the run (the caller's deadline), not after the 5-10 min defaults.
@@ -207,7 +224,7 @@ tool_call_budget_s = 10
 
 [routes.chaos]
 {route}
-
+{compact_route}
 [[export.sinks]]
 type = "directory"
 path = "exports"
@@ -223,6 +240,12 @@ RETRIES = 10  # a skipped fault is retried in the next slots (targets come and g
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
 KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
 WATCH_EVERY_S = 0.5
+STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
+APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
+DENY_SHARE = 0.25  # of the ask sessions' approvals, answered ``denied`` (seeded)
+# The compact sessions' threshold (estimated tokens): a turn's 3 tool rounds add
+# ~2,500 characters, so the context is compacted at most model steps.
+COMPACT_THRESHOLD_TOKENS = 400
 
 
 class Harness:
@@ -275,12 +298,27 @@ class Harness:
             self.script = make_script(turns, self.opts.steps, self.opts.seed, self.kinds,
                                       provider_rate=self.opts.provider_rate)
         script.write_text(json.dumps(self.script))
+        compact_route = ""
         if self.opts.route is not None:
             route = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.opts.route.items())
         else:
             route = (f"script = {json.dumps(str(script))}\n"
                      "read_timeout_s = 3.0\nconnect_timeout_s = 2.0")
-        (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, route=route))
+            # The compact sessions' route: the same script, and the scripted
+            # provider's compaction endpoint (its compaction item carries the
+            # number of outputs it replaced, so the script goes on where it was).
+            compact_route = f"\n[routes.chaos-compact]\n{route}\nnative_compaction = true\n"
+        (self.home / "corral.toml").write_text(CONFIG.format(
+            tier_min=tier_min, route=route, compact_route=compact_route,
+            approval_timeout_s=APPROVAL_TIMEOUT_S))
+
+    def role(self, i: int) -> str:
+        """Session ``i``'s role: with the scripted workload, every third session from
+        the second compacts its context and every third from the third asks for
+        approvals (so 3 sessions have one of each); a real model's run is all plain."""
+        if not self.marker_checks:
+            return "plain"
+        return ("plain", "compact", "ask")[i % 3]
 
     def workspace(self, i: int) -> Path:
         """Session ``i``'s workspace: beside the home, never inside it (a farm refuses
@@ -358,13 +396,16 @@ class Harness:
                     BrokerClient(self.farm.paths.broker_frontend) as broker:
                 self.sv = sv
                 injector = Injector(self.farm, broker, self.slow_flag, arm_path=self.arm_path,
-                                    run_tag=self.run_tag, interrupter=self._interrupt)
+                                    run_tag=self.run_tag, interrupter=self._interrupt,
+                                    steady=self._steady)
                 runs = [await self._create(sv, i) for i in range(self.opts.sessions)]
                 self.report.sessions = runs
                 phase("startup")
                 async with asyncio.TaskGroup() as work:
                     collectors = [work.create_task(self._collect(endpoint, r)) for r in runs]
                     drivers = [work.create_task(self._drive(sv, r)) for r in runs]
+                    answerers = [work.create_task(self._answer(sv, i, r))
+                                 for i, r in enumerate(runs) if r.role == "ask"]
                     await self._inject(injector, t0=time.monotonic())
                     self.faults_over.set()
                     phase("faults")
@@ -378,7 +419,7 @@ class Harness:
                         r.final_ok = ok
                     phase("final_turn")
                     await asyncio.sleep(0.5)  # let collectors see the last durable events
-                    for c in collectors:
+                    for c in collectors + answerers:
                         c.cancel()
                 # Calls still winding down (a worker's last long call) get their grace.
                 await asyncio.sleep(1.0)
@@ -434,8 +475,15 @@ class Harness:
         os.chmod(ws, 0o755)
         (ws / ID_FILE).write_text(f"{self.run_tag}-{i}\n")
         (ws / ID_FILE).chmod(0o644)
-        sid = await _retry(lambda: sv.create_session(workspace=str(ws)))
-        return SessionRun(str(sid), ws)
+        role = self.role(i)
+        spec: dict[str, Any] = {"workspace": str(ws)}
+        if role == "compact":
+            spec.update(route="chaos-compact",
+                        compaction_threshold_tokens=COMPACT_THRESHOLD_TOKENS)
+        elif role == "ask":
+            spec["approval"] = "ask"
+        sid = await _retry(lambda: sv.create_session(**spec))
+        return SessionRun(str(sid), ws, role=role)
 
     async def _collect(self, endpoint: str, run: SessionRun) -> None:
         """What a client of this session sees live, with receive times. One client
@@ -444,8 +492,74 @@ class Harness:
         caps them at 256 per client (an hour-long soak with 16 sessions on one
         client hit that cap after 17 minutes)."""
         async with SupervisorClient(endpoint, timeout_s=15) as sv:
+            run.client = sv
             async for event in sv.events(run.session_id, reconnect_timeout_s=600):
                 run.live.append((time.monotonic(), event))
+
+    async def _steady(self) -> bool:
+        """Wait (up to ``STEADY_WAIT_S``) until the supervisor answers and every
+        session's event client is subscribed to that same instance: a crash point
+        armed then fires where clients watch (armed during a restart, it would fire
+        in the resume, before any client is back). False if never."""
+        deadline = time.monotonic() + STEADY_WAIT_S
+        while time.monotonic() < deadline:
+            if self.sv is not None:
+                try:
+                    async with asyncio.timeout(2.0):
+                        await self.sv.status()
+                except (SupervisorError, TimeoutError):
+                    pass
+                else:
+                    srv = self.sv.server_id
+                    if srv is not None and all(
+                            r.client is not None and r.client.server_id == srv
+                            and r.client.subscribed(r.session_id)
+                            for r in self.report.sessions):
+                        return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def _answer(self, sv: SupervisorClient, i: int, run: SessionRun) -> None:
+        """Answer an ask session's approval requests as a user would: each one seen
+        (live or replayed after a restart) once, after a short seeded delay,
+        ``approved`` or (a ``DENY_SHARE`` of them) ``denied``. A stale reply (the
+        supervisor had no waiter for it yet) is answered again; what was sent is kept
+        in ``run.answers`` for ``approvals_kept``."""
+        rng = random.Random(f"{self.opts.seed}-answer-{i}")
+        seen = 0
+        while True:
+            for _, e in run.live[seen:]:
+                seen += 1
+                if e.get("type") != "exec_approval_request" or e.get("sequence", 0) <= 0:
+                    continue
+                approval_id = str((e.get("payload") or {}).get("id"))
+                if approval_id in run.answers:
+                    continue
+                decision = "denied" if rng.random() < DENY_SHARE else "approved"
+                await asyncio.sleep(rng.uniform(0.05, 0.5))
+                answer: dict[str, Any] = {"decision": decision, "subs": [],
+                                          "at": time.time()}
+                run.answers[approval_id] = answer
+                await self._send_answer(sv, run, approval_id, answer)
+            await asyncio.sleep(0.05)
+
+    async def _send_answer(self, sv: SupervisorClient, run: SessionRun, approval_id: str,
+                           answer: dict[str, Any]) -> None:
+        """Submit one answer; resubmit (a few times, bounded) while the farm says it
+        was stale and the request is still open (a restarted supervisor not yet
+        waiting for it)."""
+        for _ in range(10):
+            try:
+                sub = await _retry(lambda: sv.submit(run.session_id, {
+                    "type": "exec_approval", "id": approval_id,
+                    "decision": answer["decision"]}))
+            except SupervisorError as exc:
+                answer.setdefault("errors", []).append(str(exc))
+                return
+            answer["subs"].append(str(sub))
+            await asyncio.sleep(0.5)
+            if not _stale(run.live, str(sub)) or _approval_closed(run.live, approval_id):
+                return
 
     async def _turn(self, sv: SupervisorClient, run: SessionRun) -> bool:
         """Submit one turn and wait (with a deadline) for its terminal event."""
@@ -694,6 +808,10 @@ class Harness:
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
+                v.extend(inv.approvals_kept(r.session_id, replay, r.answers))
+                v.extend(inv.compaction_once(
+                    r.session_id, replay,
+                    loaded.state.compaction_count if loaded is not None else None))
                 if self.marker_checks:
                     v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace),
                                          asked))
@@ -767,6 +885,23 @@ def _aborted_cleanly(live: recovery.LiveLog, sub: str) -> bool:
     """Whether submission ``sub`` ended ``turn_aborted`` with a reason."""
     return any(e.get("submission_id") == sub and e.get("type") == "turn_aborted"
                and (e.get("payload") or {}).get("reason") for _, e in live)
+
+
+def _stale(live: recovery.LiveLog, sub: str) -> bool:
+    """Whether the farm answered submission ``sub`` with a stale-approval warning."""
+    return any(e.get("submission_id") == sub and e.get("type") == "warning" for _, e in live)
+
+
+def _approval_closed(live: recovery.LiveLog, approval_id: str) -> bool:
+    """Whether every call of approval ``approval_id`` has a durable outcome."""
+    calls: set[str] = set()
+    for _, e in live:
+        p = e.get("payload") or {}
+        if e.get("type") == "exec_approval_request" and p.get("id") == approval_id:
+            calls = {str(c.get("call_id")) for c in p.get("calls", [])}
+        elif e.get("type") in ("tool_call_begin", "tool_call_end") and calls:
+            calls.discard(str(p.get("call_id")))
+    return not calls
 
 
 def _loss_evidence(e: dict[str, Any]) -> bool:
