@@ -242,6 +242,7 @@ KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM 
 WATCH_EVERY_S = 0.5
 STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
 APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
+ANSWER_TIMEOUT_S = 8.0  # an answer's submit (acknowledged once its verdicts are durable)
 DENY_SHARE = 0.25  # of the ask sessions' approvals, answered ``denied`` (seeded)
 # The compact sessions' threshold (estimated tokens): a turn's 3 tool rounds add
 # ~2,500 characters, so the context is compacted at most model steps.
@@ -550,9 +551,12 @@ class Harness:
         waiting for it)."""
         for _ in range(10):
             try:
-                sub = await _retry(lambda: sv.submit(run.session_id, {
-                    "type": "exec_approval", "id": approval_id,
-                    "decision": answer["decision"]}))
+                # acknowledged once durable; a supervisor killed before that is
+                # retried (its resumed session still waits for the answer)
+                sub = await _retry(lambda: sv.call(
+                    "submit", timeout_s=ANSWER_TIMEOUT_S, session_id=run.session_id,
+                    op={"type": "exec_approval", "id": approval_id,
+                        "decision": answer["decision"]}))
             except SupervisorError as exc:
                 answer.setdefault("errors", []).append(str(exc))
                 return
@@ -631,7 +635,10 @@ class Harness:
     async def _inject(self, injector: Injector, t0: float) -> None:
         """Fire the schedule; a skipped fault is retried (up to ``RETRIES`` times) in
         the next slots, before the slot's own fault, so every enabled kind gets
-        reached."""
+        reached. Then, in a run at least ``coverage_s`` long, every enabled timed
+        kind that never hit its window gets up to ``RETRIES`` more tries, one
+        ``fault_gap_s`` apart (``_until_hit``): a short run still shows each kind
+        landing where it must, not only tried."""
         debt: list[tuple[Fault, int]] = []
         for slot in self.schedule:
             wait = t0 + slot.at_s - time.monotonic()
@@ -641,29 +648,48 @@ class Harness:
             if debt:
                 fault, tries = debt.pop(0)
                 debt.append((slot, 0))
-            index = len(self.report.injected)
-            at_s = round(time.monotonic() - t0, 3)
-
-            def mark(service: str | None, at: float | None = None, kind: str = fault.kind,
-                     index: int = index) -> None:
-                when = time.monotonic() if at is None else at
-                self.at[index] = when
-                group = recovery_group(kind)
-                if group is None:
-                    return
-                marks = {r.session_id: _count_upto(r.live, when) for r in self.report.sessions}
-                self.marks.append((index, recovery.FaultMark(group, when, service, marks)))
-
-            record = await injector.fire(fault, mark)
-            record["at_s"] = at_s
+            record = await self._fire(injector, fault, t0)
             if "skipped" in record and tries < RETRIES:
                 record["retry"] = tries + 1
                 debt.append((fault, tries + 1))
-            self.report.injected.append(record)
-            log.info("chaos: %s", record)
+        if self.opts.schedule is None and self.opts.duration_s >= self.report.coverage_s:
+            await self._until_hit(injector, t0)
         rest = t0 + self.opts.duration_s - time.monotonic()
         if rest > 0:
             await asyncio.sleep(rest)
+
+    async def _until_hit(self, injector: Injector, t0: float) -> None:
+        for kind in timed_kinds(self.kinds):
+            first = next((f for f in self.schedule if f.kind == kind), None)
+            for tries in range(RETRIES):
+                if first is None or any(r["kind"] == kind and r.get("hit")
+                                        and "skipped" not in r for r in self.report.injected):
+                    break
+                await asyncio.sleep(self.opts.fault_gap_s)
+                fault = dataclasses.replace(first, pick=first.pick + tries + 1)
+                record = await self._fire(injector, fault, t0)
+                record["until_hit"] = tries + 1
+
+    async def _fire(self, injector: Injector, fault: Fault, t0: float) -> dict[str, Any]:
+        """Fire one fault, mark its instant, and record it."""
+        index = len(self.report.injected)
+        at_s = round(time.monotonic() - t0, 3)
+
+        def mark(service: str | None, at: float | None = None, kind: str = fault.kind,
+                 index: int = index) -> None:
+            when = time.monotonic() if at is None else at
+            self.at[index] = when
+            group = recovery_group(kind)
+            if group is None:
+                return
+            marks = {r.session_id: _count_upto(r.live, when) for r in self.report.sessions}
+            self.marks.append((index, recovery.FaultMark(group, when, service, marks)))
+
+        record = await injector.fire(fault, mark)
+        record["at_s"] = at_s
+        self.report.injected.append(record)
+        log.info("chaos: %s", record)
+        return record
 
     def _recovery(self) -> None:
         lives = {r.session_id: r.live for r in self.report.sessions}
