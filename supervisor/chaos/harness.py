@@ -842,7 +842,10 @@ class Harness:
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
-                v.extend(inv.approvals_kept(r.session_id, replay, r.answers))
+                # only answers the farm acknowledged (an answer whose every submit
+                # failed was never given)
+                v.extend(inv.approvals_kept(r.session_id, replay, {
+                    a: ans for a, ans in r.answers.items() if ans["subs"]}))
                 v.extend(inv.compaction_once(
                     r.session_id, replay,
                     loaded.state.compaction_count if loaded is not None else None))
