@@ -9,6 +9,12 @@ the scheduled faults; when the fault phase ends, let every session finish,
 then run one more turn per session (it must complete: nothing is wedged);
 stop the farm; open the store and check.
 
+Sessions have roles (``role``): plain, compact (a small context window on
+a route with the scripted provider's compaction, so compaction really runs)
+and ask (approval policy ``ask``; ``_answer`` answers each request as a user
+would, seeded approve/deny), so the compaction and approval-wait windows are
+there for the crash points to hit.
+
 Faults are fired at real targets by ``targets.Injector`` (worker faults by
 what the worker is doing, from the broker's STATUS); a fault with no target
 in the wanted state is recorded as skipped. Recovery is measured per fault,
@@ -162,7 +168,7 @@ class Report:
         for kind, times in sorted(self.recovery_by_kind.items()):
             by_kind.setdefault(kind, {"injected": 0, "skipped": 0, "hit": 0})["recovery"] = (
                 recovery.summarize(times))
-        replay_types = [e.get("type") for s in self.sessions for _, e in s.live
+        durable_seen = [e.get("type") for s in self.sessions for _, e in s.live
                         if e.get("sequence", 0) > 0]
         return {
             "seed": self.seed,
@@ -184,8 +190,8 @@ class Report:
                 "repeated_requests": self.repeated_requests,
                 "killed_calls": self.killed_calls,
                 "process_table_samples": self.proc_samples,
-                "compactions": replay_types.count("context_compacted"),
-                "approvals_requested": replay_types.count("exec_approval_request"),
+                "compactions": durable_seen.count("context_compacted"),
+                "approvals_requested": durable_seen.count("exec_approval_request"),
                 "approvals_answered": sum(len(s.answers) for s in self.sessions),
                 "sessions_by_role": dict(sorted(
                     (role, sum(s.role == role for s in self.sessions))
