@@ -832,7 +832,13 @@ class Harness:
                    if i in self.at and rec["kind"] in ("interrupt_tool", "worker_kill_tool",
                                                        "worker_kill_model", "worker_kill_idle")
                    and (rec.get("calls") or rec.get("call")) and "error" not in rec]
-            v.extend(inv.orphans_after_kill(cut, seen, lives, KILL_BOUND_S))
+            frozen: dict[tuple[int, int], list[tuple[float, float]]] = {}
+            for j, rec in enumerate(self.report.injected):
+                if rec["kind"] == "worker_hang" and j in self.at and "skipped" not in rec:
+                    for c in rec.get("calls", []):
+                        frozen.setdefault((c[0], c[1]), []).append(
+                            (self.at[j], float(rec.get("duration_s") or 0.0)))
+            v.extend(inv.orphans_after_kill(cut, seen, lives, KILL_BOUND_S, frozen))
             self.report.killed_calls = counts
             v.extend(bad)
         asked = requests_in(self.script)

@@ -334,24 +334,33 @@ def marker_ends(live: LiveLog) -> dict[int, list[tuple[float, dict[str, Any]]]]:
 
 def orphans_after_kill(kills: list[tuple[int, str, float, frozenset[tuple[int, int]]]],
                        seen: dict[tuple[str, int, int], tuple[int, float]],
-                       sessions: list[tuple[str, LiveLog]], bound_s: float) -> list[Violation]:
+                       sessions: list[tuple[str, LiveLog]], bound_s: float,
+                       frozen: dict[tuple[int, int], list[tuple[float, float]]] | None = None,
+                       ) -> list[Violation]:
     """Invariant 8 at the kill: when a call is cancelled (``interrupt_tool``) or its
     worker is SIGKILLed, every process of the call (its TERM-ignoring child, its
     double-forked loop) is gone within ``bound_s`` (the sandbox's TERM grace plus
     a margin), although the call would have run on for seconds. ``kills`` lists
-    (fault index, kind, instant, calls as (session index, k))."""
+    (fault index, kind, instant, calls as (session index, k)). ``frozen`` maps a
+    call to the (start, seconds) of each ``worker_hang`` that froze the worker
+    running it: a freeze that starts within the bound stops the worker's TERM-to-
+    KILL escalation, so the bound grows by its length."""
     out: list[Violation] = []
     for index, kind, at, calls in kills:
         for i, k in sorted(calls):
+            bound = bound_s
+            for start, seconds in sorted((frozen or {}).get((i, k), [])):
+                if at <= start <= at + bound:
+                    bound += seconds
             for what in ("long", "orphan"):
                 sighting = seen.get((what, i, k))
-                if sighting is None or sighting[1] - at <= bound_s:
+                if sighting is None or sighting[1] - at <= bound:
                     continue
                 sid = sessions[i][0] if i < len(sessions) else ""
                 out.append(Violation("no_orphans", sid, None,
                                      f"process chaos-{what} of call m-{k} (pid {sighting[0]}) "
                                      f"was alive {sighting[1] - at:.1f}s after fault #{index} "
-                                     f"({kind}) killed its call (bound {bound_s:.1f}s)"))
+                                     f"({kind}) killed its call (bound {bound:.1f}s)"))
     return out
 
 

@@ -330,3 +330,16 @@ def test_a_compaction_settles_once() -> None:
     counted = compaction_once("s", [compacted(3, 1)], 2)
     assert "counts 2 compaction(s) but 1" in counted[0].detail
     assert compaction_once("s", [], None) == []
+
+
+def test_a_hang_of_the_worker_doing_the_kill_extends_the_kill_bound() -> None:
+    # The soak: an interrupt at t=0, then a worker_hang froze the worker running the
+    # call for 2.55 s from t=2.5: its TERM-to-KILL escalation was stopped with it.
+    seen = {("long", 0, 7): (123, 4.8), ("orphan", 0, 7): (124, 4.8)}
+    kills = [(1, "interrupt_tool", 0.0, frozenset({(0, 7)}))]
+    sessions = [("s", [])]
+    assert len(orphans_after_kill(kills, seen, sessions, 4.0)) == 2  # type: ignore[arg-type]
+    frozen = {(0, 7): [(2.5, 2.55)]}
+    assert orphans_after_kill(kills, seen, sessions, 4.0, frozen) == []  # type: ignore[arg-type]
+    late = {(0, 7): [(4.5, 2.55)]}  # a freeze after the bound excuses nothing
+    assert len(orphans_after_kill(kills, seen, sessions, 4.0, late)) == 2  # type: ignore[arg-type]
