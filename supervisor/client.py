@@ -230,6 +230,17 @@ class SupervisorClient:
             # Tell the iterator to resubscribe from its last sequence.
             await sub.queue.put({"type": "__end__", "kind": "resubscribe", "message": why})
 
+    @property
+    def server_id(self) -> str | None:
+        """The instance id of the supervisor this client last heard from."""
+        return self._server_id
+
+    def subscribed(self, session_id: str) -> bool:
+        """Whether an event subscription to ``session_id`` stands on the server
+        instance last heard (one dropped on a restart is not listed)."""
+        return any(s.session_id == session_id and s.sub_id is not None
+                   for s in self._subs.values())
+
     # -- convenience calls -------------------------------------------------
 
     async def create_session(self, **spec: Any) -> str:

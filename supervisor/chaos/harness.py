@@ -9,6 +9,12 @@ the scheduled faults; when the fault phase ends, let every session finish,
 then run one more turn per session (it must complete: nothing is wedged);
 stop the farm; open the store and check.
 
+Sessions have roles (``role``): plain, compact (a small context window on
+a route with the scripted provider's compaction, so compaction really runs)
+and ask (approval policy ``ask``; ``_answer`` answers each request as a user
+would, seeded approve/deny), so the compaction and approval-wait windows are
+there for the crash points to hit.
+
 Faults are fired at real targets by ``targets.Injector`` (worker faults by
 what the worker is doing, from the broker's STATUS); a fault with no target
 in the wanted state is recorded as skipped. Recovery is measured per fault,
@@ -40,6 +46,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import secrets
 import sys
 import tempfile
@@ -115,6 +122,10 @@ class SessionRun:
     turns_done: int = 0
     final_ok: bool = False
     busy: bool = False
+    role: str = "plain"  # plain | compact (small context window) | ask (approvals answered)
+    client: SupervisorClient | None = None  # the collector's client (its subscription)
+    # approval id -> what the harness answered: decision, submission ids, when
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,6 +151,7 @@ class Report:
     provider_faults: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase
     host: dict[str, Any] = field(default_factory=dict)  # cores, load, CPU the run used
+    unfired: int = 0  # scheduled faults left when the fault phase ended
 
     def as_dict(self) -> dict[str, Any]:
         rec = {}
@@ -150,11 +162,14 @@ class Report:
                          if e.get("type") == "tool_call_end" and e.get("sequence", 0) > 0)
         by_kind: dict[str, dict[str, Any]] = {}
         for f in self.injected:
-            k = by_kind.setdefault(f["kind"], {"injected": 0, "skipped": 0})
+            k = by_kind.setdefault(f["kind"], {"injected": 0, "skipped": 0, "hit": 0})
             k["skipped" if "skipped" in f else "injected"] += 1
+            k["hit"] += bool(f.get("hit")) and "skipped" not in f
         for kind, times in sorted(self.recovery_by_kind.items()):
-            by_kind.setdefault(kind, {"injected": 0, "skipped": 0})["recovery"] = (
+            by_kind.setdefault(kind, {"injected": 0, "skipped": 0, "hit": 0})["recovery"] = (
                 recovery.summarize(times))
+        durable_seen = [e.get("type") for s in self.sessions for _, e in s.live
+                        if e.get("sequence", 0) > 0]
         return {
             "seed": self.seed,
             "plants": list(self.plants),
@@ -169,11 +184,18 @@ class Report:
                 "faults_scheduled": len(self.schedule),
                 "faults_injected": sum(1 for f in self.injected if "skipped" not in f),
                 "faults_skipped": sum(1 for f in self.injected if "skipped" in f),
+                "faults_not_fired": self.unfired,
                 "exports_verified": self.exports,
                 "sessions_final_turn_ok": sum(s.final_ok for s in self.sessions),
                 "repeated_requests": self.repeated_requests,
                 "killed_calls": self.killed_calls,
                 "process_table_samples": self.proc_samples,
+                "compactions": durable_seen.count("context_compacted"),
+                "approvals_requested": durable_seen.count("exec_approval_request"),
+                "approvals_answered": sum(len(s.answers) for s in self.sessions),
+                "sessions_by_role": dict(sorted(
+                    (role, sum(s.role == role for s in self.sessions))
+                    for role in {s.role for s in self.sessions})),
             },
             "faults_by_kind": by_kind,
             "provider_faults_in_script": self.provider_faults,
@@ -199,6 +221,9 @@ tier_min = "{tier_min}"
 [session]
 default_route = "chaos"
 approval = "allow"
+# The ask sessions' approvals: the harness answers each within a second; an
+# answer lost by the farm shows as a timed-out approval (approvals_kept).
+approval_timeout_s = {approval_timeout_s}
 turn_timeout_s = 300
 # Short request deadlines: a frame the broker drops on purpose must end its
 # call within the run (the caller's deadline), not after the 5-10 min defaults.
@@ -207,7 +232,7 @@ tool_call_budget_s = 10
 
 [routes.chaos]
 {route}
-
+{compact_route}
 [[export.sinks]]
 type = "directory"
 path = "exports"
@@ -223,6 +248,13 @@ RETRIES = 10  # a skipped fault is retried in the next slots (targets come and g
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
 KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
 WATCH_EVERY_S = 0.5
+STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
+APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
+ANSWER_TIMEOUT_S = 8.0  # an answer's submit (acknowledged once its verdicts are durable)
+DENY_SHARE = 0.25  # of the ask sessions' approvals, answered ``denied`` (seeded)
+# The compact sessions' threshold (estimated tokens): a turn's 3 tool rounds add
+# ~2,500 characters, so the context is compacted at most model steps.
+COMPACT_THRESHOLD_TOKENS = 400
 
 
 class Harness:
@@ -275,12 +307,27 @@ class Harness:
             self.script = make_script(turns, self.opts.steps, self.opts.seed, self.kinds,
                                       provider_rate=self.opts.provider_rate)
         script.write_text(json.dumps(self.script))
+        compact_route = ""
         if self.opts.route is not None:
             route = "\n".join(f"{k} = {json.dumps(v)}" for k, v in self.opts.route.items())
         else:
             route = (f"script = {json.dumps(str(script))}\n"
                      "read_timeout_s = 3.0\nconnect_timeout_s = 2.0")
-        (self.home / "corral.toml").write_text(CONFIG.format(tier_min=tier_min, route=route))
+            # The compact sessions' route: the same script, and the scripted
+            # provider's compaction endpoint (its compaction item carries the
+            # number of outputs it replaced, so the script goes on where it was).
+            compact_route = f"\n[routes.chaos-compact]\n{route}\nnative_compaction = true\n"
+        (self.home / "corral.toml").write_text(CONFIG.format(
+            tier_min=tier_min, route=route, compact_route=compact_route,
+            approval_timeout_s=APPROVAL_TIMEOUT_S))
+
+    def role(self, i: int) -> str:
+        """Session ``i``'s role: with the scripted workload, every third session from
+        the second compacts its context and every third from the third asks for
+        approvals (so 3 sessions have one of each); a real model's run is all plain."""
+        if not self.marker_checks:
+            return "plain"
+        return ("plain", "compact", "ask")[i % 3]
 
     def workspace(self, i: int) -> Path:
         """Session ``i``'s workspace: beside the home, never inside it (a farm refuses
@@ -358,13 +405,16 @@ class Harness:
                     BrokerClient(self.farm.paths.broker_frontend) as broker:
                 self.sv = sv
                 injector = Injector(self.farm, broker, self.slow_flag, arm_path=self.arm_path,
-                                    run_tag=self.run_tag, interrupter=self._interrupt)
+                                    run_tag=self.run_tag, interrupter=self._interrupt,
+                                    steady=self._steady)
                 runs = [await self._create(sv, i) for i in range(self.opts.sessions)]
                 self.report.sessions = runs
                 phase("startup")
                 async with asyncio.TaskGroup() as work:
                     collectors = [work.create_task(self._collect(endpoint, r)) for r in runs]
                     drivers = [work.create_task(self._drive(sv, r)) for r in runs]
+                    answerers = [work.create_task(self._answer(sv, i, r))
+                                 for i, r in enumerate(runs) if r.role == "ask"]
                     await self._inject(injector, t0=time.monotonic())
                     self.faults_over.set()
                     phase("faults")
@@ -378,7 +428,7 @@ class Harness:
                         r.final_ok = ok
                     phase("final_turn")
                     await asyncio.sleep(0.5)  # let collectors see the last durable events
-                    for c in collectors:
+                    for c in collectors + answerers:
                         c.cancel()
                 # Calls still winding down (a worker's last long call) get their grace.
                 await asyncio.sleep(1.0)
@@ -434,8 +484,15 @@ class Harness:
         os.chmod(ws, 0o755)
         (ws / ID_FILE).write_text(f"{self.run_tag}-{i}\n")
         (ws / ID_FILE).chmod(0o644)
-        sid = await _retry(lambda: sv.create_session(workspace=str(ws)))
-        return SessionRun(str(sid), ws)
+        role = self.role(i)
+        spec: dict[str, Any] = {"workspace": str(ws)}
+        if role == "compact":
+            spec.update(route="chaos-compact",
+                        compaction_threshold_tokens=COMPACT_THRESHOLD_TOKENS)
+        elif role == "ask":
+            spec["approval"] = "ask"
+        sid = await _retry(lambda: sv.create_session(**spec))
+        return SessionRun(str(sid), ws, role=role)
 
     async def _collect(self, endpoint: str, run: SessionRun) -> None:
         """What a client of this session sees live, with receive times. One client
@@ -444,8 +501,77 @@ class Harness:
         caps them at 256 per client (an hour-long soak with 16 sessions on one
         client hit that cap after 17 minutes)."""
         async with SupervisorClient(endpoint, timeout_s=15) as sv:
+            run.client = sv
             async for event in sv.events(run.session_id, reconnect_timeout_s=600):
                 run.live.append((time.monotonic(), event))
+
+    async def _steady(self) -> bool:
+        """Wait (up to ``STEADY_WAIT_S``) until the supervisor answers and every
+        session's event client is subscribed to that same instance: a crash point
+        armed then fires where clients watch (armed during a restart, it would fire
+        in the resume, before any client is back). False if never."""
+        deadline = time.monotonic() + STEADY_WAIT_S
+        while time.monotonic() < deadline:
+            if self.sv is not None:
+                try:
+                    async with asyncio.timeout(2.0):
+                        await self.sv.status()
+                except (SupervisorError, TimeoutError):
+                    pass
+                else:
+                    srv = self.sv.server_id
+                    if srv is not None and all(
+                            r.client is not None and r.client.server_id == srv
+                            and r.client.subscribed(r.session_id)
+                            for r in self.report.sessions):
+                        return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def _answer(self, sv: SupervisorClient, i: int, run: SessionRun) -> None:
+        """Answer an ask session's approval requests as a user would: each one seen
+        (live or replayed after a restart) once, after a short seeded delay,
+        ``approved`` or (a ``DENY_SHARE`` of them) ``denied``. A stale reply (the
+        supervisor had no waiter for it yet) is answered again; what was sent is kept
+        in ``run.answers`` for ``approvals_kept``."""
+        rng = random.Random(f"{self.opts.seed}-answer-{i}")
+        seen = 0
+        while True:
+            for _, e in run.live[seen:]:
+                seen += 1
+                if e.get("type") != "exec_approval_request" or e.get("sequence", 0) <= 0:
+                    continue
+                approval_id = str((e.get("payload") or {}).get("id"))
+                if approval_id in run.answers:
+                    continue
+                decision = "denied" if rng.random() < DENY_SHARE else "approved"
+                await asyncio.sleep(rng.uniform(0.05, 0.5))
+                answer: dict[str, Any] = {"decision": decision, "subs": [],
+                                          "at": time.time()}
+                run.answers[approval_id] = answer
+                await self._send_answer(sv, run, approval_id, answer)
+            await asyncio.sleep(0.05)
+
+    async def _send_answer(self, sv: SupervisorClient, run: SessionRun, approval_id: str,
+                           answer: dict[str, Any]) -> None:
+        """Submit one answer; resubmit (a few times, bounded) while the farm says it
+        was stale and the request is still open (a restarted supervisor not yet
+        waiting for it)."""
+        for _ in range(10):
+            try:
+                # acknowledged once durable; a supervisor killed before that is
+                # retried (its resumed session still waits for the answer)
+                sub = await _retry(lambda: sv.call(
+                    "submit", timeout_s=ANSWER_TIMEOUT_S, session_id=run.session_id,
+                    op={"type": "exec_approval", "id": approval_id,
+                        "decision": answer["decision"]}))
+            except SupervisorError as exc:
+                answer.setdefault("errors", []).append(str(exc))
+                return
+            answer["subs"].append(str(sub))
+            await asyncio.sleep(0.5)
+            if not _stale(run.live, str(sub)) or _approval_closed(run.live, approval_id):
+                return
 
     async def _turn(self, sv: SupervisorClient, run: SessionRun) -> bool:
         """Submit one turn and wait (with a deadline) for its terminal event."""
@@ -517,9 +643,18 @@ class Harness:
     async def _inject(self, injector: Injector, t0: float) -> None:
         """Fire the schedule; a skipped fault is retried (up to ``RETRIES`` times) in
         the next slots, before the slot's own fault, so every enabled kind gets
-        reached."""
+        reached; slots the fault phase's end overtook are not fired (slow fires
+        delay the rest). Then, in a run at least ``coverage_s`` long, every enabled timed
+        kind that never hit its window gets up to ``RETRIES`` more tries, one
+        ``fault_gap_s`` apart (``_until_hit``): a short run still shows each kind
+        landing where it must, not only tried."""
         debt: list[tuple[Fault, int]] = []
-        for slot in self.schedule:
+        for n, slot in enumerate(self.schedule):
+            if time.monotonic() - t0 >= self.opts.duration_s:
+                # Slow fires (waits for a window, restarts) pushed the rest past the
+                # fault phase: not fired (counted), the phase keeps its length.
+                self.report.unfired = len(self.schedule) - n
+                break
             wait = t0 + slot.at_s - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
@@ -527,29 +662,48 @@ class Harness:
             if debt:
                 fault, tries = debt.pop(0)
                 debt.append((slot, 0))
-            index = len(self.report.injected)
-            at_s = round(time.monotonic() - t0, 3)
-
-            def mark(service: str | None, at: float | None = None, kind: str = fault.kind,
-                     index: int = index) -> None:
-                when = time.monotonic() if at is None else at
-                self.at[index] = when
-                group = recovery_group(kind)
-                if group is None:
-                    return
-                marks = {r.session_id: _count_upto(r.live, when) for r in self.report.sessions}
-                self.marks.append((index, recovery.FaultMark(group, when, service, marks)))
-
-            record = await injector.fire(fault, mark)
-            record["at_s"] = at_s
+            record = await self._fire(injector, fault, t0)
             if "skipped" in record and tries < RETRIES:
                 record["retry"] = tries + 1
                 debt.append((fault, tries + 1))
-            self.report.injected.append(record)
-            log.info("chaos: %s", record)
+        if self.opts.schedule is None and self.opts.duration_s >= self.report.coverage_s:
+            await self._until_hit(injector, t0)
         rest = t0 + self.opts.duration_s - time.monotonic()
         if rest > 0:
             await asyncio.sleep(rest)
+
+    async def _until_hit(self, injector: Injector, t0: float) -> None:
+        for kind in timed_kinds(self.kinds):
+            first = next((f for f in self.schedule if f.kind == kind), None)
+            for tries in range(RETRIES):
+                if first is None or any(r["kind"] == kind and r.get("hit")
+                                        and "skipped" not in r for r in self.report.injected):
+                    break
+                await asyncio.sleep(self.opts.fault_gap_s)
+                fault = dataclasses.replace(first, pick=first.pick + tries + 1)
+                record = await self._fire(injector, fault, t0)
+                record["until_hit"] = tries + 1
+
+    async def _fire(self, injector: Injector, fault: Fault, t0: float) -> dict[str, Any]:
+        """Fire one fault, mark its instant, and record it."""
+        index = len(self.report.injected)
+        at_s = round(time.monotonic() - t0, 3)
+
+        def mark(service: str | None, at: float | None = None, kind: str = fault.kind,
+                 index: int = index) -> None:
+            when = time.monotonic() if at is None else at
+            self.at[index] = when
+            group = recovery_group(kind)
+            if group is None:
+                return
+            marks = {r.session_id: _count_upto(r.live, when) for r in self.report.sessions}
+            self.marks.append((index, recovery.FaultMark(group, when, service, marks)))
+
+        record = await injector.fire(fault, mark)
+        record["at_s"] = at_s
+        self.report.injected.append(record)
+        log.info("chaos: %s", record)
+        return record
 
     def _recovery(self) -> None:
         lives = {r.session_id: r.live for r in self.report.sessions}
@@ -678,7 +832,13 @@ class Harness:
                    if i in self.at and rec["kind"] in ("interrupt_tool", "worker_kill_tool",
                                                        "worker_kill_model", "worker_kill_idle")
                    and (rec.get("calls") or rec.get("call")) and "error" not in rec]
-            v.extend(inv.orphans_after_kill(cut, seen, lives, KILL_BOUND_S))
+            frozen: dict[tuple[int, int], list[tuple[float, float]]] = {}
+            for j, rec in enumerate(self.report.injected):
+                if rec["kind"] == "worker_hang" and j in self.at and "skipped" not in rec:
+                    for c in rec.get("calls", []):
+                        frozen.setdefault((c[0], c[1]), []).append(
+                            (self.at[j], float(rec.get("duration_s") or 0.0)))
+            v.extend(inv.orphans_after_kill(cut, seen, lives, KILL_BOUND_S, frozen))
             self.report.killed_calls = counts
             v.extend(bad)
         asked = requests_in(self.script)
@@ -694,6 +854,13 @@ class Harness:
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
+                # only answers the farm acknowledged (an answer whose every submit
+                # failed was never given)
+                v.extend(inv.approvals_kept(r.session_id, replay, {
+                    a: ans for a, ans in r.answers.items() if ans["subs"]}))
+                v.extend(inv.compaction_once(
+                    r.session_id, replay,
+                    loaded.state.compaction_count if loaded is not None else None))
                 if self.marker_checks:
                     v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace),
                                          asked))
@@ -767,6 +934,23 @@ def _aborted_cleanly(live: recovery.LiveLog, sub: str) -> bool:
     """Whether submission ``sub`` ended ``turn_aborted`` with a reason."""
     return any(e.get("submission_id") == sub and e.get("type") == "turn_aborted"
                and (e.get("payload") or {}).get("reason") for _, e in live)
+
+
+def _stale(live: recovery.LiveLog, sub: str) -> bool:
+    """Whether the farm answered submission ``sub`` with a stale-approval warning."""
+    return any(e.get("submission_id") == sub and e.get("type") == "warning" for _, e in live)
+
+
+def _approval_closed(live: recovery.LiveLog, approval_id: str) -> bool:
+    """Whether every call of approval ``approval_id`` has a durable outcome."""
+    calls: set[str] = set()
+    for _, e in live:
+        p = e.get("payload") or {}
+        if e.get("type") == "exec_approval_request" and p.get("id") == approval_id:
+            calls = {str(c.get("call_id")) for c in p.get("calls", [])}
+        elif e.get("type") in ("tool_call_begin", "tool_call_end") and calls:
+            calls.discard(str(p.get("call_id")))
+    return not calls
 
 
 def _loss_evidence(e: dict[str, Any]) -> bool:

@@ -34,10 +34,19 @@ The invariants (issue 7):
    affected some session, or the evidence explains why not (the harness).
 10. ``faults_reached``: in a run at least ``schedule.coverage_s`` long, every
    enabled timed fault kind was injected (the harness).
+11. ``approvals_kept``: every approval is requested once (one
+   ``exec_approval_request`` per id, no call asked in two), and the answer the
+   user (the harness) gave is the one applied: an approved call is not denied
+   (nor left to the approval timeout), a denied one never dispatched.
+12. ``compaction_once``: each compaction settles once: the ``context_compacted``
+   epochs rise by one each, and the store's ``compaction_count`` equals the
+   number of ``context_compacted`` events (a crash in a compaction, before it
+   settles, leaves nothing; its redo is the only one).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -54,7 +63,7 @@ LiveLog = list[tuple[float, dict[str, Any]]]
 
 ALL_CHECKS = ("turn_ends_once", "not_wedged", "one_output_per_call", "effect_at_most_once",
               "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans",
-              "recovery_accounted", "faults_reached")
+              "recovery_accounted", "faults_reached", "approvals_kept", "compaction_once")
 # These count the scripted workload's markers on disk; a real model improvises.
 MARKER_CHECKS = ("effect_at_most_once", "unknown_reported")
 MARKER_ARG_RE = re.compile(r"echo m-(\d+) >> effects\.log")
@@ -325,24 +334,33 @@ def marker_ends(live: LiveLog) -> dict[int, list[tuple[float, dict[str, Any]]]]:
 
 def orphans_after_kill(kills: list[tuple[int, str, float, frozenset[tuple[int, int]]]],
                        seen: dict[tuple[str, int, int], tuple[int, float]],
-                       sessions: list[tuple[str, LiveLog]], bound_s: float) -> list[Violation]:
+                       sessions: list[tuple[str, LiveLog]], bound_s: float,
+                       frozen: dict[tuple[int, int], list[tuple[float, float]]] | None = None,
+                       ) -> list[Violation]:
     """Invariant 8 at the kill: when a call is cancelled (``interrupt_tool``) or its
     worker is SIGKILLed, every process of the call (its TERM-ignoring child, its
     double-forked loop) is gone within ``bound_s`` (the sandbox's TERM grace plus
     a margin), although the call would have run on for seconds. ``kills`` lists
-    (fault index, kind, instant, calls as (session index, k))."""
+    (fault index, kind, instant, calls as (session index, k)). ``frozen`` maps a
+    call to the (start, seconds) of each ``worker_hang`` that froze the worker
+    running it: a freeze that starts within the bound stops the worker's TERM-to-
+    KILL escalation, so the bound grows by its length."""
     out: list[Violation] = []
     for index, kind, at, calls in kills:
         for i, k in sorted(calls):
+            bound = bound_s
+            for start, seconds in sorted((frozen or {}).get((i, k), [])):
+                if at <= start <= at + bound:
+                    bound += seconds
             for what in ("long", "orphan"):
                 sighting = seen.get((what, i, k))
-                if sighting is None or sighting[1] - at <= bound_s:
+                if sighting is None or sighting[1] - at <= bound:
                     continue
                 sid = sessions[i][0] if i < len(sessions) else ""
                 out.append(Violation("no_orphans", sid, None,
                                      f"process chaos-{what} of call m-{k} (pid {sighting[0]}) "
                                      f"was alive {sighting[1] - at:.1f}s after fault #{index} "
-                                     f"({kind}) killed its call (bound {bound_s:.1f}s)"))
+                                     f"({kind}) killed its call (bound {bound:.1f}s)"))
     return out
 
 
@@ -402,6 +420,73 @@ def replay_equals_live(sid: str, live: list[dict[str, Any]],
                                  + (" (same content, made at another instant: the event "
                                     "seen live was never stored)" if same else "")))
             break
+    return out
+
+
+def approvals_kept(sid: str, replay: list[dict[str, Any]],
+                   answers: dict[str, dict[str, Any]]) -> list[Violation]:
+    """Invariant 11 from the stored events and what the harness answered
+    (``answers``: approval id -> {"decision": approved | denied, ...})."""
+    out: list[Violation] = []
+    requested: Counter[str] = Counter()
+    asked_in: dict[str, str] = {}  # call id -> approval id
+    begun: set[str] = set()
+    ends: dict[str, tuple[str, int]] = {}  # call id -> (tool output, sequence)
+    for e in replay:
+        p = e["payload"]
+        if e["type"] == "exec_approval_request":
+            approval_id = str(p.get("id"))
+            requested[approval_id] += 1
+            if requested[approval_id] == 2:
+                out.append(Violation("approvals_kept", sid, e["sequence"],
+                                     f"approval {approval_id} was requested again"))
+            for c in p.get("calls", []):
+                call = str(c.get("call_id"))
+                if asked_in.setdefault(call, approval_id) != approval_id:
+                    out.append(Violation("approvals_kept", sid, e["sequence"],
+                                         f"call {call} was asked for approval again "
+                                         f"({approval_id} after {asked_in[call]})"))
+        elif e["type"] == "tool_call_begin":
+            begun.add(str(p.get("call_id")))
+        elif e["type"] == "tool_call_end":
+            ends.setdefault(str(p.get("call_id")), (str(p.get("output", "")), e["sequence"]))
+    for call, approval_id in sorted(asked_in.items()):
+        answer = answers.get(approval_id)
+        if answer is None:
+            continue  # never answered (the turn ended first): nothing was decided
+        decision = answer.get("decision")
+        output, seq = ends.get(call, ("", None))
+        if decision == "denied" and call in begun:
+            out.append(Violation("approvals_kept", sid, seq,
+                                 f"call {call} was dispatched though its approval "
+                                 f"{approval_id} was denied"))
+        elif decision == "approved" and "not answered within" in output:
+            out.append(Violation("approvals_kept", sid, seq,
+                                 f"approval {approval_id} was answered (approved) but its "
+                                 f"call {call} was denied as unanswered: the answer was lost"))
+        elif decision == "approved" and "denied by the user" in output:
+            out.append(Violation("approvals_kept", sid, seq,
+                                 f"call {call} was denied though its approval {approval_id} "
+                                 "was approved"))
+    return out
+
+
+def compaction_once(sid: str, replay: list[dict[str, Any]],
+                    compaction_count: int | None) -> list[Violation]:
+    """Invariant 12 from the stored events and the stored checkpoint state."""
+    out: list[Violation] = []
+    epochs = [(e["payload"].get("epoch"), e["sequence"]) for e in replay
+              if e["type"] == "context_compacted"]
+    for (a, _), (b, seq) in itertools.pairwise(epochs):
+        if not isinstance(a, int) or not isinstance(b, int) or b <= a:
+            out.append(Violation("compaction_once", sid, seq,
+                                 f"context_compacted epoch {b} after epoch {a}: a compaction "
+                                 "settled twice"))
+            break
+    if compaction_count is not None and compaction_count != len(epochs):
+        out.append(Violation("compaction_once", sid, epochs[-1][1] if epochs else None,
+                             f"the store counts {compaction_count} compaction(s) but "
+                             f"{len(epochs)} context_compacted event(s) were stored"))
     return out
 
 

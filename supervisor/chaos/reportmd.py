@@ -58,24 +58,30 @@ def render(r: dict[str, Any], command: str) -> str:
         f"{(c.get('killed_calls') or {}).get('checked', 0)} "
         f"({json.dumps(c.get('killed_calls') or {})}) |",
         f"| repeated requests | {c['repeated_requests']} |",
+        f"| compactions; approvals requested, answered by the harness | "
+        f"{c.get('compactions', '-')}; {c.get('approvals_requested', '-')}, "
+        f"{c.get('approvals_answered', '-')} |",
+        f"| sessions by role | {json.dumps(c.get('sessions_by_role') or {})} |",
         f"| process-table samples | {c.get('process_table_samples')} |",
         f"| checks | {', '.join(r['checks'])} |",
         "",
         "## Faults and recovery by kind", "",
         "Recovery: from the fault to the affected session's next progress event "
         "(`docs/chaos.md`, Recovery).", "",
-        "| kind | injected | skipped (retried) | sessions measured | recovery p50 | p99 |",
-        "|---|---|---|---|---|---|",
+        "Hit: the fault landed in its window (a crash point reached and claimed, a tool "
+        "kill with the call's processes in the worker's cgroup, ...).", "",
+        "| kind | injected | hit | skipped (retried) | sessions measured | recovery p50 | p99 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for kind, k in sorted(by_kind.items()):
         rec = k.get("recovery") or {}
-        out.append(f"| {kind} | {k['injected']} | {k['skipped']} | {rec.get('count', 0)} | "
-                   f"{_s(rec.get('p50_s'))} | {_s(rec.get('p99_s'))} |")
+        out.append(f"| {kind} | {k['injected']} | {k.get('hit', '-')} | {k['skipped']} | "
+                   f"{rec.get('count', 0)} | {_s(rec.get('p50_s'))} | {_s(rec.get('p99_s'))} |")
     for key, kind in FRAME_KINDS.items():
         if key in frame:
-            out.append(f"| {kind} | {frame[key]} | - | - | - | - |")
+            out.append(f"| {kind} | {frame[key]} | - | - | - | - | - |")
     for kind, n in sorted(provider.items()):
-        out.append(f"| {kind} | {n} | - | - | - | - |")
+        out.append(f"| {kind} | {n} | - | - | - | - | - |")
     out += [
         "",
         "Frame faults are counted by the broker (polled every second, summed across "
@@ -100,7 +106,7 @@ def render(r: dict[str, Any], command: str) -> str:
         f"faults ({frames}: a share of the request traffic) and provider faults ({served}: a "
         "share of the model calls). The last two scale with the traffic the farm carries, "
         f"and the traffic is bounded by the supervisor's restarts: {restarts} of the timed "
-        "faults kill the supervisor (`supervisor_kill` and the six `crash_*` kinds), each "
+        "faults kill the supervisor (`supervisor_kill` and the `crash_*` kinds), each "
         f"costing the sessions about {sup.get('p50_s')} s (recovery p50), about "
         f"{down:.0f} s of {duration:.0f} s in all; and by the CPU: 2 cores shared with "
         "other engineers' test runs (load below).",

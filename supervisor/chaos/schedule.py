@@ -54,6 +54,8 @@ WINDOW_POINTS: Final = {
     "crash_tool_running": "tool_running",  # mid tool call
     "crash_model_reply": "model_reply",  # calls requested, none dispatched
     "crash_tool_result": "tool_result",  # a call's output committed, next step not sent
+    "crash_compaction": "compaction",  # compacted context held provisionally, not durable
+    "crash_approval_wait": "approval_wait",  # an approval request committed, unanswered
 }
 WINDOW_FAULTS: Final = tuple(WINDOW_POINTS)
 CANCEL_FAULTS: Final = ("interrupt_tool",)  # interrupt a turn mid long tool call

@@ -16,8 +16,12 @@ requires each to end ``unknown`` with ``worker_lost`` promptly.
 Window faults (``crash_*``) write the crash point's name into the arm file
 the supervisor watches (``supervisor/crashpoints.py``) and wait up to
 ``arm_wait_s`` for it to be claimed; the kill's instant is the claim's
-(``.fired`` file). ``interrupt_tool`` asks the harness's ``interrupter`` to
-interrupt a turn with a long tool call open.
+(``.fired`` file). They are armed only when the farm is steady (``steady``:
+the supervisor up and every session's event client subscribed to it), so the
+kill lands where a client watches: armed while a restarted supervisor is still
+resuming, a point would fire before any client is back and show nothing.
+``interrupt_tool`` asks the harness's ``interrupter`` to interrupt a turn with
+a long tool call open.
 
 Other targets: the broker, the supervisor and the scripted provider are
 SIGKILLed (the farm restarts them); ``store_busy`` holds SQLite's write lock
@@ -26,7 +30,10 @@ on (a flag file, see ``supervisor.store.slowdisk``) for the fault's duration.
 
 Invariants:
 - Every record says what was hit: kind, target name, pid, and for worker
-  faults the services it had in flight at the instant it was chosen.
+  faults the services it had in flight at the instant it was chosen; and
+  ``hit``: whether the fault landed in its window (a crash point claimed; a
+  tool kill with a tool process of the run in the worker's cgroup; a model
+  kill holding a model request; ...), so a report shows it, not just the try.
 - Every wait is bounded (STATUS calls, the target search, hangs, lock holds).
 """
 
@@ -63,7 +70,8 @@ class Injector:
     def __init__(self, farm: Farm, broker: BrokerClient, slow_flag: Path, *,
                  wait_s: float = 3.0, arm_path: Path | None = None, run_tag: str = "",
                  interrupter: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
-                 arm_wait_s: float = 6.0) -> None:
+                 arm_wait_s: float = 6.0,
+                 steady: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.farm = farm
         self.broker = broker
         self.slow_flag = slow_flag
@@ -72,6 +80,7 @@ class Injector:
         self.run_tag = run_tag
         self.interrupter = interrupter
         self.arm_wait_s = arm_wait_s
+        self.steady = steady
 
     def _running(self, prefix: str) -> list[Any]:
         return sorted((c for c in self.farm.tree.children.values()
@@ -147,6 +156,7 @@ class Injector:
                 await asyncio.sleep(FREEZE_SETTLE_S)  # answers already sent reach the broker
                 rec["held"] = await self._held_by(pid)
                 rec["calls"] = sorted(calls_in_cgroup(pid, self.run_tag))  # (session, k)
+                rec["hit"] = _worker_hit(kind, rec["held"], rec["calls"])
                 if kind == "worker_hang":
                     await asyncio.sleep(max(0.0, fault.duration_s - FREEZE_SETTLE_S))
                     rec["duration_s"] = fault.duration_s
@@ -161,7 +171,7 @@ class Injector:
                 rec["skipped"] = f"no running {SINGLE[kind].rstrip('-')} process"
                 return rec
             child = targets[fault.pick % len(targets)]
-            rec.update(target=child.spec.name, pid=child.pid)
+            rec.update(target=child.spec.name, pid=child.pid, hit=True)
             before_kill(None)
             _signal(child.pid, signal.SIGKILL)
             return rec
@@ -176,10 +186,11 @@ class Injector:
                 if sent is not None:
                     before_kill(None, sent)
                 rec.update(hit)
+                rec["hit"] = "error" not in hit  # the interrupt reached the open call's turn
             return rec
         if kind == "store_busy":
             await asyncio.to_thread(hold_write_lock, self.farm.paths.db, fault.duration_s)
-            rec["duration_s"] = fault.duration_s
+            rec.update(duration_s=fault.duration_s, hit=True)
             return rec
         if kind == "store_slow":
             self.slow_flag.touch()
@@ -188,7 +199,7 @@ class Injector:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     self.slow_flag.unlink()
-            rec["duration_s"] = fault.duration_s
+            rec.update(duration_s=fault.duration_s, hit=True)
             return rec
         rec["skipped"] = "not a timed fault"
         return rec
@@ -198,6 +209,10 @@ class Injector:
         """Arm crash point ``point`` once; wait for the supervisor to reach it."""
         if self.arm_path is None:
             rec["skipped"] = "crash points are not armable in this farm"
+            return rec
+        if self.steady is not None and not await self.steady():
+            rec["skipped"] = ("the supervisor was restarting or a client was not subscribed "
+                              "to it: a kill now would test nothing a client sees")
             return rec
         fired = f"{self.arm_path}.fired"
         _write_arm(str(self.arm_path), point, fired)
@@ -213,7 +228,8 @@ class Injector:
             rec["skipped"] = f"crash point {point} not reached within {self.arm_wait_s}s"
             return rec
         # the instant of the kill, from the claim (wall clock) mapped to monotonic
-        wall = _fired_at(fired)
+        wall, pid = _fired_at(fired)
+        rec.update(hit=True, fired_pid=pid)  # the supervisor claimed it and killed itself
         before_kill(None, time.monotonic() - max(0.0, time.time() - wall) if wall else None)
         return rec
 
@@ -239,15 +255,29 @@ def _disarm(path: str) -> bool:
     return True
 
 
-def _fired_at(fired: str) -> float | None:
+def _fired_at(fired: str) -> tuple[float | None, int | None]:
+    """The claim's wall-clock time and the claiming supervisor's pid."""
     for _ in range(20):  # the claimer appends its time right after the rename
         with open(fired) as f:
             parts = f.read().split()
-        if len(parts) >= 2:
+        if len(parts) >= 3:
             with contextlib.suppress(ValueError):
-                return float(parts[1])
+                return float(parts[1]), int(parts[2])
         time.sleep(0.005)
-    return None
+    return None, None
+
+
+def _worker_hit(kind: str, held: list[str] | None, calls: list[Any]) -> bool:
+    """Whether a worker fault landed in its window: a kill mid tool call had one of
+    the run's tool processes in the worker's cgroup; mid model call, a model request
+    held; an idle kill, nothing held; a hang, anything held."""
+    if kind == "worker_kill_tool":
+        return bool(calls)
+    if kind == "worker_kill_model":
+        return "model" in (held or [])
+    if kind == "worker_kill_idle":
+        return held == []
+    return bool(held)
 
 
 def _state_name(want: str) -> str:

@@ -64,6 +64,9 @@ from supervisor.store.records import (
 )
 
 log = logging.getLogger(__name__)
+# An approval answer is acknowledged once its verdicts are committed, waited for
+# at most this long (a store held busy or slow delays the commit; never a hang).
+APPROVAL_DURABLE_WAIT_S = 10.0
 
 UsageObserver = Callable[[str, Usage], Any]
 MiddlewareFactory = Callable[[SessionSpec], Sequence[Middleware]]
@@ -219,6 +222,13 @@ class SessionManager:
                 await session.warn(ev.STALE_APPROVAL, sub, approval_id=parsed.id)
             else:
                 waiter.future.set_result(parsed.decision)
+                try:  # acknowledged once durable (bounded: a slow store is not a hang)
+                    async with asyncio.timeout(APPROVAL_DURABLE_WAIT_S):
+                        await asyncio.shield(waiter.applied)
+                except TimeoutError:
+                    log.warning("session %s: approval %s: its verdicts were not committed "
+                                "within %.0fs of the answer", session_id, parsed.id,
+                                APPROVAL_DURABLE_WAIT_S)
         elif isinstance(parsed, SetModel):
             if parsed.route not in self.config.routes:
                 raise BadOp(f"unknown route {parsed.route!r}; known: {sorted(self.config.routes)}")

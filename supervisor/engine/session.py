@@ -102,6 +102,12 @@ class PendingApproval:
     turn_id: str
     future: asyncio.Future[str] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    # Resolved once the answer's verdicts are committed (or the turn ended without
+    # them): the answer's submit returns only then, so an acknowledged answer is
+    # never lost to a restart (a crash before it: the client's retry reaches the
+    # resumed session, which still waits for it).
+    applied: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
     requested_at: float | None = None
     requested_mono: float | None = None
 

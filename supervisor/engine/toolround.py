@@ -258,7 +258,6 @@ async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
 
 
 async def _await_approval(turn: Turn) -> None:
-    from supervisor.engine.turn import TurnRejected
 
     s = turn.session
     pending = s.state.pending_approval
@@ -297,6 +296,19 @@ async def _await_approval(turn: Turn) -> None:
         decision = waiter.future.result() if done else "timed_out"
     finally:
         s.approval = None
+    try:
+        await _apply_answer(turn, pending, decision, timeout_s)
+    finally:
+        if not waiter.applied.done():  # the answer's submit is acknowledged now
+            waiter.applied.set_result(None)
+
+
+async def _apply_answer(turn: Turn, pending: dict[str, Any], decision: str,
+                        timeout_s: float | None) -> None:
+    """Commit the verdicts an approval's answer (or its timeout) gives its calls."""
+    from supervisor.engine.turn import TurnRejected
+
+    s = turn.session
     asked = {c["call_id"] for c in pending["calls"]}
     if decision == "abort":
         raise TurnRejected("the user aborted the turn at the approval request")

@@ -1,11 +1,13 @@
 """``corral chaos`` for 60 s with every fault kind: 0 violations.
 
-A real farm (scripted provider, broker, workers, supervisor) in its own
-process tree, sized small (3 sessions on 2 workers) for a 2-core CI machine.
-60 s is past the schedule's coverage bound for ``all`` at a 1.8 s gap
-(2 + 2 x 1.8 x 15 = 56 s), so every timed fault kind must be injected (``faults_reached``)
-and the run checks each kind's windows. The planted bugs this same checker
-must catch are in ``test_plants.py``.
+The one 60-90 s run of CI (#14). A real farm (scripted provider, broker,
+workers, supervisor) in its own process tree, sized small for a 2-core CI
+machine: 3 sessions (one plain, one compacting its context, one whose
+approvals the harness answers) on 2 workers. 60 s is past the schedule's
+coverage bound for ``all`` at a 1.5 s gap (2 + 2 x 1.5 x 17 = 53 s), so every
+timed fault kind must be injected (``faults_reached``), and the compaction
+and approval windows must be hit. The planted bugs this same checker must
+catch are in ``test_plants.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SEEDS = (11,)
 def test_chaos_60s_has_no_violation(seed: int, workspace_root: Path, procs: Procs) -> None:
     home = workspace_root / f"chaos-{seed}"
     proc = procs.spawn([PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(seed),
-                        "--duration", "60", "--fault-gap", "1.8", "--sessions", "3",
+                        "--duration", "60", "--fault-gap", "1.5", "--sessions", "3",
                         "--workers", "2",
                         "--json", "--home", str(home)],
                        name=f"chaos-{seed}", stdout=subprocess.PIPE)
@@ -60,3 +62,11 @@ def test_chaos_60s_has_no_violation(seed: int, workspace_root: Path, procs: Proc
     assert "faults_reached" in report["checks"]
     for kind, k in report["faults_by_kind"].items():
         assert k["injected"] >= 1, (kind, k)
+    by_kind = report["faults_by_kind"]
+    assert by_kind["crash_compaction"]["hit"] >= 1, by_kind["crash_compaction"]
+    assert by_kind["crash_approval_wait"]["hit"] >= 1, by_kind["crash_approval_wait"]
+    assert counts["compactions"] > 0
+    assert counts["approvals_requested"] > 0
+    assert counts["approvals_answered"] > 0
+    assert counts["sessions_by_role"] == {"ask": 1, "compact": 1, "plain": 1}
+    assert {"approvals_kept", "compaction_once"} <= set(report["checks"])

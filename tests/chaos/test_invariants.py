@@ -24,6 +24,8 @@ import psutil
 from supervisor.chaos.exportcheck import check_doc
 from supervisor.chaos.invariants import (
     Kill,
+    approvals_kept,
+    compaction_once,
     effects,
     exports_verify,
     killed_calls,
@@ -279,3 +281,65 @@ def test_the_planted_partial_digest_is_caught_by_tampering(tmp_path: Path) -> No
     assert result["problems"] == []
     assert result["tamper_undetected"] == ["run_records", "snapshot"]
     assert {v.invariant for v in exports_verify({"x.json": result})} == {"exports_verify"}
+
+
+def request(seq: int, approval: str, *calls: str) -> dict[str, Any]:
+    return {"sequence": seq, "type": "exec_approval_request",
+            "payload": {"id": approval, "calls": [{"call_id": c} for c in calls]}}
+
+
+def denied_end(seq: int, call: str, why: str) -> dict[str, Any]:
+    return {"sequence": seq, "type": "tool_call_end",
+            "payload": {"call_id": call, "outcome": "deny", "output": f"Tool call not run: {why}"}}
+
+
+def test_an_approval_is_requested_once_and_its_answer_is_the_one_applied() -> None:
+    approved = {"a1": {"decision": "approved"}}
+    good = [request(1, "a1", "c1"), begin(2, 1, "c1"), end(3, "c1", "ok")]
+    assert approvals_kept("s", good, approved) == []
+    denied = [request(1, "a1", "c1"), denied_end(2, "c1", "denied by the user")]
+    assert approvals_kept("s", denied, {"a1": {"decision": "denied"}}) == []
+    assert approvals_kept("s", denied, {}) == []  # never answered: nothing decided
+    # Asked again after a restart (a new request for the same call): answered twice.
+    again = [request(1, "a1", "c1"), request(2, "a2", "c1"), begin(3, 1, "c1")]
+    v = approvals_kept("s", again, {"a1": {"decision": "approved"},
+                                    "a2": {"decision": "approved"}})
+    assert [x.invariant for x in v] == ["approvals_kept"]
+    assert "asked for approval again" in (
+        v[0].detail)
+    # The same request event twice.
+    twice = [request(1, "a1", "c1"), request(2, "a1", "c1")]
+    assert "requested again" in approvals_kept("s", twice, {})[0].detail
+    # A denied call dispatched; an approved call left to the approval timeout (the
+    # answer lost) or denied.
+    ran = [request(1, "a1", "c1"), begin(2, 1, "c1")]
+    assert "was denied" in approvals_kept("s", ran, {"a1": {"decision": "denied"}})[0].detail
+    lost = [request(1, "a1", "c1"), denied_end(
+        2, "c1", "denied: the approval request was not answered within 30s")]
+    assert "answer was lost" in approvals_kept("s", lost, approved)[0].detail
+    flipped = [request(1, "a1", "c1"), denied_end(2, "c1", "denied by the user")]
+    assert approvals_kept("s", flipped, approved)[0].sequence == 2
+
+
+def test_a_compaction_settles_once() -> None:
+    def compacted(seq: int, epoch: int) -> dict[str, Any]:
+        return {"sequence": seq, "type": "context_compacted", "payload": {"epoch": epoch}}
+    assert compaction_once("s", [compacted(3, 1), compacted(9, 2)], 2) == []
+    twice = compaction_once("s", [compacted(3, 1), compacted(4, 1)], 2)
+    assert [(x.invariant, x.sequence) for x in twice] == [("compaction_once", 4)]
+    counted = compaction_once("s", [compacted(3, 1)], 2)
+    assert "counts 2 compaction(s) but 1" in counted[0].detail
+    assert compaction_once("s", [], None) == []
+
+
+def test_a_hang_of_the_worker_doing_the_kill_extends_the_kill_bound() -> None:
+    # The soak: an interrupt at t=0, then a worker_hang froze the worker running the
+    # call for 2.55 s from t=2.5: its TERM-to-KILL escalation was stopped with it.
+    seen = {("long", 0, 7): (123, 4.8), ("orphan", 0, 7): (124, 4.8)}
+    kills = [(1, "interrupt_tool", 0.0, frozenset({(0, 7)}))]
+    sessions = [("s", [])]
+    assert len(orphans_after_kill(kills, seen, sessions, 4.0)) == 2  # type: ignore[arg-type]
+    frozen = {(0, 7): [(2.5, 2.55)]}
+    assert orphans_after_kill(kills, seen, sessions, 4.0, frozen) == []  # type: ignore[arg-type]
+    late = {(0, 7): [(4.5, 2.55)]}  # a freeze after the bound excuses nothing
+    assert len(orphans_after_kill(kills, seen, sessions, 4.0, late)) == 2  # type: ignore[arg-type]

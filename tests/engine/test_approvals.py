@@ -154,6 +154,28 @@ async def test_denied_and_aborted_approvals(procs: Procs, tmp_path: Path,
         assert sorted(calls) == sorted(outputs) == ["a", "b"]
 
 
+@pytest.mark.sandbox
+async def test_an_answer_is_durable_when_its_submit_returns(procs: Procs,
+                                                           tmp_path: Path) -> None:
+    # Found by corral chaos: a supervisor killed right after acknowledging an
+    # answer lost it (the resumed turn denied the calls as unanswered). The
+    # submit now returns only once the verdicts are committed.
+    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    async with engine(farm) as eng:
+        sid = await eng.session(approval="ask")
+        request, sub = await until_approval(eng, sid, "run both")
+        await eng.manager.submit(sid, {"type": "exec_approval",  # type: ignore[arg-type]
+                                       "id": request.payload["id"], "decision": "approved"})
+        # nothing awaited since the submit returned: the turn has already applied it
+        assert eng.manager.sessions[sid].state.pending_approval is None  # type: ignore[index]
+        saved = await eng.store.load(sid)  # and it is on disk
+        assert saved is not None
+        assert saved.state.pending_approval is None
+        assert all(pc["verdict"] == "allow" for pc in saved.state.pending_tool_calls)
+        events = await finish(eng, sid, sub, None, request.sequence)
+        assert events[-1].type == "turn_complete"
+
+
 async def test_stale_approval_is_a_warning(procs: Procs, tmp_path: Path) -> None:
     farm = start_farm(procs, tmp_path, {"responses": [{"text": "hi"}]}, services="model")
     async with engine(farm) as eng:
