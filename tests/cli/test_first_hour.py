@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.cli.test_cli_basics import help_text
 from tests.cli.test_cli_e2e import (
     _up,
     alive,
@@ -112,7 +113,7 @@ def test_version_help_and_completion() -> None:
     assert {"init", "sessions", "terminate", "delete", "completion"} <= dict(commands).keys()
     for command, summary in commands:
         assert summary.strip(), command
-        own = cli(None, command, "--help").stdout
+        own = help_text(command)
         description = own.split("\n\n")[1]
         assert not description.startswith(("options:", "positional")), (command, own)
 
