@@ -7,7 +7,7 @@ statuses are translated here and nowhere else.
 
 Exception tree::
 
-    ModelError(kind, message, retryable)
+    ModelError(kind, message, retryable)   a ``broker.protocol.Failed``
     ├── AuthError           auth          401/403, missing credential   not retryable
     ├── BadRequestError     bad_request   400/404/413/422, bad input    not retryable
     ├── RateLimitedError    rate_limited  429 (carries retry_after_s)   retryable
@@ -32,6 +32,7 @@ from typing import Any, Final
 
 import httpx
 
+from broker.protocol import Failed
 from sandbox_worker.api import (
     MODEL_FAILURE_AUTH,
     MODEL_FAILURE_BAD_REQUEST,
@@ -46,7 +47,7 @@ MAX_PROVIDER_MESSAGE_CHARS: Final = 300
 MAX_RETRY_AFTER_S: Final = 600.0
 
 
-class ModelError(Exception):
+class ModelError(Failed):
     """A failed model call, as data: kind, safe message, retryability."""
 
     kind: str = "internal"
@@ -55,7 +56,6 @@ class ModelError(Exception):
     def __init__(self, message: str, *, retry_after_s: float | None = None,
                  status: int | None = None) -> None:
         super().__init__(message)
-        self.message = message
         self.retry_after_s = retry_after_s
         self.status = status
         self.partial_relayed = False

@@ -35,11 +35,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
-from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage, empty_usage
+from sandbox_worker.api import ModelCallResult, Usage, add_usage, empty_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
-from supervisor.engine.calls import CallFailure, stream_call
+from supervisor.engine.calls import call_model
 from supervisor.engine.errors import (
+    CallFailed,
     HookFailed,
     ModelCallFailed,
     TurnError,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _MAX_RESUME_PAGES = 100  # events read to find what a crash left open (1,000 a page)
+MIN_REQUEST_BUDGET_S = 0.05  # the broker client refuses a budget of 0
 
 
 class TurnRejected(Exception):
@@ -199,11 +201,12 @@ class Turn:
             exc2 = TurnLimitExceeded(
                 f"the turn ran longer than {self.session.config.max_turn_s}s")
             await self._finish_aborted(ev.ABORT_FAILED, str(exc2), error=exc2)
-        except Exception as exc:  # the turn's boundary: a bug fails this turn, cleanly
+        except Exception:  # the turn's boundary: a bug fails this turn, cleanly
             log.exception("session %s turn %s: unexpected error", self.session.sid,
                           self.turn_id)
-            await self._finish_aborted(ev.ABORT_FAILED, "internal error in the supervisor",
-                                       error=TurnError(f"internal error: {type(exc).__name__}"))
+            await self._finish_aborted(
+                ev.ABORT_FAILED, "internal error in the supervisor",
+                error=TurnError("internal error in the supervisor; see its log"))
 
     async def _body(self) -> None:
         from supervisor.engine.toolround import tool_round
@@ -233,10 +236,20 @@ class Turn:
                 return
         elif self.phase is not TurnPhase.PREPARING:
             # mid model call / compaction / stop hooks: re-issue the step
-            await self.session.commit(mutate=self._force_phase(TurnPhase.PREPARING))
+            await self.session.commit(mutate=self.moving_to(TurnPhase.PREPARING))
         while not await self._step():
             pass
         await self._finish_completed()
+
+    def budget_s(self, cap_s: float) -> float:
+        """The budget of a request the turn makes: what is left of the turn's own
+        (``max_turn_s``, counted from its start), at most ``cap_s`` (the per-call
+        cap of ``EngineConfig``), and never below ``MIN_REQUEST_BUDGET_S`` (a turn
+        with less left ends at its own limit, which expires first)."""
+        if self._limit is None or (when := self._limit.when()) is None:
+            return cap_s
+        left = when - asyncio.get_running_loop().time()
+        return max(MIN_REQUEST_BUDGET_S, min(cap_s, left))
 
     def _limit_from_start(self) -> None:
         """A resumed turn's ``max_turn_s`` counts from the turn's stored start (wall
@@ -296,11 +309,6 @@ class Turn:
             for block in blocks]
         if closing:
             await s.commit(closing)
-
-    def _force_phase(self, phase: TurnPhase) -> Any:
-        def mutate(st: Any) -> None:
-            st.active_turn = self._active_turn(phase)
-        return mutate
 
     async def _start_with_input(self) -> None:
         """Start the turn from the admitted input (its prompt hooks already ran)."""
@@ -422,7 +430,7 @@ class Turn:
 
     # ----------------------------------------------------------- model call
 
-    async def _model_call(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _model_call(self, request: dict[str, Any]) -> ModelCallResult:
         s = self.session
         cfg = s.config
         attempt = 1
@@ -439,19 +447,17 @@ class Turn:
             self.open_step = True
             crashpoints.reach("model_call_before")
             try:
-                result = await stream_call(
-                    s.manager.broker, SERVICE_MODEL, request, budget_s=cfg.model_call_budget_s,
+                return await call_model(
+                    s.manager.broker, request, budget_s=self.budget_s(cfg.model_call_budget_s),
                     attempt=attempt, on_partial=self._on_model_delta,
                     cancel_grace_s=cfg.cancel_grace_s)
-                _check_model_result(result)
-                return result  # type: ignore[no-any-return]
-            except CallFailure as f:
+            except CallFailed as f:
                 again = (f.retryable or f.worker_lost) and attempt < cfg.model_attempts
                 outcome = ev.STEP_RETRYING if again else ev.STEP_FAILED
                 await s.commit([(ev.MODEL_STEP_COMPLETED, {
                     "turn_id": self.turn_id, "step": step, "attempt": attempt,
                     "outcome": outcome, "diagnostics": {
-                        "error": ev.error(f.kind, f.message, f.retryable),
+                        "error": ev.error(f.failure),
                         "prompt_cache": self._cache_diagnostics(s.state)}},
                     self.submission_id)])
                 if not again:
@@ -494,7 +500,7 @@ class Turn:
                 "outcome": "prefix_reuse" if st.cache_breakpoint is not None else "cold",
                 "rewrite_reasons": []}
 
-    async def _commit_model_result(self, result: dict[str, Any],
+    async def _commit_model_result(self, result: ModelCallResult,
                                    call_items: list[dict[str, Any]],
                                    extra_items: list[dict[str, Any]] | None = None,
                                    mutate_more: Any = None) -> None:
@@ -546,16 +552,10 @@ class Turn:
         s = self.session
         self.finishing = True
         await self._run_turn_end("completed")
-
-        def mutate(st: Any) -> None:
-            st.active_turn = None
-            st.pending_tool_calls = []
-            st.pending_approval = None
-            st.export_loop_checkpoint = None
         await s.commit([(ev.TURN_COMPLETE, {"turn_id": self.turn_id,
                                             "last_agent_message": ev.clip(self.last_message)},
                          self.submission_id)],
-                       execution=self.execution("completed"), mutate=mutate)
+                       execution=self.execution("completed"), mutate=_clear_turn)
 
     async def _finish_aborted(self, reason: str, message: str,
                               error: TurnError | None = None) -> None:
@@ -584,19 +584,13 @@ class Turn:
                 else ev.STEP_FAILED, "diagnostics": {}}, self.submission_id))
         items.extend(close_open_calls(self, message))
         if error is not None:
-            events.append((ev.ERROR, error.as_data(), self.submission_id))
+            events.append((ev.ERROR, ev.error(error.failure), self.submission_id))
         events.append((ev.TURN_ABORTED, {"turn_id": self.turn_id, "reason": reason,
                                          "message": ev.clip(message, 4096)},
                        self.submission_id))
-
-        def mutate(st: Any) -> None:
-            st.active_turn = None
-            st.pending_tool_calls = []
-            st.pending_approval = None
-            st.export_loop_checkpoint = None
         await s.commit(events, items=items or None,
                        execution=self.execution(outcome, f"{reason}: {message}"[:1000]),
-                       mutate=mutate)
+                       mutate=_clear_turn)
         self.partial_text = ""
         try:
             await self._run_turn_end(outcome)
@@ -607,6 +601,14 @@ class Turn:
         s = self.session
         await s.hooks.run(HookEvent.TURN_END, s.sid, self.turn_id,
                           {"outcome": outcome, "last_message": self.last_message})
+
+
+def _clear_turn(st: Any) -> None:
+    """The checkpoint state of a session whose turn ended (in the turn's last commit)."""
+    st.active_turn = None
+    st.pending_tool_calls = []
+    st.pending_approval = None
+    st.export_loop_checkpoint = None
 
 
 def _usage_dict(usage: Usage) -> dict[str, int]:
@@ -623,28 +625,13 @@ def _message_text(item: dict[str, Any]) -> str:
                    if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
-def _check_model_result(result: Any) -> None:
-    if not isinstance(result, dict) or not isinstance(result.get("items"), list) \
-            or not all(isinstance(i, dict) for i in result["items"]) \
-            or not isinstance(result.get("usage"), dict):
-        raise CallFailure("protocol", "the model service answered with a malformed result",
-                          False)
-    usage = result["usage"]
-    base = empty_usage()
-    for k in base:
-        v = usage.get(k, 0)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise CallFailure("protocol", f"model usage field {k!r} is not an integer", False)
-    result["usage"] = {k: int(usage.get(k, 0)) for k in base}
-
-
 async def run_session_start(session: Session, source: str) -> None:
     """session_start outside a turn (startup, resume): may stop or push input."""
     try:
         folded = await session.hooks.run(HookEvent.SESSION_START, session.sid, None,
                                          {"source": source})
     except HookFailed as exc:
-        await session.commit([(ev.ERROR, exc.as_data(), None)])
+        await session.commit([(ev.ERROR, ev.error(exc.failure), None)])
         return
     if folded.stop is not None:
         # Nothing is running: the stop ends the hook run only; it never eats a prompt.
