@@ -160,10 +160,3 @@ def parse_op(op: Any) -> Op:
         return Compact()
     return Shutdown()
 
-
-def user_input_from_json(d: Mapping[str, Any]) -> UserInput:
-    """Rebuild a queued ``UserInput`` from its durable form."""
-    op = parse_op({k: v for k, v in d.items() if k not in ("submission_id",)})
-    if not isinstance(op, UserInput):
-        raise BadOp("queued input is not a user_input op")
-    return op

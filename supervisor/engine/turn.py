@@ -89,11 +89,9 @@ class Turn:
         self.force_compact = kind == "compact"
         self.provisional: Provisional | None = None
         self.open_block: str | None = None  # compaction notice awaiting its completion
-        self.interrupt_requested = False
         self.open_step = False  # a model_step_started without its final completion
         self.finishing = False
         self.last_message = ""
-        self.pending_rewrite_reasons: list[str] = []
         self.tool_rounds: list[list[str]] = []  # call ids per completed tool round
         # approval id -> created_at of its stored exec_approval_request (resumed turns)
         self.approval_requested_at: dict[str, float] = {}
@@ -182,7 +180,6 @@ class Turn:
     def interrupt(self) -> None:
         if self.finishing or self.session.turn_task is None:
             return
-        self.interrupt_requested = True
         self.session.turn_task.cancel()
 
     async def _run(self) -> None:
@@ -363,7 +360,6 @@ class Turn:
                     self.provisional.context = list(pre.rewrite_items)
                 self.provisional.context.extend(extra)
             elif pre.rewrite_items is not None:
-                self.pending_rewrite_reasons.append("pre_model_hook")
                 await s.commit(rewrite=(list(pre.rewrite_items) + extra, ["pre_model_hook"]),
                                mutate=self._note_rewrite(["pre_model_hook"]))
             else:
