@@ -62,6 +62,7 @@ from supervisor.engine.approvals import Decision, call_key
 from supervisor.engine.calls import call_tool
 from supervisor.engine.errors import CallFailed, TurnError
 from supervisor.engine.hooks import HookEvent, context_item
+from supervisor.engine.machine import PendingCall
 from supervisor.engine.phases import CallState, TurnPhase, advance_call
 from supervisor.engine.session import PendingApproval
 from supervisor.engine.tooling import offered
@@ -120,9 +121,9 @@ async def prepare_calls(turn: Turn, result: ModelCallResult,
             budget -= json_size(args)
         item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": text}
         items.append(item)
-        pc: dict[str, Any] = {"call_id": call_id, "name": name, "arguments": args or {},
-                              "state": str(CallState.REQUESTED), "attempt": 0,
-                              "verdict": None, "reason": None}
+        # the machine's record is the checkpoint's (machine.PendingCall)
+        pc = PendingCall(call_id, name, args or {},
+                         idempotent=name in IDEMPOTENT_TOOLS).to_json()
         if problem is not None:
             pc["verdict"], pc["reason"] = "bad", problem
         elif not offered(s.spec.tools, name):

@@ -47,6 +47,7 @@ from supervisor.engine.errors import (
     TurnLimitExceeded,
 )
 from supervisor.engine.hooks import HookEvent, context_item
+from supervisor.engine.machine import ActiveTurn
 from supervisor.engine.phases import TurnPhase, advance_phase
 from supervisor.engine.tooling import tool_schemas
 from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
@@ -107,16 +108,20 @@ class Turn:
             at = st.active_turn
             if at is None:
                 return None
-            turn = cls(session, at["turn_id"], at.get("submission_id"), at.get("kind", "turn"),
+            # the machine's record is the checkpoint's (machine.ActiveTurn)
+            rec = ActiveTurn.from_json({"started_at": time.time(),
+                                        "first_sequence": st.next_event_sequence, **at})
+            turn = cls(session, rec.turn_id, _submission(rec.submission_id), rec.kind,
                        resumed=True)
-            turn.model_steps = int(at.get("model_steps", 0))
-            turn.model_calls = int(at.get("model_calls", 0))
-            turn.tool_calls = int(at.get("tool_calls", 0))
-            turn.failed_tool_calls = int(at.get("failed_tool_calls", 0))
+            turn.model_steps = rec.model_steps
+            turn.model_calls = rec.model_calls
+            turn.tool_calls = rec.tool_calls
+            turn.failed_tool_calls = rec.failed_tool_calls
+            turn.continuations = rec.continuations
             turn.usage = at.get("usage") or empty_usage()
-            turn.started_at = float(at.get("started_at", time.time()))
-            turn.first_sequence = int(at.get("first_sequence", turn.first_sequence))
-            turn.tool_rounds = [list(r) for r in at.get("tool_rounds", [])]
+            turn.started_at = rec.started_at
+            turn.first_sequence = rec.first_sequence
+            turn.tool_rounds = [list(r) for r in rec.tool_rounds]
             return turn
         if work.kind == "compact":
             return cls(session, ev.new_id("turn"), work.submission_id, "compact")
@@ -143,12 +148,13 @@ class Turn:
         return mutate
 
     def _active_turn(self, phase: TurnPhase) -> dict[str, Any]:
-        return {"turn_id": self.turn_id, "submission_id": self.submission_id, "kind": self.kind,
-                "phase": str(phase), "model_steps": self.model_steps,
-                "model_calls": self.model_calls, "tool_calls": self.tool_calls,
-                "failed_tool_calls": self.failed_tool_calls, "usage": _usage_dict(self.usage),
-                "started_at": self.started_at, "first_sequence": self.first_sequence,
-                "tool_rounds": self.tool_rounds}
+        """``CheckpointState.active_turn``: the machine's ``ActiveTurn`` record (its
+        JSON) plus the turn's usage."""
+        rec = ActiveTurn(self.turn_id, self.submission_id, self.kind, phase,
+                         self.model_steps, self.model_calls, 0, self.tool_calls,
+                         self.failed_tool_calls, self.continuations, self.started_at,
+                         self.first_sequence, tuple(tuple(r) for r in self.tool_rounds))
+        return {**rec.to_json(), "usage": _usage_dict(self.usage)}
 
     def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord:
         ended = outcome != "running"
@@ -597,6 +603,10 @@ class Turn:
         s = self.session
         await s.hooks.run(HookEvent.TURN_END, s.sid, self.turn_id,
                           {"outcome": outcome, "last_message": self.last_message})
+
+
+def _submission(value: str | None) -> SubmissionId | None:
+    return None if value is None else SubmissionId(value)
 
 
 def _clear_turn(st: Any) -> None:
