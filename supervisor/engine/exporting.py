@@ -85,7 +85,7 @@ def _failure_of(exc: Exception, timeout_s: float) -> Failure:
 async def export_boundary(turn: Turn, call_ids: list[str]) -> None:
     s = turn.session
     sinks = s.manager.export_sinks
-    turn.tool_rounds.append(call_ids)
+    turn.add_tool_round(call_ids)
     if not sinks:
         return
     st = s.state

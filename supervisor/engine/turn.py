@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
@@ -77,26 +78,23 @@ class Turn:
         self.submission_id = submission_id
         self.kind = kind  # "turn" | "compact"
         self.resumed = resumed
-        self.started_at = time.time()
+        # The turn's counters live in the machine's record, which is exactly what
+        # the checkpoint stores (``_active_turn``): one copy, nothing to sync.
+        self.record = ActiveTurn(self.turn_id, submission_id, kind, TurnPhase.STARTING,
+                                 started_at=time.time(),
+                                 first_sequence=session.state.next_event_sequence)
         self.started_mono = time.monotonic()
-        self.model_steps = 0
-        self.model_calls = 0
-        self.tool_calls = 0
-        self.failed_tool_calls = 0
         self.usage: Usage = empty_usage()
         self.sandbox_tier: str | None = None
         self.partial_text = ""
-        self.continuations = 0
         self.force_compact = kind == "compact"
         self.provisional: Provisional | None = None
         self.open_block: str | None = None  # compaction notice awaiting its completion
         self.open_step = False  # a model_step_started without its final completion
         self.finishing = False
         self.last_message = ""
-        self.tool_rounds: list[list[str]] = []  # call ids per completed tool round
         # approval id -> created_at of its stored exec_approval_request (resumed turns)
         self.approval_requested_at: dict[str, float] = {}
-        self.first_sequence = session.state.next_event_sequence  # the run's first event
         self._limit: asyncio.Timeout | None = None  # max_turn_s, set by _run
 
     # ---------------------------------------------------------------- setup
@@ -113,15 +111,8 @@ class Turn:
                                         "first_sequence": st.next_event_sequence, **at})
             turn = cls(session, rec.turn_id, _submission(rec.submission_id), rec.kind,
                        resumed=True)
-            turn.model_steps = rec.model_steps
-            turn.model_calls = rec.model_calls
-            turn.tool_calls = rec.tool_calls
-            turn.failed_tool_calls = rec.failed_tool_calls
-            turn.continuations = rec.continuations
+            turn.record = rec
             turn.usage = at.get("usage") or empty_usage()
-            turn.started_at = rec.started_at
-            turn.first_sequence = rec.first_sequence
-            turn.tool_rounds = [list(r) for r in rec.tool_rounds]
             return turn
         if work.kind == "compact":
             return cls(session, ev.new_id("turn"), work.submission_id, "compact")
@@ -148,13 +139,70 @@ class Turn:
         return mutate
 
     def _active_turn(self, phase: TurnPhase) -> dict[str, Any]:
-        """``CheckpointState.active_turn``: the machine's ``ActiveTurn`` record (its
-        JSON) plus the turn's usage."""
-        rec = ActiveTurn(self.turn_id, self.submission_id, self.kind, phase,
-                         self.model_steps, self.model_calls, 0, self.tool_calls,
-                         self.failed_tool_calls, self.continuations, self.started_at,
-                         self.first_sequence, tuple(tuple(r) for r in self.tool_rounds))
-        return {**rec.to_json(), "usage": _usage_dict(self.usage)}
+        """``CheckpointState.active_turn``: the turn's ``ActiveTurn`` record (its
+        JSON, at ``phase``; callers moved it through ``advance_phase``) plus the
+        turn's usage."""
+        self.record = replace(self.record, phase=phase)
+        return {**self.record.to_json(), "usage": _usage_dict(self.usage)}
+
+    # The record's fields, read and written as the turn's own (frozen record:
+    # a write replaces it).
+    @property
+    def model_steps(self) -> int:
+        return self.record.model_steps
+
+    @model_steps.setter
+    def model_steps(self, value: int) -> None:
+        self.record = replace(self.record, model_steps=value)
+
+    @property
+    def model_calls(self) -> int:
+        return self.record.model_calls
+
+    @model_calls.setter
+    def model_calls(self, value: int) -> None:
+        self.record = replace(self.record, model_calls=value)
+
+    @property
+    def tool_calls(self) -> int:
+        return self.record.tool_calls
+
+    @tool_calls.setter
+    def tool_calls(self, value: int) -> None:
+        self.record = replace(self.record, tool_calls=value)
+
+    @property
+    def failed_tool_calls(self) -> int:
+        return self.record.failed_tool_calls
+
+    @failed_tool_calls.setter
+    def failed_tool_calls(self, value: int) -> None:
+        self.record = replace(self.record, failed_tool_calls=value)
+
+    @property
+    def continuations(self) -> int:
+        return self.record.continuations
+
+    @continuations.setter
+    def continuations(self, value: int) -> None:
+        self.record = replace(self.record, continuations=value)
+
+    @property
+    def started_at(self) -> float:
+        return self.record.started_at
+
+    @property
+    def first_sequence(self) -> int:
+        return self.record.first_sequence
+
+    @property
+    def tool_rounds(self) -> list[list[str]]:
+        """Call ids per completed tool round (a copy)."""
+        return [list(r) for r in self.record.tool_rounds]
+
+    def add_tool_round(self, call_ids: list[str]) -> None:
+        self.record = replace(self.record,
+                              tool_rounds=(*self.record.tool_rounds, tuple(call_ids)))
 
     def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord:
         ended = outcome != "running"
