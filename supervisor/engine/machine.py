@@ -522,6 +522,31 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
                     "turn_limit",
                     f"the turn reached its limit of {limits.max_model_steps} model steps"))
             return _call_model(s, t.model_steps + 1, 1, limits, now, out)
+        case ModelReplied() | ModelFailed():
+            return _on_model(s, e, limits, now, out)
+        case ToolStarted() | ToolReplied() | ToolFailed():
+            return _on_tool(s, e, limits, now, out)
+        case ApprovalAnswered(approval_id, decision):
+            return _answered(s, approval_id, decision, limits, now, out)
+        case StopDone(continue_with):
+            if t.phase is not TurnPhase.STOPPING:
+                return s
+            if continue_with and t.continuations < limits.stop_continuations:
+                s = replace(s, turn=t.moved(TurnPhase.PREPARING,
+                                            continuations=t.continuations + 1))
+                out.commit(s)
+                out.add(RunHook("pre_model"))
+                return s
+            return _end(s, Ending.COMPLETED, out, None)
+    raise TypeError(f"not a turn event: {e!r}")  # pragma: no cover (the union is closed)
+
+
+def _on_model(s: TurnState, e: ModelReplied | ModelFailed, limits: Limits, now: float,
+              out: _Out) -> TurnState:
+    """The answer to the model step in flight (anything else is stale)."""
+    t = s.turn
+    tid = t.turn_id
+    match e:
         case ModelReplied(calls, text):
             if t.phase is not TurnPhase.MODEL_CALL:
                 return s
@@ -542,6 +567,13 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
                     failure.retryable))
             out.commit(s, done)
             return _call_model(s, t.model_steps, t.attempt + 1, limits, now, out)
+    return s
+
+
+def _on_tool(s: TurnState, e: ToolStarted | ToolReplied | ToolFailed, limits: Limits,
+             now: float, out: _Out) -> TurnState:
+    """News of a dispatched call (a call no longer in flight: stale, ignored)."""
+    match e:
         case ToolStarted(call_id):
             c = s.call(call_id)
             if c is None or c.state is not CallState.DISPATCHED:
@@ -563,19 +595,7 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
                 return _lost(s, c, limits, now, out, failure.message, round_done=True)
             return _tool_ended(s, c, CallState.FAILED, "failed", limits, now, out,
                                error=failure)
-        case ApprovalAnswered(approval_id, decision):
-            return _answered(s, approval_id, decision, limits, now, out)
-        case StopDone(continue_with):
-            if t.phase is not TurnPhase.STOPPING:
-                return s
-            if continue_with and t.continuations < limits.stop_continuations:
-                s = replace(s, turn=t.moved(TurnPhase.PREPARING,
-                                            continuations=t.continuations + 1))
-                out.commit(s)
-                out.add(RunHook("pre_model"))
-                return s
-            return _end(s, Ending.COMPLETED, out, None)
-    raise TypeError(f"not a turn event: {e!r}")  # pragma: no cover (the union is closed)
+    return s
 
 
 def _call_model(s: TurnState, step_no: int, attempt: int, limits: Limits, now: float,

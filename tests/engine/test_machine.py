@@ -205,6 +205,22 @@ class TurnMachine(RuleBasedStateMachine):
         if cid in self.must_be_unknown:
             self.check_unknown(cid)
 
+    @precondition(lambda self: self.tools_out)
+    @rule(data=st.data())
+    def every_worker_it_reaches_dies(self, data: st.DataObject) -> None:
+        """One call is lost again and again: only its attempts bound the re-runs."""
+        cid = data.draw(st.sampled_from(sorted(self.tools_out)))
+        for _ in range(LIMITS.idempotent_tool_attempts + 1):
+            c = self.state.call(cid)
+            if cid not in self.tools_out or c is None or not c.in_flight:
+                break
+            self.tools_out.discard(cid)
+            if not c.idempotent or c.attempt >= LIMITS.idempotent_tool_attempts:
+                self.must_be_unknown.add(cid)
+            self.feed(ToolFailed(cid, LOST))
+        if cid in self.must_be_unknown:
+            self.check_unknown(cid)
+
     @precondition(lambda self: self.asked)
     @rule(data=st.data(), is_error=st.booleans())
     def a_late_answer_arrives(self, data: st.DataObject, is_error: bool) -> None:
