@@ -13,7 +13,7 @@ exception did. ``start`` sends a REQUEST at once and returns a ``Call``;
 
 Invariants:
 - Every call ends exactly once, with a REPLY body or a ``RequestFailed``:
-  from the broker/worker, or locally when its deadline (``timeout_s`` plus a
+  from the broker/worker, or locally when its deadline (``budget_s`` plus a
   small grace) passes, when the broker restarts (new ``broker_id``) or goes
   silent for the liveness window (``worker_lost``, retryable), when its
   partial buffer overflows (``slow_consumer``), or when the client closes.
@@ -44,7 +44,7 @@ from broker.transport import AsyncDealer
 
 log = logging.getLogger(__name__)
 
-GRACE_S: Final = 0.5  # local deadline = timeout_s + this, behind the broker's own
+GRACE_S: Final = 0.5  # local deadline = budget_s + this, behind the broker's own
 MAX_PARTIAL_CHUNKS: Final = 4096
 SLOW_CONSUMER: Final = "slow_consumer"  # local failure kind: partials were not read
 CLIENT_CLOSED: Final = "client_closed"  # local failure kind: the client shut down
@@ -67,7 +67,7 @@ class Call:
         self._deadline = deadline
         self._done = asyncio.Event()
         self._reply: bytes | None = None
-        self._failure: protocol.Failure | None = None
+        self._failure: protocol.FailureReply | None = None
         self._partials: collections.deque[bytes] = collections.deque()
         self._partial_bytes = 0
         self._next_seq = 0
@@ -128,7 +128,7 @@ class Call:
         self._wake()
         return None
 
-    def _finish(self, reply: bytes | None, failure: protocol.Failure | None) -> None:
+    def _finish(self, reply: bytes | None, failure: protocol.FailureReply | None) -> None:
         self._reply = reply
         self._failure = failure
         self._done.set()
@@ -184,7 +184,7 @@ class BrokerClient:
                 with contextlib.suppress(BrokerUnavailable):
                     sock.send_message(protocol.Disconnect("client closing"))
             for call in list(self._calls.values()):
-                self._end(call, None, protocol.Failure(
+                self._end(call, None, protocol.FailureReply(
                     call.request_id, CLIENT_CLOSED, "the client was closed", False))
             for task in self._tasks:
                 task.cancel()
@@ -208,11 +208,15 @@ class BrokerClient:
         window = self.heartbeat_interval_s * self.liveness
         return heard is not None and time.monotonic() - heard <= window
 
-    def start(self, service: str, body: bytes, *, timeout_s: float, attempt: int = 1) -> Call:
-        """Send a REQUEST now; the returned ``Call`` yields partials and the answer."""
-        if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s)
-                and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    def start(self, service: str, body: bytes, *, budget_s: float, attempt: int = 1) -> Call:
+        """Send a REQUEST now; the returned ``Call`` yields partials and the answer.
+
+        ``budget_s`` is the request's budget in seconds: it travels with the
+        REQUEST and the broker and the worker each hold their own deadline
+        (``time.monotonic()`` + what is left of it) from it."""
+        if not (isinstance(budget_s, int | float) and math.isfinite(budget_s)
+                and budget_s > 0):
+            raise ValueError(f"budget_s must be a positive number, got {budget_s!r}")
         # Checked here because the broker drops what it cannot decode, and the
         # caller would only learn of it at the deadline.
         if not 0 < len(service) <= MAX_SERVICE_CHARS:
@@ -222,13 +226,13 @@ class BrokerClient:
         if len(body) > self.max_message_bytes - protocol.MAX_META_BYTES:
             raise ValueError(f"body of {len(body)} bytes exceeds the message limit")
         msg_id = self._new_id()
-        request = protocol.Request(msg_id, service, float(timeout_s), body, attempt)
-        return self._send_call(request, service, timeout_s)
+        request = protocol.Request(msg_id, service, float(budget_s), body, attempt)
+        return self._send_call(request, service, budget_s)
 
-    async def request(self, service: str, body: bytes, *, timeout_s: float,
+    async def request(self, service: str, body: bytes, *, budget_s: float,
                       attempt: int = 1) -> bytes:
         """Send a REQUEST and wait for its REPLY body (partials are discarded)."""
-        call = self.start(service, body, timeout_s=timeout_s, attempt=attempt)
+        call = self.start(service, body, budget_s=budget_s, attempt=attempt)
         call._discard_partials = True
         try:
             return await call.result()
@@ -257,17 +261,17 @@ class BrokerClient:
         return f"{self._next_id:x}"
 
     def _send_call(self, msg: protocol.Request | protocol.Status, service: str,
-                   timeout_s: float) -> Call:
+                   budget_s: float) -> Call:
         sock = self._running_socket()
-        call = Call(self, msg.request_id, service, time.monotonic() + timeout_s + GRACE_S)
+        call = Call(self, msg.request_id, service, time.monotonic() + budget_s + GRACE_S)
         self._calls[call.request_id] = call
         if not sock.send(protocol.encode(msg)):
-            self._end(call, None, protocol.Failure(
+            self._end(call, None, protocol.FailureReply(
                 call.request_id, FailureKind.OVERLOADED,
                 "the client's send queue is full (broker unreachable?)", True))
         return call
 
-    def _end(self, call: Call, reply: bytes | None, failure: protocol.Failure | None) -> None:
+    def _end(self, call: Call, reply: bytes | None, failure: protocol.FailureReply | None) -> None:
         if self._calls.pop(call.request_id, None) is call:
             call._finish(reply, failure)
 
@@ -275,7 +279,7 @@ class BrokerClient:
         """Fail ``call`` locally now and tell the broker to cancel it (best effort)."""
         if call.done:
             return
-        self._end(call, None, protocol.Failure(call.request_id, kind, message, retryable))
+        self._end(call, None, protocol.FailureReply(call.request_id, kind, message, retryable))
         sock = self._sock
         if sock is not None and not sock.closed:
             with contextlib.suppress(BrokerUnavailable):
@@ -308,7 +312,7 @@ class BrokerClient:
                 self.dropped["late_reply"] += 1
             else:
                 self._end(call, msg.body, None)
-        elif isinstance(msg, protocol.Failure):
+        elif isinstance(msg, protocol.FailureReply):
             call = self._calls.get(msg.request_id)
             if call is None:
                 # Expected after a local cancel: the broker's FAILURE(cancelled) ack.

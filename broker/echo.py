@@ -69,7 +69,7 @@ def make_echo_handler(on_event: Callable[[str, str], None] | None = None) -> Han
         try:
             sleep_s = opts.get("sleep_s")
             if isinstance(sleep_s, int | float) and sleep_s > 0:
-                await asyncio.sleep(min(float(sleep_s), ctx.remaining_s() + 5.0))
+                await asyncio.sleep(min(float(sleep_s), ctx.budget_s() + 5.0))
             partials = opts.get("partials")
             if isinstance(partials, int) and partials > 0:
                 for i in range(min(partials, MAX_PARTIALS)):

@@ -2,8 +2,10 @@
 
 Foreign errors (``zmq.ZMQError``) are translated into these at one boundary,
 ``broker.transport``; nothing from pyzmq leaks to callers. Failures that cross
-processes travel as data (``protocol.Failure``: kind, message, retryable) and
-become ``RequestFailed`` on the caller's side; tracebacks stay in local logs.
+processes travel as data (a FAILURE message carrying one ``protocol.Failure``:
+kind, message, retryable) and become ``RequestFailed`` on the caller's side;
+tracebacks stay in local logs. ``RequestFailed`` and ``HandlerError`` are also
+``protocol.Failed``: ``exc.failure`` is the data.
 
 Exception tree::
 
@@ -30,40 +32,29 @@ class BrokerError(Exception):
     """Base class of the broker package's client/worker exceptions."""
 
 
-class RequestFailed(BrokerError):
-    """A request ended in a FAILURE; ``kind`` and ``retryable`` say what to do next."""
+class RequestFailed(BrokerError, protocol.Failed):
+    """A request ended in a FAILURE; ``kind`` and ``retryable`` say what to do next
+    (``failure`` is the ``protocol.Failure`` it carried, ``body`` its payload)."""
 
-    def __init__(self, failure: protocol.Failure) -> None:
-        super().__init__(f"{failure.kind}: {failure.message}")
-        self.failure = failure
+    def __init__(self, reply: protocol.FailureReply) -> None:
+        protocol.Failed.__init__(self, reply.message, kind=reply.kind,
+                                 retryable=reply.retryable)
+        self.body = reply.body
 
-    @property
-    def kind(self) -> str:
-        return self.failure.kind
-
-    @property
-    def message(self) -> str:
-        return self.failure.message
-
-    @property
-    def retryable(self) -> bool:
-        return self.failure.retryable
-
-    @property
-    def body(self) -> bytes:
-        return self.failure.body
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
 
 
 class BrokerUnavailable(BrokerError):
     """The client or worker is not running, or its socket failed."""
 
 
-class HandlerError(BrokerError):
+class HandlerError(BrokerError, protocol.Failed):
     """Raised by a worker handler to answer with FAILURE(kind, message, retryable, body)."""
 
     def __init__(self, kind: str, message: str, *, retryable: bool, body: bytes = b"") -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        self.message = message
-        self.retryable = retryable
+        protocol.Failed.__init__(self, message, kind=kind, retryable=retryable)
         self.body = body
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"

@@ -19,7 +19,11 @@ Invariants:
   the input; it never asserts.
 - ``decode(encode(m)) == m`` for every message ``m`` (property-tested).
 - Times on the wire are budgets in seconds (``budget_s``), never timestamps:
-  clocks do not cross hosts.
+  clocks do not cross hosts. One name each, everywhere in Corral: a **budget**
+  (``budget_s``) is a duration, what a request may still take, and is what is
+  sent; a **deadline** is a local ``time.monotonic()`` instant, ``now +
+  budget_s`` on the host that holds it, and is never sent. Each hop (client,
+  broker, worker) keeps its own deadline and forwards what is left of it.
 
 Exception tree::
 
@@ -98,6 +102,48 @@ class FailureKind:
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """The one failure shape of Corral: what went wrong, sent as data.
+
+    ``kind`` is a stable snake_case word (``FailureKind`` or an application's
+    own), ``message`` is safe to show (never a traceback or an exception class
+    name), ``retryable`` says whether the same request may succeed later.
+    Broker FAILUREs, worker handler errors, engine ``error`` events and the
+    supervisor's client answers all carry this shape."""
+
+    kind: str
+    message: str
+    retryable: bool = False
+
+    def as_data(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "retryable": self.retryable}
+
+
+class Failed(Exception):
+    """Base of every exception that is a ``Failure``: raised in one place, sent as
+    data at a boundary (``exc.failure``), never duck-typed.
+
+    Subclasses set ``kind`` / ``retryable`` as class attributes or per instance.
+    ``str(exc)`` is the message unless a subclass says otherwise."""
+
+    kind: str = FailureKind.INTERNAL
+    retryable: bool = False
+
+    def __init__(self, message: str, *, kind: str | None = None,
+                 retryable: bool | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if kind is not None:
+            self.kind = kind
+        if retryable is not None:
+            self.retryable = retryable
+
+    @property
+    def failure(self) -> Failure:
+        return Failure(self.kind, self.message, self.retryable)
+
+
+@dataclass(frozen=True, slots=True)
 class Ready:
     services: tuple[str, ...]
     capacity: int = 1
@@ -144,14 +190,19 @@ class Reply:
 
 
 @dataclass(frozen=True, slots=True)
-class Failure:
-    """A failure sent as data. Tracebacks never travel; they stay in local logs."""
+class FailureReply:
+    """The FAILURE message: a request's final answer when it failed, carrying one
+    ``Failure`` (flat on the wire) and an optional application body."""
 
     request_id: str
     kind: str
     message: str
     retryable: bool
     body: bytes = b""
+
+    @property
+    def failure(self) -> Failure:
+        return Failure(self.kind, self.message, self.retryable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +211,7 @@ class Status:
 
 
 Message: TypeAlias = (
-    Ready | Heartbeat | Disconnect | Request | Cancel | Partial | Reply | Failure | Status
+    Ready | Heartbeat | Disconnect | Request | Cancel | Partial | Reply | FailureReply | Status
 )
 
 
@@ -253,7 +304,7 @@ def _encode_partial(m: Partial, pack: Pack) -> list[bytes]:
     return [HEADER, _PARTIAL_FRAME, pack({"id": m.request_id, "n": m.seq}), m.body]
 
 
-def _encode_failure(m: Failure, pack: Pack) -> list[bytes]:
+def _encode_failure(m: FailureReply, pack: Pack) -> list[bytes]:
     meta = {"id": m.request_id, "k": m.kind, "m": m.message, "r": m.retryable}
     return [HEADER, _FAILURE_FRAME, pack(meta), m.body]
 
@@ -283,7 +334,7 @@ _ENCODERS: Final[dict[type, Callable[[Any, Pack], list[bytes]]]] = {
     Request: _encode_request,
     Reply: _encode_reply,
     Partial: _encode_partial,
-    Failure: _encode_failure,
+    FailureReply: _encode_failure,
     Heartbeat: _encode_heartbeat,
     Cancel: _encode_cancel,
     Ready: _encode_ready,
@@ -465,7 +516,7 @@ def _build_failure(meta: dict[str, Any], body: bytes) -> Message:
     retryable = meta.get("r")
     if not isinstance(retryable, bool):
         raise MalformedMessage("field 'r' (retryable) must be a boolean")
-    return Failure(
+    return FailureReply(
         _str(meta, "id"),
         _str(meta, "k", limit=64),
         _str(meta, "m", limit=MAX_TEXT_CHARS, empty=True),

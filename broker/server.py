@@ -95,7 +95,7 @@ class BrokerConfig:
 # by design, which says nothing about the recovery paths the chaos run checks.
 _FAULTABLE: Final = {
     Side.CLIENT: (protocol.Request,),
-    Side.WORKER: (protocol.Reply, protocol.Failure),
+    Side.WORKER: (protocol.Reply, protocol.FailureReply),
 }
 MAX_DELAYED: Final = 10_000
 
@@ -432,7 +432,7 @@ class Broker:
             return
         rid = meta.get("id") if isinstance(meta, dict) else None
         if isinstance(rid, str) and 0 < len(rid) <= protocol.MAX_ID_CHARS:
-            failure = protocol.Failure(rid, FailureKind.PROTOCOL, why, False)
+            failure = protocol.FailureReply(rid, FailureKind.PROTOCOL, why, False)
             self._perform([Send(Side.CLIENT, frames[0], failure)])
 
     # ------------------------------------------------------------------ output

@@ -152,7 +152,7 @@ class Dispatcher:
         worker.last_seen = now
         if isinstance(msg, protocol.Reply):
             self._on_answer(worker, msg.request_id, msg.body, None, now, out)
-        elif isinstance(msg, protocol.Failure):
+        elif isinstance(msg, protocol.FailureReply):
             self._on_answer(worker, msg.request_id, msg.body, msg, now, out)
         elif isinstance(msg, protocol.Partial):
             req = worker.in_flight.get(msg.request_id)
@@ -409,7 +409,7 @@ class Dispatcher:
         out.append(Send(Side.WORKER, identity, protocol.Disconnect("unknown worker: send READY")))
 
     def _on_answer(self, worker: WorkerEntry, request_id: str, body: bytes,
-                   failure: protocol.Failure | None, now: float, out: list[Send]) -> None:
+                   failure: protocol.FailureReply | None, now: float, out: list[Send]) -> None:
         """A REPLY (``failure`` is None) or a FAILURE for ``request_id`` from ``worker``."""
         req = worker.in_flight.get(request_id)
         if req is None:
@@ -424,8 +424,8 @@ class Dispatcher:
                 answer: protocol.Message = protocol.Reply(req.client_rid, body)
             else:
                 self.failures[failure.kind] += 1
-                answer = protocol.Failure(req.client_rid, failure.kind, failure.message,
-                                          failure.retryable, body)
+                answer = protocol.FailureReply(req.client_rid, failure.kind, failure.message,
+                                               failure.retryable, body)
             out.append(Send(Side.CLIENT, req.client, answer))
         self._release(worker, req)
         if self._queues:
@@ -544,14 +544,14 @@ class Dispatcher:
         retryable = kind in (FailureKind.OVERLOADED, FailureKind.TIMEOUT,
                              FailureKind.WORKER_LOST)
         out.append(Send(Side.CLIENT, identity,
-                        protocol.Failure(client_rid, kind, message, retryable)))
+                        protocol.FailureReply(client_rid, kind, message, retryable)))
 
     def _answer_failure(self, req: Req, kind: str, message: str, retryable: bool,
                         out: list[Send], *, cancel_at_worker: bool = True) -> None:
         """Send the final FAILURE for an open request and close it."""
         self.failures[kind] += 1
         out.append(Send(Side.CLIENT, req.client,
-                        protocol.Failure(req.client_rid, kind, message, retryable)))
+                        protocol.FailureReply(req.client_rid, kind, message, retryable)))
         client = self._clients.get(req.client)
         if client is not None:
             client.pending.pop(req.client_rid, None)

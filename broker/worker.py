@@ -77,7 +77,8 @@ class RequestContext:
         self.body = body
         self.deadline = deadline  # time.monotonic() deadline from the request's budget_s
 
-    def remaining_s(self) -> float:
+    def budget_s(self) -> float:
+        """What is left of the request's budget, in seconds (0 once past ``deadline``)."""
         return max(0.0, self.deadline - time.monotonic())
 
     async def send_partial(self, body: bytes) -> None:
@@ -316,7 +317,7 @@ class BrokerWorker:
                 # broker still counts a slot for it, and only an answer frees it. If we
                 # did answer already, the broker drops this one as unknown.
                 self.dropped["cancel_unknown_request"] += 1
-                self._send(protocol.encode(protocol.Failure(
+                self._send(protocol.encode(protocol.FailureReply(
                     msg.request_id, FailureKind.CANCELLED, "request unknown at the worker",
                     False)))
             else:
@@ -368,11 +369,11 @@ class BrokerWorker:
             self.dropped["duplicate_request"] += 1
             return
         if self._stopping or self._tg is None:
-            self._send(protocol.encode(protocol.Failure(
+            self._send(protocol.encode(protocol.FailureReply(
                 rid, FailureKind.WORKER_LOST, "worker is stopping", True)))
             return
         if len(self._jobs) >= 2 * self.capacity + 16:
-            self._send(protocol.encode(protocol.Failure(
+            self._send(protocol.encode(protocol.FailureReply(
                 rid, FailureKind.OVERLOADED, "worker holds too many requests", True)))
             return
         job = _Job(self, msg)
@@ -391,41 +392,42 @@ class BrokerWorker:
             else:
                 message = f"request {kind} at the worker"
             retryable = kind in (FailureKind.WORKER_LOST, FailureKind.TIMEOUT)
-            self._answer(job, protocol.Failure(rid, kind, message, retryable))
+            self._answer(job, protocol.FailureReply(rid, kind, message, retryable))
             raise
         finally:
             if self._jobs.get(rid) is job:
                 del self._jobs[rid]
         self._answer(job, answer)
 
-    async def _call_handler(self, job: _Job) -> protocol.Reply | protocol.Failure:
+    async def _call_handler(self, job: _Job) -> protocol.Reply | protocol.FailureReply:
         ctx = job.ctx
         rid = ctx.request_id
         handler = self.handlers.get(ctx.service)
         if handler is None:
-            return protocol.Failure(rid, FailureKind.BAD_REQUEST,
-                                    f"this worker has no service {ctx.service!r}", False)
+            return protocol.FailureReply(rid, FailureKind.BAD_REQUEST,
+                                         f"this worker has no service {ctx.service!r}", False)
         try:
             body = await handler(ctx)
         except HandlerError as exc:
             kind = exc.kind if 0 < len(exc.kind) <= 64 else FailureKind.INTERNAL
-            return protocol.Failure(rid, kind, _clip(exc.message), exc.retryable,
-                                    exc.body if len(exc.body) <= self.max_message_bytes
-                                    else b"")
+            return protocol.FailureReply(rid, kind, _clip(exc.message), exc.retryable,
+                                         exc.body if len(exc.body) <= self.max_message_bytes
+                                         else b"")
         except Exception:  # message boundary: the traceback stays in this log
             # Neither the exception's name nor its text crosses the wire: it may
             # echo input, and it reaches whoever reads the failure (the model).
             log.exception("handler for %s failed on request %s", ctx.service, rid)
-            return protocol.Failure(rid, FailureKind.INTERNAL,
-                                    f"the {_clip(ctx.service)} service failed unexpectedly; "
-                                    "the worker's log has the details", False)
+            return protocol.FailureReply(rid, FailureKind.INTERNAL,
+                                         f"the {_clip(ctx.service)} service failed unexpectedly; "
+                                         "the worker's log has the details", False)
         if not isinstance(body, bytes):
-            return protocol.Failure(rid, FailureKind.INTERNAL,
-                                    f"handler returned {type(body).__name__}, not bytes", False)
+            return protocol.FailureReply(
+                rid, FailureKind.INTERNAL, "the handler returned something other than bytes",
+                False)
         if len(body) > self.max_message_bytes - protocol.MAX_META_BYTES:
-            return protocol.Failure(rid, FailureKind.INTERNAL,
-                                    f"reply of {len(body)} bytes exceeds the message limit",
-                                    False)
+            return protocol.FailureReply(rid, FailureKind.INTERNAL,
+                                         f"reply of {len(body)} bytes exceeds the message limit",
+                                         False)
         return protocol.Reply(rid, body)
 
     def _job_done(self, job: _Job) -> None:
@@ -439,10 +441,10 @@ class BrokerWorker:
         if not job.answered:
             kind = job.cancel_kind
             retryable = kind in (FailureKind.WORKER_LOST, FailureKind.TIMEOUT)
-            self._answer(job, protocol.Failure(rid, kind, f"request {kind} at the worker",
-                                               retryable))
+            self._answer(job, protocol.FailureReply(rid, kind, f"request {kind} at the worker",
+                                                    retryable))
 
-    def _answer(self, job: _Job, msg: protocol.Reply | protocol.Failure) -> None:
+    def _answer(self, job: _Job, msg: protocol.Reply | protocol.FailureReply) -> None:
         job.answered = True
         if job.abandoned:
             return

@@ -384,6 +384,42 @@ class ModelCallResult(TypedDict):
     retries: int
 
 
+class MalformedResult(ValueError):
+    """A service REPLY body that is not the shape this module declares."""
+
+
+def decode_model_result(body: Any) -> ModelCallResult:
+    """The one check of a ``model`` REPLY body (already unpacked): ``items`` a
+    list of maps, ``usage`` a map of integer counters (absent ones are 0).
+    Returns the typed result with its usage normalised; raises
+    ``MalformedResult`` saying what is wrong."""
+    if not isinstance(body, dict) or not isinstance(body.get("items"), list) \
+            or not all(isinstance(i, dict) for i in body["items"]) \
+            or not isinstance(body.get("usage"), dict):
+        raise MalformedResult("the model service answered with a malformed result")
+    given = body["usage"]
+    usage = empty_usage()
+    for k in usage:
+        v = given.get(k, 0)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise MalformedResult(f"model usage field {k!r} is not an integer")
+        usage[k] = v  # type: ignore[literal-required]
+    return {**body, "usage": usage}  # type: ignore[typeddict-item]
+
+
+def decode_tool_result(body: Any) -> ToolCallResult:
+    """The one check of a ``tool`` REPLY body (already unpacked): the fields the
+    supervisor reads (``output`` a string, ``is_error`` a boolean, ``isolation``
+    a map when present). Raises ``MalformedResult``."""
+    if not isinstance(body, dict) or not isinstance(body.get("output"), str):
+        raise MalformedResult("the tool service answered with a malformed result")
+    if not isinstance(body.get("is_error", False), bool):
+        raise MalformedResult("tool result field 'is_error' is not a boolean")
+    if not isinstance(body.get("isolation", {}), dict | type(None)):
+        raise MalformedResult("tool result field 'isolation' is not a map")
+    return body  # type: ignore[return-value]
+
+
 # Failure kinds of the model service (sent as broker FAILURE kind strings).
 MODEL_FAILURE_AUTH: Final = "auth"  # not retryable
 MODEL_FAILURE_BAD_REQUEST: Final = "bad_request"  # not retryable

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from broker.protocol import Failed
 from broker.security import Guard, recv_frames_user, tenant_of_user_id
 from broker.transport import readable, recv_frames, send_frames
 from supervisor import wire
@@ -38,13 +39,11 @@ MAX_CALLS_PER_CLIENT = 256  # calls of one client running at once
 _DRAIN_BATCH = 256
 
 
-class CallError(Exception):
+class CallError(Failed):
     """A call failed in a way the client should see, with a kind."""
 
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
+        super().__init__(message, kind=kind)
 
 
 class Backend(Protocol):
@@ -279,15 +278,15 @@ class ClientServer:
         except CallError as exc:
             self._answer_error(client.identity, call_id, exc.kind, exc.message)
             return
-        except Exception as exc:  # message boundary: one bad call never kills the server
+        except Failed as exc:  # engine, store, export and broker failures: data already
             self.counters["errors"] += 1
-            kind = getattr(exc, "kind", None)
-            if isinstance(kind, str):
-                self._answer_error(client.identity, call_id, kind, str(exc))
-            else:
-                log.exception("call %s failed", call)
-                self._answer_error(client.identity, call_id, ErrorKind.INTERNAL,
-                                   f"{type(exc).__name__}: see the supervisor log")
+            self._answer_error(client.identity, call_id, exc.kind, exc.message)
+            return
+        except Exception:  # message boundary: one bad call never kills the server
+            self.counters["errors"] += 1
+            log.exception("call %s failed", call)
+            self._answer_error(client.identity, call_id, ErrorKind.INTERNAL,
+                               "internal error in the supervisor; see its log")
             return
         self._send(client.identity, {"id": call_id, "ok": True, "result": result})
 
@@ -362,9 +361,12 @@ class ClientServer:
             end = {"kind": "closed", "message": "session closed"}
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # boundary: report to this subscriber only
-            kind = getattr(exc, "kind", ErrorKind.INTERNAL)
-            end = {"kind": str(kind), "message": str(exc)}
+        except Failed as exc:  # boundary: report to this subscriber only
+            end = {"kind": exc.kind, "message": exc.message}
+        except Exception:  # boundary: report to this subscriber only
+            log.exception("subscription %s failed", sub_id)
+            end = {"kind": ErrorKind.INTERNAL,
+                   "message": "internal error in the supervisor; see its log"}
         finally:
             client.subs.pop(sub_id, None)
             with contextlib.suppress(Exception):

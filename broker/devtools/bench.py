@@ -229,14 +229,14 @@ async def _api_path(endpoint: str, in_flight: int, total: int) -> dict[str, floa
 
     async with BrokerClient(endpoint) as client:
         for _ in range(50):
-            await client.request("echo", BODY, timeout_s=10)
+            await client.request("echo", BODY, budget_s=10)
         latencies: list[float] = []
         remaining = iter(range(total))
 
         async def lane() -> None:
             for _ in remaining:
                 t0 = time.perf_counter()
-                await client.request("echo", BODY, timeout_s=30)
+                await client.request("echo", BODY, budget_s=30)
                 latencies.append(time.perf_counter() - t0)
 
         started = time.perf_counter()

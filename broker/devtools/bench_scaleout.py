@@ -49,7 +49,7 @@ def _body(workspace: str, i: int) -> bytes:
 async def _calls(frontend: str, curve: CurveClient, workspace: str, total: int) -> float:
     async with BrokerClient(frontend, curve=curve) as client:
         for i in range(4):  # warm up: the first calls prepare the workspace
-            await client.request("tool", _body(workspace, -i - 1), timeout_s=60)
+            await client.request("tool", _body(workspace, -i - 1), budget_s=60)
         remaining = iter(range(total))
         failed = 0
 
@@ -57,7 +57,7 @@ async def _calls(frontend: str, curve: CurveClient, workspace: str, total: int) 
             nonlocal failed
             for i in remaining:
                 reply = msgpack.unpackb(await client.request("tool", _body(workspace, i),
-                                                             timeout_s=60))
+                                                             budget_s=60))
                 failed += reply.get("outcome") != "ok"
 
         started = time.perf_counter()

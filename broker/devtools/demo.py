@@ -75,7 +75,7 @@ async def run(requests: int, in_flight: int, kill_at: int, as_json: bool) -> int
                 async with sem:
                     for attempt in (1, 2, 3):
                         try:
-                            reply = await client.request("echo", body, timeout_s=10,
+                            reply = await client.request("echo", body, budget_s=10,
                                                          attempt=attempt)
                         except RequestFailed as exc:
                             if exc.failure.kind == protocol.FailureKind.WORKER_LOST:

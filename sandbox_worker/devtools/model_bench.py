@@ -229,7 +229,7 @@ async def _brokered(client: BrokerClient, req: ModelCallRequest) -> tuple[float,
     chars = 0
     partials = 0
     started = time.perf_counter()
-    call = client.start(SERVICE_MODEL, pack(req), timeout_s=120)
+    call = client.start(SERVICE_MODEL, pack(req), budget_s=120)
     async for raw in call:
         partials += 1
         delta = unpack(raw)
@@ -243,7 +243,7 @@ async def _brokered(client: BrokerClient, req: ModelCallRequest) -> tuple[float,
 
 async def _echo(client: BrokerClient) -> float:
     started = time.perf_counter()
-    await client.request("echo", ECHO_BODY, timeout_s=10)
+    await client.request("echo", ECHO_BODY, budget_s=10)
     return time.perf_counter() - started
 
 

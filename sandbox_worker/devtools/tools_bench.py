@@ -267,7 +267,7 @@ async def bench_e2e_and_chain(frontend: str, workspace: str, n: int, bare: BareC
     async with BrokerClient(frontend) as client:
         for i in range(n + 3):
             t = time.perf_counter()
-            result = unpack(await client.start("tool", _body(workspace, i), timeout_s=30)
+            result = unpack(await client.start("tool", _body(workspace, i), budget_s=30)
                             .result())
             dt = time.perf_counter() - t
             if result["outcome"] != "ok":
@@ -286,7 +286,7 @@ async def bench_throughput(frontend: str, workspace: str, total: int, in_flight:
 
         async def one(i: int) -> None:
             async with sem:
-                result = unpack(await client.start("tool", _body(workspace, i), timeout_s=60)
+                result = unpack(await client.start("tool", _body(workspace, i), budget_s=60)
                                 .result())
                 if result["outcome"] != "ok":
                     raise RuntimeError(f"bench call failed: {result['output']}")

@@ -7,7 +7,7 @@ statuses are translated here and nowhere else.
 
 Exception tree::
 
-    ModelError(kind, message, retryable)
+    ModelError(kind, message, retryable)   a ``broker.protocol.Failed``
     ├── AuthError           auth          401/403, missing credential   not retryable
     ├── BadRequestError     bad_request   400/404/413/422, bad input    not retryable
     ├── RateLimitedError    rate_limited  429 (carries retry_after_s)   retryable
@@ -19,7 +19,8 @@ Exception tree::
 Invariants:
 - A message never holds an API key, a full response body or a traceback: it
   is built from the status, the provider's short error message (cut to
-  ``MAX_PROVIDER_MESSAGE_CHARS``) and the exception's type name.
+  ``MAX_PROVIDER_MESSAGE_CHARS``) and a description of the transport failure in
+  words (never an exception's class name).
 - ``partial_relayed`` is set by the caller when deltas of the failed attempt
   already reached the client, so the client can discard them.
 """
@@ -32,6 +33,7 @@ from typing import Any, Final
 
 import httpx
 
+from broker.protocol import Failed
 from sandbox_worker.api import (
     MODEL_FAILURE_AUTH,
     MODEL_FAILURE_BAD_REQUEST,
@@ -46,7 +48,7 @@ MAX_PROVIDER_MESSAGE_CHARS: Final = 300
 MAX_RETRY_AFTER_S: Final = 600.0
 
 
-class ModelError(Exception):
+class ModelError(Failed):
     """A failed model call, as data: kind, safe message, retryability."""
 
     kind: str = "internal"
@@ -55,7 +57,6 @@ class ModelError(Exception):
     def __init__(self, message: str, *, retry_after_s: float | None = None,
                  status: int | None = None) -> None:
         super().__init__(message)
-        self.message = message
         self.retry_after_s = retry_after_s
         self.status = status
         self.partial_relayed = False
@@ -163,16 +164,35 @@ def from_httpx(exc: httpx.HTTPError, what: str, *, streaming: bool,
     """Translate an httpx exception; ``streaming`` means the response had begun.
     A connection error names the URL it could not reach (``url``, else the
     exception's request)."""
-    name = type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
-        return ModelTimeout(f"{what}: {name}")
+        return ModelTimeout(f"{what}: {_describe(exc)}")
     if isinstance(exc, httpx.ConnectError):
-        return ConnectError(f"{what}: cannot connect to {_url_of(exc, url)} ({name}: "
-                            f"{str(exc)[:200] or 'refused'}); check the route's base_url "
+        return ConnectError(f"{what}: cannot connect to {_url_of(exc, url)} "
+                            f"({str(exc)[:200] or 'refused'}); check the route's base_url "
                             "and that the server is up")
     if streaming or isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
         # The peer cut the connection mid-answer, or the framing broke.
-        return StreamError(f"{what}: stream broken ({name})")
+        return StreamError(f"{what}: stream broken ({_describe(exc)})")
     if isinstance(exc, httpx.TransportError):
-        return ConnectError(f"{what}: {name}")
-    return BadRequestError(f"{what}: {name}")
+        return ConnectError(f"{what}: {_describe(exc)}")
+    return BadRequestError(f"{what}: {_describe(exc)}")
+
+
+# What an httpx failure was, in words: a message that reaches clients never
+# carries an exception's class name.
+_DESCRIPTIONS: Final = (
+    (httpx.ConnectTimeout, "timed out connecting"),
+    (httpx.ReadTimeout, "timed out waiting for data"),
+    (httpx.WriteTimeout, "timed out sending the request"),
+    (httpx.PoolTimeout, "timed out waiting for a free connection"),
+    (httpx.TimeoutException, "timed out"),
+    (httpx.RemoteProtocolError, "the server broke the HTTP protocol or closed the connection"),
+    (httpx.ReadError, "reading the response failed"),
+    (httpx.WriteError, "sending the request failed"),
+    (httpx.TransportError, "a transport error"),
+)
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    return next((text for kind, text in _DESCRIPTIONS if isinstance(exc, kind)),
+                "the request failed")

@@ -9,7 +9,7 @@ the worker's pooled httpx transports (``pool``), relays deltas as PARTIALs
 Retries: a retryable failure (rate limit, 5xx, connection, timeout, broken
 stream) is retried here with jittered exponential backoff, honouring
 Retry-After, at most ``max_retries`` times, and only while the request's
-remaining budget (``ctx.remaining_s()``) can hold the wait plus a minimal
+remaining budget (``ctx.budget_s()``) can hold the wait plus a minimal
 attempt. Each retry is announced by a ``retry`` PARTIAL whose
 ``discard_partial`` says whether deltas of the failed attempt were relayed.
 
@@ -228,7 +228,7 @@ class ModelService:
                                max_chars=self.config.flush_max_chars)
             error: ModelError
             try:
-                budget_s = ctx.remaining_s() - margin
+                budget_s = ctx.budget_s() - margin
                 if budget_s <= 0:
                     raise ModelTimeout(f"{route['provider']} {route['model']}: "
                                        "the request's budget ran out")
@@ -256,7 +256,7 @@ class ModelService:
             if not error.retryable or attempt_no > max_retries:
                 raise error
             delay_s = self._backoff_s(attempt_no - 1, error)
-            if delay_s + MIN_ATTEMPT_S > ctx.remaining_s() - margin:
+            if delay_s + MIN_ATTEMPT_S > ctx.budget_s() - margin:
                 error.message += f"; gave up after {attempt_no} attempt(s): budget exhausted"
                 raise error
             log.info("model call %s: attempt %d failed (%s: %s), retrying in %.2fs",

@@ -418,11 +418,11 @@ class ToolService:
         pool = self.pool
         if pool is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
-        lease = await pool.acquire(timeout_s=max(0.0, ctx.remaining_s() - 1.0))
+        lease = await pool.acquire(timeout_s=max(0.0, ctx.budget_s() - 1.0))
         try:
             run: ShellRun = await run_shell(
                 profile, args, pinned.path, limits, network=network, uid=lease.uid,
-                call_id=req["call_id"], remaining_s=ctx.remaining_s(), on_chunk=on_chunk,
+                call_id=req["call_id"], remaining_s=ctx.budget_s(), on_chunk=on_chunk,
                 grace_s=self.config.grace_s, workspace_fd=pinned.fd, gid=pinned.gid,
                 read_only=read_only, ro_fds=tuple(pinned.git_fds))
         finally:

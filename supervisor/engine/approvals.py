@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
@@ -142,12 +142,3 @@ def call_key(tool: str, arguments: Mapping[str, Any]) -> str:
 
 
 _MAX_KEY_CHARS = 1024
-
-
-@dataclass(slots=True)
-class BatchDecision:
-    """The policy's verdict on every call of one model step."""
-
-    allowed: list[str] = field(default_factory=list)  # call ids
-    denied: dict[str, str] = field(default_factory=dict)  # call id -> reason
-    ask: dict[str, str] = field(default_factory=dict)  # call id -> reason

@@ -3,8 +3,8 @@ errors become engine data.
 
 ``stream_call`` sends one REQUEST, hands every PARTIAL body (decoded) to a
 callback in order, and returns the decoded REPLY. A broker FAILURE becomes
-``CallFailure(kind, message, retryable)``; nothing from ``broker.errors`` or
-msgpack leaks past this module.
+``errors.CallFailed`` (a ``broker.protocol.Failed``: kind, message,
+retryable); nothing from ``broker.errors`` or msgpack leaks past this module.
 
 Invariants:
 - Cancellation (an interrupt, a shutdown) sends CANCEL through the broker and
@@ -24,34 +24,25 @@ from typing import Any, Protocol
 
 from broker.errors import BrokerError, RequestFailed
 from broker.protocol import FailureKind, ProtocolError, pack, unpack
+from sandbox_worker.api import (
+    SERVICE_MODEL,
+    SERVICE_TOOL,
+    MalformedResult,
+    ModelCallResult,
+    ToolCallRequest,
+    ToolCallResult,
+    decode_model_result,
+    decode_tool_result,
+)
+from supervisor.engine.errors import CallFailed
 
 log = logging.getLogger(__name__)
-
-
-class CallFailure(Exception):
-    """A model or tool request that ended in a broker FAILURE, as data."""
-
-    def __init__(self, kind: str, message: str, retryable: bool) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        self.message = message
-        self.retryable = retryable
-
-    @property
-    def worker_lost(self) -> bool:
-        return self.kind == FailureKind.WORKER_LOST
-
-
-class BrokerCall(Protocol):
-    def __aiter__(self) -> Any: ...
-    async def result(self) -> bytes: ...
-    async def cancel(self) -> None: ...
 
 
 class Broker(Protocol):
     """The part of ``broker.client.BrokerClient`` the engine uses."""
 
-    def start(self, service: str, body: bytes, *, timeout_s: float,
+    def start(self, service: str, body: bytes, *, budget_s: float,
               attempt: int = 1) -> Any: ...
 
 
@@ -62,9 +53,9 @@ async def stream_call(
 ) -> Any:
     """Run one request to completion; return the decoded REPLY body."""
     try:
-        call = broker.start(service, pack(payload), timeout_s=budget_s, attempt=attempt)
+        call = broker.start(service, pack(payload), budget_s=budget_s, attempt=attempt)
     except BrokerError as exc:
-        raise CallFailure("broker_unavailable", str(exc), True) from exc
+        raise CallFailed("broker_unavailable", str(exc), True) from exc
     try:
         async for body in call:
             if on_partial is not None:
@@ -72,16 +63,46 @@ async def stream_call(
         reply: bytes = await call.result()
         return unpack(reply)
     except RequestFailed as exc:
-        raise CallFailure(exc.kind, exc.message, exc.retryable) from exc
+        raise CallFailed(exc.kind, exc.message, exc.retryable) from exc
     except BrokerError as exc:
-        raise CallFailure("broker_unavailable", str(exc), True) from exc
+        raise CallFailed("broker_unavailable", str(exc), True) from exc
     except ProtocolError as exc:
-        raise CallFailure(FailureKind.PROTOCOL, f"undecodable {service} body: {exc}",
-                          False) from exc
+        raise CallFailed(FailureKind.PROTOCOL, f"undecodable {service} body: {exc}",
+                         False) from exc
     except asyncio.CancelledError:
         # Bounded cleanup: tell the broker to cancel; never wait on the worker.
         await _send_cancel(call, cancel_grace_s)
         raise
+
+
+async def call_model(
+    broker: Broker, payload: dict[str, Any], *, budget_s: float, attempt: int = 1,
+    on_partial: Callable[[Any], Awaitable[None]] | None = None, cancel_grace_s: float = 0.3,
+) -> ModelCallResult:
+    """One ``model`` request; its REPLY decoded and checked once (``CallFailed``
+    with kind ``protocol`` when malformed)."""
+    body = await stream_call(broker, SERVICE_MODEL, payload, budget_s=budget_s,
+                             attempt=attempt, on_partial=on_partial,
+                             cancel_grace_s=cancel_grace_s)
+    try:
+        return decode_model_result(body)
+    except MalformedResult as exc:
+        raise CallFailed(FailureKind.PROTOCOL, str(exc), False) from None
+
+
+async def call_tool(
+    broker: Broker, request: ToolCallRequest, *, budget_s: float, attempt: int = 1,
+    on_partial: Callable[[Any], Awaitable[None]] | None = None, cancel_grace_s: float = 0.3,
+) -> ToolCallResult:
+    """One ``tool`` request; its REPLY decoded and checked once (``CallFailed``
+    with kind ``protocol`` when malformed)."""
+    body = await stream_call(broker, SERVICE_TOOL, dict(request), budget_s=budget_s,
+                             attempt=attempt, on_partial=on_partial,
+                             cancel_grace_s=cancel_grace_s)
+    try:
+        return decode_tool_result(body)
+    except MalformedResult as exc:
+        raise CallFailed(FailureKind.PROTOCOL, str(exc), False) from None
 
 
 async def _send_cancel(call: Any, grace_s: float) -> None:

@@ -24,11 +24,11 @@ import json
 import shlex
 from typing import TYPE_CHECKING, Any, Final
 
-from sandbox_worker.api import SERVICE_TOOL, ToolCallRequest, ToolPolicy
+from sandbox_worker.api import ToolCallRequest, ToolPolicy
 from supervisor.engine import events as ev
-from supervisor.engine.calls import CallFailure, stream_call
+from supervisor.engine.calls import call_tool
 from supervisor.engine.config import SessionSpec
-from supervisor.engine.errors import HookFailed
+from supervisor.engine.errors import CallFailed, HookFailed
 from supervisor.engine.hooks import DENYING_EVENTS, HookEvent, HookInput, HookResult, Middleware
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class CommandHook(Middleware):
             return None
         try:
             return await self._run(inp)
-        except (CallFailure, ValueError, HookFailed) as exc:
+        except (CallFailed, ValueError, HookFailed) as exc:
             why = f"{self.name} ({self.event}) failed: {exc}"
             if self.event is HookEvent.USER_PROMPT_SUBMIT:
                 return HookResult(reject=why)
@@ -95,11 +95,8 @@ class CommandHook(Middleware):
                                   arguments={"command": command, "timeout_s": self.timeout_s},
                                   session_id=inp.session_id, workspace=self.spec.workspace,
                                   policy=policy)
-        result = await stream_call(self.manager.broker, SERVICE_TOOL, dict(request),
-                                   budget_s=self.timeout_s + 5.0,
-                                   cancel_grace_s=self.manager.config.cancel_grace_s)
-        if not isinstance(result, dict):
-            raise ValueError("malformed tool result")
+        result = await call_tool(self.manager.broker, request, budget_s=self.timeout_s + 5.0,
+                                 cancel_grace_s=self.manager.config.cancel_grace_s)
         if result.get("outcome") == "timeout":
             raise ValueError(f"timed out after {self.timeout_s}s")
         if result.get("is_error") or result.get("exit_code") not in (0, None):

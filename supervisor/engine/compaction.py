@@ -37,11 +37,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage
+from sandbox_worker.api import Usage, add_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
-from supervisor.engine.calls import CallFailure, stream_call
-from supervisor.engine.errors import ModelCallFailed
+from supervisor.engine.calls import call_model
+from supervisor.engine.errors import CallFailed, ModelCallFailed
 from supervisor.engine.hooks import HookEvent
 from supervisor.engine.phases import TurnPhase
 
@@ -107,15 +107,14 @@ async def maybe_compact(turn: Turn) -> None:
                "instructions": s.spec.instructions or s.config.instructions, "items": items,
                "tools": [], "stream": False, "session_id": s.sid, "prompt_cache_key": s.sid}
     try:
-        result = await stream_call(s.manager.broker, SERVICE_MODEL, request,
-                                   budget_s=s.config.model_call_budget_s,
-                                   cancel_grace_s=s.config.cancel_grace_s)
-    except CallFailure as f:
+        result = await call_model(s.manager.broker, request,
+                                  budget_s=turn.budget_s(s.config.model_call_budget_s),
+                                  cancel_grace_s=s.config.cancel_grace_s)
+    except CallFailed as f:
         raise ModelCallFailed(f"compaction failed: {f.kind}: {f.message}", kind=f.kind,
                               retryable=f.retryable) from f
-    from supervisor.engine.turn import _check_model_result, _message_text
+    from supervisor.engine.turn import _message_text
 
-    _check_model_result(result)
     if native:
         head = [i for i in result["items"] if i.get("type") == "compaction"] or result["items"]
     else:

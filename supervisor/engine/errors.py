@@ -6,16 +6,20 @@ is translated at one boundary into the types below, with ``raise ... from``.
 
 Exception tree::
 
-    EngineError                       base of everything the engine raises
+    EngineError                       base of everything the engine raises; a
+    │                                 ``broker.protocol.Failed``: ``exc.failure`` is
+    │                                 the (kind, message, retryable) sent as data
     ├── UnknownSession                no such session (or it is not loaded here)
     ├── SessionClosed                 the session was shut down; it takes no ops
     ├── BadOp                         a malformed op; the message says what is wrong
     ├── EngineNotRunning              ``SessionManager.run`` is not running
-    ├── SubscriberDropped             a subscriber fell behind its bounded queue;
+    ├── SubscriberDropped             (slow_consumer) a subscriber fell behind its bounded queue;
     │                                 resubscribe from ``last_sequence``
     ├── IllegalTransition             a turn phase or tool-call state moved illegally
     │                                 (a bug; raised, never swallowed)
-    └── TurnError                     ends a turn; carries (kind, message, retryable)
+    ├── CallFailed                    a model or tool request ended in a broker FAILURE
+    │                                 (``calls.py``; its kind is the broker's)
+    └── TurnError                     ends a turn; sent as an ``error`` event
         ├── HookFailed                a middleware or command hook raised / crashed:
         │                             an infrastructure failure, the turn fails
         ├── ModelCallFailed           the model service failed after bounded retries
@@ -31,8 +35,10 @@ Invariants:
 
 from __future__ import annotations
 
+from broker.protocol import Failed, FailureKind
 
-class EngineError(Exception):
+
+class EngineError(Failed):
     """Base of every error the session engine raises."""
 
 
@@ -58,6 +64,8 @@ class SubscriberDropped(EngineError):
     Resubscribe with ``after_sequence=last_sequence`` to continue without a gap.
     """
 
+    kind = "slow_consumer"
+
     def __init__(self, message: str, *, last_sequence: int) -> None:
         super().__init__(message)
         self.last_sequence = last_sequence
@@ -67,19 +75,22 @@ class IllegalTransition(EngineError):
     """A lifecycle moved along an edge its state machine does not have."""
 
 
+class CallFailed(EngineError):
+    """A model or tool request that ended in a broker FAILURE, as data."""
+
+    def __init__(self, kind: str, message: str, retryable: bool) -> None:
+        super().__init__(message, kind=kind, retryable=retryable)
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+    @property
+    def worker_lost(self) -> bool:
+        return self.kind == FailureKind.WORKER_LOST
+
+
 class TurnError(EngineError):
-    """An error that ends a turn, sent to clients as data: (kind, message, retryable)."""
-
-    kind = "internal"
-
-    def __init__(self, message: str, *, kind: str | None = None, retryable: bool = False) -> None:
-        super().__init__(message)
-        if kind is not None:
-            self.kind = kind
-        self.retryable = retryable
-
-    def as_data(self) -> dict[str, object]:
-        return {"kind": self.kind, "message": str(self), "retryable": self.retryable}
+    """An error that ends a turn, sent to clients as an ``error`` event (its ``failure``)."""
 
 
 class HookFailed(TurnError):

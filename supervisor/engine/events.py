@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any, Final
 
+from broker.protocol import Failure
 from supervisor.store.records import EventRecord, SessionId, SubmissionId
 
 SESSION_CONFIGURED: Final = "session_configured"
@@ -118,8 +119,11 @@ def warning(message: str, **extra: Any) -> dict[str, Any]:
     return {"message": message, **extra}
 
 
-def error(kind: str, message: str, retryable: bool) -> dict[str, Any]:
-    return {"kind": kind, "message": clip(message, 4096), "retryable": retryable}
+def error(failure: Failure) -> dict[str, Any]:
+    """An ``error`` payload: the failure's kind, message (clipped) and retryability;
+    never an exception class name or a traceback."""
+    return {"kind": failure.kind, "message": clip(failure.message, 4096),
+            "retryable": failure.retryable}
 
 
 def render_block(block_id: str, title: str, *, complete: bool, text: str = "") -> dict[str, Any]:

@@ -31,6 +31,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from broker.protocol import Failed, Failure
 from supervisor.engine import events as ev
 from supervisor.engine.tooling import tool_schemas
 from supervisor.export.checkpoint import build_checkpoint, capability_binding
@@ -71,10 +72,20 @@ async def _call_sink(sink: Any, doc: dict[str, Any]) -> None:
         await result
 
 
+def _failure_of(exc: Exception, timeout_s: float) -> Failure:
+    """A sink's failure as data: its own when it raised a ``Failed`` (``SinkError``),
+    else a timeout or a generic ``sink_error`` (never the exception's class name)."""
+    if isinstance(exc, Failed):
+        return exc.failure
+    if isinstance(exc, TimeoutError):
+        return Failure("timeout", f"the sink took longer than {timeout_s:g}s", True)
+    return Failure("sink_error", str(exc) or "the sink failed", True)
+
+
 async def export_boundary(turn: Turn, call_ids: list[str]) -> None:
     s = turn.session
     sinks = s.manager.export_sinks
-    turn.tool_rounds.append(call_ids)
+    turn.add_tool_round(call_ids)
     if not sinks:
         return
     st = s.state
@@ -102,10 +113,9 @@ async def export_boundary(turn: Turn, call_ids: list[str]) -> None:
             raise
         except Exception as exc:  # a sink is host code: its failure is data, never a halt
             log.warning("session %s: export to %s failed: %s", s.sid, name, exc)
-            kind = getattr(exc, "kind", None) or ("timeout" if isinstance(exc, TimeoutError)
-                                                  else type(exc).__name__)
+            failure = _failure_of(exc, s.config.export_timeout_s)
             await s.warn(f"checkpoint export to {name} failed", turn.submission_id, export={
-                "sink": name, "kind": str(kind), "message": ev.clip(str(exc), 2000),
-                "retryable": bool(getattr(exc, "retryable", True)),
+                "sink": name, "kind": failure.kind, "message": ev.clip(failure.message, 2000),
+                "retryable": failure.retryable,
                 "digest": doc["descriptor"]["digest"], "turn": len(turn.tool_rounds),
                 "run_id": turn.turn_id})

@@ -49,20 +49,21 @@ class TurnPhase(StrEnum):
 
 
 _TERMINAL_PHASES = frozenset({TurnPhase.COMPLETED, TurnPhase.ABORTED, TurnPhase.FAILED})
-_ENDINGS = frozenset({TurnPhase.COMPLETED, TurnPhase.ABORTED, TurnPhase.FAILED})
 _PHASE_EDGES: dict[TurnPhase, frozenset[TurnPhase]] = {
-    TurnPhase.STARTING: frozenset({TurnPhase.PREPARING, TurnPhase.COMPACTING} | _ENDINGS),
+    TurnPhase.STARTING: frozenset({TurnPhase.PREPARING, TurnPhase.COMPACTING} | _TERMINAL_PHASES),
     TurnPhase.PREPARING: frozenset(
-        {TurnPhase.COMPACTING, TurnPhase.MODEL_CALL, TurnPhase.PREPARING} | _ENDINGS
+        {TurnPhase.COMPACTING, TurnPhase.MODEL_CALL, TurnPhase.PREPARING} | _TERMINAL_PHASES
     ),
-    TurnPhase.COMPACTING: frozenset({TurnPhase.PREPARING} | _ENDINGS),
+    TurnPhase.COMPACTING: frozenset({TurnPhase.PREPARING} | _TERMINAL_PHASES),
     TurnPhase.MODEL_CALL: frozenset(
         {TurnPhase.TOOLS, TurnPhase.AWAITING_APPROVAL, TurnPhase.STOPPING,
-         TurnPhase.MODEL_CALL, TurnPhase.PREPARING} | _ENDINGS
+         TurnPhase.MODEL_CALL, TurnPhase.PREPARING} | _TERMINAL_PHASES
     ),
-    TurnPhase.AWAITING_APPROVAL: frozenset({TurnPhase.TOOLS} | _ENDINGS),
-    TurnPhase.TOOLS: frozenset({TurnPhase.PREPARING, TurnPhase.AWAITING_APPROVAL} | _ENDINGS),
-    TurnPhase.STOPPING: frozenset({TurnPhase.PREPARING} | _ENDINGS),
+    TurnPhase.AWAITING_APPROVAL: frozenset({TurnPhase.TOOLS} | _TERMINAL_PHASES),
+    TurnPhase.TOOLS: frozenset(
+        {TurnPhase.PREPARING, TurnPhase.AWAITING_APPROVAL} | _TERMINAL_PHASES
+    ),
+    TurnPhase.STOPPING: frozenset({TurnPhase.PREPARING} | _TERMINAL_PHASES),
     TurnPhase.COMPLETED: frozenset(),
     TurnPhase.ABORTED: frozenset(),
     TurnPhase.FAILED: frozenset(),

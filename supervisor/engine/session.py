@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
+from broker.protocol import Failure, FailureKind
 from sandbox_worker.api import empty_usage, json_size
 from supervisor import crashpoints
 from supervisor.engine import bounds
@@ -332,7 +333,7 @@ class Session:
         now = time.time()
         events: list[EventSpec] = [(ev.TURN_STARTED, {"turn_id": turn_id}, submission_id)]
         if error is not None:
-            events.append((ev.ERROR, error.as_data(), submission_id))
+            events.append((ev.ERROR, ev.error(error.failure), submission_id))
         events.append((ev.TURN_ABORTED, {"turn_id": turn_id, "reason": reason,
                                          "message": ev.clip(message, 4096)}, submission_id))
         record = ExecutionRecord(self.sid, turn_id, "failed" if error else "aborted", 0, 0, 0,
@@ -421,8 +422,8 @@ class Session:
 
     async def _report_internal_error(self, work: Work) -> None:
         try:
-            await self.commit([(ev.ERROR, ev.error("internal", f"{work.kind} failed "
-                                                   "inside the supervisor; see its log", False),
+            await self.commit([(ev.ERROR, ev.error(Failure(
+                FailureKind.INTERNAL, f"{work.kind} failed inside the supervisor; see its log")),
                                 work.submission_id)])
         except asyncio.CancelledError:
             raise

@@ -48,9 +48,10 @@ from typing import TYPE_CHECKING, Any
 from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import (
     IDEMPOTENT_TOOLS,
-    SERVICE_TOOL,
     TIER_ORDER,
+    ModelCallResult,
     ToolCallRequest,
+    ToolCallResult,
     json_size,
     replace_surrogates,
 )
@@ -58,9 +59,10 @@ from supervisor import crashpoints
 from supervisor.engine import bounds
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import Decision, call_key
-from supervisor.engine.calls import CallFailure, stream_call
-from supervisor.engine.errors import TurnError
+from supervisor.engine.calls import call_tool
+from supervisor.engine.errors import CallFailed, TurnError
 from supervisor.engine.hooks import HookEvent, context_item
+from supervisor.engine.machine import PendingCall
 from supervisor.engine.phases import CallState, TurnPhase, advance_call
 from supervisor.engine.session import PendingApproval
 from supervisor.engine.tooling import offered
@@ -76,7 +78,8 @@ RESTART_OUTPUT = ("The supervisor restarted while this tool call was running. Wh
                   "call had any effect is unknown; check before repeating it.")
 
 
-async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str, Any]]) -> None:
+async def prepare_calls(turn: Turn, result: ModelCallResult,
+                        calls: list[dict[str, Any]]) -> None:
     """Run pre_tool hooks, then commit the model step with its calls ``requested``."""
     s = turn.session
     pcs: list[dict[str, Any]] = []
@@ -118,9 +121,9 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
             budget -= json_size(args)
         item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": text}
         items.append(item)
-        pc: dict[str, Any] = {"call_id": call_id, "name": name, "arguments": args or {},
-                              "state": str(CallState.REQUESTED), "attempt": 0,
-                              "verdict": None, "reason": None}
+        # the machine's record is the checkpoint's (machine.PendingCall)
+        pc = PendingCall(call_id, name, args or {},
+                         idempotent=name in IDEMPOTENT_TOOLS).to_json()
         if problem is not None:
             pc["verdict"], pc["reason"] = "bad", problem
         elif not offered(s.spec.tools, name):
@@ -145,8 +148,8 @@ async def prepare_calls(turn: Turn, result: dict[str, Any], calls: list[dict[str
                 pc["verdict"], pc["reason"] = "deny", (  # the reason lives in the state row
                     f"denied by a pre_tool hook: {ev.clip(str(folded.deny), 4096)}")
         pcs.append(pc)
-    result = {**result, "items": [i for i in result["items"]
-                                  if i.get("type") != "function_call"]}
+    result = ModelCallResult(**{**result, "items": [
+        i for i in result["items"] if i.get("type") != "function_call"]})
 
     def mutate(st: Any) -> None:
         st.pending_tool_calls = pcs
@@ -378,10 +381,11 @@ async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
             request["workspace_identity"] = identity
             request["workspace_host"] = str(s.spec.extra.get("workspace_host", ""))
         try:
-            result = await stream_call(s.manager.broker, SERVICE_TOOL, dict(request),
-                                       budget_s=cfg.tool_call_budget_s, attempt=attempt,
-                                       on_partial=on_partial, cancel_grace_s=cfg.cancel_grace_s)
-        except CallFailure as f:
+            result = await call_tool(s.manager.broker, request,
+                                     budget_s=turn.budget_s(cfg.tool_call_budget_s),
+                                     attempt=attempt, on_partial=on_partial,
+                                     cancel_grace_s=cfg.cancel_grace_s)
+        except CallFailed as f:
             if f.worker_lost and name in IDEMPOTENT_TOOLS \
                     and attempt < cfg.idempotent_tool_attempts:
                 continue
@@ -393,11 +397,6 @@ async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
                                    f"Tool call failed ({f.kind}): {f.message}", True, None,
                                    executed=False, error=f)
             return
-        if not isinstance(result, dict) or not isinstance(result.get("output"), str):
-            await _finish_call(turn, pc, CallState.FAILED, "failed",
-                               "Tool call failed: the tool service answered with a malformed "
-                               "result", True, None, executed=False)
-            return
         is_error = bool(result.get("is_error"))
         await _finish_call(turn, pc, CallState.FAILED if is_error else CallState.OK,
                            str(result.get("outcome", "error" if is_error else "ok")),
@@ -406,8 +405,8 @@ async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
 
 
 async def _finish_call(turn: Turn, pc: dict[str, Any], state: CallState, outcome: str,
-                       output: str, is_error: bool, result: dict[str, Any] | None, *,
-                       executed: bool, error: CallFailure | None = None) -> None:
+                       output: str, is_error: bool, result: ToolCallResult | None, *,
+                       executed: bool, error: CallFailed | None = None) -> None:
     s = turn.session
     contexts: list[dict[str, Any]] = []
     if executed:  # post_tool runs only after a real execution
@@ -439,7 +438,7 @@ async def _finish_call(turn: Turn, pc: dict[str, Any], state: CallState, outcome
             if key in result:
                 payload[key] = result[key]
     if error is not None:
-        payload["error"] = ev.error(error.kind, error.message, error.retryable)
+        payload["error"] = ev.error(error.failure)
 
     def mutate(st: Any) -> None:
         pc["state"] = str(advance_call(CallState(pc["state"]), state))

@@ -32,20 +32,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
-from sandbox_worker.api import SERVICE_MODEL, Usage, add_usage, empty_usage
+from sandbox_worker.api import ModelCallResult, Usage, add_usage, empty_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
-from supervisor.engine.calls import CallFailure, stream_call
+from supervisor.engine.calls import call_model
 from supervisor.engine.errors import (
+    CallFailed,
     HookFailed,
     ModelCallFailed,
     TurnError,
     TurnLimitExceeded,
 )
 from supervisor.engine.hooks import HookEvent, context_item
+from supervisor.engine.machine import ActiveTurn
 from supervisor.engine.phases import TurnPhase, advance_phase
 from supervisor.engine.tooling import tool_schemas
 from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _MAX_RESUME_PAGES = 100  # events read to find what a crash left open (1,000 a page)
+MIN_REQUEST_BUDGET_S = 0.05  # the broker client refuses a budget of 0
 
 
 class TurnRejected(Exception):
@@ -74,28 +78,23 @@ class Turn:
         self.submission_id = submission_id
         self.kind = kind  # "turn" | "compact"
         self.resumed = resumed
-        self.started_at = time.time()
+        # The turn's counters live in the machine's record, which is exactly what
+        # the checkpoint stores (``_active_turn``): one copy, nothing to sync.
+        self.record = ActiveTurn(self.turn_id, submission_id, kind, TurnPhase.STARTING,
+                                 started_at=time.time(),
+                                 first_sequence=session.state.next_event_sequence)
         self.started_mono = time.monotonic()
-        self.model_steps = 0
-        self.model_calls = 0
-        self.tool_calls = 0
-        self.failed_tool_calls = 0
         self.usage: Usage = empty_usage()
         self.sandbox_tier: str | None = None
         self.partial_text = ""
-        self.continuations = 0
         self.force_compact = kind == "compact"
         self.provisional: Provisional | None = None
         self.open_block: str | None = None  # compaction notice awaiting its completion
-        self.interrupt_requested = False
         self.open_step = False  # a model_step_started without its final completion
         self.finishing = False
         self.last_message = ""
-        self.pending_rewrite_reasons: list[str] = []
-        self.tool_rounds: list[list[str]] = []  # call ids per completed tool round
         # approval id -> created_at of its stored exec_approval_request (resumed turns)
         self.approval_requested_at: dict[str, float] = {}
-        self.first_sequence = session.state.next_event_sequence  # the run's first event
         self._limit: asyncio.Timeout | None = None  # max_turn_s, set by _run
 
     # ---------------------------------------------------------------- setup
@@ -107,16 +106,13 @@ class Turn:
             at = st.active_turn
             if at is None:
                 return None
-            turn = cls(session, at["turn_id"], at.get("submission_id"), at.get("kind", "turn"),
+            # the machine's record is the checkpoint's (machine.ActiveTurn)
+            rec = ActiveTurn.from_json({"started_at": time.time(),
+                                        "first_sequence": st.next_event_sequence, **at})
+            turn = cls(session, rec.turn_id, _submission(rec.submission_id), rec.kind,
                        resumed=True)
-            turn.model_steps = int(at.get("model_steps", 0))
-            turn.model_calls = int(at.get("model_calls", 0))
-            turn.tool_calls = int(at.get("tool_calls", 0))
-            turn.failed_tool_calls = int(at.get("failed_tool_calls", 0))
+            turn.record = rec
             turn.usage = at.get("usage") or empty_usage()
-            turn.started_at = float(at.get("started_at", time.time()))
-            turn.first_sequence = int(at.get("first_sequence", turn.first_sequence))
-            turn.tool_rounds = [list(r) for r in at.get("tool_rounds", [])]
             return turn
         if work.kind == "compact":
             return cls(session, ev.new_id("turn"), work.submission_id, "compact")
@@ -143,12 +139,70 @@ class Turn:
         return mutate
 
     def _active_turn(self, phase: TurnPhase) -> dict[str, Any]:
-        return {"turn_id": self.turn_id, "submission_id": self.submission_id, "kind": self.kind,
-                "phase": str(phase), "model_steps": self.model_steps,
-                "model_calls": self.model_calls, "tool_calls": self.tool_calls,
-                "failed_tool_calls": self.failed_tool_calls, "usage": _usage_dict(self.usage),
-                "started_at": self.started_at, "first_sequence": self.first_sequence,
-                "tool_rounds": self.tool_rounds}
+        """``CheckpointState.active_turn``: the turn's ``ActiveTurn`` record (its
+        JSON, at ``phase``; callers moved it through ``advance_phase``) plus the
+        turn's usage."""
+        self.record = replace(self.record, phase=phase)
+        return {**self.record.to_json(), "usage": _usage_dict(self.usage)}
+
+    # The record's fields, read and written as the turn's own (frozen record:
+    # a write replaces it).
+    @property
+    def model_steps(self) -> int:
+        return self.record.model_steps
+
+    @model_steps.setter
+    def model_steps(self, value: int) -> None:
+        self.record = replace(self.record, model_steps=value)
+
+    @property
+    def model_calls(self) -> int:
+        return self.record.model_calls
+
+    @model_calls.setter
+    def model_calls(self, value: int) -> None:
+        self.record = replace(self.record, model_calls=value)
+
+    @property
+    def tool_calls(self) -> int:
+        return self.record.tool_calls
+
+    @tool_calls.setter
+    def tool_calls(self, value: int) -> None:
+        self.record = replace(self.record, tool_calls=value)
+
+    @property
+    def failed_tool_calls(self) -> int:
+        return self.record.failed_tool_calls
+
+    @failed_tool_calls.setter
+    def failed_tool_calls(self, value: int) -> None:
+        self.record = replace(self.record, failed_tool_calls=value)
+
+    @property
+    def continuations(self) -> int:
+        return self.record.continuations
+
+    @continuations.setter
+    def continuations(self, value: int) -> None:
+        self.record = replace(self.record, continuations=value)
+
+    @property
+    def started_at(self) -> float:
+        return self.record.started_at
+
+    @property
+    def first_sequence(self) -> int:
+        return self.record.first_sequence
+
+    @property
+    def tool_rounds(self) -> list[list[str]]:
+        """Call ids per completed tool round (a copy)."""
+        return [list(r) for r in self.record.tool_rounds]
+
+    def add_tool_round(self, call_ids: list[str]) -> None:
+        self.record = replace(self.record,
+                              tool_rounds=(*self.record.tool_rounds, tuple(call_ids)))
 
     def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord:
         ended = outcome != "running"
@@ -180,7 +234,6 @@ class Turn:
     def interrupt(self) -> None:
         if self.finishing or self.session.turn_task is None:
             return
-        self.interrupt_requested = True
         self.session.turn_task.cancel()
 
     async def _run(self) -> None:
@@ -199,11 +252,12 @@ class Turn:
             exc2 = TurnLimitExceeded(
                 f"the turn ran longer than {self.session.config.max_turn_s}s")
             await self._finish_aborted(ev.ABORT_FAILED, str(exc2), error=exc2)
-        except Exception as exc:  # the turn's boundary: a bug fails this turn, cleanly
+        except Exception:  # the turn's boundary: a bug fails this turn, cleanly
             log.exception("session %s turn %s: unexpected error", self.session.sid,
                           self.turn_id)
-            await self._finish_aborted(ev.ABORT_FAILED, "internal error in the supervisor",
-                                       error=TurnError(f"internal error: {type(exc).__name__}"))
+            await self._finish_aborted(
+                ev.ABORT_FAILED, "internal error in the supervisor",
+                error=TurnError("internal error in the supervisor; see its log"))
 
     async def _body(self) -> None:
         from supervisor.engine.toolround import tool_round
@@ -233,10 +287,20 @@ class Turn:
                 return
         elif self.phase is not TurnPhase.PREPARING:
             # mid model call / compaction / stop hooks: re-issue the step
-            await self.session.commit(mutate=self._force_phase(TurnPhase.PREPARING))
+            await self.session.commit(mutate=self.moving_to(TurnPhase.PREPARING))
         while not await self._step():
             pass
         await self._finish_completed()
+
+    def budget_s(self, cap_s: float) -> float:
+        """The budget of a request the turn makes: what is left of the turn's own
+        (``max_turn_s``, counted from its start), at most ``cap_s`` (the per-call
+        cap of ``EngineConfig``), and never below ``MIN_REQUEST_BUDGET_S`` (a turn
+        with less left ends at its own limit, which expires first)."""
+        if self._limit is None or (when := self._limit.when()) is None:
+            return cap_s
+        left = when - asyncio.get_running_loop().time()
+        return max(MIN_REQUEST_BUDGET_S, min(cap_s, left))
 
     def _limit_from_start(self) -> None:
         """A resumed turn's ``max_turn_s`` counts from the turn's stored start (wall
@@ -297,11 +361,6 @@ class Turn:
         if closing:
             await s.commit(closing)
 
-    def _force_phase(self, phase: TurnPhase) -> Any:
-        def mutate(st: Any) -> None:
-            st.active_turn = self._active_turn(phase)
-        return mutate
-
     async def _start_with_input(self) -> None:
         """Start the turn from the admitted input (its prompt hooks already ran)."""
         s = self.session
@@ -355,7 +414,6 @@ class Turn:
                     self.provisional.context = list(pre.rewrite_items)
                 self.provisional.context.extend(extra)
             elif pre.rewrite_items is not None:
-                self.pending_rewrite_reasons.append("pre_model_hook")
                 await s.commit(rewrite=(list(pre.rewrite_items) + extra, ["pre_model_hook"]),
                                mutate=self._note_rewrite(["pre_model_hook"]))
             else:
@@ -422,7 +480,7 @@ class Turn:
 
     # ----------------------------------------------------------- model call
 
-    async def _model_call(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _model_call(self, request: dict[str, Any]) -> ModelCallResult:
         s = self.session
         cfg = s.config
         attempt = 1
@@ -439,19 +497,17 @@ class Turn:
             self.open_step = True
             crashpoints.reach("model_call_before")
             try:
-                result = await stream_call(
-                    s.manager.broker, SERVICE_MODEL, request, budget_s=cfg.model_call_budget_s,
+                return await call_model(
+                    s.manager.broker, request, budget_s=self.budget_s(cfg.model_call_budget_s),
                     attempt=attempt, on_partial=self._on_model_delta,
                     cancel_grace_s=cfg.cancel_grace_s)
-                _check_model_result(result)
-                return result  # type: ignore[no-any-return]
-            except CallFailure as f:
+            except CallFailed as f:
                 again = (f.retryable or f.worker_lost) and attempt < cfg.model_attempts
                 outcome = ev.STEP_RETRYING if again else ev.STEP_FAILED
                 await s.commit([(ev.MODEL_STEP_COMPLETED, {
                     "turn_id": self.turn_id, "step": step, "attempt": attempt,
                     "outcome": outcome, "diagnostics": {
-                        "error": ev.error(f.kind, f.message, f.retryable),
+                        "error": ev.error(f.failure),
                         "prompt_cache": self._cache_diagnostics(s.state)}},
                     self.submission_id)])
                 if not again:
@@ -494,7 +550,7 @@ class Turn:
                 "outcome": "prefix_reuse" if st.cache_breakpoint is not None else "cold",
                 "rewrite_reasons": []}
 
-    async def _commit_model_result(self, result: dict[str, Any],
+    async def _commit_model_result(self, result: ModelCallResult,
                                    call_items: list[dict[str, Any]],
                                    extra_items: list[dict[str, Any]] | None = None,
                                    mutate_more: Any = None) -> None:
@@ -546,16 +602,10 @@ class Turn:
         s = self.session
         self.finishing = True
         await self._run_turn_end("completed")
-
-        def mutate(st: Any) -> None:
-            st.active_turn = None
-            st.pending_tool_calls = []
-            st.pending_approval = None
-            st.export_loop_checkpoint = None
         await s.commit([(ev.TURN_COMPLETE, {"turn_id": self.turn_id,
                                             "last_agent_message": ev.clip(self.last_message)},
                          self.submission_id)],
-                       execution=self.execution("completed"), mutate=mutate)
+                       execution=self.execution("completed"), mutate=_clear_turn)
 
     async def _finish_aborted(self, reason: str, message: str,
                               error: TurnError | None = None) -> None:
@@ -584,19 +634,13 @@ class Turn:
                 else ev.STEP_FAILED, "diagnostics": {}}, self.submission_id))
         items.extend(close_open_calls(self, message))
         if error is not None:
-            events.append((ev.ERROR, error.as_data(), self.submission_id))
+            events.append((ev.ERROR, ev.error(error.failure), self.submission_id))
         events.append((ev.TURN_ABORTED, {"turn_id": self.turn_id, "reason": reason,
                                          "message": ev.clip(message, 4096)},
                        self.submission_id))
-
-        def mutate(st: Any) -> None:
-            st.active_turn = None
-            st.pending_tool_calls = []
-            st.pending_approval = None
-            st.export_loop_checkpoint = None
         await s.commit(events, items=items or None,
                        execution=self.execution(outcome, f"{reason}: {message}"[:1000]),
-                       mutate=mutate)
+                       mutate=_clear_turn)
         self.partial_text = ""
         try:
             await self._run_turn_end(outcome)
@@ -607,6 +651,18 @@ class Turn:
         s = self.session
         await s.hooks.run(HookEvent.TURN_END, s.sid, self.turn_id,
                           {"outcome": outcome, "last_message": self.last_message})
+
+
+def _submission(value: str | None) -> SubmissionId | None:
+    return None if value is None else SubmissionId(value)
+
+
+def _clear_turn(st: Any) -> None:
+    """The checkpoint state of a session whose turn ended (in the turn's last commit)."""
+    st.active_turn = None
+    st.pending_tool_calls = []
+    st.pending_approval = None
+    st.export_loop_checkpoint = None
 
 
 def _usage_dict(usage: Usage) -> dict[str, int]:
@@ -623,28 +679,13 @@ def _message_text(item: dict[str, Any]) -> str:
                    if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
-def _check_model_result(result: Any) -> None:
-    if not isinstance(result, dict) or not isinstance(result.get("items"), list) \
-            or not all(isinstance(i, dict) for i in result["items"]) \
-            or not isinstance(result.get("usage"), dict):
-        raise CallFailure("protocol", "the model service answered with a malformed result",
-                          False)
-    usage = result["usage"]
-    base = empty_usage()
-    for k in base:
-        v = usage.get(k, 0)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise CallFailure("protocol", f"model usage field {k!r} is not an integer", False)
-    result["usage"] = {k: int(usage.get(k, 0)) for k in base}
-
-
 async def run_session_start(session: Session, source: str) -> None:
     """session_start outside a turn (startup, resume): may stop or push input."""
     try:
         folded = await session.hooks.run(HookEvent.SESSION_START, session.sid, None,
                                          {"source": source})
     except HookFailed as exc:
-        await session.commit([(ev.ERROR, exc.as_data(), None)])
+        await session.commit([(ev.ERROR, ev.error(exc.failure), None)])
         return
     if folded.stop is not None:
         # Nothing is running: the stop ends the hook run only; it never eats a prompt.

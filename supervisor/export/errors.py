@@ -2,7 +2,7 @@
 
 Exception tree::
 
-    ExportError                 every export failure (kind, message, retryable)
+    ExportError                 every export failure (a ``broker.protocol.Failed``)
     ├── CheckpointInvalid       verify() found problems (.problems: list[str])
     ├── BindingMismatch         import refused: the capability binding differs
     └── SinkError               a sink could not take the checkpoint (.kind, .retryable);
@@ -14,16 +14,12 @@ Foreign errors (httpx, OSError) become ``SinkError`` at the sink that met them.
 
 from __future__ import annotations
 
-from typing import Any
+from broker.protocol import Failed
 
 
-class ExportError(Exception):
+class ExportError(Failed):
     kind: str = "export_error"
     retryable: bool = False
-
-    def as_failure(self) -> dict[str, Any]:
-        """The failure as data: {kind, message, retryable}."""
-        return {"kind": self.kind, "message": str(self), "retryable": self.retryable}
 
 
 class CheckpointInvalid(ExportError):
@@ -40,7 +36,5 @@ class BindingMismatch(ExportError):
 
 class SinkError(ExportError):
     def __init__(self, kind: str, message: str, *, retryable: bool, sink: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.retryable = retryable
+        super().__init__(message, kind=kind, retryable=retryable)
         self.sink = sink

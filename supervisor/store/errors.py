@@ -2,7 +2,7 @@
 
 Exception tree::
 
-    StoreError                  every store failure (has .retryable)
+    StoreError                  every store failure (a ``broker.protocol.Failed``)
     ├── SchemaTooNew            the database was written by a newer Corral (not retryable)
     ├── StoreBusy               another connection held the write lock past the deadline
     │                           (retryable)
@@ -25,17 +25,23 @@ from __future__ import annotations
 
 import sqlite3
 
+from broker.protocol import Failed
 
-class StoreError(Exception):
-    """Base of every store error."""
 
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+class StoreError(Failed):
+    """Base of every store error; a ``broker.protocol.Failed`` whose ``kind`` is the
+    class's stable snake_case name (``StoreBusy`` -> ``store_busy``)."""
+
+    kind = "store_error"
     retryable: bool = False
 
-    @property
-    def kind(self) -> str:
-        """A stable snake_case name for sending the failure as data."""
-        name = type(self).__name__
-        return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = _snake(cls.__name__)
 
 
 class SchemaTooNew(StoreError):

@@ -12,7 +12,7 @@ from tests.helpers import eventually
 
 async def main(endpoint: str, tag: str) -> None:
     async with BrokerClient(endpoint, heartbeat_interval_s=0.25, liveness=3) as client:
-        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": tag}), timeout_s=60)
+        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": tag}), budget_s=60)
 
         async def acknowledged() -> bool:  # the broker's first heartbeat answers our REQUEST
             return client.broker_id is not None

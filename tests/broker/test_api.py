@@ -48,9 +48,9 @@ async def test_status_has_the_documented_fields(procs: Procs, broker: BrokerProc
     worker = start_echo(procs, broker.backend, capacity=2)
     async with client_for(broker) as client:
         await eventually(lambda: _registered(client), what="worker registered")
-        assert await client.request("echo", b"one", timeout_s=5) == b"one"
-        held = client.start("echo", protocol.pack({"sleep_s": 30}), timeout_s=20)
-        queued = client.start("nobody", b"", timeout_s=20)
+        assert await client.request("echo", b"one", budget_s=5) == b"one"
+        held = client.start("echo", protocol.pack({"sleep_s": 30}), budget_s=20)
+        queued = client.start("nobody", b"", budget_s=20)
 
         async def busy() -> dict[str, object] | None:
             s = await client.status()
@@ -101,13 +101,13 @@ async def test_partials_stream_in_order_then_reply(procs: Procs, broker: BrokerP
     start_echo(procs, broker.backend)
     async with client_for(broker) as client:
         body = protocol.pack({"partials": 50})
-        call = client.start("echo", body, timeout_s=10)
+        call = client.start("echo", body, budget_s=10)
         chunks = [protocol.unpack(c)["i"] async for c in call]
         assert chunks == list(range(50))
         assert call.done
         assert await call.result() == body
         # request() discards partials and returns the reply.
-        assert await client.request("echo", body, timeout_s=10) == body
+        assert await client.request("echo", body, budget_s=10) == body
 
 
 async def test_unread_partials_fail_the_call_as_slow_consumer(
@@ -115,11 +115,11 @@ async def test_unread_partials_fail_the_call_as_slow_consumer(
 ) -> None:
     start_echo(procs, broker.backend)
     async with client_for(broker) as client:
-        call = client.start("echo", protocol.pack({"partials": 5000}), timeout_s=20)
+        call = client.start("echo", protocol.pack({"partials": 5000}), budget_s=20)
         with pytest.raises(RequestFailed) as failed:
             await call.result()
         assert failed.value.kind == "slow_consumer"
-        assert await client.request("echo", b"ok", timeout_s=10) == b"ok"
+        assert await client.request("echo", b"ok", budget_s=10) == b"ok"
 
 
 async def test_handler_failures_travel_as_data(procs: Procs, broker: BrokerProc) -> None:
@@ -128,11 +128,11 @@ async def test_handler_failures_travel_as_data(procs: Procs, broker: BrokerProc)
         with pytest.raises(RequestFailed) as failed:
             await client.request("echo", protocol.pack(
                 {"fail": "bad_request", "message": "no such tool", "retryable": True}),
-                timeout_s=5)
+                budget_s=5)
         assert (failed.value.kind, failed.value.message, failed.value.retryable) == (
             "bad_request", "no such tool", True)
         with pytest.raises(RequestFailed) as crashed:
-            await client.request("echo", protocol.pack({"crash": True}), timeout_s=5)
+            await client.request("echo", protocol.pack({"crash": True}), budget_s=5)
         assert crashed.value.kind == "internal"
         assert not crashed.value.retryable
         assert "Traceback" not in crashed.value.message
@@ -146,18 +146,18 @@ async def test_client_deadline_holds_when_no_broker_answers(tmp_path: object) ->
         assert not client.connected
         started = time.monotonic()
         with pytest.raises(RequestFailed) as failed:
-            await client.request("echo", b"x", timeout_s=0.2)
+            await client.request("echo", b"x", budget_s=0.2)
         elapsed = time.monotonic() - started
         assert failed.value.kind == "timeout"
         assert elapsed < 0.2 + 0.5 + 1.0  # timeout + grace + generous slack
     with pytest.raises(BrokerUnavailable):
-        client.start("echo", b"x", timeout_s=1)
+        client.start("echo", b"x", budget_s=1)
 
 
 async def test_closing_the_client_ends_its_calls() -> None:
     client = BrokerClient("ipc:///tmp/corral-no-broker-here.sock")
     async with client:
-        call = client.start("echo", b"x", timeout_s=30)
+        call = client.start("echo", b"x", budget_s=30)
     with pytest.raises(RequestFailed) as failed:
         await call.result()
     assert failed.value.kind == "client_closed"
@@ -169,8 +169,8 @@ async def test_sigterm_fails_open_requests_and_exits_zero(
     start_echo(procs, broker.backend)
     async with client_for(broker) as client:
         await eventually(lambda: _registered(client), what="worker registered")
-        held = client.start("echo", protocol.pack({"sleep_s": 30}), timeout_s=20)
-        queued = client.start("nobody", b"", timeout_s=20)
+        held = client.start("echo", protocol.pack({"sleep_s": 30}), budget_s=20)
+        queued = client.start("nobody", b"", budget_s=20)
         await eventually(lambda: _tracked(client, 2), what="both requests tracked")
         broker.proc.send_signal(signal.SIGTERM)
         for call in (held, queued):
@@ -203,7 +203,7 @@ async def test_worker_stop_drains_then_disconnects(broker: BrokerProc) -> None:
         ready = asyncio.Event()
         runner = tg.create_task(worker.run(on_ready=ready.set))
         await asyncio.wait_for(ready.wait(), 10)
-        call = client.start("slow", b"job", timeout_s=10)
+        call = client.start("slow", b"job", budget_s=10)
         await asyncio.wait_for(started.wait(), 10)
         await worker.stop(drain_s=5)
         assert runner.done()
@@ -225,7 +225,7 @@ async def test_in_process_worker_serves_echo(broker: BrokerProc) -> None:
         ready = asyncio.Event()
         runner = tg.create_task(worker.run(on_ready=ready.set))
         await asyncio.wait_for(ready.wait(), 10)
-        assert await client.request("echo", b"in-process", timeout_s=5) == b"in-process"
+        assert await client.request("echo", b"in-process", budget_s=5) == b"in-process"
         assert worker.phase == "ready"
         runner.cancel()
     # Cancelling run() says goodbye: the broker forgets the worker at once.

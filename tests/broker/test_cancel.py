@@ -72,7 +72,7 @@ async def test_cancel_reaches_worker_and_late_reply_is_never_delivered(
     broker: BrokerProc, raw_worker: RawWorker
 ) -> None:
     async with client_for(broker) as client:
-        call = client.start("slow", b"work", timeout_s=20)
+        call = client.start("slow", b"work", budget_s=20)
         request = await raw_worker.next()
         assert isinstance(request, protocol.Request)
         assert request.body == b"work"
@@ -83,7 +83,7 @@ async def test_cancel_reaches_worker_and_late_reply_is_never_delivered(
         # The worker observes the CANCEL for the request it holds.
         assert await raw_worker.next() == protocol.Cancel(request.request_id)
         # Its slot stays occupied until it answers: a second request waits.
-        second = client.start("slow", b"second", timeout_s=20)
+        second = client.start("slow", b"second", budget_s=20)
 
         async def queued() -> bool:
             return (await client.status())["queues"].get("slow") == 1
@@ -117,14 +117,14 @@ async def test_cancel_is_observed_by_a_real_worker_process(
 ) -> None:
     worker = start_echo(procs, broker.backend, "--events")
     async with client_for(broker) as client:
-        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "c1"}), timeout_s=30)
+        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "c1"}), budget_s=30)
         assert worker.event() == {"event": "start", "tag": "c1"}
         await call.cancel()
         assert worker.event() == {"event": "cancelled", "tag": "c1"}
         with pytest.raises(RequestFailed, match="cancelled"):
             await call.result()
         # The worker answered FAILURE(cancelled): its slot is free for the next request.
-        assert await client.request("echo", b"next", timeout_s=5) == b"next"
+        assert await client.request("echo", b"next", budget_s=5) == b"next"
 
 
 async def test_budget_exhausted_at_worker_times_out_and_cancels(
@@ -134,7 +134,7 @@ async def test_budget_exhausted_at_worker_times_out_and_cancels(
     async with client_for(broker) as client:
         with pytest.raises(RequestFailed) as failed:
             await client.request("echo", protocol.pack({"sleep_s": 60, "tag": "t"}),
-                                 timeout_s=0.5)
+                                 budget_s=0.5)
         assert failed.value.kind == "timeout"
         assert failed.value.retryable
         assert worker.event() == {"event": "start", "tag": "t"}
@@ -144,7 +144,7 @@ async def test_budget_exhausted_at_worker_times_out_and_cancels(
 async def test_unknown_service_times_out_in_queue(broker: BrokerProc) -> None:
     async with client_for(broker) as client:
         with pytest.raises(RequestFailed) as failed:
-            await client.request("nobody-serves-this", b"x", timeout_s=0.3)
+            await client.request("nobody-serves-this", b"x", budget_s=0.3)
         assert failed.value.kind == "timeout"
         assert "queue" in failed.value.message
 
@@ -154,9 +154,9 @@ async def test_full_queue_answers_overloaded(procs: Procs, ipc_dir: object) -> N
 
     small = start_broker(procs, f"ipc://{ipc_dir}/f", f"ipc://{ipc_dir}/b", "--queue-limit", "2")
     async with client_for(small) as client:
-        waiting = [client.start("none", b"", timeout_s=10) for _ in range(2)]
+        waiting = [client.start("none", b"", budget_s=10) for _ in range(2)]
         with pytest.raises(RequestFailed) as failed:
-            await client.request("none", b"", timeout_s=10)
+            await client.request("none", b"", budget_s=10)
         assert failed.value.kind == "overloaded"
         assert failed.value.retryable
         for call in waiting:

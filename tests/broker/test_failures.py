@@ -47,7 +47,7 @@ async def _lose_busy_worker(procs: Procs, broker: BrokerProc, sig: int) -> None:
     workers = [start_echo(procs, broker.backend) for _ in range(2)]
     async with client_for(broker) as client:
         await eventually(lambda: registered(client, 2), what="both workers registered")
-        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "held"}), timeout_s=30)
+        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "held"}), budget_s=30)
         holder = await eventually(lambda: busy_worker(client), what="request dispatched")
         victim = next(w for w in workers if w.identity == holder)
         survivor = next(w for w in workers if w.identity != holder)
@@ -60,7 +60,7 @@ async def _lose_busy_worker(procs: Procs, broker: BrokerProc, sig: int) -> None:
         assert failed.value.retryable
         assert elapsed <= DETECT_BOUND_S, f"worker loss noticed after {elapsed:.2f}s"
         # The next request succeeds, on the surviving worker.
-        assert await client.request("echo", b"after", timeout_s=5) == b"after"
+        assert await client.request("echo", b"after", budget_s=5) == b"after"
         status = await client.status()
         assert status["worker_count"] == 1
         assert status["workers"]["echo"]["workers"][0]["identity"] == survivor.identity
@@ -85,9 +85,9 @@ async def test_broker_restart_on_same_endpoint(procs: Procs, ipc_dir: Path) -> N
     first = start_broker(procs, front, back)
     worker = start_echo(procs, back, "--events", capacity=2)
     async with client_for(first) as client:
-        assert await client.request("echo", b"before", timeout_s=5) == b"before"
+        assert await client.request("echo", b"before", budget_s=5) == b"before"
         old_id = client.broker_id
-        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "held"}), timeout_s=30)
+        call = client.start("echo", protocol.pack({"sleep_s": 60, "tag": "held"}), budget_s=30)
         assert worker.event() == {"event": "start", "tag": "held"}
         first.proc.kill()
         first.proc.wait(timeout=10)
@@ -109,7 +109,7 @@ async def test_broker_restart_on_same_endpoint(procs: Procs, ipc_dir: Path) -> N
         # ... and re-registers: new requests succeed through the same processes.
         await eventually(lambda: registered(client, 1), timeout_s=15,
                          what="worker re-registered with the new broker")
-        assert await client.request("echo", b"after", timeout_s=5) == b"after"
+        assert await client.request("echo", b"after", budget_s=5) == b"after"
         assert client.broker_id == second.ready["broker_id"]
         assert client.connected
         assert worker.proc.poll() is None
@@ -143,7 +143,7 @@ async def test_vanished_client_gets_its_request_cancelled(
     async with client_for(broker) as client:
         status = await client.status()
         assert status["counters"]["client_expiries"] == 1
-        assert await client.request("echo", b"free again", timeout_s=5) == b"free again"
+        assert await client.request("echo", b"free again", budget_s=5) == b"free again"
 
 
 async def test_silent_broker_fails_calls_and_recovers_after_sigcont(
@@ -152,7 +152,7 @@ async def test_silent_broker_fails_calls_and_recovers_after_sigcont(
     start_echo(procs, broker.backend)
     async with client_for(broker) as client:
         await eventually(lambda: registered(client, 1), what="worker registered")
-        call = client.start("echo", protocol.pack({"sleep_s": 60}), timeout_s=30)
+        call = client.start("echo", protocol.pack({"sleep_s": 60}), budget_s=30)
         await eventually(lambda: busy_worker(client), what="request dispatched")
         os.kill(broker.proc.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -168,7 +168,7 @@ async def test_silent_broker_fails_calls_and_recovers_after_sigcont(
             os.kill(broker.proc.pid, signal.SIGCONT)
 
         async def answered() -> bool:
-            return await client.request("echo", b"back", timeout_s=5) == b"back"
+            return await client.request("echo", b"back", budget_s=5) == b"back"
 
         await eventually(answered, timeout_s=20, what="service after SIGCONT")
         assert client.connected

@@ -33,7 +33,7 @@ async def test_frame_faults_never_hang_or_duplicate(
         async def one(i: int) -> None:
             body = b"%d" % i
             try:
-                reply = await client.request("echo", body, timeout_s=1.0)
+                reply = await client.request("echo", body, budget_s=1.0)
             except RequestFailed as exc:
                 outcomes[exc.kind] = outcomes.get(exc.kind, 0) + 1
                 return

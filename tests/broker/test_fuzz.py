@@ -52,7 +52,7 @@ def fixed_garbage() -> list[list[bytes]]:
 async def _check_broker(frontend: str, expect_dropped: set[str]) -> dict[str, Any]:
     async with BrokerClient(frontend, heartbeat_interval_s=HB_S, liveness=LIVENESS) as client:
         async def echo_served() -> bool:
-            return await client.request("echo", b"still serving", timeout_s=5) == b"still serving"
+            return await client.request("echo", b"still serving", budget_s=5) == b"still serving"
 
         await eventually(echo_served, timeout_s=20, what="echo served after the fuzzing")
         status = await client.status()
@@ -115,7 +115,7 @@ def test_other_version_request_gets_protocol_failure(procs: Procs, ipc_dir: Path
         for _ in range(20):  # skip the broker's heartbeats
             assert sock.poll(5000), "no answer from the broker"
             msg = protocol.decode(sock.recv_multipart())
-            if isinstance(msg, protocol.Failure):
+            if isinstance(msg, protocol.FailureReply):
                 answer = msg
                 break
         assert answer is not None

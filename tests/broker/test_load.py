@@ -37,7 +37,7 @@ async def test_no_loss_20k_requests_4_workers_64_in_flight(
         async def lane() -> None:
             for i in next_index:
                 body = b"%08d" % i + b"x" * 192
-                reply = await client.request("echo", body, timeout_s=60)
+                reply = await client.request("echo", body, budget_s=60)
                 if i in answers:
                     raise AssertionError(f"request {i} answered twice")
                 answers[i] = reply
@@ -99,7 +99,7 @@ async def test_a_client_that_never_reads_cannot_block_the_broker(
                                       what="every greedy request answered by the worker")
             assert status["counters"]["dropped"].get("send_would_block", 0) == 0
             # Everyone else is still served.
-            assert await client.request("echo", b"me too", timeout_s=10) == b"me too"
+            assert await client.request("echo", b"me too", budget_s=10) == b"me too"
             assert broker.proc.poll() is None
         # When the greedy client finally reads, every answer is there, in order.
         got = await asyncio.to_thread(_read_replies, greedy, 40_000, 60.0)

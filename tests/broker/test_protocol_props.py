@@ -37,7 +37,7 @@ messages: st.SearchStrategy[protocol.Message] = st.one_of(
     st.builds(protocol.Cancel, ids),
     st.builds(protocol.Partial, ids, st.integers(0, 2**62), bodies),
     st.builds(protocol.Reply, ids, bodies),
-    st.builds(protocol.Failure, ids, names, text, st.booleans(), bodies),
+    st.builds(protocol.FailureReply, ids, names, text, st.booleans(), bodies),
     st.builds(protocol.Status, ids),
 )
 

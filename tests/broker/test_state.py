@@ -73,12 +73,12 @@ def test_bounds_answer_overloaded() -> None:
     for i in range(3):  # queue_limit=2
         out += d.on_client(b"c", protocol.Request(f"r{i}", "s", 5.0), 0.0)
     (failure,) = client_msgs(out)
-    assert isinstance(failure, protocol.Failure)
+    assert isinstance(failure, protocol.FailureReply)
     assert (failure.request_id, failure.kind, failure.retryable) == ("r2", "overloaded", True)
     for i in range(3, 7):  # max_requests=5 over all services: r3..r5 fit, r6 does not
         out = d.on_client(b"c", protocol.Request(f"r{i}", f"t{i}", 5.0), 0.0)
     (failure,) = client_msgs(out)
-    assert isinstance(failure, protocol.Failure)
+    assert isinstance(failure, protocol.FailureReply)
     assert failure.kind == "overloaded"
     d.check_invariants()
 
@@ -89,7 +89,7 @@ def test_duplicate_open_request_id_is_dropped_and_zero_budget_times_out() -> Non
     assert d.on_client(b"c", protocol.Request("r", "s", 5.0), 0.0) == []
     assert d.dropped["duplicate_request_id"] == 1
     (failure,) = client_msgs(d.on_client(b"c", protocol.Request("z", "s", 0.0), 0.0))
-    assert isinstance(failure, protocol.Failure)
+    assert isinstance(failure, protocol.FailureReply)
     assert failure.kind == "timeout"
 
 
@@ -107,7 +107,7 @@ def test_expired_busy_worker_fails_its_requests_and_timers_heartbeat() -> None:
         now = d.next_wakeup()
         out += d.tick(now)
     (failure,) = client_msgs(out)
-    assert isinstance(failure, protocol.Failure)
+    assert isinstance(failure, protocol.FailureReply)
     assert (failure.request_id, failure.kind, failure.retryable) == ("r", "worker_lost", True)
     assert d.registered_workers() == set()
     # No CANCEL is sent to the worker that was dropped.
@@ -135,7 +135,8 @@ def test_shutdown_answers_everything_and_disconnects_workers() -> None:
     d.on_client(b"c", protocol.Request("held", "s", 5.0), 0.0)
     d.on_client(b"c", protocol.Request("queued", "s", 5.0), 0.0)
     out = d.shutdown("broker shutting down")
-    failures = {m.request_id: m.kind for m in client_msgs(out) if isinstance(m, protocol.Failure)}
+    failures = {m.request_id: m.kind for m in client_msgs(out)
+                if isinstance(m, protocol.FailureReply)}
     assert failures == {"held": "worker_lost", "queued": "worker_lost"}
     assert [(a.identity, type(a.msg)) for a in out if a.side is Side.WORKER] == [
         (b"w", protocol.Disconnect)]
@@ -172,7 +173,7 @@ def test_unanswered_cancel_is_repeated_each_liveness_window() -> None:
     out = d.on_worker(b"w", protocol.Heartbeat("w"), 1.2)
     assert [a.msg for a in out] == [protocol.Cancel(rid)]
     assert d.on_worker(b"w", protocol.Heartbeat("w"), 1.5) == []
-    d.on_worker(b"w", protocol.Failure(rid, "cancelled", "", False), 1.6)
+    d.on_worker(b"w", protocol.FailureReply(rid, "cancelled", "", False), 1.6)
     assert d.held_by(b"w") == set()
     assert d.counters["cancel_resends"] == 1
     d.check_invariants()
@@ -183,7 +184,7 @@ def test_queued_bodies_are_bounded_in_bytes_and_not_kept_after_dispatch() -> Non
     d.on_client(b"c", protocol.Request("a", "s", 5.0, b"x" * 600), 0.0)
     (failure,) = client_msgs(d.on_client(b"c", protocol.Request("b", "s", 5.0, b"y" * 600),
                                          0.0))
-    assert isinstance(failure, protocol.Failure)
+    assert isinstance(failure, protocol.FailureReply)
     assert failure.kind == "overloaded"
     assert d.status(0.0)["queued_bytes"] == 600
     out = d.on_worker(b"w", protocol.Ready(("s",), 1), 0.1)
@@ -216,7 +217,7 @@ def test_a_stalled_client_that_comes_back_learns_its_expired_requests_failed() -
     # request the broker dropped, so none waits forever.
     back = d.on_client(b"c", protocol.Heartbeat("proc"), 1.5)
     failures = {m.request_id: (m.kind, m.retryable) for m in client_msgs(back)
-                if isinstance(m, protocol.Failure)}
+                if isinstance(m, protocol.FailureReply)}
     # held: the effect is unknown; queued: it never started
     assert failures == {"held": ("worker_lost", True), "queued": ("overloaded", True)}
     assert d.counters["expired_requests_failed"] == 2

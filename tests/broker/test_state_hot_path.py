@@ -74,7 +74,7 @@ def test_hot_path_has_the_effect_of_the_general_path(steps: list[tuple], hot_rep
                        else hot.on_worker(worker, msg, now))
                 pair = as_sends(got, Side.CLIENT, msg), ref.on_worker(worker, msg, now)
             else:
-                msg = protocol.Failure(rid, "bad_request", "no", False)
+                msg = protocol.FailureReply(rid, "bad_request", "no", False)
                 pair = hot.on_worker(worker, msg, now), ref.on_worker(worker, msg, now)
         elif op == "cancel":
             _, client, rid = step

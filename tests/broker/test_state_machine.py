@@ -44,7 +44,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         for a in actions:
             msg = a.msg
             if a.side is Side.CLIENT:
-                if isinstance(msg, protocol.Reply | protocol.Failure):
+                if isinstance(msg, protocol.Reply | protocol.FailureReply):
                     key = (a.identity, msg.request_id)
                     if msg.request_id.startswith("s"):
                         continue  # a STATUS answer
@@ -107,7 +107,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             return
         self.held[worker].discard(rid)
         msg: protocol.Message = (protocol.Reply(rid, b"ok") if kind != "failure"
-                                 else protocol.Failure(rid, "bad_request", "no", False))
+                                 else protocol.FailureReply(rid, "bad_request", "no", False))
         self.apply(self.d.on_worker(worker, msg, self.now))
         if kind == "twice":
             self.apply(self.d.on_worker(worker, msg, self.now))

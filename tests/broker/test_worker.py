@@ -104,7 +104,7 @@ async def test_cancel_for_unknown_request_is_still_answered(
 ) -> None:
     fake, _, _ = setup
     await fake.send(protocol.Cancel("ghost"))
-    assert await fake.next() == protocol.Failure(
+    assert await fake.next() == protocol.FailureReply(
         "ghost", "cancelled", "request unknown at the worker", False)
 
 
@@ -116,7 +116,7 @@ async def test_cancel_cancels_the_handler_and_answers_cancelled(
     await asyncio.wait_for(signals.held.wait(), 5)
     await fake.send(protocol.Cancel("r1"))
     answer = await fake.next()
-    assert isinstance(answer, protocol.Failure)
+    assert isinstance(answer, protocol.FailureReply)
     assert (answer.request_id, answer.kind) == ("r1", "cancelled")
     assert signals.cancelled.is_set()
     assert worker.in_flight == 0
@@ -143,7 +143,7 @@ async def test_cancel_right_behind_its_request_is_still_answered(
     answers = {}
     for _ in range(PAIRS + 1):
         msg = await fake.next()
-        assert isinstance(msg, protocol.Failure)
+        assert isinstance(msg, protocol.FailureReply)
         answers[msg.request_id] = msg.kind
     assert answers == {**{f"r{i}": "cancelled" for i in range(PAIRS)},
                        "same-step": "cancelled"}
@@ -197,11 +197,11 @@ async def test_handler_errors_are_clipped_to_the_wire_bounds(
     fake, _, _ = setup
     await fake.send(protocol.Request("r1", "bad", 30.0, b""))
     answer = await fake.next()
-    assert isinstance(answer, protocol.Failure)
+    assert isinstance(answer, protocol.FailureReply)
     assert answer.kind == "internal"  # the 100-character kind would not decode
     await fake.send(protocol.Request("r2", "nope", 30.0, b""))
     answer = await fake.next()
-    assert isinstance(answer, protocol.Failure)
+    assert isinstance(answer, protocol.FailureReply)
     assert (answer.kind, answer.retryable) == ("bad_request", False)
 
 
@@ -211,7 +211,7 @@ async def test_worker_enforces_the_budget_as_a_backstop(
     fake, _, _ = setup
     await fake.send(protocol.Request("r1", "hold", 0.05, b""))
     answer = await fake.next(timeout_s=10)
-    assert isinstance(answer, protocol.Failure)
+    assert isinstance(answer, protocol.FailureReply)
     assert (answer.kind, answer.retryable) == ("timeout", True)
 
 

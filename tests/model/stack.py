@@ -99,7 +99,7 @@ class Outcome:
 
 async def run_call(client: BrokerClient, body: dict[str, Any], *,
                    timeout_s: float = 20.0, attempt: int = 1) -> Outcome:
-    call = client.start(SERVICE_MODEL, pack(body), timeout_s=timeout_s, attempt=attempt)
+    call = client.start(SERVICE_MODEL, pack(body), budget_s=timeout_s, attempt=attempt)
     partials = [unpack(p) async for p in call]
     try:
         return Outcome(partials, unpack(await call.result()), None)

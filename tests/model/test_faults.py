@@ -85,7 +85,7 @@ async def test_cancel_closes_a_hanging_stream_within_a_second(
     url = start_fake(procs, tmp_path, {"responses": [{"hang": True}]})
     stack = start_stack(procs, tmp_path)
     async with BrokerClient(stack.frontend) as client:
-        call = client.start(SERVICE_MODEL, pack(request(provider, url)), timeout_s=30)
+        call = client.start(SERVICE_MODEL, pack(request(provider, url)), budget_s=30)
 
         async def hanging() -> bool:
             return bool((await astats(url))["active"] == 1)
@@ -201,7 +201,7 @@ async def test_worker_killed_mid_stream_then_retry_gets_same_answer(
     stack = start_stack(procs, tmp_path, workers=2)
     body = pack(request(provider, url))
     async with BrokerClient(stack.frontend) as client:
-        call = client.start(SERVICE_MODEL, body, timeout_s=30)
+        call = client.start(SERVICE_MODEL, body, budget_s=30)
         seen: list[str] = []
         async for partial in call:
             delta = unpack(partial)

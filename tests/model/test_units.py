@@ -90,6 +90,12 @@ def test_transport_errors_are_retryable_and_typed() -> None:
     err = from_httpx(httpx.RemoteProtocolError("x"), "p", streaming=True)
     assert err.kind == "stream_error"
     assert err.retryable
+    # the message reaches clients: it says what happened, never a class name
+    for exc in (httpx.ConnectError("x"), httpx.ReadTimeout("x"), httpx.PoolTimeout("x"),
+                httpx.RemoteProtocolError("x"), httpx.ReadError("x"), httpx.ProxyError("x")):
+        for streaming in (False, True):
+            message = from_httpx(exc, "p", streaming=streaming).message
+            assert type(exc).__name__ not in message, message
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
     assert parse_retry_after("99999") == 600.0
 

@@ -60,14 +60,14 @@ async def test_allowed_keys_serve_and_strangers_are_refused(procs: Procs,
                              heartbeat_interval_s=HB_S, liveness=LIVENESS) as client,
                 _running(_worker(broker.backend, keys.client("worker1"))) as good):
         await eventually(lambda: _ready(good), timeout_s=10, what="allowed worker registered")
-        assert await client.request(SERVICE, b"hello", timeout_s=5) == b"hello"
+        assert await client.request(SERVICE, b"hello", budget_s=5) == b"hello"
         async with (_running(_worker(broker.backend, stranger)) as w_unknown,
                     _running(_worker(broker.backend, None)) as w_plain,
                     _running(_worker(broker.backend, wrong_server)) as w_wrong):
             log = procs.log(broker.proc)
             for _ in range(3):
                 # Traffic keeps flowing while the rejected peers keep retrying.
-                assert await client.request(SERVICE, b"still", timeout_s=5) == b"still"
+                assert await client.request(SERVICE, b"still", budget_s=5) == b"still"
 
             async def all_rejected() -> bool:
                 text = procs.log(broker.proc)
@@ -81,7 +81,7 @@ async def test_allowed_keys_serve_and_strangers_are_refused(procs: Procs,
         log = procs.log(broker.proc)
         stranger_pub = read_key_file(keys.pub("stranger")).public.decode()
         assert stranger_pub in log  # the unknown key is named in the log
-        assert await client.request(SERVICE, b"after", timeout_s=5) == b"after"
+        assert await client.request(SERVICE, b"after", budget_s=5) == b"after"
 
 
 async def _ready(worker: BrokerWorker) -> bool:
@@ -120,7 +120,7 @@ async def test_allow_list_reloads_without_restart(procs: Procs, keys: FarmKeys) 
         assert w.phase in ("registering", "backoff")  # never "ready"
         keys.allow("newcomer", "worker")  # no restart, no signal: the directory changed
         await eventually(lambda: _ready(w), timeout_s=10, what="newcomer admitted after allow")
-        assert await client.request(SERVICE, b"x", timeout_s=5) == b"x"
+        assert await client.request(SERVICE, b"x", budget_s=5) == b"x"
     assert newcomer.with_suffix(".key").exists()
 
 
@@ -191,7 +191,7 @@ async def test_ipc_stays_plain_beside_a_curve_tcp_endpoint(procs: Procs,
             assert plain_tcp.phase in ("registering", "backoff")  # never "ready"
             assert await _worker_count(client) == 2
             for _ in range(4):
-                assert await client.request(SERVICE, b"x", timeout_s=5) == b"x"
+                assert await client.request(SERVICE, b"x", budget_s=5) == b"x"
     finally:
         shutil.rmtree(run, ignore_errors=True)
 

@@ -46,7 +46,7 @@ async def test_remote_worker_registers_serves_and_drains(procs: Procs, tmp_path:
         assert entry["info"]["tool"]["tier"] in ("T2", "T2-", "T1")
 
         call = client.start("tool", _tool_body(ws, "echo started > s.txt; sleep 2; echo done"),
-                            timeout_s=60)
+                            budget_s=60)
 
         async def started() -> bool:
             return (ws / "s.txt").exists()

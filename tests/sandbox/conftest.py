@@ -181,7 +181,7 @@ async def call_tool(client: BrokerClient, tool: str, args: dict[str, Any], works
                     call_id: str | None = None, session_id: str = "s-test") -> CallResult:
     call = client.start("tool", request_body(tool, args, workspace, policy, call_id,
                                              session_id),
-                        timeout_s=timeout_s)
+                        budget_s=timeout_s)
     chunks = [unpack(body) async for body in call]
     return CallResult(unpack(await call.result()), chunks)
 

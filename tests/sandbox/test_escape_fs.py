@@ -145,7 +145,7 @@ async def test_racing_symlink_flip_leaks_nothing(stack: Stack, client: BrokerCli
         f"ln -sf {secret} l.tmp; mv -Tf l.tmp entry; done"
     )
     (workspace / "entry").write_text("benign\n")
-    flip = client.start("tool", _body(flipper, workspace), timeout_s=30)
+    flip = client.start("tool", _body(flipper, workspace), budget_s=30)
     outcomes = {"benign": 0, "refused": 0, "other": 0}
     leaks = 0
     t_end = time.monotonic() + 2.0

@@ -182,7 +182,7 @@ async def test_cancel_kills_everything_and_keeps_partial_output(
     call_id = f"cancel-{uuid.uuid4().hex[:8]}"
     body = request_body("shell", {"command": "echo before-sleep; (sleep 600 &); sleep 600"},
                         workspace, call_id=call_id)
-    call = client.start("tool", body, timeout_s=120)
+    call = client.start("tool", body, budget_s=120)
     got: list[dict[str, object]] = []
     async with asyncio.timeout(20):
         async for chunk in call:

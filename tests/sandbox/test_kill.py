@@ -105,7 +105,7 @@ async def start_call(client: BrokerClient, workspace: Path, marker: str,
                      uids: range) -> Call:
     call = client.start("tool", request_body("shell", {"command": command(marker)}, workspace,
                                              call_id=f"kill-{uuid.uuid4().hex[:8]}"),
-                        timeout_s=120)
+                        budget_s=120)
     seen = b""
     async with asyncio.timeout(20):
         async for chunk in call:

@@ -87,7 +87,7 @@ async def test_killed_worker_leaves_no_call_behind(procs: Procs, workspace: Path
     async with BrokerClient(st.frontend, heartbeat_interval_s=HB_S) as client:
         call = client.start("tool", request_body(
             "shell", {"command": "(setsid sleep 601 &); echo started; sleep 600"}, workspace,
-            call_id=call_id), timeout_s=120)
+            call_id=call_id), budget_s=120)
         async with asyncio.timeout(20):
             async for _chunk in call:
                 break

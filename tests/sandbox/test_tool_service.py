@@ -96,7 +96,7 @@ async def test_unknown_tool_and_bad_workspace(client: BrokerClient, workspace: P
 
 async def test_malformed_request_is_a_bad_request_failure(client: BrokerClient) -> None:
     with pytest.raises(RequestFailed) as info:
-        await client.request("tool", pack({"tool": "shell"}), timeout_s=10)
+        await client.request("tool", pack({"tool": "shell"}), budget_s=10)
     assert info.value.failure.kind == "bad_request"
     assert not info.value.failure.retryable
 
@@ -105,7 +105,7 @@ async def test_output_streams_apart_while_running(client: BrokerClient,
                                                   workspace: Path) -> None:
     call = client.start("tool", request_body(
         "shell", {"command": "echo out; echo err >&2; sleep 1.5; echo late"}, workspace),
-        timeout_s=30)
+        budget_s=30)
     first_seen_while_running = None
     chunks = []
     async for body in call:
@@ -225,7 +225,7 @@ async def test_call_runs_in_the_worker_cgroup(stack: Stack, client: BrokerClient
         pytest.skip(f"worker cgroup not available here: {stack.info['cgroup']['reason']}")
     call_id = f"cgroup-{uuid.uuid4().hex[:8]}"
     call = client.start("tool", request_body("shell", {"command": "echo up; sleep 30"},
-                                             workspace, call_id=call_id), timeout_s=60)
+                                             workspace, call_id=call_id), budget_s=60)
     async with asyncio.timeout(20):
         async for _chunk in call:
             break

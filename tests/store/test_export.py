@@ -309,7 +309,7 @@ async def test_http_sink_posts_and_reports_failures(
     with pytest.raises(SinkError) as info:
         await HttpSink(url + "/ok", timeout_s=10).export(series[0])
     assert not info.value.retryable
-    assert info.value.as_failure() == {"kind": "http_status", "retryable": False,
+    assert info.value.failure.as_data() == {"kind": "http_status", "retryable": False,
                                        "message": f"{url}/ok answered 400"}
     handler.status = 200
     with pytest.raises(SinkError) as info:

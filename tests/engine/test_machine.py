@@ -1,0 +1,358 @@
+"""The pure turn machine (``supervisor/engine/machine.py``) under random steps.
+
+In-process and fast (no broker, worker, provider or store): a Hypothesis
+``RuleBasedStateMachine`` plays the driver. It feeds model replies (with and
+without calls, allowed, denied, asked, idempotent or not), model failures,
+tool starts, replies and failures, lost workers, approvals (also stale ones),
+stop hooks, compaction, interrupts, the turn's time limit, late answers, and a
+supervisor crash at any step (the machine restarts from its last ``Commit``,
+through JSON, and ``resume``). Invariants:
+
+- a turn ends exactly once;
+- no call is dispatched twice unless the model asked twice (only an idempotent
+  call after a loss, within its attempts);
+- a lost call ends ``unknown``;
+- every published event was committed first;
+- resume after any step equals never having crashed: the state read back from
+  the last commit is the machine's own state, and resume restarts exactly the
+  work that was in flight.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from broker.protocol import Failure
+from supervisor.engine.machine import (
+    AskApproval,
+    Begin,
+    CallModel,
+    CallSpec,
+    CallTool,
+    Cancel,
+    Commit,
+    Compact,
+    CompactionDone,
+    CompactionDue,
+    Interrupt,
+    Limits,
+    ModelFailed,
+    ModelReplied,
+    Prepared,
+    Publish,
+    RunHook,
+    StopDone,
+    ToolFailed,
+    ToolReplied,
+    ToolStarted,
+    TurnState,
+    TurnTimedOut,
+    Verdict,
+    resume,
+    start,
+    step,
+)
+from supervisor.engine.phases import CallState, TurnPhase
+
+LIMITS = Limits(max_model_steps=8, max_turn_s=500.0, model_attempts=3,
+                idempotent_tool_attempts=2, stop_continuations=1)
+LOST = Failure("worker_lost", "the worker was lost", True)
+ENDINGS = ("turn_complete", "turn_aborted")
+
+# mostly allowed calls, so that tools are often in flight when things go wrong
+verdicts = st.sampled_from([Verdict.ALLOW] * 4 + [Verdict.ASK, Verdict.DENY, Verdict.MISSING,
+                                                  Verdict.BAD])
+calls_st = st.lists(st.tuples(verdicts, st.booleans()), max_size=3)
+rarely = st.integers(0, 5)  # a rule that ends the turn runs when this draws 0
+
+
+class TurnMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self) -> None:
+        self.now = 10_000.0
+        self.state = start("turn_1", "sub_1", self.now)
+        self.durable: TurnState | None = None  # the last committed state
+        self.committed: list[tuple[str, Any]] = []  # every committed event, in order
+        self.last_commit_events: tuple[Any, ...] | None = None
+        self.endings = 0
+        self.asked: Counter[str] = Counter()  # call id -> times the model asked for it
+        self.dispatched: Counter[str] = Counter()
+        self.idempotent: dict[str, bool] = {}
+        self.must_be_unknown: set[str] = set()
+        self.model_out = False  # a model (or compaction) request is in flight
+        self.tools_out: set[str] = set()  # tool calls in flight
+        self.hook: str | None = None  # the hook the driver is running
+        self.asking: str | None = None  # the approval id shown to the user
+        self.next_call = 0
+        self.feed(Begin())
+
+    # ------------------------------------------------------------ driver
+
+    def perform(self, actions: tuple[Any, ...]) -> None:
+        for a in actions:
+            if isinstance(a, Commit):
+                self.durable = a.state
+                self.committed.extend(a.events)
+                self.last_commit_events = a.events
+                self.endings += sum(1 for name, _ in a.events if name in ENDINGS)
+                assert self.endings <= 1, "the turn ended twice"
+                for name, payload in a.events:
+                    if name == "tool_call_end":
+                        self.tools_out.discard(payload["call_id"])
+            elif isinstance(a, Publish):
+                assert a.events is self.last_commit_events, "published before its commit"
+            elif isinstance(a, CallModel | Compact):
+                assert self.durable is not None
+                assert self.durable.turn.phase in (
+                    TurnPhase.MODEL_CALL, TurnPhase.COMPACTING), "model called before commit"
+                self.model_out = True
+            elif isinstance(a, CallTool):
+                assert self.durable is not None
+                c = self.durable.call(a.call_id)
+                assert c is not None, "tool dispatched before its commit"
+                assert c.state is CallState.DISPATCHED, "tool dispatched before its commit"
+                assert c.attempt == a.attempt, "tool dispatched before its commit"
+                self.dispatched[a.call_id] += 1
+                self.tools_out.add(a.call_id)
+            elif isinstance(a, AskApproval):
+                self.asking = a.approval_id
+            elif isinstance(a, RunHook):
+                self.hook = a.hook if a.hook != "turn_end" else None
+            elif isinstance(a, Cancel):
+                self.model_out = self.model_out and not a.model
+                self.tools_out -= set(a.call_ids)
+
+    def feed(self, event: Any) -> None:
+        self.state, actions = step(self.state, event, LIMITS, self.now)
+        self.perform(actions)
+
+    # ------------------------------------------------------------- rules
+
+    @rule()
+    def time_passes(self) -> None:
+        self.now += 7.0
+
+    @precondition(lambda self: self.hook == "pre_model")
+    @rule(compact=rarely)
+    def pre_model_hooks_ran(self, compact: int) -> None:
+        self.hook = None
+        self.feed(CompactionDue() if compact == 0 else Prepared())
+
+    @precondition(lambda self: self.model_out
+                  and self.state.turn.phase is TurnPhase.COMPACTING)
+    @rule(ok=st.booleans())
+    def compaction_answers(self, ok: bool) -> None:
+        self.model_out = False
+        self.feed(CompactionDone(ok))
+
+    @precondition(lambda self: self.model_out
+                  and self.state.turn.phase is TurnPhase.MODEL_CALL)
+    @rule(calls=calls_st, text=st.sampled_from(["", "hello"]))
+    def model_replies(self, calls: list[tuple[Verdict, bool]], text: str) -> None:
+        self.model_out = False
+        specs = []
+        for verdict, idempotent in calls:
+            self.next_call += 1
+            cid = f"call_{self.next_call}"
+            self.asked[cid] += 1
+            self.idempotent[cid] = idempotent
+            specs.append(CallSpec(cid, "read_file" if idempotent else "shell", {"n": 1},
+                                  verdict, None, idempotent))
+        self.feed(ModelReplied(tuple(specs), text))
+
+    @precondition(lambda self: self.model_out
+                  and self.state.turn.phase is TurnPhase.MODEL_CALL)
+    @rule(kind=st.sampled_from(["worker_lost", "timeout", "bad_request"]))
+    def model_fails(self, kind: str) -> None:
+        self.model_out = False
+        self.feed(ModelFailed(Failure(kind, "no", kind != "bad_request")))
+
+    @precondition(lambda self: self.tools_out)
+    @rule(data=st.data())
+    def tool_starts(self, data: st.DataObject) -> None:
+        self.feed(ToolStarted(data.draw(st.sampled_from(sorted(self.tools_out)))))
+
+    @precondition(lambda self: self.tools_out)
+    @rule(data=st.data(), is_error=st.booleans())
+    def tool_replies(self, data: st.DataObject, is_error: bool) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.tools_out)))
+        self.tools_out.discard(cid)
+        self.feed(ToolReplied(cid, is_error, "error" if is_error else "ok"))
+
+    @precondition(lambda self: self.tools_out)
+    @rule(data=st.data())
+    def tool_fails(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.tools_out)))
+        self.tools_out.discard(cid)
+        self.feed(ToolFailed(cid, Failure("internal", "boom")))
+
+    @precondition(lambda self: self.tools_out)
+    @rule(data=st.data())
+    def tool_worker_lost(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.tools_out)))
+        self.tools_out.discard(cid)
+        c = self.state.call(cid)
+        if c is not None and c.in_flight and (
+                not c.idempotent or c.attempt >= LIMITS.idempotent_tool_attempts):
+            self.must_be_unknown.add(cid)
+        self.feed(ToolFailed(cid, LOST))
+        if cid in self.must_be_unknown:
+            self.check_unknown(cid)
+
+    @precondition(lambda self: self.tools_out)
+    @rule(data=st.data())
+    def every_worker_it_reaches_dies(self, data: st.DataObject) -> None:
+        """One call is lost again and again: only its attempts bound the re-runs."""
+        cid = data.draw(st.sampled_from(sorted(self.tools_out)))
+        for _ in range(LIMITS.idempotent_tool_attempts + 1):
+            c = self.state.call(cid)
+            if cid not in self.tools_out or c is None or not c.in_flight:
+                break
+            self.tools_out.discard(cid)
+            if not c.idempotent or c.attempt >= LIMITS.idempotent_tool_attempts:
+                self.must_be_unknown.add(cid)
+            self.feed(ToolFailed(cid, LOST))
+        if cid in self.must_be_unknown:
+            self.check_unknown(cid)
+
+    @precondition(lambda self: self.asked)
+    @rule(data=st.data(), is_error=st.booleans())
+    def a_late_answer_arrives(self, data: st.DataObject, is_error: bool) -> None:
+        """A worker answers a call the machine no longer waits for (lost, ended)."""
+        cid = data.draw(st.sampled_from(sorted(self.asked)))
+        if cid in self.tools_out:
+            return
+        before = self.state
+        self.feed(ToolReplied(cid, is_error))
+        assert self.state == before, "a late answer changed the turn"
+
+    @precondition(lambda self: self.asking is not None)
+    @rule(decision=st.sampled_from(["approved", "approved_for_session", "denied", "abort",
+                                    "timed_out", "stale"]))
+    def user_answers(self, decision: str) -> None:
+        from supervisor.engine.machine import ApprovalAnswered
+
+        approval_id = self.asking or ""
+        if decision == "stale":
+            self.feed(ApprovalAnswered("approval_old", "approved"))
+            return
+        self.asking = None
+        self.feed(ApprovalAnswered(approval_id, decision))
+
+    @precondition(lambda self: self.hook == "stop")
+    @rule(again=st.booleans())
+    def stop_hooks_ran(self, again: bool) -> None:
+        self.hook = None
+        self.feed(StopDone(again))
+
+    @rule(now=rarely)
+    def user_interrupts(self, now: int) -> None:
+        if now == 0:
+            self.feed(Interrupt())
+
+    @precondition(lambda self: self.now - self.state.turn.started_at > 50)
+    @rule(now=rarely)
+    def turn_times_out(self, now: int) -> None:
+        if now == 0:
+            self.feed(TurnTimedOut())
+
+    @rule()
+    def supervisor_crashes_and_resumes(self) -> None:
+        if self.durable is None:
+            return
+        stored = json.loads(json.dumps(self.durable.to_checkpoint()))
+        restored = TurnState.from_checkpoint(stored)
+        if self.state.ended:
+            assert restored is None
+            return
+        assert restored == self.state, "state outside the checkpoint"
+        in_flight = [c for c in restored.calls if c.in_flight]
+        phase = restored.turn.phase
+        approval = restored.approval
+        # everything the dead process had in flight is gone with it
+        self.model_out, self.tools_out, self.hook, self.asking = False, set(), None, None
+        for c in in_flight:
+            if not c.idempotent or c.attempt >= LIMITS.idempotent_tool_attempts:
+                self.must_be_unknown.add(c.call_id)
+        self.state, actions = resume(restored, LIMITS, self.now)
+        self.perform(actions)
+        if self.state.ended:
+            return  # past its time limit: ended at once
+        # resume restarts exactly what was in flight
+        if phase in (TurnPhase.PREPARING, TurnPhase.MODEL_CALL, TurnPhase.COMPACTING):
+            assert RunHook("pre_model") in actions
+        if phase is TurnPhase.STOPPING:
+            assert RunHook("stop") in actions
+        if phase is TurnPhase.AWAITING_APPROVAL:
+            assert approval is not None
+            assert AskApproval(approval.approval_id, approval.call_ids) in actions
+        redispatched = {a.call_id for a in actions if isinstance(a, CallTool)}
+        for c in in_flight:
+            if c.call_id in self.must_be_unknown:
+                self.check_unknown(c.call_id)
+            else:
+                assert c.call_id in redispatched
+
+    def check_unknown(self, call_id: str) -> None:
+        ends = [p for name, p in self.committed
+                if name == "tool_call_end" and p["call_id"] == call_id]
+        assert ends, f"lost call {call_id} has no end"
+        assert ends[-1]["state"] == "unknown", f"lost call {call_id} not unknown"
+
+    # -------------------------------------------------------- invariants
+
+    @invariant()
+    def one_source_of_truth(self) -> None:
+        if self.durable is not None:
+            assert self.state == self.durable, "the state differs from its last commit"
+
+    @invariant()
+    def ends_exactly_once(self) -> None:
+        assert self.endings == (1 if self.state.ended else 0)
+
+    @invariant()
+    def no_call_dispatched_twice_unasked(self) -> None:
+        for cid, n in self.dispatched.items():
+            allowed = LIMITS.idempotent_tool_attempts if self.idempotent[cid] else 1
+            assert n <= allowed * self.asked[cid], f"{cid} dispatched {n} times"
+
+
+TurnMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+                                         deadline=None)
+test_turn_machine = TurnMachine.TestCase
+
+
+def test_an_illegal_move_raises() -> None:
+    import pytest
+
+    from supervisor.engine.errors import IllegalTransition
+
+    s = start("t", None, 0.0)
+    with pytest.raises(IllegalTransition):
+        s.turn.moved(TurnPhase.TOOLS)
+    c = CallSpec("c", "shell")
+    st_, _ = step(s, Begin(), LIMITS, 0.0)
+    st_, _ = step(st_, Prepared(), LIMITS, 0.0)
+    st_, _ = step(st_, ModelReplied((c,)), LIMITS, 0.0)
+    call = st_.call("c")
+    assert call is not None
+    assert call.state is CallState.DISPATCHED
+    with pytest.raises(IllegalTransition):
+        call.moved(CallState.REQUESTED)
+
+
+def test_the_model_budget_is_what_is_left_of_the_turn() -> None:
+    s = start("t", None, 0.0)
+    s, _ = step(s, Begin(), LIMITS, 0.0)
+    _, actions = step(s, Prepared(), LIMITS, 480.0)
+    (call,) = [a for a in actions if isinstance(a, CallModel)]
+    assert call.budget_s == 20.0  # max_turn_s 500 - 480 elapsed, below the 300 s cap
+    _, actions = step(s, Prepared(), LIMITS, 10.0)
+    (call,) = [a for a in actions if isinstance(a, CallModel)]
+    assert call.budget_s == LIMITS.model_call_budget_s
