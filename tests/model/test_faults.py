@@ -70,7 +70,7 @@ async def test_server_error_retried_until_the_budget_runs_out(
     assert failure.retryable is True
     assert "budget exhausted" in failure.message
     assert "HTTP 500" in failure.message
-    assert unpack(failure.body)["discard_partial"] is False
+    assert unpack(out.error.body)["discard_partial"] is False
     served = stats(url)["by_status"]["500"]
     retries = [p for p in out.partials if p["type"] == "retry"]
     assert served >= 4
@@ -137,7 +137,7 @@ async def test_broken_stream_final_failure_says_discard(
     assert failure.kind == "stream_error"
     assert failure.retryable is True
     assert "discard" in failure.message
-    assert unpack(failure.body)["discard_partial"] is True
+    assert unpack(out.error.body)["discard_partial"] is True
     assert any(p["type"] == "text_delta" for p in out.partials)
 
 

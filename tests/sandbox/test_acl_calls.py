@@ -137,7 +137,7 @@ async def _started(client: BrokerClient, command: str, workspace: Path,
                    policy: dict[str, object] | None = None) -> object:
     call = client.start("tool", request_body("shell", {"command": command}, workspace, policy,
                                              call_id=f"acl-{uuid.uuid4().hex[:8]}"),
-                        timeout_s=120)
+                        budget_s=120)
     seen = b""
     async with asyncio.timeout(30):
         async for chunk in call:
