@@ -161,7 +161,7 @@ async def settle(turn: Turn, outcome: str) -> None:
                            "at_batch": st.next_batch_sequence - 1, "reported": False}
         st.cache_breakpoint = len(p.context) - 1 if p.context else None
         if st.active_turn is not None:
-            st.active_turn = turn._active_turn(TurnPhase(st.active_turn["phase"]))
+            st.active_turn = turn.checkpoint_turn(TurnPhase(st.active_turn["phase"]))
     epoch = s.state.context_epoch + 1
     await s.commit([
         (ev.TOKEN_COUNT, {"turn_id": turn.turn_id, "last": dict(p.usage), "total": total,

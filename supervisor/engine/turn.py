@@ -79,7 +79,7 @@ class Turn:
         self.kind = kind  # "turn" | "compact"
         self.resumed = resumed
         # The turn's counters live in the machine's record, which is exactly what
-        # the checkpoint stores (``_active_turn``): one copy, nothing to sync.
+        # the checkpoint stores (``checkpoint_turn``): one copy, nothing to sync.
         self.record = ActiveTurn(self.turn_id, submission_id, kind, TurnPhase.STARTING,
                                  started_at=time.time(),
                                  first_sequence=session.state.next_event_sequence)
@@ -131,14 +131,14 @@ class Turn:
         """A ``mutate`` callback for ``Session.commit`` that advances the phase."""
         def mutate(st: Any) -> None:
             if st.active_turn is None:
-                st.active_turn = self._active_turn(TurnPhase.STARTING)
+                st.active_turn = self.checkpoint_turn(TurnPhase.STARTING)
             current = TurnPhase(st.active_turn["phase"])
             if current is not target:
                 advance_phase(current, target)
-            st.active_turn = self._active_turn(target)
+            st.active_turn = self.checkpoint_turn(target)
         return mutate
 
-    def _active_turn(self, phase: TurnPhase) -> dict[str, Any]:
+    def checkpoint_turn(self, phase: TurnPhase) -> dict[str, Any]:
         """``CheckpointState.active_turn``: the turn's ``ActiveTurn`` record (its
         JSON, at ``phase``; callers moved it through ``advance_phase``) plus the
         turn's usage."""
@@ -380,7 +380,7 @@ class Turn:
 
         def accept(st: Any) -> None:
             st.queued_input = st.queued_input[1:]
-            st.active_turn = self._active_turn(TurnPhase.PREPARING)
+            st.active_turn = self.checkpoint_turn(TurnPhase.PREPARING)
         await s.commit([(ev.TURN_STARTED, {"turn_id": self.turn_id}, self.submission_id),
                         (ev.USER_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text),
                                            "attachments": attachments}, self.submission_id)],
@@ -437,7 +437,7 @@ class Turn:
             return False
         # The final answer and the move to STOPPING are one commit: a restart
         # after it finishes the turn and never asks the model again.
-        await self._commit_model_result(result, [],
+        await self.commit_model_result(result, [],
                                         mutate_more=self.moving_to(TurnPhase.STOPPING))
         crashpoints.reach("final_answer")
         return await self._stopping()
@@ -550,7 +550,7 @@ class Turn:
                 "outcome": "prefix_reuse" if st.cache_breakpoint is not None else "cold",
                 "rewrite_reasons": []}
 
-    async def _commit_model_result(self, result: ModelCallResult,
+    async def commit_model_result(self, result: ModelCallResult,
                                    call_items: list[dict[str, Any]],
                                    extra_items: list[dict[str, Any]] | None = None,
                                    mutate_more: Any = None) -> None:
@@ -585,7 +585,7 @@ class Turn:
             st.cache_breakpoint = len(s.context) + len(all_items) - 1
             if mutate_more is not None:
                 mutate_more(st)
-            st.active_turn = self._active_turn(TurnPhase(st.active_turn["phase"]))
+            st.active_turn = self.checkpoint_turn(TurnPhase(st.active_turn["phase"]))
         route = s.manager.route(s.route_name)
         events.append((ev.TOKEN_COUNT, {
             "turn_id": self.turn_id, "last": dict(usage),
