@@ -45,12 +45,11 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import (
     IDEMPOTENT_TOOLS,
-    TIER_ORDER,
     ModelCallResult,
     ToolCallRequest,
     ToolCallResult,
@@ -63,15 +62,14 @@ from supervisor.engine import events as ev
 from supervisor.engine.approvals import Decision, call_key
 from supervisor.engine.calls import call_tool
 from supervisor.engine.errors import CallFailed, TurnError
+from supervisor.engine.exporting import export_boundary
 from supervisor.engine.hooks import HookEvent, context_item
 from supervisor.engine.machine import PendingCall, Verdict
 from supervisor.engine.phases import CallState, TurnPhase
+from supervisor.engine.ports import TurnRejected, TurnView
 from supervisor.engine.session import PendingApproval
 from supervisor.engine.tooling import offered
 from supervisor.store.records import CheckpointState
-
-if TYPE_CHECKING:
-    from supervisor.engine.turn import Turn
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +79,7 @@ RESTART_OUTPUT = ("The supervisor restarted while this tool call was running. Wh
                   "call had any effect is unknown; check before repeating it.")
 
 
-async def prepare_calls(turn: Turn, result: ModelCallResult,
+async def prepare_calls(turn: TurnView, result: ModelCallResult,
                         calls: list[dict[str, Any]]) -> None:
     """Run pre_tool hooks, then commit the model step with its calls ``requested``."""
     s = turn.session
@@ -167,7 +165,7 @@ async def prepare_calls(turn: Turn, result: ModelCallResult,
                      turn.submission_id, call_id=old[:200], renamed_to=fresh)
 
 
-async def tool_round(turn: Turn) -> None:
+async def tool_round(turn: TurnView) -> None:
     s = turn.session
     st = s.state
     if st.pending_approval is None and any(pc.verdict is None for pc in pending_calls(st)
@@ -207,11 +205,10 @@ async def tool_round(turn: Turn) -> None:
         st.pending_tool_calls = []
         turn.moving_to(TurnPhase.PREPARING)(st)
     await s.commit(mutate=done)
-    from supervisor.engine.exporting import export_boundary
     await export_boundary(turn, [pc.call_id for pc in pcs])
 
 
-async def _decide(turn: Turn) -> None:
+async def _decide(turn: TurnView) -> None:
     """The approval policy, then permission hooks, for the calls not yet decided;
     what is still undecided becomes one approval request (committed with it)."""
     s = turn.session
@@ -266,7 +263,7 @@ async def _decide(turn: Turn) -> None:
     crashpoints.reach("approval_wait")
 
 
-async def _await_approval(turn: Turn) -> None:
+async def _await_approval(turn: TurnView) -> None:
 
     s = turn.session
     pending = s.state.pending_approval
@@ -312,11 +309,9 @@ async def _await_approval(turn: Turn) -> None:
             waiter.applied.set_result(None)
 
 
-async def _apply_answer(turn: Turn, pending: dict[str, Any], decision: str,
+async def _apply_answer(turn: TurnView, pending: dict[str, Any], decision: str,
                         timeout_s: float | None) -> None:
     """Commit the verdicts an approval's answer (or its timeout) gives its calls."""
-    from supervisor.engine.turn import TurnRejected
-
     s = turn.session
     asked = {c["call_id"] for c in pending["calls"]}
     if decision == "abort":
@@ -349,7 +344,7 @@ async def _apply_answer(turn: Turn, pending: dict[str, Any], decision: str,
     await s.commit(events, mutate=mutate)
 
 
-async def _run_call(turn: Turn, call_id: str) -> None:
+async def _run_call(turn: TurnView, call_id: str) -> None:
     s = turn.session
     cfg = s.config
     pc = call_of(s.state, call_id)
@@ -413,7 +408,7 @@ async def _run_call(turn: Turn, call_id: str) -> None:
         return
 
 
-async def _finish_call(turn: Turn, call_id: str, state: CallState, outcome: str,
+async def _finish_call(turn: TurnView, call_id: str, state: CallState, outcome: str,
                        output: str, is_error: bool, result: ToolCallResult | None, *,
                        executed: bool, error: CallFailed | None = None) -> None:
     s = turn.session
@@ -427,14 +422,8 @@ async def _finish_call(turn: Turn, call_id: str, state: CallState, outcome: str,
             output = folded.output
         contexts = [context_item("post_tool_hook", c) for c in folded.contexts]
     isolation = result.get("isolation") if result else None
-    if isinstance(isolation, dict) and isinstance(isolation.get("tier"), str):
-        tier = isolation["tier"]
-        if turn.sandbox_tier is None or TIER_ORDER.get(tier, 0) < TIER_ORDER.get(
-                turn.sandbox_tier, 0):
-            turn.sandbox_tier = tier
-    turn.tool_calls += 1
-    if state is not CallState.OK:
-        turn.failed_tool_calls += 1
+    tier = isolation.get("tier") if isinstance(isolation, dict) else None
+    turn.note_tool_call(state, tier if isinstance(tier, str) else None)
     item: dict[str, Any] = {"type": "function_call_output", "call_id": call_id,
                             "output": output}
     if is_error:
@@ -459,7 +448,7 @@ async def _finish_call(turn: Turn, call_id: str, state: CallState, outcome: str,
     crashpoints.reach("tool_result")
 
 
-def close_open_calls(turn: Turn, message: str) -> list[dict[str, Any]]:
+def close_open_calls(turn: TurnView, message: str) -> list[dict[str, Any]]:
     """Outputs for every call an abort left open (the context stays well-formed)."""
     items = []
     for pc in pending_calls(turn.session.state):
