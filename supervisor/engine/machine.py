@@ -417,6 +417,13 @@ def retries(failure: Failure, attempt: int, attempts: int) -> bool:
         and attempt < attempts
 
 
+def reruns_lost(idempotent: bool, attempt: int, attempts: int) -> bool:
+    """The one rule for a tool call whose worker (or supervisor) was lost while
+    it ran: dispatched again only if the tool is idempotent and fewer than
+    ``attempts`` dispatches were made; else it ends ``unknown``."""
+    return idempotent and attempt < attempts
+
+
 def budget_s(state: TurnState, cap_s: float, limits: Limits, now: float) -> float:
     """A request's budget: what is left of the turn's ``max_turn_s`` (counted from
     its stored start), at most ``cap_s``."""
@@ -680,7 +687,7 @@ def _lost(s: TurnState, c: PendingCall, limits: Limits, now: float, out: _Out, w
           *, round_done: bool = False) -> TurnState:
     """A call whose worker (or supervisor) was lost mid-call: re-dispatched only
     if idempotent with attempts left, else it ends ``unknown``."""
-    if c.idempotent and c.attempt < limits.idempotent_tool_attempts:
+    if reruns_lost(c.idempotent, c.attempt, limits.idempotent_tool_attempts):
         s = _dispatch(s, c, limits, now, out)
     else:
         s = _tool_ended(s, c, CallState.UNKNOWN, "unknown", limits, now, out,

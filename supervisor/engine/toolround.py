@@ -11,7 +11,9 @@ Worker-loss rules:
 - A call whose worker is lost is never re-run silently: outcome ``unknown``,
   and the model reads that the worker was lost and the effect is unknown.
   Only ``IDEMPOTENT_TOOLS`` are re-dispatched (bounded attempts).
-- On resume, a call found ``dispatched``/``started`` is resolved the same way.
+- On resume, a call found ``dispatched``/``started`` is resolved the same way
+  (``machine.reruns_lost``: an idempotent call is re-dispatched while its
+  dispatches are fewer than ``idempotent_tool_attempts``, across restarts too).
 - A name the session does not offer gets an error output and is never sent.
 
 call_id uniqueness: a call_id the model gives twice in one step, or one that a
@@ -64,7 +66,7 @@ from supervisor.engine.calls import call_tool
 from supervisor.engine.errors import CallFailed, TurnError
 from supervisor.engine.exporting import export_boundary
 from supervisor.engine.hooks import HookEvent, context_item
-from supervisor.engine.machine import PendingCall, Verdict
+from supervisor.engine.machine import PendingCall, Verdict, reruns_lost
 from supervisor.engine.phases import CallState, TurnPhase
 from supervisor.engine.ports import TurnRejected, TurnView
 from supervisor.engine.session import PendingApproval
@@ -180,7 +182,10 @@ async def tool_round(turn: TurnView) -> None:
             await _finish_call(turn, pc.call_id, CallState.FAILED, str(pc.verdict),
                                f"Tool call not run: {pc.reason}", True, None, executed=False)
     for pc in pcs:
-        if pc.in_flight and pc.name not in IDEMPOTENT_TOOLS \
+        # in flight when the supervisor stopped: the machine's rule for a lost call
+        # (bounded, as a lost worker is: repeated restarts never re-run it unboundedly)
+        if pc.in_flight and not reruns_lost(pc.name in IDEMPOTENT_TOOLS, pc.attempt,
+                                            s.config.idempotent_tool_attempts) \
                 and not plants.on("rerun_after_restart"):
             await _finish_call(turn, pc.call_id, CallState.UNKNOWN, "unknown", RESTART_OUTPUT,
                                True, None, executed=False)
@@ -390,8 +395,8 @@ async def _run_call(turn: TurnView, call_id: str) -> None:
                                      attempt=attempt, on_partial=on_partial,
                                      cancel_grace_s=cfg.cancel_grace_s)
         except CallFailed as f:
-            if f.worker_lost and name in IDEMPOTENT_TOOLS \
-                    and attempt < cfg.idempotent_tool_attempts:
+            if f.worker_lost and reruns_lost(name in IDEMPOTENT_TOOLS, attempt,
+                                             cfg.idempotent_tool_attempts):
                 continue
             if f.worker_lost:
                 await _finish_call(turn, call_id, CallState.UNKNOWN, "unknown", LOST_OUTPUT,
