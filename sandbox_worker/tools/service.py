@@ -47,11 +47,14 @@ from sandbox_worker.api import (
     TIER_ORDER,
     TOOL_OUTPUT_BYTES,
     IsolationRecord,
+    MalformedRequest,
     Tier,
+    ToolCallRequest,
     ToolCallResult,
     ToolLimits,
     ToolOutputChunk,
     ToolSchema,
+    decode_tool_request,
     fit_text,
     replace_surrogates,
 )
@@ -303,9 +306,10 @@ class ToolService:
         read_only = git_writable = False
         pinned: Pinned | None = None
         try:
-            policy = req.get("policy") or {}
-            if not isinstance(policy, dict):
+            given: Any = req.get("policy") or {}  # its meaning is checked here: a tool error
+            if not isinstance(given, dict):
                 raise BadArguments("policy must be an object")
+            policy: dict[str, Any] = given
             limits = merge_limits(self.config.limits, policy.get("limits"))
             network = policy.get("network", False) is True
             self._check_policy(profile, policy)
@@ -351,24 +355,18 @@ class ToolService:
                 pinned.close()
 
     @staticmethod
-    def _parse(body: bytes) -> dict[str, Any]:
+    def _parse(body: bytes) -> ToolCallRequest:
+        """The request, through the one decoder of ``sandbox_worker.api``; a
+        malformed envelope is a ``bad_request`` failure (not retryable)."""
         try:
             req = unpack(body)
         except Exception as exc:  # protocol errors: a bad envelope, not a tool error
             raise HandlerError(FailureKind.BAD_REQUEST, f"tool request is not msgpack: {exc}",
                                retryable=False) from exc
-        if not isinstance(req, dict):
-            raise HandlerError(FailureKind.BAD_REQUEST, "tool request must be a map",
-                               retryable=False)
-        for key in ("call_id", "tool", "session_id", "workspace"):
-            if not isinstance(req.get(key), str):
-                raise HandlerError(FailureKind.BAD_REQUEST,
-                                   f"tool request field {key!r} must be a string",
-                                   retryable=False)
-        if "arguments" not in req:
-            raise HandlerError(FailureKind.BAD_REQUEST, "tool request lacks 'arguments'",
-                               retryable=False)
-        return req
+        try:
+            return decode_tool_request(req)
+        except MalformedRequest as exc:
+            raise HandlerError(FailureKind.BAD_REQUEST, str(exc), retryable=False) from exc
 
     def _check_policy(self, profile: Profile, policy: dict[str, Any]) -> None:
         minimum = policy.get("tier_min")
@@ -409,7 +407,7 @@ class ToolService:
                             "can allow it with the session option git_writable",
                             kind="git_protected")
 
-    async def _shell(self, ctx: RequestContext, req: dict[str, Any], profile: Profile,
+    async def _shell(self, ctx: RequestContext, req: ToolCallRequest, profile: Profile,
                      args: dict[str, Any], pinned: Pinned, limits: ToolLimits, network: bool,
                      start: float, *, read_only: bool, git_writable: bool) -> ToolCallResult:
         async def on_chunk(stream: StreamName, data: bytes) -> None:
