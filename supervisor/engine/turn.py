@@ -245,7 +245,10 @@ class Turn:
         try:
             async with asyncio.timeout(self.session.config.max_turn_s) as limit:
                 self._limit = limit
-                await self._body()
+                try:
+                    await self._body()
+                finally:
+                    self._limit = None  # out of its scope: nothing may reschedule it
         except TurnRejected as exc:
             await self._finish_aborted(ev.ABORT_REJECTED, str(exc))
         except TurnStopped as exc:
@@ -601,11 +604,28 @@ class Turn:
     async def _finish_completed(self) -> None:
         s = self.session
         self.finishing = True
+        await self._disarm_limit()
         await self._run_turn_end("completed")
         await s.commit([(ev.TURN_COMPLETE, {"turn_id": self.turn_id,
                                             "last_agent_message": ev.clip(self.last_message)},
                          self.submission_id)],
                        execution=self.execution("completed"), mutate=_clear_turn)
+
+    async def _disarm_limit(self) -> None:
+        """A turn that has begun to finish ends once: its limit may no longer
+        fire. A limit already expired is delivered here, before anything of the
+        ending is written (the turn then ends as over its limit, once); else it is
+        switched off, so that its expiry cannot land between the commit of
+        ``turn_complete`` and that commit's return and end the turn a second time
+        (found by the chaos soak: a turn resumed in its stopping phase past its
+        limit wrote ``turn_complete`` and then ``turn_aborted``)."""
+        limit = self._limit
+        if limit is None:
+            return
+        if limit.expired():
+            await asyncio.sleep(0)  # the limit's cancellation is raised here
+        else:
+            limit.reschedule(None)
 
     async def _finish_aborted(self, reason: str, message: str,
                               error: TurnError | None = None) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +197,58 @@ async def test_a_session_is_described_only_once_the_engine_has_resumed(
         await eng.manager.describe(sid)
     async with engine(farm, db=db) as again:  # resumed: the same description
         assert (await again.manager.describe(sid))["last_event_sequence"] == last
+
+
+@pytest.mark.timeout(60)
+async def test_a_turn_resumed_in_its_stopping_phase_past_its_limit_ends_once(
+        procs: Procs, tmp_path: Path) -> None:
+    """Found by the hour-long chaos soak: a final answer committed just before the
+    turn limit, a supervisor crash, and a restart after the limit. The resumed
+    turn finished from its durable answer (turn_complete) and then its expired
+    limit ended it a second time (turn_aborted). A turn ends exactly once."""
+    from supervisor.engine import HookInput, HookResult, Middleware
+
+    limit_s = 3.0
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "the answer"}]},
+                      services="model")
+    db = tmp_path / "stopping.sqlite3"
+    held = asyncio.Event()
+
+    class HoldAtStop(Middleware):
+        name = "hold-at-stop"
+
+        async def stop(self, inp: HookInput) -> HookResult | None:
+            held.set()
+            await asyncio.Event().wait()  # the supervisor dies here (the engine stops)
+            return None
+
+    async with engine(farm, db=db, max_turn_s=limit_s,
+                      middleware=lambda spec: [HoldAtStop()]) as eng:
+        sid = await eng.session()
+        sub = await eng.manager.submit(sid, {"type": "user_input", "text": "go"})
+        async with asyncio.timeout(20):
+            await held.wait()
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        assert saved.state.active_turn is not None
+        assert saved.state.active_turn["phase"] == "stopping"
+        page = await eng.store.events_page(sid, after_sequence=0, limit=1000)
+        (started,) = [e for e in page.items if e.type == "turn_started"]
+    # The downtime being simulated: the restart comes after the turn's limit.
+    await asyncio.sleep(max(0.0, started.created_at + limit_s + 0.3 - time.time()))
+    async with engine(farm, db=db, max_turn_s=limit_s) as eng2:
+        await eng2.run_until(sid, None, until=lambda e: e.submission_id == sub and e.type in (
+            "turn_complete", "turn_aborted"))
+        # Anything a second end would write is committed before the turn's task
+        # is done (the session's turn is cleared then); read the journal after.
+        session = eng2.manager.sessions[sid]
+
+        async def turn_done() -> bool:
+            return session.turn is None and session.turn_task is None
+
+        await eventually(turn_done, timeout_s=10, what="the resumed turn's task to end")
+        events = (await eng2.store.events_page(sid, after_sequence=0, limit=1000)).items
+    ends = [e for e in events if e.submission_id == sub
+            and e.type in ("turn_complete", "turn_aborted")]
+    assert len(ends) == 1, [(e.sequence, e.type, e.payload) for e in ends]
+
