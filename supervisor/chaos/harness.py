@@ -64,6 +64,7 @@ from supervisor import crashpoints
 from supervisor.chaos import evidence, recovery
 from supervisor.chaos import invariants as inv
 from supervisor.chaos.evidence import ProcWatch
+from supervisor.chaos.exportkeep import ExportKeeper
 from supervisor.chaos.schedule import (
     FRAME_FAULTS,
     Fault,
@@ -136,6 +137,7 @@ class Report:
     sessions: list[SessionRun] = field(default_factory=list)
     violations: list[inv.Violation] = field(default_factory=list)
     exports: int = 0
+    exports_seen: int = 0  # checkpoint files the keeper saw the farm write
     recovery: dict[str, list[float]] = field(default_factory=dict)
     unrecovered: dict[str, int] = field(default_factory=dict)
     continuous: dict[str, Any] = field(default_factory=dict)
@@ -186,6 +188,7 @@ class Report:
                 "faults_skipped": sum(1 for f in self.injected if "skipped" in f),
                 "faults_not_fired": self.unfired,
                 "exports_verified": self.exports,
+                "exports_seen": self.exports_seen,
                 "sessions_final_turn_ok": sum(s.final_ok for s in self.sessions),
                 "repeated_requests": self.repeated_requests,
                 "killed_calls": self.killed_calls,
@@ -227,8 +230,8 @@ approval_timeout_s = {approval_timeout_s}
 turn_timeout_s = 300
 # Short request deadlines: a frame the broker drops on purpose must end its
 # call within the run (the caller's deadline), not after the 5-10 min defaults.
-model_call_budget_s = 10
-tool_call_budget_s = 10
+model_call_budget_s = {budget_s:g}
+tool_call_budget_s = {budget_s:g}
 
 [routes.chaos]
 {route}
@@ -240,9 +243,13 @@ path = "exports"
 
 
 LIVENESS_WINDOW_S = 0.25 * 4  # [farm] heartbeat_interval_s x liveness, above
+BUDGET_S = 10.0  # [session] model_call_budget_s and tool_call_budget_s, above
 LOSS_MARGIN_S = 2.0  # commit and delivery of the loss report, on a loaded 2-core host
 RESUME_S = 1.5  # a restarted supervisor resumes its sessions after it is up
-EXPORTCHECK_S = 1800  # an hour-long soak leaves ~2,000 exports (measured: ~3 s per 80)
+EXPORTCHECK_S = 600  # the kept exports (measured: ~3 s per 80 on a loaded host)
+EXPORT_KEEP = 400  # checkpoints kept for the check, an even sample of the run's (exportkeep)
+LOAD_EVERY_S = 30.0  # the 1-minute load average is sampled this often while the farm runs
+EXPORT_POLL_S = 2.0  # how often the keeper looks at the sink (it keeps 5 per session)
 FINAL_TRIES = 3  # turns a session may need after the faults (each must end, one complete)
 RETRIES = 10  # a skipped fault is retried in the next slots (targets come and go)
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
@@ -285,7 +292,10 @@ class Harness:
         self.arm_path = self.home / "chaos-crashpoint.arm"
         self.run_tag = secrets.token_hex(4)
         self.watch = ProcWatch(self.run_tag)
+        self.keeper = ExportKeeper(self.home / "exports", self.home / "exports-kept",
+                                   EXPORT_KEEP, opts.seed)
         self.script: dict[str, Any] = {}
+        self.loads: list[float] = []  # 1-minute load averages sampled while the farm ran
         self.sv: SupervisorClient | None = None
         self.ups: list[tuple[str, float]] = []  # (supervisor | broker, when it was up again)
         self._seen_up: set[tuple[str, int]] = set()
@@ -319,7 +329,7 @@ class Harness:
             compact_route = f"\n[routes.chaos-compact]\n{route}\nnative_compaction = true\n"
         (self.home / "corral.toml").write_text(CONFIG.format(
             tier_min=tier_min, route=route, compact_route=compact_route,
-            approval_timeout_s=APPROVAL_TIMEOUT_S))
+            approval_timeout_s=APPROVAL_TIMEOUT_S, budget_s=BUDGET_S))
 
     def role(self, i: int) -> str:
         """Session ``i``'s role: with the scripted workload, every third session from
@@ -399,6 +409,7 @@ class Harness:
                 await ready.wait()
             self._track_pids()
             watcher = tg.create_task(self._watch())
+            keeper = tg.create_task(self._keep_exports())
             frames = tg.create_task(self._count_frames()) if frame else None
             endpoint = self.farm.paths.supervisor_endpoint
             async with SupervisorClient(endpoint, timeout_s=15) as sv, \
@@ -433,6 +444,7 @@ class Harness:
                 # Calls still winding down (a worker's last long call) get their grace.
                 await asyncio.sleep(1.0)
             watcher.cancel()
+            keeper.cancel()
             if frames is not None:
                 frames.cancel()
             farm_task.cancel()
@@ -444,6 +456,7 @@ class Harness:
         cpu1 = os.times()
         self.report.host.update(
             loadavg_end=[round(x, 2) for x in os.getloadavg()],
+            loadavg_1m_during=_spread(self.loads),
             # this process plus the farm's children it waited for (the checks included)
             cpu_s=round(cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
                         - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system,
@@ -475,6 +488,17 @@ class Harness:
         while True:
             await asyncio.to_thread(self.watch.sample)
             await asyncio.sleep(WATCH_EVERY_S)
+
+    async def _keep_exports(self) -> None:
+        """Sample the checkpoints the farm exports while it runs (the sink keeps only
+        each session's last few): evidence for exports_verify across the run."""
+        last_load = 0.0
+        while True:
+            await asyncio.to_thread(self.keeper.poll)
+            if time.monotonic() - last_load >= LOAD_EVERY_S:  # the host's load, as it went
+                last_load = time.monotonic()
+                self.loads.append(os.getloadavg()[0])
+            await asyncio.sleep(EXPORT_POLL_S)
 
     async def _create(self, sv: SupervisorClient, i: int) -> SessionRun:
         ws = self.workspace(i)
@@ -700,7 +724,9 @@ class Harness:
             self.marks.append((index, recovery.FaultMark(group, when, service, marks)))
 
         record = await injector.fire(fault, mark)
-        record["at_s"] = at_s
+        record["at_s"] = at_s  # when the fire began (it may wait for its window)
+        if index in self.at:  # the instant it hit (SIGSTOP, kill, interrupt, crash claim)
+            record["hit_at_s"] = round(self.at[index] - t0, 3)
         self.report.injected.append(record)
         log.info("chaos: %s", record)
         return record
@@ -752,6 +778,17 @@ class Harness:
                 if _loss_evidence(e):
                     record["explained"] = "lost requests were reported outside open work"
                     return
+        # Requests whose budget ran out before the broker could expire the frozen
+        # worker end ``timeout``, rightly (the soak's fault #468: 4 model requests
+        # sent ~9.5 s before the freeze, failed by the broker's deadline 0.45-0.7
+        # s into it; at the expiry the worker held nothing open).
+        ran_out = sum(inv.ran_out_before_expiry(live, fm.at, LIVENESS_WINDOW_S, BUDGET_S,
+                                                fm.at + bound) for live in lives.values())
+        if ran_out >= len(held):
+            record["explained"] = (f"its {len(held)} request(s) ran out of budget before "
+                                   "the liveness window could expire the worker "
+                                   f"({ran_out} deadline ending(s) seen)")
+            return
         self.report.violations.append(inv.Violation(
             "recovery_accounted", "", None,
             f"fault #{index} ({record['kind']}) froze {record.get('target')} holding "
@@ -871,6 +908,8 @@ class Harness:
                 self._provider_faults(live)
         finally:
             await store.close()
+        await asyncio.to_thread(self.keeper.finish)
+        self.report.exports_seen = len(self.keeper.seen)
         results = await self._exports()
         self.report.exports = len(results)
         v.extend(inv.exports_verify(results))
@@ -891,7 +930,7 @@ class Harness:
         """Every export checked (and tampered with) by ``exportcheck`` in a child process
         with the farm's environment: the verify under test is the farm's."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "supervisor.chaos.exportcheck", str(self.home / "exports"),
+            sys.executable, "-m", "supervisor.chaos.exportcheck", str(self.keeper.dest),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, **self.child_env()})
         try:
@@ -951,6 +990,15 @@ def _approval_closed(live: recovery.LiveLog, approval_id: str) -> bool:
         elif e.get("type") in ("tool_call_begin", "tool_call_end") and calls:
             calls.discard(str(p.get("call_id")))
     return not calls
+
+
+def _spread(xs: list[float]) -> dict[str, float | int]:
+    """min, median, max and count of samples (an empty list gives the count only)."""
+    if not xs:
+        return {"samples": 0}
+    ys = sorted(xs)
+    return {"min": round(ys[0], 2), "median": round(ys[len(ys) // 2], 2),
+            "max": round(ys[-1], 2), "samples": len(ys)}
 
 
 def _loss_evidence(e: dict[str, Any]) -> bool:

@@ -295,6 +295,44 @@ def killed_calls(kills: list[Kill], sessions: list[tuple[str, LiveLog]], window_
     return counts, out
 
 
+def ran_out_before_expiry(live: LiveLog, at: float, expiry_s: float, budget_s: float,
+                          until: float) -> int:
+    """For a worker frozen at ``at`` (``recovery_accounted``): how many requests of
+    this session ended on their own deadline (error ``timeout``, seen by ``until``)
+    although their budget ran out before the broker could have declared the frozen
+    worker lost (``at + expiry_s``, the liveness window). The broker fails such a
+    request ``timeout`` when its budget ends, rightly: at the expiry the worker
+    holds nothing open, so there is no loss to report. A request's deadline is
+    at most its start as the client saw it (``model_step_started`` /
+    ``tool_call_begin``, sent before the request) plus ``budget_s``; a request
+    whose deadline may lie after the expiry is not counted (it must be reported
+    lost, the bug ``lost_call_as_timeout`` plants)."""
+    starts: dict[tuple[str, str], float] = {}
+    n = 0
+    for t, e in live:
+        if e.get("sequence", 0) <= 0:
+            continue
+        p, kind = e.get("payload") or {}, e.get("type")
+        if kind == "model_step_started":
+            starts[("model", f"{p.get('turn_id')}/{p.get('step')}")] = t
+        elif kind == "tool_call_begin":
+            starts[("tool", str(p.get("call_id")))] = t
+        if t < at or t > until:
+            continue
+        if kind == "model_step_completed":
+            err = ((p.get("diagnostics") or {}).get("error") or {}).get("kind")
+            key = ("model", f"{p.get('turn_id')}/{p.get('step')}")
+        elif kind == "tool_call_end":
+            err = (p.get("error") or {}).get("kind")
+            key = ("tool", str(p.get("call_id")))
+        else:
+            continue
+        start = starts.get(key)
+        if err == "timeout" and start is not None and start + budget_s <= at + expiry_s:
+            n += 1
+    return n
+
+
 def marker_begins(live: LiveLog) -> dict[int, list[float]]:
     """Per marker k, the receive times of its calls' ``tool_call_begin`` events."""
     out: dict[int, list[float]] = {}

@@ -53,7 +53,9 @@ def render(r: dict[str, Any], command: str) -> str:
         f"| turns | {c['turns']} |",
         f"| tool calls | {c['tool_calls']} |",
         f"| exports verified (each also tampered with, per section) | "
-        f"{c['exports_verified']} |",
+        f"{c['exports_verified']}"
+        + (f" (an even sample of the {c['exports_seen']} the run wrote, plus each "
+           "session's last)" if c.get("exports_seen") else "") + " |",
         f"| calls on killed workers checked (unknown + worker_lost in bound) | "
         f"{(c.get('killed_calls') or {}).get('checked', 0)} "
         f"({json.dumps(c.get('killed_calls') or {})}) |",
@@ -113,7 +115,10 @@ def render(r: dict[str, Any], command: str) -> str:
         "",
         f"Phases (wall seconds): {json.dumps(phases)}. Host: {host.get('cpus')} cores, "
         f"load average {host.get('loadavg_start')} at the start and "
-        f"{host.get('loadavg_end')} at the end; the run (this harness and the farm it "
+        f"{host.get('loadavg_end')} at the end"
+        + (f", 1-minute load while the farm ran {json.dumps(host['loadavg_1m_during'])}"
+           if host.get("loadavg_1m_during") else "")
+        + f"; the run (this harness and the farm it "
         f"started) used {host.get('cpu_s')} CPU seconds, "
         f"{(host.get('cpu_s') or 0) / max(1.0, float(r['elapsed_s'])):.2f} cores on "
         "average.", "",

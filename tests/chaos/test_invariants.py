@@ -32,6 +32,7 @@ from supervisor.chaos.invariants import (
     no_orphans,
     orphans_after_kill,
     orphans_seen,
+    ran_out_before_expiry,
     repeated_requests,
     silent_timeouts,
 )
@@ -343,3 +344,51 @@ def test_a_hang_of_the_worker_doing_the_kill_extends_the_kill_bound() -> None:
     assert orphans_after_kill(kills, seen, sessions, 4.0, frozen) == []  # type: ignore[arg-type]
     late = {(0, 7): [(4.5, 2.55)]}  # a freeze after the bound excuses nothing
     assert len(orphans_after_kill(kills, seen, sessions, 4.0, late)) == 2  # type: ignore[arg-type]
+
+
+def test_a_hang_right_after_an_interrupt_extends_the_kill_bound() -> None:
+    # The soak's interrupt #870: the worker running the cancelled call was frozen
+    # 0.2 s after the interrupt, for 2.06 s (its log is silent from then; it
+    # re-registered 2.06 s later); the processes were last seen 4.0 s after.
+    sessions = [("s", [])]
+    kills = [(1, "interrupt_tool", 0.0, frozenset({(0, 132)}))]
+    frozen = {(0, 132): [(0.2, 2.06)]}
+    seen = {("long", 0, 132): (1, 4.05), ("orphan", 0, 132): (2, 4.05)}
+    assert len(orphans_after_kill(kills, seen, sessions, 4.0)) == 2  # type: ignore[arg-type]
+    assert orphans_after_kill(kills, seen, sessions, 4.0, frozen) == []  # type: ignore[arg-type]
+    # the freeze does not excuse a process alive past the extended bound (6.06 s)
+    later = {("long", 0, 132): (1, 6.3)}
+    bad = orphans_after_kill(kills, later, sessions, 4.0, frozen)  # type: ignore[arg-type]
+    assert len(bad) == 1
+    assert "bound 6.1s" in bad[0].detail
+
+
+def _step(seq: int, kind: str, **payload: Any) -> dict[str, Any]:
+    return {"sequence": seq, "type": kind, "payload": {"turn_id": "t", **payload}}
+
+
+def test_requests_that_ran_out_of_budget_before_the_expiry_need_no_loss_report() -> None:
+    # The soak's fault #468: a worker frozen at t=18.7 held model requests sent at
+    # t=9.1 with a 10 s budget; the broker failed them ``timeout`` at t=19.2, before
+    # the liveness window (1 s) could expire the worker.
+    def timed_out(start: float, end: float, step: int) -> list[tuple[float, dict[str, Any]]]:
+        err = {"error": {"kind": "timeout", "message": "budget ran out at the worker"}}
+        return [(start, _step(2 * step, "model_step_started", step=step, attempt=1)),
+                (end, _step(2 * step + 1, "model_step_completed", step=step, attempt=1,
+                            outcome="retrying", diagnostics=err))]
+    live = timed_out(9.1, 19.2, 1)
+    assert ran_out_before_expiry(live, 18.7, 1.0, 10.0, 21.7) == 1
+    # a request whose deadline lies after the expiry must be reported lost: its
+    # timeout is what the plant lost_call_as_timeout leaves, not an excuse
+    assert ran_out_before_expiry(timed_out(12.0, 22.0, 1), 18.7, 1.0, 10.0, 25.0) == 0
+    # a worker_lost report is no deadline ending; an ending before the freeze neither
+    lost = [(9.1, _step(2, "model_step_started", step=1)),
+            (19.8, _step(3, "model_step_completed", step=1, diagnostics={
+                "error": {"kind": "worker_lost"}}))]
+    assert ran_out_before_expiry(lost, 18.7, 1.0, 10.0, 21.7) == 0
+    assert ran_out_before_expiry(timed_out(8.0, 18.0, 1), 18.7, 1.0, 10.0, 21.7) == 0
+    # tool calls the same way, by call id
+    tool = [(9.0, {"sequence": 5, "type": "tool_call_begin", "payload": {"call_id": "c"}}),
+            (19.0, {"sequence": 6, "type": "tool_call_end",
+                    "payload": {"call_id": "c", "error": {"kind": "timeout"}}})]
+    assert ran_out_before_expiry(tool, 18.7, 1.0, 10.0, 21.7) == 1
