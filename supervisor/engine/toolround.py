@@ -10,7 +10,8 @@ completion order, one commit per completed call.
 Worker-loss rules:
 - A call whose worker is lost is never re-run silently: outcome ``unknown``,
   and the model reads that the worker was lost and the effect is unknown.
-  Only ``IDEMPOTENT_TOOLS`` are re-dispatched (bounded attempts).
+  Only tools that say they are idempotent (``tooling.idempotent_in``) are
+  re-dispatched (bounded attempts).
 - On resume, a call found ``dispatched``/``started`` is resolved the same way.
 - A name the session does not offer gets an error output and is never sent.
 
@@ -47,10 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import (
-    IDEMPOTENT_TOOLS,
     TIER_ORDER,
     ModelCallResult,
-    ToolCallRequest,
     ToolCallResult,
     json_size,
     replace_surrogates,
@@ -65,7 +64,7 @@ from supervisor.engine.hooks import HookEvent, context_item
 from supervisor.engine.machine import PendingCall
 from supervisor.engine.phases import CallState, TurnPhase, advance_call
 from supervisor.engine.session import PendingApproval
-from supervisor.engine.tooling import offered
+from supervisor.engine.tooling import base_request, idempotent_in, offered_in, outside_request
 
 if TYPE_CHECKING:
     from supervisor.engine.turn import Turn
@@ -123,10 +122,10 @@ async def prepare_calls(turn: Turn, result: ModelCallResult,
         items.append(item)
         # the machine's record is the checkpoint's (machine.PendingCall)
         pc = PendingCall(call_id, name, args or {},
-                         idempotent=name in IDEMPOTENT_TOOLS).to_json()
+                         idempotent=idempotent_in(s, name)).to_json()
         if problem is not None:
             pc["verdict"], pc["reason"] = "bad", problem
-        elif not offered(s.spec.tools, name):
+        elif not offered_in(s, name):
             pc["verdict"], pc["reason"] = "missing", (
                 f"unknown tool {name!r}; available tools: {', '.join(s.spec.tools)}")
         else:
@@ -183,7 +182,7 @@ async def tool_round(turn: Turn) -> None:
                                f"Tool call not run: {pc['reason']}", True, None, executed=False)
     resumed = [pc for pc in pcs if pc["state"] in (CallState.DISPATCHED, CallState.STARTED)]
     for pc in resumed:
-        if pc["name"] not in IDEMPOTENT_TOOLS and not plants.on("rerun_after_restart"):
+        if not idempotent_in(s, pc["name"]) and not plants.on("rerun_after_restart"):
             await _finish_call(turn, pc, CallState.UNKNOWN, "unknown", RESTART_OUTPUT, True,
                                None, executed=False)
     runnable = [pc for pc in pcs if not CallState(pc["state"]).terminal
@@ -373,20 +372,14 @@ async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
                     "stream": chunk.get("stream", "stdout"), "text": text[:65536]},
                     turn.submission_id)
 
-        request = ToolCallRequest(call_id=pc["call_id"], tool=name, arguments=pc["arguments"],
-                                  session_id=s.sid, workspace=s.spec.workspace,
-                                  policy=s.spec.tool_policy)
-        identity = s.spec.extra.get("workspace_identity")
-        if isinstance(identity, list):  # pinned at creation (facade)
-            request["workspace_identity"] = identity
-            request["workspace_host"] = str(s.spec.extra.get("workspace_host", ""))
+        request = outside_request(s, base_request(s, pc["call_id"], name, pc["arguments"]))
         try:
             result = await call_tool(s.manager.broker, request,
                                      budget_s=turn.budget_s(cfg.tool_call_budget_s),
                                      attempt=attempt, on_partial=on_partial,
                                      cancel_grace_s=cfg.cancel_grace_s)
         except CallFailed as f:
-            if f.worker_lost and name in IDEMPOTENT_TOOLS \
+            if f.worker_lost and idempotent_in(s, name) \
                     and attempt < cfg.idempotent_tool_attempts:
                 continue
             if f.worker_lost:

@@ -50,7 +50,7 @@ from supervisor.engine.errors import (
 from supervisor.engine.hooks import HookEvent, context_item
 from supervisor.engine.machine import ActiveTurn
 from supervisor.engine.phases import TurnPhase, advance_phase
-from supervisor.engine.tooling import tool_schemas
+from supervisor.engine.tooling import discover, offered_schemas
 from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
 
 if TYPE_CHECKING:
@@ -419,6 +419,7 @@ class Turn:
             else:
                 await s.commit(items=extra)
             context = self.provisional.context if self.provisional else s.context
+        await discover(self)  # the session's MCP servers not listed yet (tooling.py)
         request = self._request(context)
         decorated = await s.hooks.run(HookEvent.MODEL_REQUEST, s.sid, self.turn_id,
                                       {"request": request})
@@ -475,7 +476,7 @@ class Turn:
             items[bp] = marked
         return {"op": "respond", "route": s.manager.route(s.route_name),
                 "instructions": s.spec.instructions or s.config.instructions,
-                "items": items, "tools": tool_schemas(s.spec.tools), "stream": s.spec.stream,
+                "items": items, "tools": offered_schemas(s), "stream": s.spec.stream,
                 "session_id": s.sid, "prompt_cache_key": s.sid}
 
     # ----------------------------------------------------------- model call
