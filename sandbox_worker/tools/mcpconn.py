@@ -81,11 +81,15 @@ class Connection:
         self.runner: asyncio.Task[None] | None = None
         self.tools: list[McpToolInfo] = []
         self.in_flight = 0
+        self._with_stderr = False
 
     # -- life ---------------------------------------------------------------
-    def fail(self, kind: str, message: str) -> None:
+    def fail(self, kind: str, message: str, *, stderr: bool = False) -> None:
+        """Record the first failure and stop the server; with ``stderr`` its
+        message ends with the stderr tail as it is when the failure is read."""
         if self.failure is None:
             self.failure = McpFailure(message, kind=kind)
+            self._with_stderr = stderr
         self._stop.set()
 
     def stderr_tail(self) -> str:
@@ -122,13 +126,13 @@ class Connection:
                 self.tools = await self._race(self._list_tools(session))
         except TimeoutError:
             self.fail("timeout", f"MCP server {self.name!r} did not answer initialize and "
-                      f"tools/list within {timeout_s:g} s; {self.stderr_tail()}")
+                      f"tools/list within {timeout_s:g} s", stderr=True)
             raise self._died() from None
         except McpFailure:
             raise
         except Exception as exc:  # the SDK's errors: a refused handshake, a bad answer
             self.fail("mcp_start_failed", f"MCP server {self.name!r} failed to start: "
-                      f"{_text(exc)}; {self.stderr_tail()}")
+                      f"{_text(exc)}", stderr=True)
             raise self._died() from None
 
     async def close(self) -> None:
@@ -139,6 +143,9 @@ class Connection:
 
     def _died(self) -> McpFailure:
         if self.failure is not None:
+            if self._with_stderr:
+                return McpFailure(f"{self.failure}; {self.stderr_tail()}",
+                                  kind=self.failure.kind)
             return self.failure
         return McpFailure(f"MCP server {self.name!r} stopped; {self.stderr_tail()}",
                           kind="mcp_server_died")
@@ -182,8 +189,9 @@ class Connection:
         except McpFailure:
             raise
         except Exception as exc:  # an error answer (MCPError), a result of the wrong shape
-            if self.dead.is_set():
-                raise self._died() from None
+            if self.failure is not None or self.dead.is_set():
+                await self.close()  # the server is gone when the call answers
+                raise self._died() from None  # the connection ended: say why
             raise McpFailure(f"MCP server {self.name!r} answered tool {tool!r} with an "
                              f"error: {_text(exc)}", kind="mcp_error") from None
         finally:
@@ -247,7 +255,7 @@ class Connection:
                     stop.cancel()
                 if proc.returncode is not None:
                     self.fail("mcp_server_died", f"MCP server {self.name!r} exited with code "
-                              f"{proc.returncode}; {self.stderr_tail()}")
+                              f"{proc.returncode}", stderr=True)
                 await self._kill(proc)
                 for task in pumps:
                     task.cancel()
@@ -279,6 +287,15 @@ class Connection:
                 if exc.partial.strip():
                     self.fail("protocol", f"MCP server {self.name!r} ended stdout inside a "
                               "message")
+                    return
+                # stdout closed: the server is ending; say how (bounded wait).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await proc.wait()
+                code = proc.returncode
+                self.fail("mcp_server_died", f"MCP server {self.name!r} closed its stdout"
+                          + (f" and exited with code {code}" if code is not None else ""),
+                          stderr=True)
                 return
             except asyncio.LimitOverrunError:
                 self.fail("output_limit", f"MCP server {self.name!r} sent a message over "

@@ -201,7 +201,7 @@ class McpHost:
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             held = self._servers.get(key)
-            if held is not None and not held.conn.dead.is_set():
+            if held is not None and not held.conn.dead.is_set() and held.conn.failure is None:
                 return held
             if held is not None:  # died since its last call: restart, bounded
                 self._servers.pop(key, None)
@@ -241,6 +241,10 @@ class McpHost:
                                            read_only=read_only, git_writable=git_writable)
         try:
             await conn.wait_ready(max(0.05, timeout_s))
+        except McpFailure as exc:
+            await asyncio.shield(self._stop(held))
+            raise McpFailure(f"{exc} (the server did not start)",
+                             kind="mcp_start_failed") from None
         except BaseException:
             await asyncio.shield(self._stop(held))
             raise

@@ -43,9 +43,9 @@ async def sleep(seconds: float) -> str:
 
 
 @server.tool()
-def hang() -> str:
-    """Block the whole server (it answers nothing, not even a ping)."""
-    time.sleep(3600)
+async def hang() -> str:
+    """Block the server's event loop (it answers nothing, not even a ping)."""
+    time.sleep(3600)  # noqa: ASYNC251 -- blocking on purpose
     return "never"
 
 
