@@ -115,3 +115,14 @@ def test_broker_never_queues_a_pinned_service_nobody_serves() -> None:
     out = d.on_client(client, protocol.Request("r2", "tool@live", 5.0, b"x"), now=0.0)
     assert any(s.side is Side.WORKER for s in out)
     d.check_invariants()
+
+
+def test_approval_rules_glob_tool_names() -> None:
+    from supervisor.engine.approvals import Decision, parse_policy
+
+    policy = parse_policy({"default": "ask", "deny": ["mcp__git__*"],
+                           "allow": ["mcp__time__get_current_time"]})
+    assert policy.decide("mcp__git__git_status", {})[0] is Decision.DENY
+    assert policy.decide("mcp__time__get_current_time", {})[0] is Decision.ALLOW
+    assert policy.decide("mcp__time__convert_time", {})[0] is Decision.ASK
+    assert policy.decide("mcp__gitx__status", {})[0] is Decision.ASK
