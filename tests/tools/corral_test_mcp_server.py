@@ -5,7 +5,9 @@ the sandbox (the tests copy it next to the SDK, see conftest.py).
 MODE ``ok`` (default) serves the tools below; ``garbage`` prints a line that
 is not JSON-RPC on stdout first; ``noinit`` reads stdin and never answers;
 ``fail`` writes to stderr and exits 1; ``badschema`` declares one tool with an
-invalid input schema.
+invalid input schema; ``http`` serves streamable HTTP on 127.0.0.1 port 0,
+prints ``{"port": N}`` and answers only requests whose ``X-Corral-Token``
+header is present (401 otherwise), and tool ``token`` says how long it was.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp_types import ToolAnnotations
 
 server = MCPServer("corral-test")
-state = {"total": 0}
+state = {"total": 0, "cancelled": 0}
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=False))
@@ -37,9 +39,19 @@ def whoami() -> str:
 
 @server.tool()
 async def sleep(seconds: float) -> str:
-    """Sleep (cooperatively: a cancel ends it)."""
-    await asyncio.sleep(seconds)
+    """Sleep (cooperatively: notifications/cancelled ends it, and is counted)."""
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        state["cancelled"] += 1
+        raise
     return "slept"
+
+
+@server.tool()
+def cancelled() -> str:
+    """How many sleep calls were cancelled by the client."""
+    return str(state["cancelled"])
 
 
 @server.tool()
@@ -69,8 +81,46 @@ def write(path: str, text: str) -> str:
     return "written"
 
 
+def serve_http() -> None:
+    import json
+    import socket
+
+    import uvicorn
+
+    seen = {"token": ""}
+
+    @server.tool()
+    def token() -> str:
+        """The length of the X-Corral-Token header the client sent."""
+        return str(len(seen["token"]))
+
+    app = server.streamable_http_app(host="127.0.0.1")
+
+    async def guarded(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            value = headers.get(b"x-corral-token", b"").decode()
+            if not value:
+                await send({"type": "http.response.start", "status": 401,  # type: ignore[operator]
+                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.body", "body": b"no token"})  # type: ignore[operator]
+                return
+            seen["token"] = value
+        await app(scope, receive, send)  # type: ignore[arg-type]
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sys.stdout.write(json.dumps({"port": sock.getsockname()[1]}) + "\n")
+    sys.stdout.flush()
+    config = uvicorn.Config(guarded, log_level="warning", lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+    if mode == "http":
+        serve_http()
+        return
     if mode == "garbage":
         sys.stdout.write("hello, this is not JSON-RPC\n")
         sys.stdout.flush()

@@ -5,6 +5,8 @@ servers in the sandbox; calls sent as the engine sends them
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
 import uuid
 from typing import Any
@@ -18,10 +20,15 @@ from supervisor.engine.calls import call_tool
 from supervisor.engine.errors import CallFailed
 from supervisor.tools.router import router_for
 from tests.engine.farm import Farm, new_workspace
-from tests.helpers import eventually
-from tests.tools.conftest import server_spec
+from tests.helpers import PYTHON, Procs, eventually, read_line_with_deadline
+from tests.tools.conftest import HERE, server_spec
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(300)]
+
+# An HTTP server's credential, in the environment the farm's workers inherit
+# (set before this module's farm starts).
+TOKEN = "corral-test-" + uuid.uuid4().hex
+os.environ["CORRAL_TEST_MCP_TOKEN"] = TOKEN
 
 
 def request(ws: str, sid: str, server: str, spec: dict[str, Any], tool: str,
@@ -207,3 +214,56 @@ async def _sleeping(uid: int) -> bool:
     # its uid in the sleep proves the request reached it: wait for its
     # second thread state instead: cheap proxy, the call was sent.
     return bool(uid_processes(uid))
+
+
+async def test_interrupts_reach_the_server(tools_farm: Farm, sandbox_site: str) -> None:
+    """A cancelled call (an interrupt: CANCEL through the broker) sends
+    notifications/cancelled; a server that still answers keeps its state, a
+    hung one is killed, tree and all."""
+    ws = str(new_workspace())
+    sid = "sess-cancel"
+    spec = own(sandbox_site)
+
+    def req(tool: str, **arguments: Any) -> ToolCallRequest:
+        return request(ws, sid, "t", spec, tool, arguments)
+
+    async with BrokerClient(tools_farm.frontend) as client:
+        first = await call(client, req("add", n=10))
+        uid = first["isolation"]["uid"]
+        with pytest.raises(TimeoutError):  # the caller gives up: its task is cancelled
+            await asyncio.wait_for(call(client, req("sleep", seconds=60)), timeout=3.0)
+        counted = await eventually(lambda: _cancelled(client, req), timeout_s=10,
+                                   what="the server saw notifications/cancelled")
+        assert counted == "1"
+        assert (await call(client, req("add", n=1)))["output"] == "11"  # same server
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(call(client, req("hang")), timeout=3.0)
+        await eventually(lambda: _none(uid), timeout_s=15, what="the hung server killed")
+        assert (await call(client, req("add", n=1)))["output"] == "1"  # a new server
+
+
+async def _cancelled(client: BrokerClient, req: Any) -> str | None:
+    got = await call(client, req("cancelled"))
+    return got["output"] if got["output"] != "0" else None
+
+
+async def test_http_server_called_from_the_worker(tools_farm: Farm, procs: Procs) -> None:
+    proc = procs.spawn([PYTHON, str(HERE / "corral_test_mcp_server.py"), "http"],
+                       name="mcp-http", stdout=subprocess.PIPE)
+    port = json.loads(read_line_with_deadline(proc, 60))["port"]
+    url = f"http://127.0.0.1:{port}/mcp"
+    ws = str(new_workspace())
+    spec = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_TEST_MCP_TOKEN"}}
+    async with BrokerClient(tools_farm.frontend) as client:
+        got = await call(client, request(ws, "sess-http", "h", spec, "token"))
+        assert got["output"] == str(len(TOKEN)), got["output"]
+        iso = got["isolation"]
+        assert (iso["filesystem"], iso["tier"]) == ("remote", "T0")
+        assert iso["degraded"]
+        assert TOKEN not in json.dumps(got)
+        missing = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_TEST_UNSET_VAR"}}
+        refused = await call(client, request(ws, "sess-http2", "h", missing, "token"))
+        assert refused["error_kind"] == "mcp_start_failed"
+        assert "CORRAL_TEST_UNSET_VAR" in refused["output"]
+    for log in (tools_farm.tmp / "logs").glob("*.log"):
+        assert TOKEN not in log.read_text(errors="replace"), log
