@@ -126,3 +126,20 @@ def test_approval_rules_glob_tool_names() -> None:
     assert policy.decide("mcp__time__get_current_time", {})[0] is Decision.ALLOW
     assert policy.decide("mcp__time__convert_time", {})[0] is Decision.ASK
     assert policy.decide("mcp__gitx__status", {})[0] is Decision.ASK
+
+
+def test_session_create_options_merge_and_refuse() -> None:
+    from supervisor.facade import _outside_options
+    from supervisor.server import CallError
+
+    defaults = {"mcp": {"git": {"command": ["g"]}, "time": {"command": ["t"]}},
+                "tools": {"wc": {"description": "d", "command": ["wc"]}}, "approval": "ask"}
+    spec = _outside_options(defaults, {"mcp": {"time": {"command": ["t2"]}},
+                                       "workspace": "/w"})
+    assert spec["mcp"]["git"]["command"] == ["g"]
+    assert spec["mcp"]["time"]["command"] == ["t2"]
+    assert set(spec["command_tools"]) == {"wc"}
+    assert "tools" not in spec  # SessionSpec.tools stays the built-ins' list
+    assert (spec["approval"], spec["workspace"]) == ("ask", "/w")
+    with pytest.raises(CallError, match="built-in tool"):
+        _outside_options({}, {"tools": {"shell": {"description": "d", "command": ["x"]}}})
