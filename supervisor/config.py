@@ -99,6 +99,23 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # command = "python3 /opt/policy/check_tool.py"
 # timeout_s = 10               # (0, 600]; default 10
 
+# MCP servers (docs/tools.md): a stdio server runs IN THE SANDBOX (the session's
+# workspace, its own uid, no network unless network = true); its tools are
+# offered as mcp__NAME__TOOL. A url server is called from the worker; its
+# headers come from the workers' environment by variable name.
+# [mcp.git]
+# command = ["/opt/mcp-git/bin/mcp-server-git"]
+# [mcp.docs]
+# url = "https://mcp.example.com/mcp"
+# headers_env = { Authorization = "DOCS_MCP_AUTH" }
+
+# Command tools: arguments as JSON on stdin, in the sandbox; stdout is the result.
+# [tools.wordcount]
+# description = "Count the words of a text."
+# parameters = { type = "object", properties = { text = { type = "string" } } }
+# command = ["python3", "-c", "import json,sys; print(len(json.load(sys.stdin)['text'].split()))"]
+# read_only = true             # and idempotent: run again after a lost worker
+
 # Portable checkpoints are exported at every tool boundary to each sink.
 # [[export.sinks]]
 # type = "directory"           # directory | http
