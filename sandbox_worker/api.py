@@ -224,6 +224,10 @@ TOOL_NAME_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # The worker that holds a session's MCP server also serves ``tool@PIN``: calls
 # after the first are sent there (``ToolCallResult.pin``).
 PIN_SEP: Final = "@"
+# An HTTP MCP server's headers may name only worker variables with this prefix:
+# a session's spec must not be able to send, say, a provider's API key to a
+# server of its choosing.
+MCP_HEADER_ENV_PREFIX: Final = "CORRAL_MCP_"
 
 
 class CommandToolSpec(TypedDict):

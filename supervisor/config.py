@@ -107,7 +107,7 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # command = ["/opt/mcp-git/bin/mcp-server-git"]
 # [mcp.docs]
 # url = "https://mcp.example.com/mcp"
-# headers_env = { Authorization = "DOCS_MCP_AUTH" }
+# headers_env = { Authorization = "CORRAL_MCP_DOCS_AUTH" }
 
 # Command tools: arguments as JSON on stdin, in the sandbox; stdout is the result.
 # [tools.wordcount]

@@ -43,7 +43,7 @@ import mcp_types as types
 from mcp.client.session import ClientSession
 from mcp.shared.message import SessionMessage
 
-from sandbox_worker.api import McpToolInfo
+from sandbox_worker.api import MCP_HEADER_ENV_PREFIX, McpToolInfo
 from sandbox_worker.sandbox.errors import ToolError
 from sandbox_worker.sandbox.process import kill_tree
 from sandbox_worker.sandbox.reaper import MANAGED_HEADS, spawning
@@ -381,7 +381,8 @@ def env_headers(headers_env: dict[str, str]) -> tuple[dict[str, str], list[str]]
     found: dict[str, str] = {}
     missing: list[str] = []
     for header, var in headers_env.items():
-        value = os.environ.get(var)
+        # Checked here too: the request crossed a process boundary.
+        value = os.environ.get(var) if var.startswith(MCP_HEADER_ENV_PREFIX) else None
         if value is None:
             missing.append(var)
         else:

@@ -194,6 +194,13 @@ class McpHost:
         for i, (used, key) in enumerate(idle):
             if now - used > IDLE_S or i < over:
                 self._spawn(self._stop(self._servers.pop(key)))
+        # The bookkeeping of servers no longer held is bounded too.
+        for key in [k for k in self._locks if k not in self._servers
+                    and not self._locks[k].locked()]:
+            del self._locks[key]
+        for key in [k for k, t in self._restarts.items() if k not in self._servers
+                    and (not t or now - t[-1] > RESTART_WINDOW_S)]:
+            del self._restarts[key]
 
     async def _server(self, key: Key, req: dict[str, Any], spec: McpServerSpec,
                       profile: Profile, limits: ToolLimits, budget_s: float, *,

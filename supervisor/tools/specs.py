@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from sandbox_worker.api import (
+    MCP_HEADER_ENV_PREFIX,
     MCP_PREFIX,
     TOOL_NAME_RE,
     TOOL_NAMES,
@@ -110,7 +111,13 @@ def parse_mcp_server(name: str, raw: Any) -> McpServerSpec:
         spec["url"] = url
         if "headers_env" in raw:
             # The values are environment variable *names* on the worker.
-            spec["headers_env"] = _str_map(where, "headers_env", raw["headers_env"])
+            headers = _str_map(where, "headers_env", raw["headers_env"])
+            for var in headers.values():
+                if not var.startswith(MCP_HEADER_ENV_PREFIX):
+                    raise SpecError(f"[{where}] headers_env may name only worker variables "
+                                    f"starting {MCP_HEADER_ENV_PREFIX} (got {var!r}), so that "
+                                    "no spec can send another secret of the worker to a server")
+            spec["headers_env"] = headers
     return spec
 
 

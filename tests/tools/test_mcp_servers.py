@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(300)]
 # An HTTP server's credential, in the environment the farm's workers inherit
 # (set before this module's farm starts).
 TOKEN = "corral-test-" + uuid.uuid4().hex
-os.environ["CORRAL_TEST_MCP_TOKEN"] = TOKEN
+os.environ["CORRAL_MCP_TEST_TOKEN"] = TOKEN
 
 
 def request(ws: str, sid: str, server: str, spec: dict[str, Any], tool: str,
@@ -253,7 +253,7 @@ async def test_http_server_called_from_the_worker(tools_farm: Farm, procs: Procs
     port = json.loads(read_line_with_deadline(proc, 60))["port"]
     url = f"http://127.0.0.1:{port}/mcp"
     ws = str(new_workspace())
-    spec = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_TEST_MCP_TOKEN"}}
+    spec = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_MCP_TEST_TOKEN"}}
     async with BrokerClient(tools_farm.frontend) as client:
         got = await call(client, request(ws, "sess-http", "h", spec, "token"))
         assert got["output"] == str(len(TOKEN)), got["output"]
@@ -261,9 +261,9 @@ async def test_http_server_called_from_the_worker(tools_farm: Farm, procs: Procs
         assert (iso["filesystem"], iso["tier"]) == ("remote", "T0")
         assert iso["degraded"]
         assert TOKEN not in json.dumps(got)
-        missing = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_TEST_UNSET_VAR"}}
+        missing = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_MCP_UNSET_VAR"}}
         refused = await call(client, request(ws, "sess-http2", "h", missing, "token"))
         assert refused["error_kind"] == "mcp_start_failed"
-        assert "CORRAL_TEST_UNSET_VAR" in refused["output"]
+        assert "CORRAL_MCP_UNSET_VAR" in refused["output"]
     for log in (tools_farm.tmp / "logs").glob("*.log"):
         assert TOKEN not in log.read_text(errors="replace"), log

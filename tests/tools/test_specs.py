@@ -30,7 +30,7 @@ command = ["mcp-server-git"]
 env = { GIT_AUTHOR_NAME = "corral" }
 [mcp.docs]
 url = "https://example.invalid/mcp"
-headers_env = { Authorization = "DOCS_TOKEN" }
+headers_env = { Authorization = "CORRAL_MCP_DOCS_TOKEN" }
 [tools.wc]
 description = "Count words"
 command = ["wc", "-w"]
@@ -39,7 +39,7 @@ read_only = true
 ''')
     assert cfg.mcp["git"] == {"command": ["mcp-server-git"], "network": False,
                               "env": {"GIT_AUTHOR_NAME": "corral"}}
-    assert cfg.mcp["docs"]["headers_env"] == {"Authorization": "DOCS_TOKEN"}
+    assert cfg.mcp["docs"]["headers_env"] == {"Authorization": "CORRAL_MCP_DOCS_TOKEN"}
     assert cfg.command_tools["wc"]["read_only"] is True
     assert cfg.command_tools["wc"]["idempotent"] is False
 
@@ -59,6 +59,8 @@ read_only = true
     ('[mcp.a__b]\ncommand = ["x"]', "without '__'"),
     ('[mcp.a]\ncommand = ["x"]\ncwd = "/etc"', "relative to the workspace"),
     ('[mcp.a]\ncommand = ["x"]\ntransport = "sse"', "unknown key(s) ['transport']"),
+    ('[mcp.a]\nurl = "http://h"\nheaders_env = { Authorization = "OPENAI_API_KEY" }',
+     "starting CORRAL_MCP_"),
 ])
 def test_bad_tables_say_what_to_fix(tmp_path: Path, text: str, says: str) -> None:
     with pytest.raises(config.ConfigError) as err:
