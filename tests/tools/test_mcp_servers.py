@@ -231,13 +231,13 @@ async def test_interrupts_reach_the_server(tools_farm: Farm, sandbox_site: str) 
         first = await call(client, req("add", n=10))
         uid = first["isolation"]["uid"]
         with pytest.raises(TimeoutError):  # the caller gives up: its task is cancelled
-            await asyncio.wait_for(call(client, req("sleep", seconds=60)), timeout=3.0)
+            await asyncio.wait_for(call(client, req("sleep", seconds=60)), timeout=8.0)
         counted = await eventually(lambda: _cancelled(client, req), timeout_s=10,
                                    what="the server saw notifications/cancelled")
         assert counted == "1"
         assert (await call(client, req("add", n=1)))["output"] == "11"  # same server
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(call(client, req("hang")), timeout=3.0)
+            await asyncio.wait_for(call(client, req("hang")), timeout=8.0)
         await eventually(lambda: _none(uid), timeout_s=15, what="the hung server killed")
         assert (await call(client, req("add", n=1)))["output"] == "1"  # a new server
 
