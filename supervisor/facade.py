@@ -234,13 +234,14 @@ def _sandbox_options(spec: dict[str, Any]) -> None:
 
 def _outside_options(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """``given`` over ``defaults``, with the session's ``mcp`` and ``tools``
-    (command tools) over corral.toml's per name, parsed and checked
+    (command tools) over corral.toml's (``defaults``' ``mcp`` and
+    ``command_tools``, from ``main.session_defaults``) per name, parsed and checked
     (``supervisor.tools.specs``) into the SessionSpec fields ``mcp`` and
     ``command_tools`` (SessionSpec's own ``tools`` lists the built-ins)."""
     spec = {**defaults, **given}
     try:
         spec["mcp"] = parse_mcp_servers(merged(defaults.get("mcp"), given.get("mcp")))
-        spec["command_tools"] = parse_command_tools(merged(defaults.get("tools"),
+        spec["command_tools"] = parse_command_tools(merged(defaults.get("command_tools"),
                                                            given.get("tools")))
     except SpecError as exc:
         raise CallError(ErrorKind.BAD_REQUEST, str(exc)) from None

@@ -113,11 +113,22 @@ def offered(names: list[str], tool: str) -> bool:
 # -- outside tools -------------------------------------------------------------
 
 def _command_schemas(s: Session) -> list[ToolSchema]:
-    return [ToolSchema(name=name, description=spec["description"],
-                       parameters=spec["parameters"],
-                       idempotent=bool(spec["idempotent"] or spec["read_only"]),
-                       read_only=bool(spec["read_only"]))
-            for name, spec in s.spec.command_tools.items()]
+    return _commands(s.spec)
+
+
+def _commands(spec: SessionSpec) -> list[ToolSchema]:
+    return [ToolSchema(name=name, description=tool["description"],
+                       parameters=tool["parameters"],
+                       idempotent=bool(tool["idempotent"] or tool["read_only"]),
+                       read_only=bool(tool["read_only"]))
+            for name, tool in spec.command_tools.items()]
+
+
+def spec_schemas(spec: SessionSpec) -> list[ToolSchema]:
+    """The tools a session's spec alone determines (built-ins and command
+    tools): what a checkpoint's capability binding names. MCP tools are
+    listed by their servers at run time and are not part of it."""
+    return [*tool_schemas(spec.tools), *_commands(spec)]
 
 
 def _mcp_schemas(s: Session) -> list[ToolSchema]:

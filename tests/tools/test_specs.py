@@ -135,7 +135,8 @@ def test_session_create_options_merge_and_refuse() -> None:
     from supervisor.server import CallError
 
     defaults = {"mcp": {"git": {"command": ["g"]}, "time": {"command": ["t"]}},
-                "tools": {"wc": {"description": "d", "command": ["wc"]}}, "approval": "ask"}
+                "command_tools": {"wc": {"description": "d", "command": ["wc"]}},
+                "approval": "ask"}
     spec = _outside_options(defaults, {"mcp": {"time": {"command": ["t2"]}},
                                        "workspace": "/w"})
     assert spec["mcp"]["git"]["command"] == ["g"]
