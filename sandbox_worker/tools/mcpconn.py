@@ -351,7 +351,9 @@ class Connection:
         try:
             import httpx2
 
-            async with httpx2.AsyncClient(headers=headers, timeout=30.0) as client, \
+            # No read timeout: a call is bounded by its own budget (``call``).
+            async with httpx2.AsyncClient(headers=headers,
+                                          timeout=httpx2.Timeout(10.0, read=None)) as client, \
                     streamable_http_client(url, http_client=client) as (read, write), \
                     ClientSession(read, write) as session:
                 self.session = session
