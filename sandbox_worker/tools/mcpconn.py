@@ -26,6 +26,9 @@ Invariants:
   ends its tree by head and by uid, then the process is reaped.
 - Credentials of an HTTP server come from the worker's environment by name and
   are held only in the httpx client's headers: never logged, never returned.
+- The SDK (pydantic and all) is imported at a server's first start, never at
+  the worker's: it costs seconds on a loaded machine, and a worker that holds
+  no MCP server should not pay them before it reports ready.
 """
 
 from __future__ import annotations
@@ -36,17 +39,16 @@ import logging
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
-
-import anyio
-import mcp_types as types
-from mcp.client.session import ClientSession
-from mcp.shared.message import SessionMessage
+from typing import TYPE_CHECKING, Any, Final
 
 from sandbox_worker.api import MCP_HEADER_ENV_PREFIX, McpToolInfo
 from sandbox_worker.sandbox.errors import ToolError
 from sandbox_worker.sandbox.process import kill_tree
 from sandbox_worker.sandbox.reaper import MANAGED_HEADS, spawning
+
+if TYPE_CHECKING:
+    import mcp_types as types
+    from mcp.client.session import ClientSession
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +198,8 @@ class Connection:
                              f"error: {_text(exc)}", kind="mcp_error") from None
         finally:
             self.in_flight -= 1
+        import mcp_types as types
+
         if not isinstance(result, types.CallToolResult):
             raise McpFailure(f"MCP server {self.name!r} answered tool {tool!r} with no tool "
                              "result", kind="protocol")
@@ -216,6 +220,8 @@ class Connection:
             await self.close()
 
     async def _list_tools(self, session: ClientSession) -> list[McpToolInfo]:
+        import mcp_types as types
+
         out: list[McpToolInfo] = []
         cursor: str | None = None
         for _ in range(MAX_TOOL_PAGES):
@@ -238,6 +244,10 @@ class Connection:
 
     # -- runners ------------------------------------------------------------
     async def _run_stdio(self, proc: asyncio.subprocess.Process) -> None:
+        import anyio
+        from mcp.client.session import ClientSession
+        from mcp.shared.message import SessionMessage
+
         to_session, read_stream = anyio.create_memory_object_stream[
             SessionMessage | Exception](16)
         write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](16)
@@ -277,6 +287,10 @@ class Connection:
             MANAGED_HEADS.discard(proc.pid)
 
     async def _pump_stdout(self, proc: asyncio.subprocess.Process, sink: Any) -> None:
+        import anyio
+        import mcp_types as types
+        from mcp.shared.message import SessionMessage
+
         reader = proc.stdout
         if reader is None:
             return
@@ -346,6 +360,7 @@ class Connection:
                     self.stderr.append(line.decode("utf-8", "replace")[:STDERR_LINE_CHARS])
 
     async def _run_http(self, url: str, headers: dict[str, str]) -> None:
+        from mcp.client.session import ClientSession
         from mcp.client.streamable_http import streamable_http_client
 
         try:

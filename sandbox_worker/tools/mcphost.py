@@ -39,8 +39,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-import mcp_types as types
-
 from broker.worker import RequestContext
 from sandbox_worker.api import (
     IsolationRecord,
@@ -57,6 +55,8 @@ from sandbox_worker.tools.pinning import Pinned
 from sandbox_worker.tools.shell import REPLY_MARGIN_S, _make_tmp
 
 if TYPE_CHECKING:
+    import mcp_types as types
+
     from sandbox_worker.sandbox.uidpool import UidLease as Lease
     from sandbox_worker.tools.service import ToolService
 
@@ -342,6 +342,8 @@ class McpHost:
 def render(result: types.CallToolResult) -> tuple[str, bool]:
     """What the model reads of a tool result: its text parts; other parts
     named with their size; structured content as JSON when there is no text."""
+    import mcp_types as types
+
     parts: list[str] = []
     for item in result.content or []:
         if isinstance(item, types.TextContent):
