@@ -27,8 +27,9 @@ Invariants:
 - Credentials of an HTTP server come from the worker's environment by name and
   are held only in the httpx client's headers: never logged, never returned.
 - The SDK (pydantic and all) is imported at a server's first start, never at
-  the worker's: it costs seconds on a loaded machine, and a worker that holds
-  no MCP server should not pay them before it reports ready.
+  the worker's, and in a thread (``load_sdk``): it costs seconds on a loaded
+  machine, which neither a worker's readiness nor its event loop (its
+  heartbeats) may wait for.
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ STDERR_LINE_CHARS: Final = 400
 MAX_TOOL_PAGES: Final = 20
 MAX_TOOLS: Final = 256
 PING_GRACE_S: Final = 1.0
+
+
+def _import_sdk() -> None:
+    import anyio  # noqa: F401
+    import httpx2  # noqa: F401
+    import mcp_types  # noqa: F401
+    from mcp.client import session, streamable_http  # noqa: F401
+    from mcp.shared import message  # noqa: F401
+
+
+async def load_sdk() -> None:
+    """Import the SDK off the event loop (once; later calls return at once).
+    Every use of the SDK in this module comes after this."""
+    await asyncio.to_thread(_import_sdk)
 
 
 class McpFailure(ToolError):

@@ -50,7 +50,7 @@ from sandbox_worker.api import (
 from sandbox_worker.sandbox.errors import BadArguments, ToolError
 from sandbox_worker.sandbox.profile import Profile, Shape
 from sandbox_worker.tools.fsops import check_relative
-from sandbox_worker.tools.mcpconn import Connection, McpFailure, env_headers
+from sandbox_worker.tools.mcpconn import Connection, McpFailure, env_headers, load_sdk
 from sandbox_worker.tools.pinning import Pinned
 from sandbox_worker.tools.shell import REPLY_MARGIN_S, _make_tmp
 
@@ -225,8 +225,11 @@ class McpHost:
                         f"{RESTART_WINDOW_S - (now - times[0]):.0f} s from now. Last: "
                         f"{held.conn.failure or 'it stopped'}", kind="mcp_restart_limit")
                 times.append(now)
+            # A start that fails must still be stopped (grace_s) and answered
+            # within the call's budget.
+            room = budget_s - REPLY_MARGIN_S - self.service.config.grace_s - 0.5
             held = await self._start(key, req, spec, profile, limits,
-                                     min(START_TIMEOUT_S, budget_s - REPLY_MARGIN_S),
+                                     max(0.05, min(START_TIMEOUT_S, room)),
                                      read_only=read_only, git_writable=git_writable)
             self._servers[key] = held
             return held
@@ -235,6 +238,8 @@ class McpHost:
                      profile: Profile, limits: ToolLimits, timeout_s: float, *,
                      read_only: bool, git_writable: bool) -> Held:
         name = key[1]
+        deadline = time.monotonic() + timeout_s
+        await load_sdk()  # seconds the first time on a loaded machine: not on the loop
         conn = Connection(name)
         if "url" in spec:
             headers, missing = env_headers(dict(spec.get("headers_env", {})))
@@ -247,7 +252,7 @@ class McpHost:
             held = await self._start_stdio(conn, req, spec, profile, limits, timeout_s,
                                            read_only=read_only, git_writable=git_writable)
         try:
-            await conn.wait_ready(max(0.05, timeout_s))
+            await conn.wait_ready(max(0.05, deadline - time.monotonic()))
         except McpFailure as exc:
             await asyncio.shield(self._stop(held))
             raise McpFailure(f"{exc} (the server did not start)",

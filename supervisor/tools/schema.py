@@ -17,18 +17,18 @@ Invariants:
   ``$ref``, an over-deep schema): a server's bad schema cannot crash the caller.
 - Messages are bounded (``MAX_MESSAGE_CHARS``).
 - The cache is bounded (``CACHE_SIZE``, least recently used out).
-- jsonschema is imported at the first check, not when the supervisor or the
-  CLI starts (it and its Rust-backed ``rpds`` take a noticeable time to load).
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-if TYPE_CHECKING:
-    from jsonschema.protocols import Validator
+import jsonschema
+from jsonschema import exceptions as js_exceptions
+from jsonschema.protocols import Validator
+from referencing import Registry
 
 CACHE_SIZE: Final = 256
 MAX_SCHEMA_BYTES: Final = 256 * 1024
@@ -63,10 +63,6 @@ def _validator(schema: Any) -> Validator:
     if found is not None:
         _cache.move_to_end(key)
         return found
-    import jsonschema
-    from jsonschema import exceptions as js_exceptions
-    from referencing import Registry
-
     try:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         cls.check_schema(schema)
@@ -91,8 +87,6 @@ def check_schema(schema: Any) -> None:
 def validate(schema: Any, arguments: Any) -> None:
     """Raise ``ArgumentsInvalid`` (or ``SchemaProblem``) unless ``arguments``
     match ``schema``."""
-    from jsonschema import exceptions as js_exceptions
-
     validator = _validator(schema)
     try:
         error = js_exceptions.best_match(validator.iter_errors(arguments))
