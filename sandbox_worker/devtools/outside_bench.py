@@ -47,7 +47,10 @@ def sandbox_site() -> str:
     if not dst.exists():
         SITE_ROOT.mkdir(mode=0o755, exist_ok=True)
         tmp = SITE_ROOT / f".{key}.{os.getpid()}"
-        subprocess.run(["cp", "-al", str(src), str(tmp)], check=True)
+        if subprocess.run(["cp", "-al", str(src), str(tmp)]).returncode != 0:
+            # /opt on another filesystem: hard links cannot cross it; copy.
+            shutil.rmtree(tmp, ignore_errors=True)
+            subprocess.run(["cp", "-a", str(src), str(tmp)], check=True)
         os.chmod(tmp, 0o755)
         try:
             os.rename(tmp, dst)

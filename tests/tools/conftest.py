@@ -44,7 +44,10 @@ def sandbox_site() -> str:
         SITE_ROOT.mkdir(mode=0o755, exist_ok=True)
         tmp = SITE_ROOT / f".{key}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run(["cp", "-al", str(src), str(tmp)], check=True)
+        if subprocess.run(["cp", "-al", str(src), str(tmp)]).returncode != 0:
+            # /opt on another filesystem: hard links cannot cross it; copy.
+            shutil.rmtree(tmp, ignore_errors=True)
+            subprocess.run(["cp", "-a", str(src), str(tmp)], check=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp / "corral_test_mcp_server.py")
         shutil.copy(server, tmp / "corral_test_mcp_server.py")
