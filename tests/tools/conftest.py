@@ -1,5 +1,6 @@
 """Fixtures for outside-tool tests: one farm (broker, two workers, the
-scripted provider) per test module, and the MCP servers' Python packages where
+scripted provider) for all of tests/tools in a test process (each test uses
+its own session ids and workspaces), and the MCP servers' Python packages where
 the sandbox can read them.
 
 The sandbox binds /usr, /etc and /opt read-only (docs/sandbox.md), not this
@@ -66,7 +67,7 @@ def server_spec(site: str, module: str, *args: str, **extra: Any) -> dict[str, A
             "env": {"PYTHONPATH": site, "PYTHONDONTWRITEBYTECODE": "1"}, **extra}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tools_farm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Farm]:
     tmp = tmp_path_factory.mktemp("tools-farm")
     procs = Procs(tmp / "logs")
