@@ -13,10 +13,43 @@ The broker process itself is ``python -m broker`` (``broker.server``,
 ``broker.state``); the echo worker is ``python -m broker.echo``.
 """
 
-from broker.client import BrokerClient, Call
-from broker.errors import BrokerError, BrokerUnavailable, HandlerError, RequestFailed
-from broker.protocol import FailureKind
-from broker.worker import BrokerWorker, Handler, RequestContext
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from broker.client import BrokerClient, Call
+    from broker.errors import BrokerError, BrokerUnavailable, HandlerError, RequestFailed
+    from broker.protocol import FailureKind
+    from broker.worker import BrokerWorker, Handler, RequestContext
+
+# Names are imported on first use (PEP 562): a process that needs one
+# submodule does not pay for the whole package at start.
+_LAZY: dict[str, str] = {
+    "BrokerClient": "broker.client",
+    "Call": "broker.client",
+    "BrokerError": "broker.errors",
+    "BrokerUnavailable": "broker.errors",
+    "HandlerError": "broker.errors",
+    "RequestFailed": "broker.errors",
+    "FailureKind": "broker.protocol",
+    "BrokerWorker": "broker.worker",
+    "Handler": "broker.worker",
+    "RequestContext": "broker.worker",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BrokerClient",

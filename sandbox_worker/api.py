@@ -452,6 +452,41 @@ class MalformedResult(ValueError):
     """A service REPLY body that is not the shape this module declares."""
 
 
+class MalformedRequest(ValueError):
+    """A service REQUEST body that is not the shape this module declares."""
+
+
+_REQUEST_STRINGS: Final = ("call_id", "tool", "session_id", "workspace")
+
+
+def decode_tool_request(body: Any) -> ToolCallRequest:
+    """The one check of a ``tool`` REQUEST body (already unpacked), for the tool
+    service and for anyone who builds or relays one: a map; ``call_id``,
+    ``tool``, ``session_id`` and ``workspace`` strings; ``arguments`` present;
+    ``workspace_identity``, when given, two non-negative integers (a pin that
+    cannot be read is refused, never ignored); ``workspace_host`` a string.
+    Raises ``MalformedRequest`` naming the field. What the arguments and the
+    policy *mean* (the tool's schema, the tier, the mode) is the tool service's
+    to judge, and a result the model reads, not a malformed request."""
+    if not isinstance(body, dict):
+        raise MalformedRequest("tool request must be a map")
+    for key in _REQUEST_STRINGS:
+        if not isinstance(body.get(key), str):
+            raise MalformedRequest(f"tool request field {key!r} must be a string")
+    if "arguments" not in body:
+        raise MalformedRequest("tool request lacks 'arguments'")
+    identity = body.get("workspace_identity")
+    if identity is not None and not (
+            isinstance(identity, list | tuple) and len(identity) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                    for v in identity)):
+        raise MalformedRequest("tool request field 'workspace_identity' must be two "
+                               "non-negative integers (st_dev, st_ino)")
+    if not isinstance(body.get("workspace_host", ""), str):
+        raise MalformedRequest("tool request field 'workspace_host' must be a string")
+    return body  # type: ignore[return-value]
+
+
 def decode_model_result(body: Any) -> ModelCallResult:
     """The one check of a ``model`` REPLY body (already unpacked): ``items`` a
     list of maps, ``usage`` a map of integer counters (absent ones are 0).

@@ -36,7 +36,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from broker.errors import HandlerError
 from broker.protocol import FailureKind, pack, unpack
@@ -47,11 +47,14 @@ from sandbox_worker.api import (
     TIER_ORDER,
     TOOL_OUTPUT_BYTES,
     IsolationRecord,
+    MalformedRequest,
     Tier,
+    ToolCallRequest,
     ToolCallResult,
     ToolLimits,
     ToolOutputChunk,
     ToolSchema,
+    decode_tool_request,
     fit_text,
     replace_surrogates,
 )
@@ -312,16 +315,18 @@ class ToolService:
         read_only = git_writable = False
         pinned: Pinned | None = None
         try:
-            policy = req.get("policy") or {}
-            if not isinstance(policy, dict):
+            given: Any = req.get("policy") or {}  # its meaning is checked here: a tool error
+            if not isinstance(given, dict):
                 raise BadArguments("policy must be an object")
+            policy: dict[str, Any] = given
             limits = merge_limits(self.config.limits, policy.get("limits"))
             network = policy.get("network", False) is True
             self._check_policy(profile, policy)
             read_only, git_writable = self._mode_of(policy)
             command_tool = req.get("command_tool")
             if req.get("mcp") is not None:
-                return await self.mcp.handle(ctx, req, profile, limits, network, start,
+                return await self.mcp.handle(ctx, cast("dict[str, Any]", req), profile, limits,
+                                             network, start,
                                              read_only=read_only, git_writable=git_writable)
             if command_tool is not None:
                 argv, stdin = command_call(command_tool, req["arguments"])
@@ -373,24 +378,18 @@ class ToolService:
                 pinned.close()
 
     @staticmethod
-    def _parse(body: bytes) -> dict[str, Any]:
+    def _parse(body: bytes) -> ToolCallRequest:
+        """The request, through the one decoder of ``sandbox_worker.api``; a
+        malformed envelope is a ``bad_request`` failure (not retryable)."""
         try:
             req = unpack(body)
         except Exception as exc:  # protocol errors: a bad envelope, not a tool error
             raise HandlerError(FailureKind.BAD_REQUEST, f"tool request is not msgpack: {exc}",
                                retryable=False) from exc
-        if not isinstance(req, dict):
-            raise HandlerError(FailureKind.BAD_REQUEST, "tool request must be a map",
-                               retryable=False)
-        for key in ("call_id", "tool", "session_id", "workspace"):
-            if not isinstance(req.get(key), str):
-                raise HandlerError(FailureKind.BAD_REQUEST,
-                                   f"tool request field {key!r} must be a string",
-                                   retryable=False)
-        if "arguments" not in req:
-            raise HandlerError(FailureKind.BAD_REQUEST, "tool request lacks 'arguments'",
-                               retryable=False)
-        return req
+        try:
+            return decode_tool_request(req)
+        except MalformedRequest as exc:
+            raise HandlerError(FailureKind.BAD_REQUEST, str(exc), retryable=False) from exc
 
     def _check_policy(self, profile: Profile, policy: dict[str, Any]) -> None:
         minimum = policy.get("tier_min")
@@ -431,7 +430,7 @@ class ToolService:
                             "can allow it with the session option git_writable",
                             kind="git_protected")
 
-    async def _shell(self, ctx: RequestContext, req: dict[str, Any], profile: Profile,
+    async def _shell(self, ctx: RequestContext, req: ToolCallRequest, profile: Profile,
                      args: dict[str, Any], pinned: Pinned, limits: ToolLimits, network: bool,
                      start: float, *, read_only: bool, git_writable: bool,
                      stdin: bytes | None = None) -> ToolCallResult:

@@ -22,17 +22,24 @@ from __future__ import annotations
 import base64
 import json
 import shlex
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from sandbox_worker.api import ToolCallRequest, ToolPolicy
 from supervisor.engine import events as ev
-from supervisor.engine.calls import call_tool
-from supervisor.engine.config import SessionSpec
+from supervisor.engine.calls import Broker, call_tool
+from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import CallFailed, HookFailed
 from supervisor.engine.hooks import DENYING_EVENTS, HookEvent, HookInput, HookResult, Middleware
 
-if TYPE_CHECKING:
-    from supervisor.engine.manager import SessionManager
+
+class CommandHost(Protocol):
+    """What command hooks need of the manager (``SessionManager``): the broker
+    their ``shell`` calls go through, and the process-wide config."""
+
+    @property
+    def broker(self) -> Broker: ...
+    @property
+    def config(self) -> EngineConfig: ...
 
 MAX_INPUT_BYTES: Final = 64 * 1024
 
@@ -64,7 +71,7 @@ def _last_json_line(output: str) -> Any:
 
 
 class CommandHook(Middleware):
-    def __init__(self, manager: SessionManager, spec: SessionSpec, hook: dict[str, Any],
+    def __init__(self, manager: CommandHost, spec: SessionSpec, hook: dict[str, Any],
                  index: int) -> None:
         self.manager = manager
         self.spec = spec
@@ -144,5 +151,5 @@ class CommandHook(Middleware):
         return await self._invoke(inp)
 
 
-def command_hooks(manager: SessionManager, spec: SessionSpec) -> list[Middleware]:
+def command_hooks(manager: CommandHost, spec: SessionSpec) -> list[Middleware]:
     return [CommandHook(manager, spec, hook, i) for i, hook in enumerate(spec.hooks)]

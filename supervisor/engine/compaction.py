@@ -33,31 +33,23 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sandbox_worker.api import Usage, add_usage
+from sandbox_worker.api import ModelCallResult, add_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
 from supervisor.engine.calls import call_model
 from supervisor.engine.errors import CallFailed, ModelCallFailed
 from supervisor.engine.hooks import HookEvent
+from supervisor.engine.machine import retries
 from supervisor.engine.phases import TurnPhase
-
-if TYPE_CHECKING:
-    from supervisor.engine.turn import Turn
+from supervisor.engine.ports import Provisional, TurnStopped, TurnView
 
 SUMMARY_INSTRUCTIONS = (
     "Summarize the conversation so far for your own later use: the user's goals, what was "
     "done, what was found, and what remains. Be complete but concise.")
-
-
-@dataclass(slots=True)
-class Provisional:
-    context: list[dict[str, Any]]
-    usage: Usage
-    block_id: str
 
 
 def estimate_tokens(context: list[dict[str, Any]]) -> int:
@@ -65,7 +57,7 @@ def estimate_tokens(context: list[dict[str, Any]]) -> int:
     return sum(len(json.dumps(item, default=str)) for item in context) // 4 + 1
 
 
-def _due(turn: Turn) -> bool:
+def _due(turn: TurnView) -> bool:
     s = turn.session
     st = s.state
     threshold = s.spec.compaction_threshold_tokens or s.config.compaction_threshold_tokens
@@ -77,9 +69,7 @@ def _due(turn: Turn) -> bool:
     return estimate_tokens(s.context) >= threshold
 
 
-async def maybe_compact(turn: Turn) -> None:
-    from supervisor.engine.turn import TurnStopped
-
+async def maybe_compact(turn: TurnView) -> None:
     s = turn.session
     forced = turn.force_compact
     if not forced and not _due(turn):
@@ -106,19 +96,11 @@ async def maybe_compact(turn: Turn) -> None:
     request = {"op": "compact" if native else "respond", "route": route,
                "instructions": s.spec.instructions or s.config.instructions, "items": items,
                "tools": [], "stream": False, "session_id": s.sid, "prompt_cache_key": s.sid}
-    try:
-        result = await call_model(s.manager.broker, request,
-                                  budget_s=turn.budget_s(s.config.model_call_budget_s),
-                                  cancel_grace_s=s.config.cancel_grace_s)
-    except CallFailed as f:
-        raise ModelCallFailed(f"compaction failed: {f.kind}: {f.message}", kind=f.kind,
-                              retryable=f.retryable) from f
-    from supervisor.engine.turn import _message_text
-
+    result = await _compaction_call(turn, request)
     if native:
         head = [i for i in result["items"] if i.get("type") == "compaction"] or result["items"]
     else:
-        text = "".join(_message_text(i) for i in result["items"] if i.get("type") == "message")
+        text = "".join(ev.message_text(i) for i in result["items"] if i.get("type") == "message")
         head = [{"type": "compaction", "summary": text}]
     keep = s.config.compaction_keep_recent
     # Recent user messages stay verbatim (assistant output is what the compaction
@@ -141,7 +123,32 @@ async def maybe_compact(turn: Turn) -> None:
     await s.commit(mutate=turn.moving_to(TurnPhase.PREPARING))
 
 
-async def settle(turn: Turn, outcome: str) -> None:
+async def _compaction_call(turn: TurnView, request: dict[str, Any]) -> ModelCallResult:
+    """The compaction request, retried as a model call is (``machine.retries``: a
+    lost worker or a retryable failure, up to ``model_attempts``, each attempt
+    with what is left of the turn's budget); each retry is a durable warning
+    ``{compaction_retry: {attempt, error}}`` while the notice stays pending."""
+    s = turn.session
+    cfg = s.config
+    attempt = 1
+    while True:
+        try:
+            return await call_model(s.manager.broker, request,
+                                    budget_s=turn.budget_s(cfg.model_call_budget_s),
+                                    attempt=attempt, cancel_grace_s=cfg.cancel_grace_s)
+        except CallFailed as f:
+            if not retries(f.failure, attempt, cfg.model_attempts):
+                raise ModelCallFailed(f"compaction failed: {f.kind}: {f.message}",
+                                      kind=f.kind, retryable=f.retryable) from f
+            await s.warn(f"the compaction call failed ({f.kind}: {ev.clip(f.message, 500)}); "
+                         f"trying again (attempt {attempt + 1} of {cfg.model_attempts})",
+                         turn.submission_id,
+                         compaction_retry={"attempt": attempt, "error": ev.error(f.failure)})
+            attempt += 1
+            await asyncio.sleep(cfg.model_retry_delay_s * attempt)
+
+
+async def settle(turn: TurnView, outcome: str) -> None:
     """Make a provisional compaction durable (``outcome == "success"``)."""
     s = turn.session
     p = turn.provisional
@@ -161,7 +168,7 @@ async def settle(turn: Turn, outcome: str) -> None:
                            "at_batch": st.next_batch_sequence - 1, "reported": False}
         st.cache_breakpoint = len(p.context) - 1 if p.context else None
         if st.active_turn is not None:
-            st.active_turn = turn._active_turn(TurnPhase(st.active_turn["phase"]))
+            st.active_turn = turn.checkpoint_turn(TurnPhase(st.active_turn["phase"]))
     epoch = s.state.context_epoch + 1
     await s.commit([
         (ev.TOKEN_COUNT, {"turn_id": turn.turn_id, "last": dict(p.usage), "total": total,
@@ -176,7 +183,7 @@ async def settle(turn: Turn, outcome: str) -> None:
     turn.open_block = None
 
 
-async def close_notice(turn: Turn, outcome: str) -> None:
+async def close_notice(turn: TurnView, outcome: str) -> None:
     """Close an open notice as failed or cancelled; the compaction is discarded."""
     s = turn.session
     block = turn.open_block

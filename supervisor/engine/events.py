@@ -132,3 +132,14 @@ def render_block(block_id: str, title: str, *, complete: bool, text: str = "") -
         "block": {"id": block_id, "title": title,
                   "state": "complete" if complete else "pending", "text": text},
     }
+
+
+def message_text(item: dict[str, Any]) -> str:
+    """The text of a message item (its string content, or its parts' texts)."""
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(p.get("text", "") for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))

@@ -29,24 +29,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker.protocol import Failed, Failure
 from supervisor.engine import events as ev
+from supervisor.engine.ports import TurnView
 from supervisor.engine.tooling import spec_schemas
 from supervisor.export.checkpoint import build_checkpoint, capability_binding
 from supervisor.export.resume import loop_reference
 from supervisor.store.records import EventRecord
-
-if TYPE_CHECKING:
-    from supervisor.engine.turn import Turn
 
 log = logging.getLogger(__name__)
 
 MAX_RUN_EVENTS = 20_000
 
 
-async def _run_events(turn: Turn) -> list[EventRecord]:
+async def _run_events(turn: TurnView) -> list[EventRecord]:
     s = turn.session
     out: list[EventRecord] = []
     after = turn.first_sequence - 1
@@ -82,7 +80,7 @@ def _failure_of(exc: Exception, timeout_s: float) -> Failure:
     return Failure("sink_error", str(exc) or "the sink failed", True)
 
 
-async def export_boundary(turn: Turn, call_ids: list[str]) -> None:
+async def export_boundary(turn: TurnView, call_ids: list[str]) -> None:
     s = turn.session
     sinks = s.manager.export_sinks
     turn.add_tool_round(call_ids)

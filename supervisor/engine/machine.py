@@ -23,6 +23,7 @@ States (``TurnState.turn.phase``)::
                                     TOOLS <-> AWAITING_APPROVAL
                        (all calls ended: Export, next step: PREPARING)
     STOPPING -StopDone(continue)-> PREPARING;  STOPPING -StopDone-> COMPLETED
+    COMPACTING -CompactionDone(failed; ``retries``: the model call's rule)-> COMPACTING
     any live phase -Interrupt / TurnTimedOut / ModelFailed(final) / Abort-> ABORTED | FAILED
 
 Tool call: ``requested -> dispatched -> started -> ok | failed | unknown``.
@@ -409,6 +410,20 @@ def start(turn_id: str, submission_id: str | None, now: float, *, kind: str = "t
                                 first_sequence=first_sequence))
 
 
+def retries(failure: Failure, attempt: int, attempts: int) -> bool:
+    """The one retry rule of a model call and of a compaction call: again after a
+    lost worker or a retryable failure, while ``attempts`` are left."""
+    return (failure.retryable or failure.kind == FailureKind.WORKER_LOST) \
+        and attempt < attempts
+
+
+def reruns_lost(idempotent: bool, attempt: int, attempts: int) -> bool:
+    """The one rule for a tool call whose worker (or supervisor) was lost while
+    it ran: dispatched again only if the tool is idempotent and fewer than
+    ``attempts`` dispatches were made; else it ends ``unknown``."""
+    return idempotent and attempt < attempts
+
+
 def budget_s(state: TurnState, cap_s: float, limits: Limits, now: float) -> float:
     """A request's budget: what is left of the turn's ``max_turn_s`` (counted from
     its stored start), at most ``cap_s``."""
@@ -500,7 +515,7 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
         case CompactionDue():
             if t.phase is not TurnPhase.PREPARING:
                 return s
-            s = replace(s, turn=t.moved(TurnPhase.COMPACTING))
+            s = replace(s, turn=t.moved(TurnPhase.COMPACTING, attempt=1))
             out.commit(s, ("frontend_render", {"turn_id": tid, "state": "pending"}))
             out.add(Compact(budget_s(s, limits.model_call_budget_s, limits, now)))
             return s
@@ -508,9 +523,16 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
             if t.phase is not TurnPhase.COMPACTING:
                 return s
             if not ok:
-                return _end(s, Ending.FAILED, out, failure or Failure(
-                    "model_failed", "compaction failed"))
-            s = replace(s, turn=t.moved(TurnPhase.PREPARING))
+                failure = failure or Failure("model_failed", "compaction failed")
+                if retries(failure, t.attempt, limits.model_attempts):
+                    # the same rule and budget as a model call; the notice stays open
+                    s = replace(s, turn=replace(t, attempt=t.attempt + 1))
+                    out.commit(s, ("warning", {"turn_id": tid, "compaction_retry": {
+                        "attempt": t.attempt, "error": failure.as_data()}}))
+                    out.add(Compact(budget_s(s, limits.model_call_budget_s, limits, now)))
+                    return s
+                return _end(s, Ending.FAILED, out, failure)
+            s = replace(s, turn=t.moved(TurnPhase.PREPARING, attempt=0))
             out.commit(s, ("context_compacted", {"turn_id": tid}))
             out.add(RunHook("pre_model"))
             return s
@@ -554,8 +576,7 @@ def _on_model(s: TurnState, e: ModelReplied | ModelFailed, limits: Limits, now: 
         case ModelFailed(failure):
             if t.phase is not TurnPhase.MODEL_CALL:
                 return s
-            again = (failure.retryable or failure.kind == FailureKind.WORKER_LOST) \
-                and t.attempt < limits.model_attempts
+            again = retries(failure, t.attempt, limits.model_attempts)
             done = ("model_step_completed", {"turn_id": tid, "step": t.model_steps,
                                              "attempt": t.attempt,
                                              "outcome": "retrying" if again else "failed",
@@ -666,7 +687,7 @@ def _lost(s: TurnState, c: PendingCall, limits: Limits, now: float, out: _Out, w
           *, round_done: bool = False) -> TurnState:
     """A call whose worker (or supervisor) was lost mid-call: re-dispatched only
     if idempotent with attempts left, else it ends ``unknown``."""
-    if c.idempotent and c.attempt < limits.idempotent_tool_attempts:
+    if reruns_lost(c.idempotent, c.attempt, limits.idempotent_tool_attempts):
         s = _dispatch(s, c, limits, now, out)
     else:
         s = _tool_ended(s, c, CallState.UNKNOWN, "unknown", limits, now, out,

@@ -53,6 +53,7 @@ from supervisor.engine.ops import (
     parse_op,
 )
 from supervisor.engine.session import PendingApproval, Session, Work
+from supervisor.engine.turn import Turn, run_session_start
 from supervisor.store import SessionExists, Store, StoreBusy, StoreError
 from supervisor.store.records import (
     CheckpointState,
@@ -329,6 +330,16 @@ class SessionManager:
         }
 
     # -------------------------------------------------------- engine helpers
+
+    async def run_work(self, session: Session, work: Work) -> None:
+        """Run one unit of a session's work (its driver calls this: the session
+        module never imports the turn driver)."""
+        if work.kind == "session_start":
+            await run_session_start(session, work.source)
+            return
+        turn = Turn.for_work(session, work)
+        if turn is not None:
+            await turn.drive()
 
     def route(self, name: str) -> ModelRoute:
         route = self.config.routes.get(name)

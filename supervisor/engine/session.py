@@ -38,20 +38,22 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from broker import plants  # chaos plant switches (broker/plants.py)
 from broker.protocol import Failure, FailureKind
-from sandbox_worker.api import empty_usage, json_size
+from sandbox_worker.api import ModelRoute, Usage, empty_usage, json_size
 from supervisor import crashpoints
 from supervisor.engine import bounds
 from supervisor.engine import events as ev
 from supervisor.engine.approvals import ApprovalPolicy, parse_policy
+from supervisor.engine.calls import Broker
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, HookFailed, SubscriberDropped, TurnError
 from supervisor.engine.hooks import HookEvent, HookRunner
+from supervisor.store import Store
 from supervisor.store.codec import Limits
 from supervisor.store.records import (
     CheckpointState,
@@ -65,10 +67,6 @@ from supervisor.store.records import (
     TranscriptBatch,
     TurnId,
 )
-
-if TYPE_CHECKING:
-    from supervisor.engine.manager import SessionManager
-    from supervisor.engine.turn import Turn
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +86,40 @@ class Work:
     kind: str  # "turn" | "compact" | "session_start" | "resume" | "shutdown"
     source: str = ""  # session_start source
     submission_id: SubmissionId | None = None
+
+
+class Host(Protocol):
+    """What a session needs of the manager that owns it (``SessionManager``):
+    the shared services, and the work it runs (``run_work``: turns and hook
+    runs, so that this module never imports the turn driver)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def broker(self) -> Broker: ...
+    @property
+    def export_sinks(self) -> Sequence[Any]: ...
+    def route(self, name: str) -> ModelRoute: ...
+    async def observe_usage(self, route: str, usage: Usage) -> None: ...
+    async def store_commit(self, step: StepWrite) -> None: ...
+    def replay_from(self, sid: SessionId, after_sequence: int) -> AsyncIterator[EventRecord]: ...
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]: ...
+    async def close_session(self, session: Session,
+                            submission_id: SubmissionId | None) -> None: ...
+    async def run_work(self, session: Session, work: Work) -> None: ...
+
+
+class RunningTurn(Protocol):
+    """What the session and the manager see of a running turn (``turn.Turn``)."""
+
+    @property
+    def turn_id(self) -> TurnId: ...
+    @property
+    def finishing(self) -> bool: ...
+    force_compact: bool  # a compact op during the turn: before its next model step
+    def interrupt(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -123,7 +155,7 @@ class PendingApproval:
 
 
 class Session:
-    def __init__(self, manager: SessionManager, record: SessionRecord, state: CheckpointState,
+    def __init__(self, manager: Host, record: SessionRecord, state: CheckpointState,
                  context: list[dict[str, Any]], hooks: HookRunner) -> None:
         self.manager = manager
         self.record = record
@@ -142,7 +174,7 @@ class Session:
         self.subscribers: set[Subscriber] = set()
         self.work: collections.deque[Work] = collections.deque()
         self.driver: asyncio.Task[None] | None = None
-        self.turn: Turn | None = None
+        self.turn: RunningTurn | None = None
         self.turn_task: asyncio.Task[None] | None = None
         self.approval: PendingApproval | None = None
         self.pending_interrupt: str | None = None  # for a turn about to be resumed
@@ -377,8 +409,6 @@ class Session:
             self.driver = self.manager.spawn(self._drive(), name=f"session-{self.sid}")
 
     async def _drive(self) -> None:
-        from supervisor.engine.turn import Turn, run_session_start
-
         try:
             if self.context_evicted:
                 loaded = await self.manager.store.load(self.sid)
@@ -394,13 +424,8 @@ class Session:
                 else:
                     break
                 try:
-                    if work.kind == "session_start":
-                        await run_session_start(self, work.source)
-                    elif work.kind in ("turn", "compact", "resume"):
-                        turn = Turn.for_work(self, work)
-                        if turn is None:
-                            continue
-                        await turn.drive()
+                    if work.kind in ("session_start", "turn", "compact", "resume"):
+                        await self.manager.run_work(self, work)
                     elif work.kind == "shutdown":
                         await self.manager.close_session(self, work.submission_id)
                 except asyncio.CancelledError:

@@ -12,7 +12,9 @@ Worker-loss rules:
   and the model reads that the worker was lost and the effect is unknown.
   Only tools that say they are idempotent (``tooling.idempotent_in``) are
   re-dispatched (bounded attempts).
-- On resume, a call found ``dispatched``/``started`` is resolved the same way.
+- On resume, a call found ``dispatched``/``started`` is resolved the same way
+  (``machine.reruns_lost``: an idempotent call is re-dispatched while its
+  dispatches are fewer than ``idempotent_tool_attempts``, across restarts too).
 - A name the session does not offer gets an error output and is never sent.
 
 call_id uniqueness: a call_id the model gives twice in one step, or one that a
@@ -44,11 +46,12 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import (
-    TIER_ORDER,
     ModelCallResult,
     ToolCallResult,
     json_size,
@@ -60,14 +63,14 @@ from supervisor.engine import events as ev
 from supervisor.engine.approvals import Decision, call_key
 from supervisor.engine.calls import call_tool
 from supervisor.engine.errors import CallFailed, TurnError
+from supervisor.engine.exporting import export_boundary
 from supervisor.engine.hooks import HookEvent, context_item
-from supervisor.engine.machine import PendingCall
-from supervisor.engine.phases import CallState, TurnPhase, advance_call
+from supervisor.engine.machine import PendingCall, Verdict, reruns_lost
+from supervisor.engine.phases import CallState, TurnPhase
+from supervisor.engine.ports import TurnRejected, TurnView
 from supervisor.engine.session import PendingApproval
 from supervisor.engine.tooling import base_request, idempotent_in, offered_in, outside_request
-
-if TYPE_CHECKING:
-    from supervisor.engine.turn import Turn
+from supervisor.store.records import CheckpointState
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +80,11 @@ RESTART_OUTPUT = ("The supervisor restarted while this tool call was running. Wh
                   "call had any effect is unknown; check before repeating it.")
 
 
-async def prepare_calls(turn: Turn, result: ModelCallResult,
+async def prepare_calls(turn: TurnView, result: ModelCallResult,
                         calls: list[dict[str, Any]]) -> None:
     """Run pre_tool hooks, then commit the model step with its calls ``requested``."""
     s = turn.session
-    pcs: list[dict[str, Any]] = []
+    pcs: list[PendingCall] = []
     contexts: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -121,13 +124,12 @@ async def prepare_calls(turn: Turn, result: ModelCallResult,
         item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": text}
         items.append(item)
         # the machine's record is the checkpoint's (machine.PendingCall)
-        pc = PendingCall(call_id, name, args or {},
-                         idempotent=idempotent_in(s, name)).to_json()
+        pc = PendingCall(call_id, name, args or {}, idempotent=idempotent_in(s, name))
         if problem is not None:
-            pc["verdict"], pc["reason"] = "bad", problem
+            pc = replace(pc, verdict=Verdict.BAD, reason=problem)
         elif not offered_in(s, name):
-            pc["verdict"], pc["reason"] = "missing", (
-                f"unknown tool {name!r}; available tools: {', '.join(s.spec.tools)}")
+            pc = replace(pc, verdict=Verdict.MISSING, reason=(
+                f"unknown tool {name!r}; available tools: {', '.join(s.spec.tools)}"))
         else:
             folded = await s.hooks.run(HookEvent.PRE_TOOL, s.sid, turn.turn_id,
                                        {"call_id": call_id, "name": name, "arguments": args})
@@ -137,23 +139,22 @@ async def prepare_calls(turn: Turn, result: ModelCallResult,
                 rewritten, why, _ = bounds.parse_arguments(folded.arguments)
                 grown = json_size(rewritten) - json_size(args) if rewritten is not None else 0
                 if rewritten is None or grown > budget:
-                    pc["verdict"], pc["reason"] = "bad", (
-                        f"a pre_tool hook rewrote the arguments: {why or 'too large'}")
-                    pc["arguments"] = {}
+                    pc = replace(pc, verdict=Verdict.BAD, arguments={}, reason=(
+                        f"a pre_tool hook rewrote the arguments: {why or 'too large'}"))
                 else:
-                    pc["arguments"] = rewritten
+                    pc = replace(pc, arguments=rewritten)
                     budget -= grown
             if folded.deny is not None:
-                pc["verdict"], pc["reason"] = "deny", (  # the reason lives in the state row
-                    f"denied by a pre_tool hook: {ev.clip(str(folded.deny), 4096)}")
+                pc = replace(pc, verdict=Verdict.DENY, reason=(  # lives in the state row
+                    f"denied by a pre_tool hook: {ev.clip(str(folded.deny), 4096)}"))
         pcs.append(pc)
     result = ModelCallResult(**{**result, "items": [
         i for i in result["items"] if i.get("type") != "function_call"]})
 
     def mutate(st: Any) -> None:
-        st.pending_tool_calls = pcs
-        st.active_turn["phase"] = str(TurnPhase.TOOLS)  # requested, not yet decided
-    await turn._commit_model_result(result, items, extra_items=contexts, mutate_more=mutate)
+        put_calls(st, pcs, only=False)
+        turn.moving_to(TurnPhase.TOOLS)(st)  # requested, not yet decided
+    await turn.commit_model_result(result, items, extra_items=contexts, mutate_more=mutate)
     if dropped:
         await s.warn(f"the model asked for {len(calls) + len(dropped)} tool calls in one step; "
                      f"the {len(dropped)} after the first {bounds.MAX_CALLS_PER_STEP} were "
@@ -165,32 +166,34 @@ async def prepare_calls(turn: Turn, result: ModelCallResult,
                      turn.submission_id, call_id=old[:200], renamed_to=fresh)
 
 
-async def tool_round(turn: Turn) -> None:
+async def tool_round(turn: TurnView) -> None:
     s = turn.session
     st = s.state
-    pcs = st.pending_tool_calls
-    if st.pending_approval is None and any(pc.get("verdict") is None for pc in pcs
-                                           if pc["state"] == CallState.REQUESTED):
-        await _decide(turn, pcs)
+    if st.pending_approval is None and any(pc.verdict is None for pc in pending_calls(st)
+                                           if pc.state is CallState.REQUESTED):
+        await _decide(turn)
     if s.state.pending_approval is not None:
         await _await_approval(turn)
-    pcs = s.state.pending_tool_calls
     await s.commit(mutate=turn.moving_to(TurnPhase.TOOLS))
+    pcs = pending_calls(s.state)
     for pc in pcs:
-        if not CallState(pc["state"]).terminal and pc.get("verdict") in ("deny", "missing", "bad"):
-            await _finish_call(turn, pc, CallState.FAILED, pc["verdict"],
-                               f"Tool call not run: {pc['reason']}", True, None, executed=False)
-    resumed = [pc for pc in pcs if pc["state"] in (CallState.DISPATCHED, CallState.STARTED)]
-    for pc in resumed:
-        if not idempotent_in(s, pc["name"]) and not plants.on("rerun_after_restart"):
-            await _finish_call(turn, pc, CallState.UNKNOWN, "unknown", RESTART_OUTPUT, True,
-                               None, executed=False)
-    runnable = [pc for pc in pcs if not CallState(pc["state"]).terminal
-                and pc.get("verdict") == "allow"]
+        if not pc.state.terminal and pc.verdict in _NOT_RUN:
+            await _finish_call(turn, pc.call_id, CallState.FAILED, str(pc.verdict),
+                               f"Tool call not run: {pc.reason}", True, None, executed=False)
+    for pc in pcs:
+        # in flight when the supervisor stopped: the machine's rule for a lost call
+        # (bounded, as a lost worker is: repeated restarts never re-run it unboundedly)
+        if pc.in_flight and not reruns_lost(idempotent_in(s, pc.name), pc.attempt,
+                                            s.config.idempotent_tool_attempts) \
+                and not plants.on("rerun_after_restart"):
+            await _finish_call(turn, pc.call_id, CallState.UNKNOWN, "unknown", RESTART_OUTPUT,
+                               True, None, executed=False)
+    runnable = [pc for pc in pending_calls(s.state)
+                if not pc.state.terminal and pc.verdict is Verdict.ALLOW]
     try:
         async with asyncio.TaskGroup() as tg:
             for pc in runnable:
-                tg.create_task(_run_call(turn, pc))
+                tg.create_task(_run_call(turn, pc.call_id))
     except BaseExceptionGroup as group:
         # One call's TurnError (a post_tool hook, the store) ends the round and the
         # turn; the other calls were cancelled and are closed by the abort.
@@ -206,50 +209,55 @@ async def tool_round(turn: Turn) -> None:
         st.pending_tool_calls = []
         turn.moving_to(TurnPhase.PREPARING)(st)
     await s.commit(mutate=done)
-    from supervisor.engine.exporting import export_boundary
-    await export_boundary(turn, [pc["call_id"] for pc in pcs])
+    await export_boundary(turn, [pc.call_id for pc in pcs])
 
 
-async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
+async def _decide(turn: TurnView) -> None:
+    """The approval policy, then permission hooks, for the calls not yet decided;
+    what is still undecided becomes one approval request (committed with it)."""
     s = turn.session
     approved = frozenset(s.state.approved_for_session)
-    ask: list[tuple[dict[str, Any], str]] = []
-    for pc in pcs:
-        if pc.get("verdict") is not None or pc["state"] != CallState.REQUESTED:
+    decided: list[PendingCall] = []
+    ask: list[tuple[PendingCall, str]] = []
+    for pc in pending_calls(s.state):
+        if pc.verdict is not None or pc.state is not CallState.REQUESTED:
             continue
-        decision, reason = s.policy.decide(pc["name"], pc["arguments"], approved)
+        decision, reason = s.policy.decide(pc.name, dict(pc.arguments), approved)
         if decision is Decision.ALLOW:
-            pc["verdict"], pc["reason"] = "allow", reason
+            decided.append(replace(pc, verdict=Verdict.ALLOW, reason=reason))
         elif decision is Decision.DENY:
-            pc["verdict"], pc["reason"] = "deny", reason
+            decided.append(replace(pc, verdict=Verdict.DENY, reason=reason))
         else:
             ask.append((pc, reason))
     if ask:
-        summary = [{"call_id": pc["call_id"], "name": pc["name"], "arguments": pc["arguments"]}
+        summary = [{"call_id": pc.call_id, "name": pc.name, "arguments": dict(pc.arguments)}
                    for pc, _ in ask]
         folded = await s.hooks.run(HookEvent.PERMISSION_REQUEST, s.sid, turn.turn_id,
                                    {"calls": summary, "reason": "; ".join(r for _, r in ask)})
         if folded.deny is not None:  # any deny wins; no later allow can weaken it
-            for pc, _ in ask:
-                pc["verdict"], pc["reason"] = "deny", (
-                    f"denied by a permission hook: {ev.clip(str(folded.deny), 4096)}")
+            decided += [replace(pc, verdict=Verdict.DENY, reason=(
+                f"denied by a permission hook: {ev.clip(str(folded.deny), 4096)}"))
+                for pc, _ in ask]
             ask = []
         elif folded.allow:
-            for pc, _ in ask:
-                pc["verdict"], pc["reason"] = "allow", "allowed by a permission hook"
+            decided += [replace(pc, verdict=Verdict.ALLOW,
+                                reason="allowed by a permission hook") for pc, _ in ask]
             ask = []
     if not ask:
-        await s.commit(mutate=turn.moving_to(TurnPhase.TOOLS))
+        def decide(st: Any) -> None:
+            put_calls(st, decided)
+            turn.moving_to(TurnPhase.TOOLS)(st)
+        await s.commit(mutate=decide)
         return
-    for pc, reason in ask:
-        pc["verdict"], pc["reason"] = "ask", reason
+    decided += [replace(pc, verdict=Verdict.ASK, reason=reason) for pc, reason in ask]
     approval_id = ev.new_id("approval")
     approval = {"id": approval_id, "turn_id": turn.turn_id,
-                "calls": [{"call_id": pc["call_id"], "name": pc["name"],
-                           "arguments": pc["arguments"]} for pc, _ in ask],
+                "calls": [{"call_id": pc.call_id, "name": pc.name,
+                           "arguments": dict(pc.arguments)} for pc, _ in ask],
                 "reason": "; ".join(r for _, r in ask)}
 
     def mutate(st: Any) -> None:
+        put_calls(st, decided)
         st.pending_approval = approval
         turn.moving_to(TurnPhase.AWAITING_APPROVAL)(st)
     (request, *_) = await s.commit(
@@ -259,7 +267,7 @@ async def _decide(turn: Turn, pcs: list[dict[str, Any]]) -> None:
     crashpoints.reach("approval_wait")
 
 
-async def _await_approval(turn: Turn) -> None:
+async def _await_approval(turn: TurnView) -> None:
 
     s = turn.session
     pending = s.state.pending_approval
@@ -305,11 +313,9 @@ async def _await_approval(turn: Turn) -> None:
             waiter.applied.set_result(None)
 
 
-async def _apply_answer(turn: Turn, pending: dict[str, Any], decision: str,
+async def _apply_answer(turn: TurnView, pending: dict[str, Any], decision: str,
                         timeout_s: float | None) -> None:
     """Commit the verdicts an approval's answer (or its timeout) gives its calls."""
-    from supervisor.engine.turn import TurnRejected
-
     s = turn.session
     asked = {c["call_id"] for c in pending["calls"]}
     if decision == "abort":
@@ -321,36 +327,39 @@ async def _apply_answer(turn: Turn, pending: dict[str, Any], decision: str,
             "its calls were denied", approval_id=pending["id"]), turn.submission_id)]
 
     def mutate(st: Any) -> None:
-        for pc in st.pending_tool_calls:
-            if pc["call_id"] not in asked:
+        answered: list[PendingCall] = []
+        for pc in pending_calls(st):
+            if pc.call_id not in asked:
                 continue
             if decision in ("approved", "approved_for_session"):
-                pc["verdict"], pc["reason"] = "allow", f"{decision} by the user"
-                key = call_key(pc["name"], pc["arguments"])
+                answered.append(replace(pc, verdict=Verdict.ALLOW,
+                                        reason=f"{decision} by the user"))
+                key = call_key(pc.name, dict(pc.arguments))
                 if decision == "approved_for_session" and key not in st.approved_for_session:
                     st.approved_for_session.append(key)
             elif decision == "timed_out":
-                pc["verdict"], pc["reason"] = "deny", (
-                    f"denied: the approval request was not answered within {timeout_s:g}s")
+                answered.append(replace(pc, verdict=Verdict.DENY, reason=(
+                    f"denied: the approval request was not answered within {timeout_s:g}s")))
             else:
-                pc["verdict"], pc["reason"] = "deny", "denied by the user"
+                answered.append(replace(pc, verdict=Verdict.DENY, reason="denied by the user"))
+        put_calls(st, answered)
         st.pending_approval = None
         turn.moving_to(TurnPhase.TOOLS)(st)
     await s.commit(events, mutate=mutate)
 
 
-async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
+async def _run_call(turn: TurnView, call_id: str) -> None:
     s = turn.session
     cfg = s.config
-    name = pc["name"]
+    pc = call_of(s.state, call_id)
+    name = pc.name
     while True:
-        attempt = int(pc.get("attempt", 0)) + 1
+        attempt = call_of(s.state, call_id).attempt + 1
 
         def dispatch(st: Any, attempt: int = attempt) -> None:
-            pc["state"] = str(advance_call(CallState(pc["state"]), CallState.DISPATCHED))
-            pc["attempt"] = attempt
-        await s.commit([(ev.TOOL_CALL_BEGIN, {"turn_id": turn.turn_id, "call_id": pc["call_id"],
-                                              "name": name, "arguments": pc["arguments"],
+            put_calls(st, [call_of(st, call_id).moved(CallState.DISPATCHED, attempt=attempt)])
+        await s.commit([(ev.TOOL_CALL_BEGIN, {"turn_id": turn.turn_id, "call_id": call_id,
+                                              "name": name, "arguments": dict(pc.arguments),
                                               "attempt": attempt}, turn.submission_id)],
                        mutate=dispatch)
         started = False
@@ -361,71 +370,66 @@ async def _run_call(turn: Turn, pc: dict[str, Any]) -> None:
                 started = True
 
                 def start(st: Any) -> None:
-                    pc["state"] = str(advance_call(CallState(pc["state"]), CallState.STARTED))
+                    put_calls(st, [call_of(st, call_id).moved(CallState.STARTED)])
                 await s.commit(mutate=start)
                 crashpoints.reach("tool_running")
             if isinstance(chunk, dict):
                 data = chunk.get("data", b"")
                 text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
                 s.publish_live(ev.TOOL_CALL_OUTPUT_DELTA, {
-                    "turn_id": turn.turn_id, "call_id": pc["call_id"],
+                    "turn_id": turn.turn_id, "call_id": call_id,
                     "stream": chunk.get("stream", "stdout"), "text": text[:65536]},
                     turn.submission_id)
 
-        request = outside_request(s, base_request(s, pc["call_id"], name, pc["arguments"]))
+        request = outside_request(s, base_request(s, call_id, name, dict(pc.arguments)))
         try:
             result = await call_tool(s.manager.broker, request,
                                      budget_s=turn.budget_s(cfg.tool_call_budget_s),
                                      attempt=attempt, on_partial=on_partial,
                                      cancel_grace_s=cfg.cancel_grace_s)
         except CallFailed as f:
-            if f.worker_lost and idempotent_in(s, name) \
-                    and attempt < cfg.idempotent_tool_attempts:
+            if f.worker_lost and reruns_lost(idempotent_in(s, name), attempt,
+                                             cfg.idempotent_tool_attempts):
                 continue
             if f.worker_lost:
-                await _finish_call(turn, pc, CallState.UNKNOWN, "unknown", LOST_OUTPUT, True,
-                                   None, executed=False, error=f)
+                await _finish_call(turn, call_id, CallState.UNKNOWN, "unknown", LOST_OUTPUT,
+                                   True, None, executed=False, error=f)
             else:
-                await _finish_call(turn, pc, CallState.FAILED, "failed",
+                await _finish_call(turn, call_id, CallState.FAILED, "failed",
                                    f"Tool call failed ({f.kind}): {f.message}", True, None,
                                    executed=False, error=f)
             return
         is_error = bool(result.get("is_error"))
-        await _finish_call(turn, pc, CallState.FAILED if is_error else CallState.OK,
+        await _finish_call(turn, call_id, CallState.FAILED if is_error else CallState.OK,
                            str(result.get("outcome", "error" if is_error else "ok")),
                            result["output"], is_error, result, executed=True)
         return
 
 
-async def _finish_call(turn: Turn, pc: dict[str, Any], state: CallState, outcome: str,
+async def _finish_call(turn: TurnView, call_id: str, state: CallState, outcome: str,
                        output: str, is_error: bool, result: ToolCallResult | None, *,
                        executed: bool, error: CallFailed | None = None) -> None:
     s = turn.session
+    pc = call_of(s.state, call_id)
     contexts: list[dict[str, Any]] = []
     if executed:  # post_tool runs only after a real execution
         folded = await s.hooks.run(HookEvent.POST_TOOL, s.sid, turn.turn_id, {
-            "call_id": pc["call_id"], "name": pc["name"], "arguments": pc["arguments"],
+            "call_id": call_id, "name": pc.name, "arguments": dict(pc.arguments),
             "output": output, "is_error": is_error})
         if folded.output is not None:
             output = folded.output
         contexts = [context_item("post_tool_hook", c) for c in folded.contexts]
     isolation = result.get("isolation") if result else None
-    if isinstance(isolation, dict) and isinstance(isolation.get("tier"), str):
-        tier = isolation["tier"]
-        if turn.sandbox_tier is None or TIER_ORDER.get(tier, 0) < TIER_ORDER.get(
-                turn.sandbox_tier, 0):
-            turn.sandbox_tier = tier
-    turn.tool_calls += 1
-    if state is not CallState.OK:
-        turn.failed_tool_calls += 1
-    item: dict[str, Any] = {"type": "function_call_output", "call_id": pc["call_id"],
+    tier = isolation.get("tier") if isinstance(isolation, dict) else None
+    turn.note_tool_call(state, tier if isinstance(tier, str) else None)
+    item: dict[str, Any] = {"type": "function_call_output", "call_id": call_id,
                             "output": output}
     if is_error:
         item["is_error"] = True
     payload: dict[str, Any] = {
-        "turn_id": turn.turn_id, "call_id": pc["call_id"], "name": pc["name"],
+        "turn_id": turn.turn_id, "call_id": call_id, "name": pc.name,
         "output": ev.clip(output), "is_error": is_error, "outcome": outcome,
-        "state": str(state), "isolation": isolation, "attempt": pc.get("attempt", 0)}
+        "state": str(state), "isolation": isolation, "attempt": pc.attempt}
     if result is not None:
         for key in ("exit_code", "signal", "duration_s", "truncated", "error_kind"):
             if key in result:
@@ -434,25 +438,50 @@ async def _finish_call(turn: Turn, pc: dict[str, Any], state: CallState, outcome
         payload["error"] = ev.error(error.failure)
 
     def mutate(st: Any) -> None:
-        pc["state"] = str(advance_call(CallState(pc["state"]), state))
-        pc["outcome"] = outcome
+        put_calls(st, [call_of(st, call_id).moved(state, outcome=outcome)])
         if st.active_turn is not None:
-            st.active_turn = turn._active_turn(TurnPhase(st.active_turn["phase"]))
+            st.active_turn = turn.checkpoint_turn(TurnPhase(st.active_turn["phase"]))
     await s.commit([(ev.TOOL_CALL_END, payload, turn.submission_id)],
                    items=[item, *contexts], execution=turn.execution("running"), mutate=mutate)
     crashpoints.reach("tool_result")
 
 
-def close_open_calls(turn: Turn, message: str) -> list[dict[str, Any]]:
+def close_open_calls(turn: TurnView, message: str) -> list[dict[str, Any]]:
     """Outputs for every call an abort left open (the context stays well-formed)."""
     items = []
-    for pc in turn.session.state.pending_tool_calls:
-        if CallState(pc["state"]).terminal:
+    for pc in pending_calls(turn.session.state):
+        if pc.state.terminal:
             continue
-        was_running = pc["state"] in (CallState.DISPATCHED, CallState.STARTED)
         text = f"Tool call not completed: {message}."
-        if was_running:
+        if pc.in_flight:
             text += " It was cancelled while running; its effect may be partial."
-        items.append({"type": "function_call_output", "call_id": pc["call_id"],
+        items.append({"type": "function_call_output", "call_id": pc.call_id,
                       "output": text, "is_error": True})
     return items
+
+
+_NOT_RUN = frozenset({Verdict.DENY, Verdict.MISSING, Verdict.BAD})
+
+
+def pending_calls(st: CheckpointState) -> list[PendingCall]:
+    """The round's calls, typed: ``CheckpointState.pending_tool_calls`` holds
+    exactly their ``PendingCall.to_json()`` (written only by ``put_calls``)."""
+    return [PendingCall.from_json(d) for d in st.pending_tool_calls]
+
+
+def call_of(st: CheckpointState, call_id: str) -> PendingCall:
+    for d in st.pending_tool_calls:
+        if d["call_id"] == call_id:
+            return PendingCall.from_json(d)
+    raise KeyError(f"no pending tool call {call_id!r}")  # a bug: ids come from the state
+
+
+def put_calls(st: CheckpointState, calls: Sequence[PendingCall], *, only: bool = True) -> None:
+    """Store ``calls`` in the state: replacing the calls of the same id
+    (``only``), or as the round's whole list."""
+    if not only:
+        st.pending_tool_calls = [c.to_json() for c in calls]
+        return
+    by_id = {c.call_id: c for c in calls}
+    st.pending_tool_calls = [by_id[d["call_id"]].to_json() if d["call_id"] in by_id else d
+                             for d in st.pending_tool_calls]

@@ -1,4 +1,8 @@
-"""The turn loop: one user input (or a compact op) taken to a terminal event.
+"""The turn driver: one user input (or a compact op) taken to a terminal event.
+
+Its handlers (``toolround``, ``compaction``, ``exporting``) see it only as a
+``ports.TurnView`` and never import this module; the session runs it through
+its ``Host`` (``SessionManager.run_work``), so the engine has no import cycle.
 
 ``Turn.drive`` runs the body in a child task so that an interrupt can cancel
 it at any await (model stream, tool calls, approval wait, a slow hook) and
@@ -33,13 +37,14 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
-from sandbox_worker.api import ModelCallResult, Usage, add_usage, empty_usage
+from sandbox_worker.api import TIER_ORDER, ModelCallResult, Usage, add_usage, empty_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
 from supervisor.engine.calls import call_model
+from supervisor.engine.compaction import close_notice, maybe_compact, settle
 from supervisor.engine.errors import (
     CallFailed,
     HookFailed,
@@ -48,26 +53,16 @@ from supervisor.engine.errors import (
     TurnLimitExceeded,
 )
 from supervisor.engine.hooks import HookEvent, context_item
-from supervisor.engine.machine import ActiveTurn
-from supervisor.engine.phases import TurnPhase, advance_phase
+from supervisor.engine.machine import MIN_REQUEST_BUDGET_S, ActiveTurn, retries
+from supervisor.engine.phases import CallState, TurnPhase, advance_phase
+from supervisor.engine.ports import Mutate, Provisional, TurnRejected, TurnStopped
+from supervisor.engine.session import Session, Work
 from supervisor.engine.tooling import discover, offered_schemas
+from supervisor.engine.toolround import close_open_calls, prepare_calls, tool_round
 from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
-
-if TYPE_CHECKING:
-    from supervisor.engine.compaction import Provisional
-    from supervisor.engine.session import Session, Work
 
 log = logging.getLogger(__name__)
 _MAX_RESUME_PAGES = 100  # events read to find what a crash left open (1,000 a page)
-MIN_REQUEST_BUDGET_S = 0.05  # the broker client refuses a budget of 0
-
-
-class TurnRejected(Exception):
-    """Internal: the turn ends with turn_aborted(rejected) (prompt hook, approval abort)."""
-
-
-class TurnStopped(Exception):
-    """Internal: a hook stopped the turn; a warning, then turn_complete."""
 
 
 class Turn:
@@ -79,7 +74,7 @@ class Turn:
         self.kind = kind  # "turn" | "compact"
         self.resumed = resumed
         # The turn's counters live in the machine's record, which is exactly what
-        # the checkpoint stores (``_active_turn``): one copy, nothing to sync.
+        # the checkpoint stores (``checkpoint_turn``): one copy, nothing to sync.
         self.record = ActiveTurn(self.turn_id, submission_id, kind, TurnPhase.STARTING,
                                  started_at=time.time(),
                                  first_sequence=session.state.next_event_sequence)
@@ -127,18 +122,18 @@ class Turn:
         at = self.session.state.active_turn
         return TurnPhase(at["phase"]) if at else TurnPhase.STARTING
 
-    def moving_to(self, target: TurnPhase) -> Any:
+    def moving_to(self, target: TurnPhase) -> Mutate:
         """A ``mutate`` callback for ``Session.commit`` that advances the phase."""
         def mutate(st: Any) -> None:
             if st.active_turn is None:
-                st.active_turn = self._active_turn(TurnPhase.STARTING)
+                st.active_turn = self.checkpoint_turn(TurnPhase.STARTING)
             current = TurnPhase(st.active_turn["phase"])
             if current is not target:
                 advance_phase(current, target)
-            st.active_turn = self._active_turn(target)
+            st.active_turn = self.checkpoint_turn(target)
         return mutate
 
-    def _active_turn(self, phase: TurnPhase) -> dict[str, Any]:
+    def checkpoint_turn(self, phase: TurnPhase) -> dict[str, Any]:
         """``CheckpointState.active_turn``: the turn's ``ActiveTurn`` record (its
         JSON, at ``phase``; callers moved it through ``advance_phase``) plus the
         turn's usage."""
@@ -204,6 +199,16 @@ class Turn:
         self.record = replace(self.record,
                               tool_rounds=(*self.record.tool_rounds, tuple(call_ids)))
 
+    def note_tool_call(self, state: CallState, tier: str | None) -> None:
+        """Count an ended tool call, and the weakest sandbox tier seen (the
+        execution record's); committed with the call's end."""
+        self.record = replace(self.record, tool_calls=self.record.tool_calls + 1,
+                              failed_tool_calls=self.record.failed_tool_calls
+                              + (state is not CallState.OK))
+        if tier is not None and (self.sandbox_tier is None or TIER_ORDER.get(tier, 0)
+                                 < TIER_ORDER.get(self.sandbox_tier, 0)):
+            self.sandbox_tier = tier
+
     def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord:
         ended = outcome != "running"
         return ExecutionRecord(
@@ -260,8 +265,6 @@ class Turn:
                 error=TurnError("internal error in the supervisor; see its log"))
 
     async def _body(self) -> None:
-        from supervisor.engine.toolround import tool_round
-
         if self.resumed:
             await self._close_what_the_crash_left_open()
             self._limit_from_start()
@@ -380,7 +383,7 @@ class Turn:
 
         def accept(st: Any) -> None:
             st.queued_input = st.queued_input[1:]
-            st.active_turn = self._active_turn(TurnPhase.PREPARING)
+            st.active_turn = self.checkpoint_turn(TurnPhase.PREPARING)
         await s.commit([(ev.TURN_STARTED, {"turn_id": self.turn_id}, self.submission_id),
                         (ev.USER_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text),
                                            "attachments": attachments}, self.submission_id)],
@@ -390,9 +393,6 @@ class Turn:
 
     async def _step(self) -> bool:
         """One model step; True when the turn is done."""
-        from supervisor.engine.compaction import maybe_compact, settle
-        from supervisor.engine.toolround import prepare_calls, tool_round
-
         s = self.session
         cfg = s.config
         if self.model_steps >= cfg.max_model_steps:
@@ -438,7 +438,7 @@ class Turn:
             return False
         # The final answer and the move to STOPPING are one commit: a restart
         # after it finishes the turn and never asks the model again.
-        await self._commit_model_result(result, [],
+        await self.commit_model_result(result, [],
                                         mutate_more=self.moving_to(TurnPhase.STOPPING))
         crashpoints.reach("final_answer")
         return await self._stopping()
@@ -503,7 +503,7 @@ class Turn:
                     attempt=attempt, on_partial=self._on_model_delta,
                     cancel_grace_s=cfg.cancel_grace_s)
             except CallFailed as f:
-                again = (f.retryable or f.worker_lost) and attempt < cfg.model_attempts
+                again = retries(f.failure, attempt, cfg.model_attempts)
                 outcome = ev.STEP_RETRYING if again else ev.STEP_FAILED
                 await s.commit([(ev.MODEL_STEP_COMPLETED, {
                     "turn_id": self.turn_id, "step": step, "attempt": attempt,
@@ -551,17 +551,17 @@ class Turn:
                 "outcome": "prefix_reuse" if st.cache_breakpoint is not None else "cold",
                 "rewrite_reasons": []}
 
-    async def _commit_model_result(self, result: ModelCallResult,
+    async def commit_model_result(self, result: ModelCallResult,
                                    call_items: list[dict[str, Any]],
                                    extra_items: list[dict[str, Any]] | None = None,
-                                   mutate_more: Any = None) -> None:
+                                   mutate_more: Mutate | None = None) -> None:
         """Commit a model step: observer first (it may veto), then items + usage."""
         s = self.session
         usage: Usage = result["usage"]
         await s.manager.observe_usage(s.route_name, usage)
         self.usage = add_usage(self.usage, usage)
         items = [i for i in result["items"] if i.get("type") != "function_call"]
-        text = "".join(_message_text(i) for i in items
+        text = "".join(ev.message_text(i) for i in items
                        if i.get("type") == "message" and i.get("role") == "assistant")
         if text:
             self.last_message = text
@@ -586,7 +586,7 @@ class Turn:
             st.cache_breakpoint = len(s.context) + len(all_items) - 1
             if mutate_more is not None:
                 mutate_more(st)
-            st.active_turn = self._active_turn(TurnPhase(st.active_turn["phase"]))
+            st.active_turn = self.checkpoint_turn(TurnPhase(st.active_turn["phase"]))
         route = s.manager.route(s.route_name)
         events.append((ev.TOKEN_COUNT, {
             "turn_id": self.turn_id, "last": dict(usage),
@@ -610,9 +610,6 @@ class Turn:
 
     async def _finish_aborted(self, reason: str, message: str,
                               error: TurnError | None = None) -> None:
-        from supervisor.engine.compaction import close_notice
-        from supervisor.engine.toolround import close_open_calls
-
         s = self.session
         self.finishing = True
         outcome = "failed" if reason == ev.ABORT_FAILED else "aborted"
@@ -670,16 +667,6 @@ def _usage_dict(usage: Usage) -> dict[str, int]:
     return {k: int(v) for k, v in usage.items()}  # type: ignore[call-overload]
 
 
-def _message_text(item: dict[str, Any]) -> str:
-    content = item.get("content")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return ""
-    return "".join(p.get("text", "") for p in content
-                   if isinstance(p, dict) and isinstance(p.get("text"), str))
-
-
 async def run_session_start(session: Session, source: str) -> None:
     """session_start outside a turn (startup, resume): may stop or push input."""
     try:
@@ -698,5 +685,5 @@ async def run_session_start(session: Session, source: str) -> None:
 def _last_assistant_text(context: list[dict[str, Any]]) -> str:
     for item in reversed(context):
         if item.get("type") == "message" and item.get("role") == "assistant":
-            return _message_text(item)
+            return ev.message_text(item)
     return ""

@@ -4,9 +4,10 @@ In-process and fast (no broker, worker, provider or store): a Hypothesis
 ``RuleBasedStateMachine`` plays the driver. It feeds model replies (with and
 without calls, allowed, denied, asked, idempotent or not), model failures,
 tool starts, replies and failures, lost workers, approvals (also stale ones),
-stop hooks, compaction, interrupts, the turn's time limit, late answers, and a
-supervisor crash at any step (the machine restarts from its last ``Commit``,
-through JSON, and ``resume``). Invariants:
+stop hooks, compaction (answered, lost, failed retryably or not), interrupts,
+the turn's time limit, late answers, and a supervisor crash at any step (the
+machine restarts from its last ``Commit``, through JSON, and ``resume``).
+Invariants:
 
 - a turn ends exactly once;
 - no call is dispatched twice unless the model asked twice (only an idempotent
@@ -109,6 +110,8 @@ class TurnMachine(RuleBasedStateMachine):
                 assert a.events is self.last_commit_events, "published before its commit"
             elif isinstance(a, CallModel | Compact):
                 assert self.durable is not None
+                # a compaction is retried under the model call's rule and attempts
+                assert 1 <= self.durable.turn.attempt <= LIMITS.model_attempts
                 assert self.durable.turn.phase in (
                     TurnPhase.MODEL_CALL, TurnPhase.COMPACTING), "model called before commit"
                 self.model_out = True
@@ -146,10 +149,12 @@ class TurnMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model_out
                   and self.state.turn.phase is TurnPhase.COMPACTING)
-    @rule(ok=st.booleans())
-    def compaction_answers(self, ok: bool) -> None:
+    @rule(answer=st.sampled_from(["ok", "lost", "retryable", "fatal"]))
+    def compaction_answers(self, answer: str) -> None:
         self.model_out = False
-        self.feed(CompactionDone(ok))
+        failure = {"ok": None, "lost": LOST, "fatal": Failure("bad_request", "no", False),
+                   "retryable": Failure("rate_limited", "later", True)}[answer]
+        self.feed(CompactionDone(failure is None, failure))
 
     @precondition(lambda self: self.model_out
                   and self.state.turn.phase is TurnPhase.MODEL_CALL)

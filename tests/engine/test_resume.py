@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,44 @@ async def test_resume_mid_tool_call_resolves_each_call_from_its_durable_state(
         assert [(b["call_id"], b["attempt"]) for b in begins] == [("read", 2)]
         assert not (farm.ws / "runs.txt").exists()
     assert saved_states == {"effect": "dispatched", "read": "dispatched"}
+
+
+async def test_an_idempotent_call_is_not_rerun_past_its_attempts_across_restarts(
+        procs: Procs, tmp_path: Path) -> None:
+    # No tool worker ever: the idempotent read sits dispatched at each stop. The
+    # first restart re-dispatches it (attempt 2 of 2); the second finds its
+    # attempts spent and ends it unknown (machine.reruns_lost), as a lost worker
+    # would, instead of dispatching it once per restart without end.
+    script = {"responses": [
+        {"tool_calls": [{"name": "read_file", "call_id": "read",
+                         "arguments": {"path": "data.txt"}}]},
+        {"text": "after restarts"}]}
+    farm = start_farm(procs, tmp_path, script, services="model")
+    db = tmp_path / "resume.sqlite3"
+
+    def read_dispatched(eng: Any, sid: str, attempt: int) -> Any:
+        async def check() -> bool:
+            return any(p["call_id"] == "read" and p["state"] == "dispatched"
+                       and p["attempt"] == attempt
+                       for p in eng.manager.sessions[sid].state.pending_tool_calls)
+        return check
+
+    async with engine(farm, db=db, idempotent_tool_attempts=2) as eng:
+        sid = await eng.session(approval="allow")
+        await eng.manager.submit(sid, {"type": "user_input", "text": "go"})
+        await eventually(read_dispatched(eng, sid, 1), timeout_s=20, what="attempt 1")
+    async with engine(farm, db=db, idempotent_tool_attempts=2) as eng:
+        await eventually(read_dispatched(eng, sid, 2), timeout_s=20, what="attempt 2")
+    async with engine(farm, db=db, idempotent_tool_attempts=2) as eng:
+        # the whole journal (replay, then live): the third run may end the turn
+        # before this subscribes
+        events = await eng.run_until(
+            sid, None, until=lambda e: e.type in ("turn_complete", "turn_aborted"))
+        assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events]
+        begins = [e.payload["attempt"] for e in events if e.type == "tool_call_begin"]
+        assert begins == [1, 2]  # the first run and the first restart; none after
+        end = next(e.payload for e in events if e.type == "tool_call_end")
+        assert (end["call_id"], end["outcome"], end["attempt"]) == ("read", "unknown", 2)
 
 
 @pytest.mark.sandbox

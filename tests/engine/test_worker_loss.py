@@ -1,6 +1,8 @@
 """Worker loss: a lost model call is retried on another worker (each retry a
-model_step_completed(retrying)); a lost tool call is never re-run silently
-(outcome unknown, and the model is told); a missing tool is an error output.
+model_step_completed(retrying)); so is a lost compaction call, under the same
+rule and attempts (each retry a warning ``compaction_retry``); a lost tool call
+is never re-run silently (outcome unknown, and the model is told); a missing
+tool is an error output.
 """
 
 from __future__ import annotations
@@ -142,3 +144,53 @@ async def test_retryable_failures_are_bounded(procs: Procs, tmp_path: Path) -> N
             1, 2, 3]
         execution = (await eng.store.executions_page(sid, limit=1)).items[0]
         assert (execution.outcome, execution.model_calls) == ("failed", 1)
+
+
+@pytest.mark.timeout(90)
+async def test_a_compaction_whose_worker_is_lost_is_retried(procs: Procs,
+                                                            tmp_path: Path) -> None:
+    # the compaction call takes 2 s at the provider; the worker running it is
+    # SIGKILLed as soon as the notice is pending, and a new worker takes the retry
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done"}],
+                                        "compact": {"usage": {"input": 5, "output": 3},
+                                                    "delay_s": 2.0}},
+                      services="model")
+    async with engine(farm, compaction_threshold_tokens=1) as eng:
+        sid = await eng.session()
+        events = await _turn_losing_the_first_worker(eng, sid, "compact this",
+                                                     kill_at="frontend_render",
+                                                     services="model")
+        assert events[-1].type == "turn_complete", [(e.type, e.payload) for e in events]
+        retries = [e.payload["compaction_retry"] for e in events
+                   if e.type == "warning" and "compaction_retry" in e.payload]
+        assert [(r["attempt"], r["error"]["kind"]) for r in retries] == [(1, "worker_lost")]
+        blocks = [e.payload["block"] for e in events if e.type == "frontend_render"]
+        assert [(b["state"], b["title"]) for b in blocks] == [
+            ("pending", "Context compacting"), ("complete", "Context compacted")]
+        assert len({b["id"] for b in blocks}) == 1
+        assert [e.type for e in events].count("context_compacted") == 1
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        assert (saved.state.compaction_count, saved.state.context_epoch) == (1, 1)
+
+
+async def test_retryable_compaction_failures_are_bounded(procs: Procs,
+                                                         tmp_path: Path) -> None:
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done"}],
+                                        "compact": {"status": 503}}, services="model")
+    async with engine(farm, compaction_threshold_tokens=1, model_attempts=3,
+                      model_retry_delay_s=0.01) as eng:
+        sid = await eng.session()
+        events = await eng.run_until(sid, {"type": "user_input", "text": "compact this"})
+        assert events[-1].type == "turn_aborted", [(e.type, e.payload) for e in events]
+        assert events[-1].payload["reason"] == "failed"
+        retries = [e.payload["compaction_retry"]["attempt"] for e in events
+                   if e.type == "warning" and "compaction_retry" in e.payload]
+        assert retries == [1, 2]
+        assert farm.compactions() == 3  # model_attempts, as for a model call
+        assert farm.model_responses() == 0
+        blocks = [e.payload["block"] for e in events if e.type == "frontend_render"]
+        assert blocks[-1]["title"] == "Context compaction failed"
+        saved = await eng.store.load(sid)
+        assert saved is not None
+        assert saved.state.compaction_count == 0

@@ -94,11 +94,27 @@ async def test_unknown_tool_and_bad_workspace(client: BrokerClient, workspace: P
     assert r.result["error_kind"] == "workspace_unusable"
 
 
-async def test_malformed_request_is_a_bad_request_failure(client: BrokerClient) -> None:
+async def test_malformed_request_is_a_bad_request_failure(client: BrokerClient,
+                                                          workspace: Path) -> None:
     with pytest.raises(RequestFailed) as info:
         await client.request("tool", pack({"tool": "shell"}), budget_s=10)
     assert info.value.failure.kind == "bad_request"
     assert not info.value.failure.retryable
+    # every envelope fault through the one decoder (sandbox_worker.api): a typed
+    # bad_request naming the field, and the worker stays up for the next call
+    good = unpack(request_body("shell", {"command": "true"}, workspace))
+    for body, names in [(b"\xc1", "not msgpack"), (pack([1]), "must be a map"),
+                        (pack({**good, "call_id": 5}), "'call_id'"),
+                        (pack({k: v for k, v in good.items() if k != "arguments"}),
+                         "'arguments'"),
+                        (pack({**good, "workspace_identity": [1, -1]}),
+                         "'workspace_identity'")]:
+        with pytest.raises(RequestFailed) as info:
+            await client.request("tool", body, budget_s=10)
+        assert (info.value.failure.kind, info.value.failure.retryable) == ("bad_request", False)
+        assert names in info.value.failure.message, info.value.failure
+    r = await call_tool(client, "shell", {"command": "echo up"}, workspace)
+    assert r.result["outcome"] == "ok", r.result["output"]
 
 
 async def test_output_streams_apart_while_running(client: BrokerClient,

@@ -1,0 +1,79 @@
+"""What the turn's action handlers (``toolround``, ``compaction``,
+``exporting``) see of the turn driver (``turn.Turn``), and the signals they
+end a turn with.
+
+The driver imports the handlers; the handlers import this module, never the
+driver: the engine's import graph has no cycle
+(``tests/architecture/test_engine_imports.py``). ``TurnView`` is the narrow,
+public face of ``Turn``: a handler reads the turn's ids and counters, commits
+through its session and the helpers below, and never touches the driver's
+private state.
+
+Invariants:
+- No handler writes ``CheckpointState.active_turn`` except through
+  ``TurnView.checkpoint_turn`` / ``moving_to`` (the machine's ``ActiveTurn``
+  record, ``machine.py``), nor ``pending_tool_calls`` except as
+  ``machine.PendingCall`` records (``toolround.put_calls``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sandbox_worker.api import ModelCallResult, Usage
+from supervisor.engine.phases import CallState, TurnPhase
+from supervisor.engine.session import Session
+from supervisor.store.records import CheckpointState, ExecutionRecord, SubmissionId, TurnId
+
+
+class TurnRejected(Exception):
+    """The turn ends with turn_aborted(rejected) (prompt hook, approval abort)."""
+
+
+class TurnStopped(Exception):
+    """A hook stopped the turn: a warning, then turn_complete."""
+
+
+@dataclass(slots=True)
+class Provisional:
+    """A compaction that answered but is not durable yet (``compaction.settle``)."""
+
+    context: list[dict[str, Any]]
+    usage: Usage
+    block_id: str
+
+
+Mutate = Callable[[CheckpointState], None]
+
+
+class TurnView(Protocol):
+    """The turn driver as its action handlers see it (``turn.Turn``)."""
+
+    session: Session
+    usage: Usage
+    provisional: Provisional | None
+    open_block: str | None  # a compaction notice awaiting its completion
+    force_compact: bool
+    approval_requested_at: dict[str, float]
+
+    @property
+    def turn_id(self) -> TurnId: ...
+    @property
+    def submission_id(self) -> SubmissionId | None: ...
+    @property
+    def first_sequence(self) -> int: ...
+    @property
+    def tool_rounds(self) -> list[list[str]]: ...
+
+    def add_tool_round(self, call_ids: list[str]) -> None: ...
+    def note_tool_call(self, state: CallState, tier: str | None) -> None: ...
+    def moving_to(self, target: TurnPhase) -> Mutate: ...
+    def checkpoint_turn(self, phase: TurnPhase) -> dict[str, Any]: ...
+    def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord: ...
+    def budget_s(self, cap_s: float) -> float: ...
+    async def commit_model_result(self, result: ModelCallResult,
+                                  call_items: list[dict[str, Any]],
+                                  extra_items: list[dict[str, Any]] | None = None,
+                                  mutate_more: Mutate | None = None) -> None: ...
