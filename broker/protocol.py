@@ -99,6 +99,14 @@ class FailureKind:
     BAD_REQUEST = "bad_request"  # the payload was rejected by the handler
     PROTOCOL = "protocol"  # the peer speaks another protocol version
     INTERNAL = "internal"  # a handler crashed; details stay in its local log
+    # A pinned service (NAME@PIN, one worker's own) that no registered worker
+    # serves: that worker is gone. Never queued, never dispatched (retryable).
+    UNROUTABLE = "unroutable"
+
+
+# A service name with this separator is one worker's own (``NAME@PIN``): the
+# broker never queues a request for it while no registered worker serves it.
+PINNED_SEP: Final = "@"
 
 
 @dataclass(frozen=True, slots=True)

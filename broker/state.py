@@ -295,6 +295,11 @@ class Dispatcher:
             self._fail_direct(cid, request_id, FailureKind.OVERLOADED,
                               "broker is tracking too many requests", out)
             return
+        if protocol.PINNED_SEP in service and not self._served(service):
+            self._fail_direct(cid, request_id, FailureKind.UNROUTABLE,
+                              f"no registered worker serves {service!r} (its worker is gone)",
+                              out)
+            return
         queue = self._queues.get(service)
         if queue is None:
             idle = self._idle.get(service)
@@ -320,6 +325,10 @@ class Dispatcher:
         req = self._new_request(client, request_id, service, body, attempt, now + budget_s)
         queue[req.rid] = req
         self._queued_bytes += len(body)
+
+    def _served(self, service: str) -> bool:
+        """Whether a registered worker offers ``service`` (O(workers), bounded)."""
+        return any(service in w.services for w in self._workers.values())
 
     def _new_request(self, client: ClientEntry, client_rid: str, service: str, body: bytes,
                      attempt: int, deadline: float) -> Req:
@@ -542,7 +551,7 @@ class Dispatcher:
         """Answer a request the broker never tracked."""
         self.failures[kind] += 1
         retryable = kind in (FailureKind.OVERLOADED, FailureKind.TIMEOUT,
-                             FailureKind.WORKER_LOST)
+                             FailureKind.WORKER_LOST, FailureKind.UNROUTABLE)
         out.append(Send(Side.CLIENT, identity,
                         protocol.FailureReply(client_rid, kind, message, retryable)))
 

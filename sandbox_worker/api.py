@@ -210,6 +210,68 @@ class ToolCallRequest(TypedDict):
     # differ, pins what it sees at the session's first call there).
     workspace_identity: NotRequired[list[int]]
     workspace_host: NotRequired[str]
+    command_tool: NotRequired[CommandToolSpec]  # a [tools.NAME] call
+    mcp: NotRequired[McpCall]  # an MCP server's list or call
+
+
+# --------------------------------------------------------------------------
+# Tools from outside: command tools and MCP servers (docs/tools.md)
+# --------------------------------------------------------------------------
+
+MCP_PREFIX: Final = "mcp__"  # an MCP tool is offered as mcp__SERVER__TOOL
+# A name the model may call: what providers accept for a function name.
+TOOL_NAME_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# The worker that holds a session's MCP server also serves ``tool@PIN``: calls
+# after the first are sent there (``ToolCallResult.pin``).
+PIN_SEP: Final = "@"
+# An HTTP MCP server's headers may name only worker variables with this prefix:
+# a session's spec must not be able to send, say, a provider's API key to a
+# server of its choosing.
+MCP_HEADER_ENV_PREFIX: Final = "CORRAL_MCP_"
+
+
+class CommandToolSpec(TypedDict):
+    """A ``[tools.NAME]`` command tool: its arguments as JSON on stdin, its
+    stdout the result, a non-zero exit an error result."""
+
+    description: str
+    parameters: dict[str, Any]  # a JSON Schema of the arguments (an object)
+    command: list[str]
+    idempotent: bool
+    read_only: bool
+
+
+class McpServerSpec(TypedDict, total=False):
+    """A ``[mcp.NAME]`` server: ``command`` (stdio, run in the sandbox) or
+    ``url`` (streamable HTTP, called from the worker)."""
+
+    command: list[str]
+    env: dict[str, str]
+    cwd: str  # relative to the workspace
+    network: bool  # stdio: the server's sandbox gets the network
+    url: str
+    headers_env: dict[str, str]  # HTTP header -> env var on the worker holding its value
+
+
+class McpCall(TypedDict):
+    """What a ``tool`` REQUEST for an MCP server carries besides its arguments:
+    ``op`` "list" starts the server (if needed) and answers its tools in
+    ``ToolCallResult.mcp_tools``; "call" calls ``tool`` on it."""
+
+    server: str
+    spec: McpServerSpec
+    op: Literal["list", "call"]
+    tool: str  # the server's own tool name ("" for list)
+
+
+class McpToolInfo(TypedDict):
+    """One tool a server declares, as listed (``ToolCallResult.mcp_tools``)."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    read_only: bool  # annotations.readOnlyHint
+    idempotent: bool  # annotations.idempotentHint
 
 
 class ToolOutputChunk(TypedDict):
@@ -268,6 +330,8 @@ class ToolCallResult(TypedDict):
     truncated: bool
     isolation: IsolationRecord
     error_kind: NotRequired[str]  # e.g. "bad_arguments", "unknown_tool", "outside_workspace"
+    pin: NotRequired[str]  # MCP: the service of the worker that holds the server
+    mcp_tools: NotRequired[list[McpToolInfo]]  # MCP op "list"
 
 
 class ToolSchema(TypedDict):

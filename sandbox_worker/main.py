@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +31,7 @@ from broker.lifeline import watch_parent
 from broker.security import CurveClient, KeyFileError
 from broker.taskdump import install_task_dump
 from broker.worker import BrokerWorker, RequestContext
-from sandbox_worker.api import SERVICE_MODEL, SERVICE_TOOL
+from sandbox_worker.api import PIN_SEP, SERVICE_MODEL, SERVICE_TOOL
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,13 @@ async def serve(ns: argparse.Namespace) -> int:
     handlers: dict[str, Callable[[RequestContext], Awaitable[bytes]]] = {
         name: svc.handle for name, svc in services.items()
     }
+    tool_service = services.get(SERVICE_TOOL)
+    if tool_service is not None:
+        # This worker's own name for the tool service: MCP calls of a session
+        # whose server it holds are sent here (docs/tools.md, "Affinity").
+        pin = f"{SERVICE_TOOL}{PIN_SEP}{uuid.uuid4().hex[:16]}"
+        handlers[pin] = tool_service.handle
+        tool_service.mcp.pin = pin  # type: ignore[attr-defined]
     worker = BrokerWorker(
         ns.broker, handlers, capacity=ns.capacity, info=info,
         heartbeat_interval_s=ns.heartbeat_interval_s, liveness=ns.liveness, curve=curve,

@@ -32,6 +32,7 @@ from sandbox_worker.api import PROVIDERS, TIER_ORDER, ModelRoute, ToolLimits
 from sandbox_worker.api import parse_route as parse_api_route
 from supervisor.engine.config import MAX_COMMAND_HOOKS
 from supervisor.engine.hooks import HookEvent
+from supervisor.tools.specs import SpecError, parse_command_tools, parse_mcp_servers
 
 DEFAULT_CONFIG = """\
 # Corral farm configuration. Edit and restart the farm (corral down; corral up).
@@ -98,13 +99,30 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # command = "python3 /opt/policy/check_tool.py"
 # timeout_s = 10               # (0, 600]; default 10
 
+# MCP servers (docs/tools.md): a stdio server runs IN THE SANDBOX (the session's
+# workspace, its own uid, no network unless network = true); its tools are
+# offered as mcp__NAME__TOOL. A url server is called from the worker; its
+# headers come from the workers' environment by variable name.
+# [mcp.git]
+# command = ["/opt/mcp-git/bin/mcp-server-git"]
+# [mcp.docs]
+# url = "https://mcp.example.com/mcp"
+# headers_env = { Authorization = "CORRAL_MCP_DOCS_AUTH" }
+
+# Command tools: arguments as JSON on stdin, in the sandbox; stdout is the result.
+# [tools.wordcount]
+# description = "Count the words of a text."
+# parameters = { type = "object", properties = { text = { type = "string" } } }
+# command = ["python3", "-c", "import json,sys; print(len(json.load(sys.stdin)['text'].split()))"]
+# read_only = true             # and idempotent: run again after a lost worker
+
 # Portable checkpoints are exported at every tool boundary to each sink.
 # [[export.sinks]]
 # type = "directory"           # directory | http
 # path = "exports"             # relative to the farm's home
 """
 
-_SECTIONS = {"farm", "sandbox", "session", "routes", "export", "hooks"}
+_SECTIONS = {"farm", "sandbox", "session", "routes", "export", "hooks", "mcp", "tools"}
 _ROUTE_KEYS = {
     "provider", "model", "base_url", "credential_env", "native_compaction",
     "context_window", "max_output_tokens", "connect_timeout_s", "read_timeout_s",
@@ -147,6 +165,9 @@ class FarmConfig:
     # [[hooks.EVENT]] tables as the session spec's command hooks:
     # ({"event", "command", "timeout_s"}, ...) in file order.
     hooks: tuple[dict[str, Any], ...] = ()
+    # [mcp.NAME] and [tools.NAME] (docs/tools.md), parsed by supervisor.tools.specs.
+    mcp: dict[str, Any] = field(default_factory=dict)
+    command_tools: dict[str, Any] = field(default_factory=dict)
 
 
 def _fail(path: Path, key: str, why: str) -> ConfigError:
@@ -311,12 +332,19 @@ def load(home: Path) -> FarmConfig:
     for i, sink in enumerate(sinks):
         if not isinstance(sink, dict) or sink.get("type") not in ("directory", "http"):
             raise _fail(path, f"export.sinks[{i}]", "needs type = \"directory\" or \"http\"")
+    try:
+        mcp = parse_mcp_servers(raw.get("mcp", {}))
+        command_tools = parse_command_tools(raw.get("tools", {}))
+    except SpecError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     workers = _typed(path, "farm", farm, "workers", int, None)
     if workers is not None and not 0 <= workers <= 256:
         raise _fail(path, "farm.workers", "must be between 0 (remote workers only) and 256")
     return FarmConfig(
         home=home,
         workers=workers,
+        mcp=mcp,
+        command_tools=command_tools,
         heartbeat_interval_s=float(_typed(path, "farm", farm, "heartbeat_interval_s",
                                           (int, float), 0.25)),
         liveness=_typed(path, "farm", farm, "liveness", int, 4),

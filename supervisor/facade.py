@@ -47,13 +47,15 @@ from supervisor.farm.layout import FarmPaths
 from supervisor.server import CallError
 from supervisor.store import Store
 from supervisor.store.records import EventRecord, SessionId
+from supervisor.tools.specs import SpecError, merged, parse_command_tools, parse_mcp_servers
 from supervisor.wire import ErrorKind
 
 log = logging.getLogger(__name__)
 
 _SPEC_KEYS = {"workspace", "route", "route_spec", "approval", "instructions", "hooks",
               "tool_policy", "compaction_threshold_tokens", "stream", "session_id",
-              "child_route", "parent_session_id", "sandbox_mode", "git_writable"}
+              "child_route", "parent_session_id", "sandbox_mode", "git_writable",
+              "mcp", "tools"}
 _ROUTE_KEYS = set(ModelRoute.__annotations__)
 # A checkpoint answer must fit in one client-protocol message (8 MiB) with room to spare.
 MAX_EXPORT_ANSWER_BYTES = 6 * 1024 * 1024
@@ -230,6 +232,23 @@ def _sandbox_options(spec: dict[str, Any]) -> None:
     spec["tool_policy"] = policy
 
 
+def _outside_options(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` over ``defaults``, with the session's ``mcp`` and ``tools``
+    (command tools) over corral.toml's (``defaults``' ``mcp`` and
+    ``command_tools``, from ``main.session_defaults``) per name, parsed and checked
+    (``supervisor.tools.specs``) into the SessionSpec fields ``mcp`` and
+    ``command_tools`` (SessionSpec's own ``tools`` lists the built-ins)."""
+    spec = {**defaults, **given}
+    try:
+        spec["mcp"] = parse_mcp_servers(merged(defaults.get("mcp"), given.get("mcp")))
+        spec["command_tools"] = parse_command_tools(merged(defaults.get("command_tools"),
+                                                           given.get("tools")))
+    except SpecError as exc:
+        raise CallError(ErrorKind.BAD_REQUEST, str(exc)) from None
+    spec.pop("tools", None)
+    return spec
+
+
 def event_to_wire(e: EventRecord) -> dict[str, Any]:
     out = {"session_id": e.session_id, "sequence": e.sequence, "type": e.type,
            "payload": e.payload, "created_at": e.created_at}
@@ -308,7 +327,7 @@ class Facade:
             raise CallError(ErrorKind.BAD_REQUEST,
                             f"unknown session option(s) {sorted(unknown)}; "
                             f"allowed: {sorted(_SPEC_KEYS)}")
-        spec = {**self.defaults, **spec}
+        spec = _outside_options(self.defaults, spec)
         if "route_spec" in spec:
             spec["route"] = self.register_route(spec.pop("route_spec"))
         route = spec.get("route")

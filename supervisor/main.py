@@ -100,6 +100,10 @@ def session_defaults(cfg: config_mod.FarmConfig) -> dict[str, Any]:
         "instructions": cfg.instructions,
         # [[hooks.EVENT]] from corral.toml: command hooks run in the sandbox.
         "hooks": [dict(h) for h in cfg.hooks],
+        # [mcp.NAME] / [tools.NAME] as SessionSpec fields; a session's own
+        # entries (the create request's mcp / tools) override these per name.
+        "mcp": dict(cfg.mcp),
+        "command_tools": dict(cfg.command_tools),
     }
 
 

@@ -20,7 +20,9 @@ Measured in one run, on this machine, so only ratios are compared:
   tree (100 directories of 9 files); every e2e call pays the first.
 
 Ratios: ``e2e_vs_bwrap`` (target <= 1.5), ``e2e_vs_subprocess``,
-``uid_lease_vs_bwrap`` and ``workspace_grant_release_vs_bwrap``.
+``uid_lease_vs_bwrap`` and ``workspace_grant_release_vs_bwrap``; and the
+outside tools' (``outside_bench.py``): ``mcp_call_vs_direct`` (target <= 2.0),
+``command_tool_vs_shell`` (target <= 1.2), with ``mcp_cold_start_s``.
 Results are printed as a table, and with ``--json`` as one JSON object that is
 also written to ``bench-results/tools.json``.
 """
@@ -45,6 +47,7 @@ from typing import Any
 
 from broker.client import BrokerClient
 from broker.protocol import pack, unpack
+from sandbox_worker.devtools.outside_bench import bench_command_tool, bench_mcp
 from sandbox_worker.sandbox import wslease
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
@@ -327,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                 e2e, bw = asyncio.run(bench_e2e_and_chain(one.frontend, workspace, n, bare))
         finally:
             bare.close()
+        with Stack(1, 4) as outside:
+            mcp = asyncio.run(bench_mcp(outside.frontend, workspace, n))
+            command = asyncio.run(bench_command_tool(outside.frontend, workspace, n))
         with Stack(4, 8) as four:
             tput = asyncio.run(bench_throughput(four.frontend, workspace, total, 32))
     finally:
@@ -342,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         "calls_per_s_4_workers_32_in_flight": round(tput, 1),
         "samples": n,
         "throughput_calls": total,
+        "load_1min": round(os.getloadavg()[0], 2),
+        **{k: v for k, v in {**mcp, **command}.items() if not k.endswith("_vs_direct")
+           and not k.endswith("_vs_shell")},
     }
     ratios = {
         "e2e_vs_bwrap": round(_median_ms(e2e) / _median_ms(bw), 3),
@@ -349,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         "bwrap_vs_subprocess": round(_median_ms(bw) / _median_ms(sub), 3),
         "uid_lease_vs_bwrap": round(_median_ms(lease_s) / _median_ms(bw), 5),
         "workspace_grant_release_vs_bwrap": round(_median_ms(cycle_s) / _median_ms(bw), 5),
+        "mcp_call_vs_direct": mcp["mcp_call_vs_direct"],
+        "command_tool_vs_shell": command["command_tool_vs_shell"],
     }
     doc = {"name": "tools", "machine": machine(), "results": results, "ratios": ratios,
            "quick": ns.quick}
@@ -362,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:<40} {value:>12}")
         for key, value in ratios.items():
             print(f"{key:<40} {value:>12}")
-        print("(e2e_vs_bwrap target <= 1.5; written to bench-results/tools.json)")
+        print("(targets: e2e_vs_bwrap <= 1.5, mcp_call_vs_direct <= 2.0, "
+              "command_tool_vs_shell <= 1.2; written to bench-results/tools.json)")
     return 0
 
 

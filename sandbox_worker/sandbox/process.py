@@ -60,6 +60,7 @@ class RunSpec:
     grace_s: float = 2.0
     coalesce_s: float = 0.05
     uid: int | None = None  # the call's own uid: its processes are found by it too
+    stdin: bytes | None = None  # written to the command's stdin, then closed (None: /dev/null)
 
 
 @dataclass
@@ -271,6 +272,22 @@ async def run_to_completion(coro: Coroutine[Any, Any, Any]) -> Any:
     return task.result()
 
 
+async def _feed(pipe: asyncio.StreamWriter | None, data: bytes | None) -> None:
+    """Write ``data`` to the command's stdin and close it. A command that
+    reads none of it (or exits first) is not an error: its stdin is gone."""
+    if pipe is None:
+        return
+    try:
+        if data:
+            pipe.write(data)
+            await pipe.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
 async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
     """Run ``spec.argv`` to its end, a timeout, or an output flood."""
     out = _Output(spec.output_bytes, on_chunk, spec.coalesce_s)
@@ -278,7 +295,7 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
     with spawning():  # no orphan sweep until the head is registered (reaper.py)
         proc = await asyncio.create_subprocess_exec(
             *spec.argv,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL if spec.stdin is None else asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=spec.env,
@@ -294,6 +311,7 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
         async with asyncio.TaskGroup() as tg:
             readers = [tg.create_task(out.reader("stdout", proc.stdout)),
                        tg.create_task(out.reader("stderr", proc.stderr))]
+            feeder = tg.create_task(_feed(proc.stdin, spec.stdin))
             flusher = tg.create_task(out.flusher())
             flood_wait = tg.create_task(out.flood.wait())
             exit_wait = tg.create_task(proc.wait())
@@ -312,6 +330,7 @@ async def run(spec: RunSpec, on_chunk: OnChunk | None = None) -> RunOutcome:
                     await asyncio.gather(*readers)
             for r in readers:
                 r.cancel()
+            feeder.cancel()
             flusher.cancel()
         await out.flush()
     except ExceptionGroup as group:

@@ -36,7 +36,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from broker.errors import HandlerError
 from broker.protocol import FailureKind, pack, unpack
@@ -88,7 +88,9 @@ from sandbox_worker.sandbox.wsgroups import (
     WorkspaceGroups,
 )
 from sandbox_worker.tools import files
+from sandbox_worker.tools.command import command_call
 from sandbox_worker.tools.fsops import SandboxFS, check_relative
+from sandbox_worker.tools.mcphost import McpHost
 from sandbox_worker.tools.pinning import Pinned, WorkspacePins, refuses_git
 from sandbox_worker.tools.schemas import SCHEMAS, validate
 from sandbox_worker.tools.shell import ShellRun, remove_stale_tmp, render, run_shell
@@ -146,6 +148,7 @@ class ToolService:
         self._reaper: OrphanReaper | None = None
         self.pool: UidPool | None = None
         self._flimits = files.FileLimits(config.read_limit_bytes, config.write_limit_bytes)
+        self.mcp = McpHost(self)  # the MCP servers this worker holds (mcphost.py)
 
     # -- life cycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -241,6 +244,7 @@ class ToolService:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.grace_s + 5):
                     await asyncio.gather(*calls, return_exceptions=True)
+        await self.mcp.aclose()
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None
@@ -281,6 +285,7 @@ class ToolService:
             "workspace_groups": self.pins.groups.info() if self.pins else {},
             "unsandboxed_opt_in": bool(p and p.unsandboxed_opt_in),
             "tools": [s["name"] for s in SCHEMAS],
+            "mcp": self.mcp.info(),
         }
 
     # -- the handler --------------------------------------------------------
@@ -301,6 +306,10 @@ class ToolService:
         profile = self.profile
         if profile is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service not started", retryable=True)
+        # Command tools and MCP servers run as processes of the call, like shell.
+        runs_process = tool == "shell" or "command_tool" in req or "mcp" in req
+        command_tool: Any = None
+        stdin: bytes | None = None
         limits = ToolLimits(**self.config.limits)
         network = False
         read_only = git_writable = False
@@ -314,7 +323,16 @@ class ToolService:
             network = policy.get("network", False) is True
             self._check_policy(profile, policy)
             read_only, git_writable = self._mode_of(policy)
-            args = validate(tool, req["arguments"])
+            command_tool = req.get("command_tool")
+            if req.get("mcp") is not None:
+                return await self.mcp.handle(ctx, cast("dict[str, Any]", req), profile, limits,
+                                             network, start,
+                                             read_only=read_only, git_writable=git_writable)
+            if command_tool is not None:
+                argv, stdin = command_call(command_tool, req["arguments"])
+                args = {"command": argv}
+            else:
+                args = validate(tool, req["arguments"])
             if tool in ("write_file", "edit_file"):
                 self._check_writable(args, read_only, git_writable)
             pins = self.pins
@@ -322,23 +340,27 @@ class ToolService:
                 raise HandlerError(FailureKind.INTERNAL, "tool service not started",
                                    retryable=True)
             pinned = await pins.open(req["workspace"], req["session_id"],
-                                     req.get("workspace_identity"), shell=tool == "shell",
+                                     req.get("workspace_identity"),
+                                     shell=tool == "shell" or command_tool is not None,
                                      git_writable=git_writable or read_only,
                                      host=req.get("workspace_host"))
-            if tool == "shell":
+            if tool == "shell" or command_tool is not None:
                 return await self._shell(ctx, req, profile, args, pinned, limits, network,
-                                         start, read_only=read_only, git_writable=git_writable)
+                                         start, read_only=read_only, git_writable=git_writable,
+                                         stdin=stdin if command_tool is not None else None)
             return await self._file_tool(call_id, tool, profile, args, pinned, limits,
                                          start, read_only=read_only, git_writable=git_writable)
         except ToolError as exc:
             return self._error(call_id, tool, exc.kind, str(exc), profile, limits, network,
-                               start, read_only, git_writable)
+                               start, read_only, git_writable, process=runs_process)
         except WorkspaceUnusable as exc:
             return self._error(call_id, tool, "workspace_unusable", str(exc), profile,
-                               limits, network, start, read_only, git_writable)
+                               limits, network, start, read_only, git_writable,
+                               process=runs_process)
         except SandboxError as exc:
             return self._error(call_id, tool, "sandbox_unavailable", str(exc), profile,
-                               limits, network, start, read_only, git_writable)
+                               limits, network, start, read_only, git_writable,
+                               process=runs_process)
         except (asyncio.CancelledError, HandlerError):
             raise
         except Exception:
@@ -346,7 +368,8 @@ class ToolService:
             log.exception("tool call %s (%s) failed unexpectedly", call_id, tool)
             return self._error(call_id, tool, "internal",
                                "internal error in the tool service; see the worker log",
-                               profile, limits, network, start, read_only, git_writable)
+                               profile, limits, network, start, read_only, git_writable,
+                               process=runs_process)
         finally:
             if pinned is not None and self.pins is not None:
                 # Idempotent (a shell call released before its uid went back).
@@ -409,7 +432,8 @@ class ToolService:
 
     async def _shell(self, ctx: RequestContext, req: ToolCallRequest, profile: Profile,
                      args: dict[str, Any], pinned: Pinned, limits: ToolLimits, network: bool,
-                     start: float, *, read_only: bool, git_writable: bool) -> ToolCallResult:
+                     start: float, *, read_only: bool, git_writable: bool,
+                     stdin: bytes | None = None) -> ToolCallResult:
         async def on_chunk(stream: StreamName, data: bytes) -> None:
             await ctx.send_partial(pack(ToolOutputChunk(stream=stream, data=data)))
 
@@ -422,7 +446,7 @@ class ToolService:
                 profile, args, pinned.path, limits, network=network, uid=lease.uid,
                 call_id=req["call_id"], remaining_s=ctx.budget_s(), on_chunk=on_chunk,
                 grace_s=self.config.grace_s, workspace_fd=pinned.fd, gid=pinned.gid,
-                read_only=read_only, ro_fds=tuple(pinned.git_fds))
+                read_only=read_only, ro_fds=tuple(pinned.git_fds), stdin=stdin)
         finally:
             # run_shell returns (or raises) only once the call's tree is gone: what
             # it left is given to the workspace's owner (and the grant revoked when
@@ -447,7 +471,7 @@ class ToolService:
             outcome, kind = "error", ("killed" if o.signal is not None else "nonzero_exit")
         output, cut = render(run, limits)
         result = ToolCallResult(
-            call_id=req["call_id"], tool="shell", outcome=outcome,  # type: ignore[typeddict-item]
+            call_id=req["call_id"], tool=req["tool"], outcome=outcome,  # type: ignore[typeddict-item]
             is_error=outcome != "ok", output=output, exit_code=o.exit_code,
             signal=o.signal, duration_s=time.monotonic() - start,
             stdout_bytes=o.stdout_bytes, stderr_bytes=o.stderr_bytes,
@@ -496,13 +520,13 @@ class ToolService:
 
     def _error(self, call_id: str, tool: str, kind: str, message: str, profile: Profile,
                limits: ToolLimits, network: bool, start: float, read_only: bool = False,
-               git_writable: bool = False) -> ToolCallResult:
+               git_writable: bool = False, *, process: bool = False) -> ToolCallResult:
         # No process ran for a tool error: the record names the sandbox user's uid.
         git = git_writable
         isolation: IsolationRecord = (
             profile.isolation(limits, network=network, uid=profile.user.uid,
                               read_only=read_only, git_writable=git)
-            if tool == "shell" else profile.file_isolation(limits, read_only=read_only,
+            if process or tool == "shell" else profile.file_isolation(limits, read_only=read_only,
                                                             git_writable=git))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="error", is_error=True, output=message,

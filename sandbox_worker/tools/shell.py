@@ -65,7 +65,7 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
                     remaining_s: float, on_chunk: OnChunk | None, grace_s: float,
                     workspace_fd: int | None = None, gid: int | None = None,
                     read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = (),
-                    ) -> ShellRun:
+                    stdin: bytes | None = None) -> ShellRun:
     """Run one shell call as ``uid`` (the call's own, leased by the caller) and
     ``gid`` (its workspace's group), in the workspace pinned as ``workspace_fd``."""
     argv = command_argv(args["command"])
@@ -99,7 +99,7 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
         raise
     spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
                    output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
-                   grace_s=grace_s, uid=uid)
+                   grace_s=grace_s, uid=uid, stdin=stdin)
     try:
         try:
             outcome = await run(spec, on_chunk)

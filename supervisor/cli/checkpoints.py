@@ -124,7 +124,7 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     config gives the session; raises ``ConfigError`` saying what is wrong."""
     from supervisor import config as config_mod
     from supervisor.engine.config import SessionSpec
-    from supervisor.engine.tooling import tool_schemas
+    from supervisor.engine.tooling import spec_schemas
     from supervisor.export import capability_binding
     from supervisor.facade import pin_workspace
     from supervisor.main import session_defaults
@@ -154,7 +154,7 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         values["approval"] = ns.approval
     spec = SessionSpec(**values)
     spec.extra = {**spec.extra, **extra}
-    binding = capability_binding(tool_schemas(spec.tools),
+    binding = capability_binding(spec_schemas(spec),
                                  {"approval": spec.approval,
                                   "tool_policy": dict(spec.tool_policy)})
     return spec.to_config(), binding

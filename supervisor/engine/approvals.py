@@ -2,10 +2,12 @@
 
 A policy is a default (``ask`` | ``allow`` | ``deny``), ordered rule lists and
 a switch for read-only tools. A rule is ``tool(pattern)`` (``shell(git status*)``,
-``read_file(*)``) or a bare tool name (any arguments). The pattern is an
-``fnmatch`` glob over the call's *subject*: the command line of ``shell``, the
-``path`` of the file tools. Rules are checked deny → allow → ask; the first
-list with a match decides; otherwise the read-only switch, then the default.
+``read_file(*)``) or a bare tool name (any arguments); the tool part is an
+``fnmatch`` glob too (``mcp__git__*``: every tool of the MCP server ``git``).
+The pattern is an ``fnmatch`` glob over the call's *subject*: the command
+line of ``shell``, the ``path`` of the file tools (other tools: their arguments
+as JSON). Rules are checked deny → allow → ask; the first list with a match
+decides; otherwise the read-only switch, then the default.
 
 Config shape (``SessionSpec.approval``)::
 
@@ -33,7 +35,7 @@ from typing import Any, Final
 
 from sandbox_worker.api import READ_ONLY_TOOLS
 
-_RULE: Final = re.compile(r"^([A-Za-z0-9_.\-]+)(?:\((.*)\))?$", re.DOTALL)
+_RULE: Final = re.compile(r"^([A-Za-z0-9_.\-*?]+)(?:\((.*)\))?$", re.DOTALL)
 MAX_RULES: Final = 256
 
 
@@ -49,7 +51,7 @@ class Rule:
     pattern: str  # "*" when the rule named the tool only
 
     def matches(self, tool: str, subject: str) -> bool:
-        return self.tool == tool and fnmatch.fnmatchcase(subject, self.pattern)
+        return fnmatch.fnmatchcase(tool, self.tool) and fnmatch.fnmatchcase(subject, self.pattern)
 
     def __str__(self) -> str:
         return f"{self.tool}({self.pattern})"

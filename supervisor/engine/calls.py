@@ -35,6 +35,7 @@ from sandbox_worker.api import (
     decode_tool_result,
 )
 from supervisor.engine.errors import CallFailed
+from supervisor.tools.router import router_for
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +91,39 @@ async def call_model(
         raise CallFailed(FailureKind.PROTOCOL, str(exc), False) from None
 
 
+def tool_sender(
+    broker: Broker, *, budget_s: float, attempt: int = 1,
+    on_partial: Callable[[Any], Awaitable[None]] | None = None, cancel_grace_s: float = 0.3,
+) -> Callable[[str, dict[str, Any]], Awaitable[ToolCallResult]]:
+    """A function sending one tool payload to a service (``tool`` or a pinned
+    ``tool@PIN``) and returning its decoded, checked REPLY."""
+
+    async def send(service: str, payload: dict[str, Any]) -> ToolCallResult:
+        body = await stream_call(broker, service, payload, budget_s=budget_s,
+                                 attempt=attempt, on_partial=on_partial,
+                                 cancel_grace_s=cancel_grace_s)
+        try:
+            return decode_tool_result(body)
+        except MalformedResult as exc:
+            raise CallFailed(FailureKind.PROTOCOL, str(exc), False) from None
+
+    return send
+
+
 async def call_tool(
     broker: Broker, request: ToolCallRequest, *, budget_s: float, attempt: int = 1,
     on_partial: Callable[[Any], Awaitable[None]] | None = None, cancel_grace_s: float = 0.3,
 ) -> ToolCallResult:
     """One ``tool`` request; its REPLY decoded and checked once (``CallFailed``
-    with kind ``protocol`` when malformed)."""
-    body = await stream_call(broker, SERVICE_TOOL, dict(request), budget_s=budget_s,
-                             attempt=attempt, on_partial=on_partial,
-                             cancel_grace_s=cancel_grace_s)
-    try:
-        return decode_tool_result(body)
-    except MalformedResult as exc:
-        raise CallFailed(FailureKind.PROTOCOL, str(exc), False) from None
+    with kind ``protocol`` when malformed). A command tool's or MCP server's
+    call (``command_tool`` / ``mcp``, attached by ``tooling.outside_request``)
+    goes through the outside-tool router: validated against its schema here,
+    and an MCP call sent to the worker that holds its server."""
+    send = tool_sender(broker, budget_s=budget_s, attempt=attempt, on_partial=on_partial,
+                       cancel_grace_s=cancel_grace_s)
+    if "command_tool" in request or "mcp" in request:
+        return await router_for(broker).call(send, request)
+    return await send(SERVICE_TOOL, dict(request))
 
 
 async def _send_cancel(call: Any, grace_s: float) -> None:

@@ -22,6 +22,7 @@ from sandbox_worker.api import TOOL_NAMES, ModelRoute, ToolPolicy
 from supervisor.engine.approvals import parse_policy
 from supervisor.engine.errors import BadOp
 from supervisor.engine.hooks import HookEvent
+from supervisor.tools.specs import SpecError, parse_command_tools, parse_mcp_servers
 
 MAX_COMMAND_HOOKS = 32
 
@@ -71,6 +72,10 @@ class SessionSpec:
     stream: bool = True
     tenant: str | None = None
     middleware: list[str] = field(default_factory=list)  # names for the middleware factory
+    # Outside tools (docs/tools.md): server name -> McpServerSpec, tool name ->
+    # CommandToolSpec (the session-create request's ``mcp`` and ``tools``).
+    mcp: dict[str, Any] = field(default_factory=dict)
+    command_tools: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_config(self) -> dict[str, Any]:
@@ -108,6 +113,11 @@ class SessionSpec:
             raise BadOp(f"spec 'approval': {exc}") from None
         if not isinstance(self.tools, list) or not all(isinstance(t, str) for t in self.tools):
             raise BadOp("spec 'tools' must be a list of tool names")
+        try:
+            parse_mcp_servers(self.mcp)
+            parse_command_tools(self.command_tools)
+        except SpecError as exc:
+            raise BadOp(f"spec: {exc}") from None
         if not isinstance(self.hooks, list) or len(self.hooks) > MAX_COMMAND_HOOKS:
             raise BadOp(f"spec 'hooks' must be a list of at most {MAX_COMMAND_HOOKS}")
         events = {str(e) for e in HookEvent}

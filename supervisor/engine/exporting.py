@@ -34,7 +34,7 @@ from typing import Any
 from broker.protocol import Failed, Failure
 from supervisor.engine import events as ev
 from supervisor.engine.ports import TurnView
-from supervisor.engine.tooling import tool_schemas
+from supervisor.engine.tooling import spec_schemas
 from supervisor.export.checkpoint import build_checkpoint, capability_binding
 from supervisor.export.resume import loop_reference
 from supervisor.store.records import EventRecord
@@ -88,7 +88,7 @@ async def export_boundary(turn: TurnView, call_ids: list[str]) -> None:
         return
     st = s.state
     events = await _run_events(turn)
-    binding = capability_binding(tool_schemas(s.spec.tools),
+    binding = capability_binding(spec_schemas(s.spec),
                                  {"approval": s.spec.approval,
                                   "tool_policy": dict(s.spec.tool_policy)})
     doc = build_checkpoint(

@@ -10,7 +10,8 @@ completion order, one commit per completed call.
 Worker-loss rules:
 - A call whose worker is lost is never re-run silently: outcome ``unknown``,
   and the model reads that the worker was lost and the effect is unknown.
-  Only ``IDEMPOTENT_TOOLS`` are re-dispatched (bounded attempts).
+  Only tools that say they are idempotent (``tooling.idempotent_in``) are
+  re-dispatched (bounded attempts).
 - On resume, a call found ``dispatched``/``started`` is resolved the same way
   (``machine.reruns_lost``: an idempotent call is re-dispatched while its
   dispatches are fewer than ``idempotent_tool_attempts``, across restarts too).
@@ -51,9 +52,7 @@ from typing import Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import (
-    IDEMPOTENT_TOOLS,
     ModelCallResult,
-    ToolCallRequest,
     ToolCallResult,
     json_size,
     replace_surrogates,
@@ -70,7 +69,7 @@ from supervisor.engine.machine import PendingCall, Verdict, reruns_lost
 from supervisor.engine.phases import CallState, TurnPhase
 from supervisor.engine.ports import TurnRejected, TurnView
 from supervisor.engine.session import PendingApproval
-from supervisor.engine.tooling import offered
+from supervisor.engine.tooling import base_request, idempotent_in, offered_in, outside_request
 from supervisor.store.records import CheckpointState
 
 log = logging.getLogger(__name__)
@@ -125,10 +124,10 @@ async def prepare_calls(turn: TurnView, result: ModelCallResult,
         item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": text}
         items.append(item)
         # the machine's record is the checkpoint's (machine.PendingCall)
-        pc = PendingCall(call_id, name, args or {}, idempotent=name in IDEMPOTENT_TOOLS)
+        pc = PendingCall(call_id, name, args or {}, idempotent=idempotent_in(s, name))
         if problem is not None:
             pc = replace(pc, verdict=Verdict.BAD, reason=problem)
-        elif not offered(s.spec.tools, name):
+        elif not offered_in(s, name):
             pc = replace(pc, verdict=Verdict.MISSING, reason=(
                 f"unknown tool {name!r}; available tools: {', '.join(s.spec.tools)}"))
         else:
@@ -184,7 +183,7 @@ async def tool_round(turn: TurnView) -> None:
     for pc in pcs:
         # in flight when the supervisor stopped: the machine's rule for a lost call
         # (bounded, as a lost worker is: repeated restarts never re-run it unboundedly)
-        if pc.in_flight and not reruns_lost(pc.name in IDEMPOTENT_TOOLS, pc.attempt,
+        if pc.in_flight and not reruns_lost(idempotent_in(s, pc.name), pc.attempt,
                                             s.config.idempotent_tool_attempts) \
                 and not plants.on("rerun_after_restart"):
             await _finish_call(turn, pc.call_id, CallState.UNKNOWN, "unknown", RESTART_OUTPUT,
@@ -382,20 +381,14 @@ async def _run_call(turn: TurnView, call_id: str) -> None:
                     "stream": chunk.get("stream", "stdout"), "text": text[:65536]},
                     turn.submission_id)
 
-        request = ToolCallRequest(call_id=call_id, tool=name, arguments=dict(pc.arguments),
-                                  session_id=s.sid, workspace=s.spec.workspace,
-                                  policy=s.spec.tool_policy)
-        identity = s.spec.extra.get("workspace_identity")
-        if isinstance(identity, list):  # pinned at creation (facade)
-            request["workspace_identity"] = identity
-            request["workspace_host"] = str(s.spec.extra.get("workspace_host", ""))
+        request = outside_request(s, base_request(s, call_id, name, dict(pc.arguments)))
         try:
             result = await call_tool(s.manager.broker, request,
                                      budget_s=turn.budget_s(cfg.tool_call_budget_s),
                                      attempt=attempt, on_partial=on_partial,
                                      cancel_grace_s=cfg.cancel_grace_s)
         except CallFailed as f:
-            if f.worker_lost and reruns_lost(name in IDEMPOTENT_TOOLS, attempt,
+            if f.worker_lost and reruns_lost(idempotent_in(s, name), attempt,
                                              cfg.idempotent_tool_attempts):
                 continue
             if f.worker_lost:

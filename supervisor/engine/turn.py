@@ -57,7 +57,7 @@ from supervisor.engine.machine import MIN_REQUEST_BUDGET_S, ActiveTurn, retries
 from supervisor.engine.phases import CallState, TurnPhase, advance_phase
 from supervisor.engine.ports import Mutate, Provisional, TurnRejected, TurnStopped
 from supervisor.engine.session import Session, Work
-from supervisor.engine.tooling import tool_schemas
+from supervisor.engine.tooling import discover, offered_schemas
 from supervisor.engine.toolround import close_open_calls, prepare_calls, tool_round
 from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
 
@@ -422,6 +422,7 @@ class Turn:
             else:
                 await s.commit(items=extra)
             context = self.provisional.context if self.provisional else s.context
+        await discover(self)  # the session's MCP servers not listed yet (tooling.py)
         request = self._request(context)
         decorated = await s.hooks.run(HookEvent.MODEL_REQUEST, s.sid, self.turn_id,
                                       {"request": request})
@@ -478,7 +479,7 @@ class Turn:
             items[bp] = marked
         return {"op": "respond", "route": s.manager.route(s.route_name),
                 "instructions": s.spec.instructions or s.config.instructions,
-                "items": items, "tools": tool_schemas(s.spec.tools), "stream": s.spec.stream,
+                "items": items, "tools": offered_schemas(s), "stream": s.spec.stream,
                 "session_id": s.sid, "prompt_cache_key": s.sid}
 
     # ----------------------------------------------------------- model call

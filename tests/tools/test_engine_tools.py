@@ -1,0 +1,72 @@
+"""Outside tools through the engine: a SessionManager with a scripted model
+calls an MCP server's tools and a command tool; the offered schemas, approval
+globs, events, isolation records and worker-loss flags are the engine's own."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from sandbox_worker.api import ModelRoute
+from supervisor.engine.tooling import idempotent_in
+from tests.engine.farm import Farm, _ready, engine, new_workspace, write_script
+from tests.helpers import PYTHON, Procs
+from tests.tools.conftest import server_spec
+from tests.tools.test_command_tools import DOUBLE
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(240)]
+
+SCRIPT = {"responses": [
+    {"tool_calls": [{"name": "mcp__t__add", "arguments": {"n": 2}},
+                    {"name": "double", "arguments": {"x": 4}},
+                    {"name": "mcp__g__whoami", "arguments": {}}]},
+    {"tool_calls": [{"name": "mcp__t__add", "arguments": {"n": 3}}]},
+    {"text": "done"},
+]}
+
+
+async def test_a_turn_uses_mcp_and_command_tools(tools_farm: Farm, sandbox_site: str,
+                                                 procs: Procs) -> None:
+    script = write_script(tools_farm.tmp, SCRIPT, "engine-script.json")
+    llm = procs.spawn([PYTHON, "-m", "sandbox_worker.fakellm", "--script", str(script),
+                       "--port", "0"], name="fakellm", stdout=subprocess.PIPE)
+    url = _ready(llm)["url"]
+    route = ModelRoute(name="main", provider="openai-responses", model="scripted",
+                       base_url=url, max_retries=0)
+    own = server_spec(sandbox_site, "corral_test_mcp_server")
+    ws = new_workspace()
+    async with engine(tools_farm, routes={"main": route}) as eng:
+        sid = await eng.session(
+            workspace=str(ws), mcp={"t": own, "g": own}, command_tools={"double": DOUBLE},
+            approval={"default": "allow", "deny": ["mcp__g__*"]})
+        events = await eng.run_until(sid, {"type": "user_input", "text": "go"},
+                                     timeout_s=180)
+        ends = {(e.payload["name"], e.payload["output"].split()[0] if e.payload["output"]
+                 else ""): e.payload for e in events if e.type == "tool_call_end"}
+        assert ("mcp__t__add", "2") in ends, list(ends)
+        assert ("mcp__t__add", "5") in ends  # the server kept its state across steps
+        assert ("double", "8") in ends
+        added = ends[("mcp__t__add", "5")]
+        assert added["isolation"]["tier"] == "T2"
+        assert added["isolation"]["uid"] > 0
+        denied = next(p for (name, _), p in ends.items() if name == "mcp__g__whoami")
+        assert denied["outcome"] == "deny"
+        assert "mcp__g__*" in denied["output"]
+        assert events[-1].type == "turn_complete"
+        session = eng.manager.sessions[sid]
+        assert idempotent_in(session, "mcp__t__whoami")  # readOnlyHint
+        assert not idempotent_in(session, "mcp__t__add")
+        assert idempotent_in(session, "double")
+    offered = {t["name"] for t in _first_request_tools(url)}
+    assert {"shell", "double", "mcp__t__add", "mcp__t__whoami", "mcp__g__add"} <= offered
+
+
+def _first_request_tools(url: str) -> list[dict[str, str]]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/_corral/requests", timeout=10) as resp:
+        requests = json.loads(resp.read())
+    first = next(r for r in requests if r["path"].endswith("/responses"))
+    return list(first["body"]["tools"])
