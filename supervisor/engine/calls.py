@@ -35,6 +35,7 @@ from sandbox_worker.api import (
     decode_tool_result,
 )
 from supervisor.engine.errors import CallFailed
+from supervisor.engine.routers import find_router
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,11 @@ async def call_tool(
     on_partial: Callable[[Any], Awaitable[None]] | None = None, cancel_grace_s: float = 0.3,
 ) -> ToolCallResult:
     """One ``tool`` request; its REPLY decoded and checked once (``CallFailed``
-    with kind ``protocol`` when malformed)."""
+    with kind ``protocol`` when malformed). A name a router takes (client tools:
+    ``engine/routers.py``) runs there instead of through the broker."""
+    router = await find_router(request)
+    if router is not None:
+        return await router.call(request, budget_s=budget_s, on_partial=on_partial)
     body = await stream_call(broker, SERVICE_TOOL, dict(request), budget_s=budget_s,
                              attempt=attempt, on_partial=on_partial,
                              cancel_grace_s=cancel_grace_s)

@@ -6,8 +6,10 @@ The argument names follow the tool service (``sandbox_worker`` tools):
 ``list_dir {path?}`` (paths relative to the workspace).
 
 Invariants:
-- Only names in ``sandbox_worker.api.TOOL_NAMES`` can be offered; a call to
-  any other name is answered locally with an error output (never dispatched).
+- Only names in ``sandbox_worker.api.TOOL_NAMES`` can be offered, plus the
+  client tools declared in the session's config (``extra["client_tools"]``,
+  ``supervisor/clienttools.py``); a call to any other name is answered
+  locally with an error output (never dispatched).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _DESCRIPTIONS: Final[dict[str, tuple[str, dict[str, Any]]]] = {
 }
 
 
-def tool_schemas(names: list[str]) -> list[ToolSchema]:
+def tool_schemas(names: list[str], extra: dict[str, Any] | None = None) -> list[ToolSchema]:
     out: list[ToolSchema] = []
     for name in names:
         if name not in TOOL_NAMES or name not in _DESCRIPTIONS:
@@ -50,8 +52,22 @@ def tool_schemas(names: list[str]) -> list[ToolSchema]:
         out.append(ToolSchema(name=name, description=description, parameters=parameters,
                               idempotent=name in IDEMPOTENT_TOOLS,
                               read_only=name in READ_ONLY_TOOLS))
-    return out
+    return out + client_tool_schemas(extra)
 
 
-def offered(names: list[str], tool: str) -> bool:
-    return tool in TOOL_NAMES and tool in names
+def offered(names: list[str], tool: str, extra: dict[str, Any] | None = None) -> bool:
+    if tool in TOOL_NAMES:
+        return tool in names
+    return any(t["name"] == tool for t in client_tool_schemas(extra))
+
+
+# -- client tools (sdk helper): declared once, checked by the facade ---------
+def client_tool_schemas(extra: dict[str, Any] | None) -> list[ToolSchema]:
+    """The client tools a session's config declares (``extra["client_tools"]``)."""
+    declared = (extra or {}).get("client_tools")
+    if not isinstance(declared, list):
+        return []
+    return [ToolSchema(name=str(t["name"]), description=str(t.get("description", "")),
+                       parameters=dict(t.get("parameters") or {}), idempotent=False,
+                       read_only=False)
+            for t in declared if isinstance(t, dict) and isinstance(t.get("name"), str)]

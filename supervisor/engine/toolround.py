@@ -126,7 +126,7 @@ async def prepare_calls(turn: Turn, result: ModelCallResult,
                          idempotent=name in IDEMPOTENT_TOOLS).to_json()
         if problem is not None:
             pc["verdict"], pc["reason"] = "bad", problem
-        elif not offered(s.spec.tools, name):
+        elif not offered(s.spec.tools, name, s.spec.extra):
             pc["verdict"], pc["reason"] = "missing", (
                 f"unknown tool {name!r}; available tools: {', '.join(s.spec.tools)}")
         else:

@@ -475,7 +475,8 @@ class Turn:
             items[bp] = marked
         return {"op": "respond", "route": s.manager.route(s.route_name),
                 "instructions": s.spec.instructions or s.config.instructions,
-                "items": items, "tools": tool_schemas(s.spec.tools), "stream": s.spec.stream,
+                "items": items, "tools": tool_schemas(s.spec.tools, s.spec.extra),
+                "stream": s.spec.stream,
                 "session_id": s.sid, "prompt_cache_key": s.sid}
 
     # ----------------------------------------------------------- model call
