@@ -25,7 +25,8 @@ The rule when the holder is missing or goes away (docs/tools.md, "Client tools")
   as a crashed command hook) and as no opinion on the others.
 
 Invariants:
-- An answer is taken only from the connection the call was sent to; a late or
+- An answer is taken only from the connection the call was sent to, for a
+  call of this supervisor instance (ids start at a random point); a late or
   foreign answer is ignored.
 - Every wait has a deadline; nothing here blocks on a client.
 - Each result carries an isolation record with ``tier: "client"`` and what
@@ -39,6 +40,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -156,7 +158,9 @@ class ClientToolHost:
         self._declared: dict[str, _Declared] = {}  # immutable after creation: cached
         self._pending: dict[int, _Pending] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
-        self._ids = itertools.count(1)
+        # Call ids start at a random point: an answer a program sends to a restarted
+        # supervisor (for a call of its predecessor) must not match a new call.
+        self._ids = itertools.count(int.from_bytes(os.urandom(5), "big") + 1)
 
     def attach(self, send: Send) -> None:
         """The server's non-blocking send (False: not sent)."""

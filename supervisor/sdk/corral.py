@@ -12,7 +12,8 @@ holder (``register_client``); ``resume`` holds them again for an existing
 session. The supervisor pushes each call (``client_call``) over this
 connection; it runs here, in this program (sync functions in a thread), and
 its answer goes back with ``client_result``. After the supervisor restarts
-or this connection is replaced, the holds are registered again at once.
+or this connection is replaced, the calls still running here are cancelled
+(their answer has nowhere to go) and the holds are registered again at once.
 What happens while no holder is connected is the supervisor's documented
 rule (``supervisor/clienttools.py``, docs/tools.md).
 
@@ -163,6 +164,9 @@ class Corral:
                             liveness_s=self.liveness_s)
 
     def _on_reconnect(self) -> None:
+        # The calls of the supervisor we lost have nowhere to answer (it marked
+        # them unknown, or its successor did): stop them here too.
+        self._cancel_all()
         if self._tg is not None and self._held:
             self._tg.create_task(self._reregister(), name="sdk-reregister")
 

@@ -142,6 +142,7 @@ class ToolCallEnd(Event):
     state: str = ""
     isolation: dict[str, Any] = field(default_factory=dict)
     error: CallError | None = None
+    error_kind: str | None = None  # a result's own kind, e.g. client_tool_raised
 
     @property
     def tier(self) -> str | None:
@@ -236,6 +237,7 @@ def _fields(etype: str, p: Mapping[str, Any]) -> tuple[type[Event], dict[str, An
             "call_id": _s(p, "call_id"), "name": _s(p, "name"), "output": _s(p, "output"),
             "is_error": _b(p, "is_error"), "outcome": _s(p, "outcome"),
             "state": _s(p, "state"), "isolation": _d(p, "isolation"),
+            "error_kind": _s(p, "error_kind") or None,
             "error": CallError(_s(err, "kind"), _s(err, "message"), _b(err, "retryable"))
             if err else None}
     if etype == "exec_approval_request":
