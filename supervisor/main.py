@@ -33,7 +33,7 @@ from supervisor import config as config_mod
 from supervisor.clienttools import ClientToolHost
 from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
-from supervisor.engine.routers import add_router
+from supervisor.engine.routers import add_router, remove_router
 from supervisor.export import DirectorySink, HttpSink
 from supervisor.facade import Facade
 from supervisor.farm.layout import secure_home
@@ -146,13 +146,13 @@ async def serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
         return 2
     store = await Store.open(ns.db or home / "corral.db")
+    client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)
+    add_router(client_host)
     try:
         async with BrokerClient(ns.broker, heartbeat_interval_s=ns.heartbeat_interval_s,
                                 liveness=ns.liveness, curve=broker_curve,
                                 identity=broker_identity(ns.db or home / "corral.db"),
                                 ) as broker:
-            client_host = ClientToolHost(store)  # client tools and hooks
-            add_router(client_host)
             manager = SessionManager(store=store, broker=broker, config=econf,
                                      export_sinks=export_sinks(cfg),
                                      middleware_factory=client_host.middlewares)
@@ -190,6 +190,7 @@ async def serve(ns: argparse.Namespace) -> int:
                 server_task.cancel()
                 manager_task.cancel()
     finally:
+        remove_router(client_host)
         await store.close()
         if guard is not None:
             guard.close()

@@ -73,7 +73,11 @@ def _schema_of(hint: Any, where: str) -> dict[str, Any]:
 def schema_from_hints(fn: Callable[..., Any]) -> dict[str, Any]:
     """The JSON schema (type ``object``) of ``fn``'s keyword arguments."""
     sig = inspect.signature(fn)
-    hints = typing.get_type_hints(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except NameError as exc:  # a hint naming a class local to a function, say
+        raise TypeError(f"{fn.__qualname__}: cannot resolve its type hints ({exc}); "
+                        "give parameters=") from None
     props: dict[str, Any] = {}
     required: list[str] = []
     for name, param in sig.parameters.items():

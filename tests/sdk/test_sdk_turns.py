@@ -301,3 +301,29 @@ def test_corral_for_home_says_when_no_farm_runs(tmp_path: Path) -> None:
 
     with pytest.raises(SupervisorUnavailable):
         Corral.for_home(tmp_path)
+
+
+@module_loop
+async def test_a_hook_whose_program_is_gone_fails_closed(farm: EmbeddedFarm,
+                                                         workspace: Path) -> None:
+    ran: list[int] = []
+
+    @tool
+    def probe(x: int) -> str:
+        ran.append(x)
+        return "ran"
+
+    async with farm.connect() as holder:
+        session = await holder.create_session(
+            SessionOptions(workspace=workspace, approval="allow", client_wait_s=0.5),
+            tools=[probe], hooks={"pre_tool": lambda inp: None})
+    # That program left; another holds the tool but not the hooks.
+    async with farm.connect() as other:
+        resumed = await other.resume(session.id, tools=[probe])
+        events = await collect(resumed.run("go", timeout_s=30))
+    end = next(e for e in events if isinstance(e, ToolCallEnd))
+    assert end.state == "failed"
+    assert "denied by a pre_tool hook" in end.output
+    assert "not connected" in end.output
+    assert ran == []
+    assert isinstance(events[-1], TurnComplete)
