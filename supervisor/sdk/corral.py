@@ -33,7 +33,9 @@ import dataclasses
 import inspect
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -127,6 +129,8 @@ class Corral:
                              ) -> Session:
         """Create a session; ``tools`` and ``hooks`` run in this program."""
         spec = options.to_spec()
+        if "route_spec" in spec:
+            spec["route_spec"] = await self._with_provider(spec["route_spec"])
         held = _held(tools, hooks)
         if held.tools:
             spec["client_tools"] = [t.declaration() for t in held.tools.values()]
@@ -154,6 +158,21 @@ class Corral:
 
     async def status(self) -> dict[str, Any]:
         return dict(await self._sv.status())
+
+    async def _with_provider(self, route: dict[str, Any]) -> dict[str, Any]:
+        """A ``script:PATH`` route gets its scripted provider started for the
+        life of this connection (as ``corral run`` does for the run)."""
+        if not route.get("script") or self._stack is None:
+            return route
+        from supervisor.cli.run import scripted_provider
+
+        script = await asyncio.to_thread(Path(str(route["script"])).resolve)
+        if not await asyncio.to_thread(script.is_file):
+            raise ValueError(f"script {script} does not exist")
+        logs = await asyncio.to_thread(tempfile.mkdtemp, prefix="corral-sdk-provider-")
+        self._stack.callback(shutil.rmtree, logs, True)
+        url = await self._stack.enter_async_context(scripted_provider(script, Path(logs)))
+        return {**route, "script": str(script), "base_url": url}
 
     # -- client tools and hooks ----------------------------------------------
 
@@ -337,7 +356,8 @@ class Session:
         if ":" in model:
             from sandbox_worker.api import parse_route
 
-            op["route_spec"] = dict(parse_route(model, base_url, name=model))
+            op["route_spec"] = await self.corral._with_provider(
+                dict(parse_route(model, base_url, name=model)))
         await self._sv.submit(self.id, op)
 
     async def compact(self) -> None:

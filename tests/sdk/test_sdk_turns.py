@@ -327,3 +327,19 @@ async def test_a_hook_whose_program_is_gone_fails_closed(farm: EmbeddedFarm,
     assert "not connected" in end.output
     assert ran == []
     assert isinstance(events[-1], TurnComplete)
+
+
+@module_loop
+async def test_a_script_model_gets_its_provider_for_the_connection(
+        farm: EmbeddedFarm, workspace: Path, tmp_path: Path) -> None:
+    script = tmp_path / "own.json"
+    script.write_text('{"responses": [{"text": "from my own script"}]}')
+    async with farm.connect() as corral:
+        session = await corral.create_session(SessionOptions(workspace=workspace,
+                                                             model=f"script:{script}"))
+        events = await collect(session.run("hi", timeout_s=30))
+        with pytest.raises(ValueError, match="does not exist"):
+            await corral.create_session(SessionOptions(workspace=workspace,
+                                                       model=f"script:{script}.missing"))
+    assert isinstance(events[-1], TurnComplete)
+    assert events[-1].last_agent_message == "from my own script"
