@@ -315,12 +315,15 @@ class Session:
         the next event (``TimeoutError``; the turn goes on in the farm)."""
         after = int((await self.describe()).get("last_event_sequence", 0))
         submission = await self.submit(prompt)
-        async for event in self.events(after_sequence=after, timeout_s=timeout_s):
-            if event.submission_id != submission:
-                continue
-            yield event
-            if isinstance(event, TERMINAL):
-                return
+        # aclosing: leaving early unsubscribes now, not when the generator is collected.
+        async with contextlib.aclosing(self.events(after_sequence=after,
+                                                   timeout_s=timeout_s)) as stream:
+            async for event in stream:
+                if event.submission_id != submission:
+                    continue
+                yield event
+                if isinstance(event, TERMINAL):
+                    return
 
     async def events(self, *, after_sequence: int = 0, timeout_s: float | None = None
                      ) -> AsyncGenerator[Event, None]:

@@ -33,7 +33,7 @@ from supervisor.sdk import (
     tool,
 )
 from tests.helpers import searchable_dir
-from tests.sdk.conftest import running_farm
+from tests.sdk.farms import running_farm
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 INTERRUPT_BOUND_S = 5.0  # interrupt sent -> turn_aborted seen by the program
