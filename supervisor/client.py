@@ -201,6 +201,9 @@ class SupervisorClient:
             self._server_id = server_id
         if "hb" in msg:
             return
+        if "dropped" in msg:  # the server gave up on us (silent too long): start over
+            await self._on_supervisor_lost("dropped us")
+            return
         if "client_call" in msg or "client_cancel" in msg:
             if self.on_push is not None:
                 self.on_push(msg)

@@ -182,10 +182,14 @@ class ClientServer:
                 else:
                     self._send(client.identity, {"hb": True})
 
-    def _drop_client(self, client: _Client, why: str) -> None:
+    def _drop_client(self, client: _Client, why: str, *, notify: bool = True) -> None:
         log.info("client %s %s; cancelling %d subscription(s)", client.identity.hex(), why,
                  len(client.subs))
         self.counters["expired_clients"] += 1
+        # Best effort: a client that was only slow (paused, starved) reads this
+        # later and resubscribes (and holds its client tools again).
+        if notify:  # never to the principal that took a routing identity over
+            self._send(client.identity, {"dropped": {"why": why}})
         for task in client.subs.values():
             task.cancel()
         self._clients.pop(client.identity, None)
@@ -226,7 +230,7 @@ class ClientServer:
             log.warning("refused: identity %s reused by tenant %r (was %r); "
                         "dropping the old client's state", identity.hex()[:16], tenant,
                         client.tenant)
-            self._drop_client(client, "taken over by another key")
+            self._drop_client(client, "taken over by another key", notify=False)
             # Calls of the old client still running answer to no one (an empty
             # routing id is unroutable), never to the new principal.
             client.identity = b""

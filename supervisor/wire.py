@@ -21,6 +21,8 @@ Supervisor → client:
 - a pushed event: ``{"sub": int, "event": {...EventRecord fields...}}``;
 - a subscription's end: ``{"sub": int, "end": {"kind", "message"}}``;
 - a heartbeat: ``{"hb": true}``;
+- ``{"dropped": {"why"}}``: the server dropped this client (silent past its
+  liveness window): its subscriptions and client tool holds are gone;
 - a call of a client tool or hook this client holds:
   ``{"client_call": {"id", "session_id", "name", "budget_s", "kind": "tool",
   "call_id", "arguments"}}`` or ``{... "kind": "hook", "input": {...}}``,

@@ -343,3 +343,21 @@ async def test_a_script_model_gets_its_provider_for_the_connection(
                                                        model=f"script:{script}.missing"))
     assert isinstance(events[-1], TurnComplete)
     assert events[-1].last_agent_message == "from my own script"
+
+
+@module_loop
+async def test_a_program_dropped_while_frozen_holds_its_tools_again(
+        farm: EmbeddedFarm, workspace: Path) -> None:
+    @tool
+    def probe(x: int) -> str:
+        return f"still here {x}"
+
+    async with farm.connect(liveness_s=1.0) as corral:
+        session = await corral.create_session(SessionOptions(
+            workspace=workspace, approval="allow", client_wait_s=0.5), tools=[probe])
+        # The program freezes (its loop blocked) past its 1 s liveness window:
+        # the supervisor drops it. This blocking sleep is the fault, not a wait.
+        time.sleep(2.0)  # noqa: ASYNC251
+        events = await collect(session.run("go", timeout_s=30))
+    end = next(e for e in events if isinstance(e, ToolCallEnd))
+    assert (end.state, end.output) == ("ok", "still here 1")
