@@ -5,6 +5,7 @@ in the program, export/import round trip, the sync wrapper."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,10 @@ async def test_a_turn_is_typed_events_and_the_client_tool_runs_here(
         session = await corral.create_session(SessionOptions(workspace=workspace,
                                                              approval="allow"), tools=[probe])
         events = await collect(session.run("go", timeout_s=30))
+        # The export (at the tool boundary) holds the client tool call and its output.
+        exported = json.dumps(await session.export())
+    assert '"name": "probe"' in exported
+    assert '"output": "probed 1"' in exported
     assert isinstance(events[0], TurnStarted)
     assert isinstance(events[-1], TurnComplete)
     assert events[-1].last_agent_message == "done"
