@@ -64,6 +64,7 @@ MAX_CLIENT_TOOLS: Final = 64
 MAX_SCHEMA_CHARS: Final = 64 * 1024
 MAX_WAIT_S: Final = 300.0
 DEFAULT_WAIT_S: Final = 10.0
+MAX_CACHED_SESSIONS: Final = 10_000
 _NAME: Final = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 SPEC_KEYS: Final = frozenset({"client_tools", "client_hooks", "client_wait_s"})
 
@@ -180,6 +181,8 @@ class ClientToolHost:
                           if isinstance(t, dict))
         got = _Declared(tools, frozenset(extra.get("client_hooks") or []),
                         float(extra.get("client_wait_s", DEFAULT_WAIT_S)))
+        if len(self._declared) >= MAX_CACHED_SESSIONS:  # a cache: bounded, refilled on use
+            self._declared.clear()
         self._declared[session_id] = got
         return got
 
@@ -248,6 +251,7 @@ class ClientToolHost:
             if left <= 0:
                 return None
             wake = self._wakeups.setdefault(session_id, asyncio.Event())
+            # One event per session waited on, removed when a program registers.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await wake.wait()
