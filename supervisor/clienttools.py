@@ -80,7 +80,10 @@ def declaration(spec: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(tools, list) or len(tools) > MAX_CLIENT_TOOLS:
         raise CallError(ErrorKind.BAD_REQUEST,
                         f"client_tools must be a list of at most {MAX_CLIENT_TOOLS} tools")
-    seen: set[str] = set()
+    # The session's command tools (the pass-through ``tools`` map, corral.toml's
+    # [tools.NAME] included) are names a client tool may not take either.
+    command_tools = spec.get("tools")
+    seen: set[str] = set(command_tools) if isinstance(command_tools, dict) else set()
     out_tools = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or set(tool) - {"name", "description", "parameters"}:
@@ -92,7 +95,8 @@ def declaration(spec: dict[str, Any]) -> dict[str, Any]:
                             f"{_NAME.pattern} (a provider's rule for tool names)")
         if name in TOOL_NAMES or name.startswith("mcp__") or name in seen:
             raise CallError(ErrorKind.BAD_REQUEST, f"client tool name {name!r} collides with "
-                            "a built-in tool, an MCP tool or another client tool; rename it")
+                            "a built-in tool, an MCP tool, a command tool or another client "
+                            "tool; rename it")
         seen.add(name)
         description = tool.get("description", "")
         params = tool.get("parameters") or {"type": "object", "properties": {}}

@@ -173,6 +173,11 @@ def test_the_supervisor_refuses_bad_client_tool_declarations(tools: Any, why: st
         declaration({"client_tools": tools})
 
 
+def test_a_client_tool_may_not_take_a_command_tools_name() -> None:
+    with pytest.raises(CallError, match="command tool"):
+        declaration({"client_tools": [{"name": "fmt"}], "tools": {"fmt": {}}})
+
+
 def test_a_good_declaration_lands_in_the_sessions_extra() -> None:
     spec: dict[str, Any] = {"workspace": "/w", "client_tools": [{"name": "probe"}],
                             "client_hooks": ["pre_tool"], "client_wait_s": 1}
