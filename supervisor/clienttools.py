@@ -48,7 +48,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from broker.protocol import FailureKind
-from sandbox_worker.api import TOOL_NAMES, TOOL_OUTPUT_BYTES, ToolCallRequest, ToolCallResult
+from sandbox_worker.api import (
+    TOOL_NAMES,
+    TOOL_OUTPUT_BYTES,
+    ToolCallRequest,
+    ToolCallResult,
+    fit_text,
+    replace_surrogates,
+)
 from supervisor.engine.config import SessionSpec
 from supervisor.engine.errors import CallFailed
 from supervisor.engine.hooks import DENYING_EVENTS, HookEvent, HookInput, HookResult, Middleware
@@ -129,11 +136,10 @@ def declaration(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _clip_output(text: str) -> tuple[str, bool]:
-    data = text.encode("utf-8", "replace")
-    if len(data) <= TOOL_OUTPUT_BYTES - 200:
-        return text, False
-    cut = data[:TOOL_OUTPUT_BYTES - 200].decode("utf-8", "ignore")
-    return cut + f"\n[... {len(data) - len(cut.encode())} bytes cut]", True
+    """The output within ``TOOL_OUTPUT_BYTES`` as a JSON string, as the tool
+    service bounds its own (``sandbox_worker.api.fit_text``)."""
+    return fit_text(replace_surrogates(text), TOOL_OUTPUT_BYTES,
+                    "\n[... cut: {shown} of {total} bytes shown]")
 
 
 @dataclass
@@ -312,12 +318,15 @@ class ClientToolHost:
         answer = await self._roundtrip(identity, sid, name, {
             "kind": "tool", "call_id": request["call_id"],
             "arguments": request.get("arguments", {})}, left)
-        output = answer.get("output")
+        given = answer.get("output")
         is_error = answer.get("is_error", False)
-        if not isinstance(output, str) or not isinstance(is_error, bool):
+        if not isinstance(given, str) or not isinstance(is_error, bool):
             raise CallFailed(FailureKind.PROTOCOL, f"the client answered {name!r} with a "
                              "malformed result", False)
-        output, truncated = _clip_output(output)
+        # A large answer (up to a message's 8 MiB) is measured off the loop.
+        output, truncated = _clip_output(given) if len(given) <= 64 * 1024 \
+            else await asyncio.to_thread(_clip_output, given)
+        truncated = truncated or answer.get("truncated") is True  # cut by the program
         raw_client = answer.get("client")
         client: dict[str, Any] = raw_client if isinstance(raw_client, dict) else {}
         isolation: dict[str, Any] = {

@@ -13,7 +13,9 @@ Client → supervisor: ``{"id": int, "call": str, "args": {...}}``. Calls:
 ``register_client`` (``{session_id, tools: [names], hooks: bool, liveness_s?}``:
 this connection holds the session's client tools and hooks, and is dropped
 after ``liveness_s`` of silence) and ``client_result`` (``{id, result}``: the
-answer to a pushed ``client_call``; see ``supervisor/clienttools.py``).
+answer to a pushed ``client_call``: for a tool ``{output, is_error,
+error_kind?, truncated?, client: {pid, uid, host}}``, for a hook ``{hook:
+{...HookResult fields}}`` or ``{error}``; see ``supervisor/clienttools.py``).
 
 Supervisor → client:
 - a call's answer: ``{"id": int, "ok": true, "result": ...}`` or

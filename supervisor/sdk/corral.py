@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from broker.security import CurveClient
-from sandbox_worker.api import TOOL_OUTPUT_BYTES
+from sandbox_worker.api import TOOL_OUTPUT_BYTES, fit_text, replace_surrogates
 from supervisor.client import SupervisorClient, SupervisorError, SupervisorUnavailable
 from supervisor.engine.hooks import HookEvent, HookInput, HookResult
 from supervisor.sdk.events import TERMINAL, Event, parse_event
@@ -55,6 +55,12 @@ log = logging.getLogger(__name__)
 HookFunction = Callable[[HookInput], "HookResult | Awaitable[HookResult | None] | None"]
 Decision = Literal["approved", "approved_for_session", "denied", "abort"]
 _REREGISTER_DEADLINE_S = 60.0
+_INLINE_FIT_CHARS = 64 * 1024  # below this an output always fits: no measuring
+
+
+def _fit(output: str) -> tuple[str, bool]:
+    return fit_text(replace_surrogates(output), TOOL_OUTPUT_BYTES,
+                    "\n[... cut: {shown} of {total} bytes shown]")
 
 
 @dataclass
@@ -234,11 +240,14 @@ class Corral:
                                       "unknown_tool")
             else:
                 outcome = await tool.invoke(args if isinstance(args, dict) else {})
-            output = outcome.output
-            if len(output.encode("utf-8", "replace")) > TOOL_OUTPUT_BYTES:
-                output = output.encode("utf-8", "replace")[:TOOL_OUTPUT_BYTES].decode(
-                    "utf-8", "ignore")
-            result = {"output": output, "is_error": outcome.is_error, "client": self._me}
+            # Bounded here too, so the answer fits one message (the supervisor
+            # cuts again: it trusts no program). A large one is measured in a
+            # thread: this loop keeps the connection's heartbeats going.
+            output, cut = outcome.output, False
+            if len(output) > _INLINE_FIT_CHARS:
+                output, cut = await asyncio.to_thread(_fit, output)
+            result = {"output": output, "is_error": outcome.is_error, "client": self._me,
+                      "truncated": cut}
             if outcome.error_kind:
                 result["error_kind"] = outcome.error_kind
         with contextlib.suppress(SupervisorError):  # gone: the supervisor's rule applies

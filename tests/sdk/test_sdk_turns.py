@@ -366,3 +366,22 @@ async def test_a_program_dropped_while_frozen_holds_its_tools_again(
         events = await collect(session.run("go", timeout_s=30))
     end = next(e for e in events if isinstance(e, ToolCallEnd))
     assert (end.state, end.output) == ("ok", "still here 1")
+
+
+@module_loop
+async def test_a_50_mb_client_tool_result_is_cut_to_the_bound(farm: EmbeddedFarm,
+                                                              workspace: Path) -> None:
+    @tool
+    def probe(x: int) -> str:
+        return "y" * 50_000_000
+
+    async with farm.connect() as corral:
+        session = await corral.create_session(SessionOptions(workspace=workspace,
+                                                             approval="allow"), tools=[probe])
+        events = await collect(session.run("go", timeout_s=60))
+        follow_up = await collect(session.run("again", timeout_s=60))
+    end = next(e for e in events if isinstance(e, ToolCallEnd))
+    assert end.state == "ok"
+    assert end.payload["truncated"] is True  # cut to TOOL_OUTPUT_BYTES (the event shows 64 KiB)
+    assert isinstance(events[-1], TurnComplete)
+    assert isinstance(follow_up[-1], TurnComplete)
