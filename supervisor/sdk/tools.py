@@ -144,6 +144,10 @@ class ClientTool:
             return value
         if isinstance(value, str):
             return ToolOutcome(value)
+        # A large value is serialised in a thread: the loop keeps the heartbeats going.
+        return await asyncio.to_thread(self._render, value)
+
+    def _render(self, value: Any) -> ToolOutcome:
         try:
             return ToolOutcome(json.dumps(value, ensure_ascii=False, default=str))
         except (TypeError, ValueError) as exc:
