@@ -355,12 +355,14 @@ class ClientToolHost:
     async def call_hook(self, inp: HookInput, timeout_s: float) -> HookResult | None:
         declared = await self.declared(inp.session_id)
         wait_s = min(declared.wait_s if declared else DEFAULT_WAIT_S, timeout_s / 2)
+        started = time.monotonic()
         identity = await self._holder(inp.session_id, None, wait_s)
         try:
             if identity is None:
                 raise CallFailed(CLIENT_UNAVAILABLE, "no client holds the hooks", False)
+            left = max(0.05, timeout_s - (time.monotonic() - started))
             answer = await self._roundtrip(identity, inp.session_id, str(inp.event), {
-                "kind": "hook", "input": inp.to_json()}, timeout_s)
+                "kind": "hook", "input": inp.to_json()}, left)
         except CallFailed as exc:
             if exc.kind == FailureKind.TIMEOUT:
                 raise
