@@ -11,14 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from supervisor.sdk import EmbeddedFarm, SessionOptions, tool
-
-_ = EmbeddedFarm  # the same import path a user program has
+from supervisor.sdk import Corral, SessionOptions, tool
 
 
 async def main(endpoint: str, workspace: str, marker: str) -> None:
-    from supervisor.sdk import Corral
-
     @tool
     def probe(x: int) -> str:
         Path(marker).write_text(str(os.getpid()))
