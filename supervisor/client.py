@@ -32,7 +32,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from broker.errors import BrokerUnavailable
@@ -89,6 +89,11 @@ class SupervisorClient:
         self._reader: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
         self._beat_s = min(0.5, liveness_s / 3)
+        # Client tools and hooks (supervisor.sdk): pushed calls and cancels go to
+        # ``on_push`` (called from the read loop: it must not block), and
+        # ``on_reconnect`` runs when the supervisor restarted or went silent.
+        self.on_push: Callable[[dict[str, Any]], None] | None = None
+        self.on_reconnect: Callable[[], None] | None = None
 
     async def __aenter__(self) -> SupervisorClient:
         self._connect()
@@ -196,6 +201,13 @@ class SupervisorClient:
             self._server_id = server_id
         if "hb" in msg:
             return
+        if "dropped" in msg:  # the server gave up on us (silent too long): start over
+            await self._on_supervisor_lost("dropped us")
+            return
+        if "client_call" in msg or "client_cancel" in msg:
+            if self.on_push is not None:
+                self.on_push(msg)
+            return
         if "sub" in msg:
             sub = self._subs.get(msg["sub"])
             if sub is None:
@@ -224,6 +236,8 @@ class SupervisorClient:
 
     async def _on_supervisor_lost(self, why: str) -> None:
         log.info("supervisor %s; resubscribing %d subscription(s)", why, len(self._subs))
+        if self.on_reconnect is not None:
+            self.on_reconnect()
         subs = list(self._subs.values())
         self._subs.clear()
         for sub in subs:

@@ -38,6 +38,7 @@ from typing import Any
 
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
+from supervisor import clienttools
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, UnknownSession
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 _SPEC_KEYS = {"workspace", "route", "route_spec", "approval", "instructions", "hooks",
               "tool_policy", "compaction_threshold_tokens", "stream", "session_id",
               "child_route", "parent_session_id", "sandbox_mode", "git_writable",
-              "mcp", "tools"}
+              "mcp", "tools", *clienttools.SPEC_KEYS}
 _ROUTE_KEYS = set(ModelRoute.__annotations__)
 # A checkpoint answer must fit in one client-protocol message (8 MiB) with room to spare.
 MAX_EXPORT_ANSWER_BYTES = 6 * 1024 * 1024
@@ -339,6 +340,7 @@ class Facade:
         if not isinstance(workspace, str) or not os.path.isabs(workspace):
             raise CallError(ErrorKind.BAD_REQUEST, "workspace must be an absolute path")
         _sandbox_options(spec)
+        client_extra = clienttools.declaration(spec)  # client tools and hooks
         real, identity = await asyncio.to_thread(_pin_workspace, workspace, self.farm_dirs)
         await self._check_workspace(real, tenant)
         spec["workspace"] = real
@@ -347,7 +349,7 @@ class Facade:
         session_spec.tenant = tenant
         # Workers refuse the workspace once it is no longer this directory.
         session_spec.extra = {**session_spec.extra, "workspace_identity": identity,
-                              "workspace_host": socket.gethostname()}
+                              "workspace_host": socket.gethostname(), **client_extra}
         with _engine_errors(session_spec.session_id or ""):
             return str(await self.manager.create_session(session_spec))
 

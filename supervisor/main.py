@@ -30,8 +30,10 @@ from broker.security import CurveClient, Guard, KeyFileError
 from broker.taskdump import install_task_dump
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
+from supervisor.clienttools import ClientToolHost
 from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
+from supervisor.engine.routers import add_router, remove_router
 from supervisor.export import DirectorySink, HttpSink
 from supervisor.facade import Facade
 from supervisor.farm.layout import secure_home
@@ -148,16 +150,19 @@ async def serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
         return 2
     store = await Store.open(ns.db or home / "corral.db")
+    client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)
+    add_router(client_host)
     try:
         async with BrokerClient(ns.broker, heartbeat_interval_s=ns.heartbeat_interval_s,
                                 liveness=ns.liveness, curve=broker_curve,
                                 identity=broker_identity(ns.db or home / "corral.db"),
                                 ) as broker:
             manager = SessionManager(store=store, broker=broker, config=econf,
-                                     export_sinks=export_sinks(cfg))
+                                     export_sinks=export_sinks(cfg),
+                                     middleware_factory=client_host.middlewares)
             facade = Facade(manager=manager, store=store, broker=broker,
                             engine_config=econf, home=home, defaults=session_defaults(cfg))
-            server = ClientServer(facade, ns.listen, guard=guard)
+            server = ClientServer(facade, ns.listen, guard=guard, client_host=client_host)
             bound = server.bind()
             if bound.startswith("ipc://"):
                 with contextlib.suppress(OSError):
@@ -189,6 +194,7 @@ async def serve(ns: argparse.Namespace) -> int:
                 server_task.cancel()
                 manager_task.cancel()
     finally:
+        remove_router(client_host)
         await store.close()
         if guard is not None:
             guard.close()

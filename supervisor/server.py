@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -30,6 +30,9 @@ from broker.security import Guard, recv_frames_user, tenant_of_user_id
 from broker.transport import readable, recv_frames, send_frames
 from supervisor import wire
 from supervisor.wire import ErrorKind
+
+if TYPE_CHECKING:
+    from supervisor.clienttools import ClientToolHost
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class _Client:
     tenant: str | None
     last_seen: float
     calls_running: int = 0
+    liveness_s: float | None = None  # asked for by the client (register_client)
     subs: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
 
 
@@ -82,8 +86,13 @@ class ClientServer:
         tenant_of: Callable[[bytes], str | None] | None = None,
         configure_socket: Callable[[zmq.Socket[Any]], None] | None = None,
         guard: Guard | None = None,
+        client_host: ClientToolHost | None = None,
     ) -> None:
         self.backend = backend
+        # Client tools and hooks (supervisor/clienttools.py) answer over this endpoint.
+        self.client_host = client_host
+        if client_host is not None:
+            client_host.attach(self._send)
         self.endpoint = endpoint
         self.bound_endpoint: str | None = None
         self.instance_id = uuid.uuid4().hex
@@ -168,18 +177,24 @@ class ClientServer:
             await asyncio.sleep(self.heartbeat_interval_s)
             now = time.monotonic()
             for client in list(self._clients.values()):
-                if now - client.last_seen > self.client_liveness_s:
+                if now - client.last_seen > (client.liveness_s or self.client_liveness_s):
                     self._drop_client(client, "silent")
                 else:
                     self._send(client.identity, {"hb": True})
 
-    def _drop_client(self, client: _Client, why: str) -> None:
+    def _drop_client(self, client: _Client, why: str, *, notify: bool = True) -> None:
         log.info("client %s %s; cancelling %d subscription(s)", client.identity.hex(), why,
                  len(client.subs))
         self.counters["expired_clients"] += 1
+        # Best effort: a client that was only slow (paused, starved) reads this
+        # later and resubscribes (and holds its client tools again).
+        if notify:  # never to the principal that took a routing identity over
+            self._send(client.identity, {"dropped": {"why": why}})
         for task in client.subs.values():
             task.cancel()
         self._clients.pop(client.identity, None)
+        if self.client_host is not None:
+            self.client_host.client_gone(client.identity)
 
     async def _read_loop(self) -> None:
         assert self._sock is not None
@@ -215,7 +230,7 @@ class ClientServer:
             log.warning("refused: identity %s reused by tenant %r (was %r); "
                         "dropping the old client's state", identity.hex()[:16], tenant,
                         client.tenant)
-            self._drop_client(client, "taken over by another key")
+            self._drop_client(client, "taken over by another key", notify=False)
             # Calls of the old client still running answer to no one (an empty
             # routing id is unroutable), never to the new principal.
             client.identity = b""
@@ -327,11 +342,36 @@ class ClientServer:
                                    min(self._arg(args, "limit", int, 500), 5000), tenant)
         if call == "export":
             return await b.export(self._arg(args, "session_id", str), tenant)
+        if call in ("register_client", "client_result"):
+            return await self._client_tools(client, call, args)
         if call == "status":
             status = await b.status()
             status["client_endpoint"] = {"clients": len(self._clients), **self.counters}
             return status
         raise CallError(ErrorKind.BAD_REQUEST, f"unknown call {call!r}")  # pragma: no cover
+
+    async def _client_tools(self, client: _Client, call: str, args: dict[str, Any]) -> Any:
+        """``register_client``: hold a session's client tools and hooks (and ask
+        for a liveness window); ``client_result``: answer a pushed call."""
+        host = self.client_host
+        if host is None:
+            raise CallError(ErrorKind.BAD_REQUEST, "this supervisor has no client tools")
+        if call == "client_result":
+            return host.resolve(client.identity, self._arg(args, "id", int),
+                                args.get("result"))
+        liveness = args.get("liveness_s")
+        if liveness is not None:
+            if isinstance(liveness, bool) or not isinstance(liveness, int | float) \
+                    or not 1.0 <= liveness <= self.client_liveness_s:
+                raise CallError(ErrorKind.BAD_REQUEST, "liveness_s must be in [1, "
+                                f"{self.client_liveness_s:g}] seconds")
+            client.liveness_s = float(liveness)
+        tools = self._arg(args, "tools", list, [])
+        if not all(isinstance(t, str) for t in tools):
+            raise CallError(ErrorKind.BAD_REQUEST, "tools must be a list of names")
+        return await host.register(client.identity, client.tenant,
+                                   self._arg(args, "session_id", str), tools,
+                                   bool(args.get("hooks", False)))
 
     def _subscribe(self, client: _Client, session_id: str, after_sequence: int,
                    sub_id: int) -> int:

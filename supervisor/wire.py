@@ -9,14 +9,27 @@ over one ZeroMQ DEALER → ROUTER connection. Each message is two frames::
 Client → supervisor: ``{"id": int, "call": str, "args": {...}}``. Calls:
 ``hello``, ``ping``, ``create_session``, ``submit``, ``subscribe``,
 ``unsubscribe``, ``list_sessions``, ``describe``, ``status``, ``history``,
-``export`` (a session's latest portable checkpoint: ``{"checkpoint", "source"}``).
+``export`` (a session's latest portable checkpoint: ``{"checkpoint", "source"}``),
+``register_client`` (``{session_id, tools: [names], hooks: bool, liveness_s?}``:
+this connection holds the session's client tools and hooks, and is dropped
+after ``liveness_s`` of silence) and ``client_result`` (``{id, result}``: the
+answer to a pushed ``client_call``: for a tool ``{output, is_error,
+error_kind?, truncated?, client: {pid, uid, host}}``, for a hook ``{hook:
+{...HookResult fields}}`` or ``{error}``; see ``supervisor/clienttools.py``).
 
 Supervisor → client:
 - a call's answer: ``{"id": int, "ok": true, "result": ...}`` or
   ``{"id": int, "ok": false, "error": {"kind", "message"}}``;
 - a pushed event: ``{"sub": int, "event": {...EventRecord fields...}}``;
 - a subscription's end: ``{"sub": int, "end": {"kind", "message"}}``;
-- a heartbeat: ``{"hb": true}``.
+- a heartbeat: ``{"hb": true}``;
+- ``{"dropped": {"why"}}``: the server dropped this client (silent past its
+  liveness window): its subscriptions and client tool holds are gone;
+- a call of a client tool or hook this client holds:
+  ``{"client_call": {"id", "session_id", "name", "budget_s", "kind": "tool",
+  "call_id", "arguments"}}`` or ``{... "kind": "hook", "input": {...}}``,
+  answered with the ``client_result`` call; ``{"client_cancel": {"id"}}``
+  when the supervisor gives up on it (interrupt, budget).
 
 Every message from the supervisor also carries ``"srv": instance_id``, a
 fresh id per supervisor process, so clients notice a restart at once.
@@ -42,6 +55,7 @@ MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
 CALLS: Final = frozenset({
     "hello", "ping", "create_session", "submit", "subscribe", "unsubscribe",
     "list_sessions", "describe", "status", "history", "export", "delete_session",
+    "register_client", "client_result",
 })
 
 

@@ -35,6 +35,7 @@ from sandbox_worker.api import (
     decode_tool_result,
 )
 from supervisor.engine.errors import CallFailed
+from supervisor.engine.routers import find_router
 from supervisor.tools.router import router_for
 
 log = logging.getLogger(__name__)
@@ -118,11 +119,16 @@ async def call_tool(
     with kind ``protocol`` when malformed). A command tool's or MCP server's
     call (``command_tool`` / ``mcp``, attached by ``tooling.outside_request``)
     goes through the outside-tool router: validated against its schema here,
-    and an MCP call sent to the worker that holds its server."""
+    and an MCP call sent to the worker that holds its server. A name another
+    router takes (client tools: ``engine/routers.py``) runs there instead of
+    through the broker."""
     send = tool_sender(broker, budget_s=budget_s, attempt=attempt, on_partial=on_partial,
                        cancel_grace_s=cancel_grace_s)
     if "command_tool" in request or "mcp" in request:
         return await router_for(broker).call(send, request)
+    router = await find_router(request)
+    if router is not None:
+        return await router.call(request, budget_s=budget_s, on_partial=on_partial)
     return await send(SERVICE_TOOL, dict(request))
 
 

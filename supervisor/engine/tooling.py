@@ -19,6 +19,9 @@ Invariants:
   ``IDEMPOTENT_TOOLS``, a command tool's ``idempotent``/``read_only`` flags, an
   MCP tool's ``idempotentHint``/``readOnlyHint``; everything else is
   side-effecting (``unknown`` after a lost worker).
+- Client tools (``extra["client_tools"]``, ``supervisor/clienttools.py``)
+  are offered too; they are never idempotent and run in the program that
+  declared them (``engine/routers.py``).
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ _DESCRIPTIONS: Final[dict[str, tuple[str, dict[str, Any]]]] = {
 }
 
 
-def tool_schemas(names: list[str]) -> list[ToolSchema]:
+def tool_schemas(names: list[str], extra: dict[str, Any] | None = None) -> list[ToolSchema]:
     out: list[ToolSchema] = []
     for name in names:
         if name not in TOOL_NAMES or name not in _DESCRIPTIONS:
@@ -103,11 +106,13 @@ def tool_schemas(names: list[str]) -> list[ToolSchema]:
         out.append(ToolSchema(name=name, description=description, parameters=parameters,
                               idempotent=name in IDEMPOTENT_TOOLS,
                               read_only=name in READ_ONLY_TOOLS))
-    return out
+    return out + client_tool_schemas(extra)
 
 
-def offered(names: list[str], tool: str) -> bool:
-    return tool in TOOL_NAMES and tool in names
+def offered(names: list[str], tool: str, extra: dict[str, Any] | None = None) -> bool:
+    if tool in TOOL_NAMES:
+        return tool in names
+    return any(t["name"] == tool for t in client_tool_schemas(extra))
 
 
 # -- outside tools -------------------------------------------------------------
@@ -143,7 +148,8 @@ def _mcp_schemas(s: Session) -> list[ToolSchema]:
 
 def offered_schemas(s: Session) -> list[ToolSchema]:
     """Every tool the session offers the model now."""
-    return [*tool_schemas(s.spec.tools), *_command_schemas(s), *_mcp_schemas(s)]
+    return [*tool_schemas(s.spec.tools, s.spec.extra), *_command_schemas(s),
+            *_mcp_schemas(s)]
 
 
 def _find(s: Session, tool: str) -> ToolSchema | None:
@@ -159,7 +165,7 @@ def _find(s: Session, tool: str) -> ToolSchema | None:
 def offered_in(s: Session, tool: str) -> bool:
     """Whether the session offers ``tool`` (an MCP tool of a server not listed
     yet, e.g. after a restart, counts: the router lists it at the call)."""
-    if offered(s.spec.tools, tool) or tool in s.spec.command_tools:
+    if offered(s.spec.tools, tool, s.spec.extra) or tool in s.spec.command_tools:
         return True
     parts = split_mcp_name(tool)
     if parts is None or parts[0] not in s.spec.mcp:
@@ -229,3 +235,15 @@ async def discover(turn: Turn) -> None:
             log.warning("session %s: %s not offered: %s", s.sid, name, reason)
             await s.warn(f"MCP tool {name!r} is not offered: {reason}", turn.submission_id,
                          mcp_server=server, error_kind="invalid_schema")
+
+
+# -- client tools (sdk helper): declared once, checked by the facade ---------
+def client_tool_schemas(extra: dict[str, Any] | None) -> list[ToolSchema]:
+    """The client tools a session's config declares (``extra["client_tools"]``)."""
+    declared = (extra or {}).get("client_tools")
+    if not isinstance(declared, list):
+        return []
+    return [ToolSchema(name=str(t["name"]), description=str(t.get("description", "")),
+                       parameters=dict(t.get("parameters") or {}), idempotent=False,
+                       read_only=False)
+            for t in declared if isinstance(t, dict) and isinstance(t.get("name"), str)]
