@@ -28,6 +28,9 @@ Invariants:
 - An answer is taken only from the connection the call was sent to, for a
   call of this supervisor instance (ids start at a random point); a late or
   foreign answer is ignored.
+- A call's arguments are checked against the tool's declared JSON Schema
+  (``supervisor/tools/schema.py``) before anything is sent: a refused call
+  gets error kind ``bad_arguments`` and never reaches the program.
 - Every wait has a deadline; nothing here blocks on a client.
 - Each result carries an isolation record with ``tier: "client"`` and what
   the client reported of itself (pid, uid, host): the call ran outside the
@@ -43,7 +46,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -62,6 +65,8 @@ from supervisor.engine.hooks import DENYING_EVENTS, HookEvent, HookInput, HookRe
 from supervisor.server import CallError
 from supervisor.store import Store
 from supervisor.store.records import SessionId
+from supervisor.tools.router import refused
+from supervisor.tools.schema import ArgumentsInvalid, SchemaProblem, check_schema, validate
 from supervisor.wire import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -117,6 +122,12 @@ def declaration(spec: dict[str, Any]) -> dict[str, Any]:
             raise CallError(ErrorKind.BAD_REQUEST,
                             f"client tool {name!r}: parameters must be a JSON schema of type "
                             f"'object' (at most {MAX_SCHEMA_CHARS} characters)")
+        try:
+            check_schema(params)
+        except SchemaProblem as exc:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"client tool {name!r}: parameters is not a valid JSON Schema: "
+                            f"{exc}") from None
         out_tools.append({"name": name, "description": description, "parameters": params})
     events = {str(e) for e in HookEvent}
     if not isinstance(hooks, list) or not all(h in events for h in hooks):
@@ -156,6 +167,7 @@ class _Declared:
     tools: frozenset[str]
     hooks: frozenset[str]
     wait_s: float
+    schemas: Mapping[str, Any]  # tool -> its declared parameters (a JSON Schema)
 
 
 class ClientToolHost:
@@ -188,10 +200,10 @@ class ClientToolHost:
         if record is None:
             return None
         extra = record.config.get("extra") or {}
-        tools = frozenset(str(t.get("name")) for t in extra.get("client_tools") or []
-                          if isinstance(t, dict))
-        got = _Declared(tools, frozenset(extra.get("client_hooks") or []),
-                        float(extra.get("client_wait_s", DEFAULT_WAIT_S)))
+        schemas = {str(t.get("name")): t.get("parameters") or {}
+                   for t in extra.get("client_tools") or [] if isinstance(t, dict)}
+        got = _Declared(frozenset(schemas), frozenset(extra.get("client_hooks") or []),
+                        float(extra.get("client_wait_s", DEFAULT_WAIT_S)), schemas)
         if len(self._declared) >= MAX_CACHED_SESSIONS:  # a cache: bounded, refilled on use
             self._declared.clear()
         self._declared[session_id] = got
@@ -308,6 +320,13 @@ class ClientToolHost:
                    ) -> ToolCallResult:
         sid, name = str(request["session_id"]), str(request["tool"])
         declared = await self.declared(sid)
+        if declared is not None and name in declared.schemas:
+            # Checked here, as command and MCP tools are (supervisor/tools/schema.py):
+            # a call the schema refuses never reaches the program.
+            try:
+                validate(declared.schemas[name], request.get("arguments", {}))
+            except (ArgumentsInvalid, SchemaProblem) as exc:
+                return refused(request, "bad_arguments", f"Tool call not run: {exc}")
         wait_s = min(declared.wait_s if declared else DEFAULT_WAIT_S, budget_s)
         started = time.monotonic()
         identity = await self._holder(sid, name, wait_s)

@@ -108,6 +108,39 @@ async def test_a_client_tool_that_raises_is_a_typed_error_and_the_session_goes_o
 
 
 @module_loop
+async def test_arguments_the_declared_schema_refuses_never_reach_the_program(
+        farm: EmbeddedFarm, workspace: Path) -> None:
+    calls: list[int] = []
+
+    @tool(parameters={"type": "object", "required": ["x"], "additionalProperties": False,
+                      "properties": {"x": {"type": "integer", "minimum": 2}}})
+    def probe(x: int) -> str:
+        calls.append(x)
+        return "fine"
+
+    async with farm.connect() as corral:
+        session = await corral.create_session(SessionOptions(workspace=workspace,
+                                                             approval="allow"), tools=[probe])
+        first = await collect(session.run("go", timeout_s=30))  # probe(x=1): below minimum
+        second = await collect(session.run("again", timeout_s=30))  # probe(x=2)
+        with pytest.raises(SupervisorError, match="not a valid JSON Schema"):
+            await corral.create_session(
+                SessionOptions(workspace=workspace, approval="allow"),
+                tools=[tool(name="broken", parameters={"type": "object",
+                                                       "properties": {"x": {"type": 5}}})(
+                    lambda x: "")])
+    end = next(e for e in first if isinstance(e, ToolCallEnd))
+    assert end.is_error
+    assert end.error_kind == "bad_arguments", end
+    assert "minimum" in end.output
+    assert "Tool call not run" in end.output
+    assert isinstance(first[-1], TurnComplete)
+    end2 = next(e for e in second if isinstance(e, ToolCallEnd))
+    assert (end2.state, end2.output) == ("ok", "fine")
+    assert calls == [2]  # the refused call never ran
+
+
+@module_loop
 async def test_approval_rules_apply_to_client_tools(farm: EmbeddedFarm, workspace: Path,
                                                     ) -> None:
     ran: list[int] = []
