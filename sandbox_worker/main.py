@@ -26,10 +26,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from broker import otel
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, KeyFileError
 from broker.taskdump import install_task_dump
 from broker.worker import BrokerWorker, RequestContext
+from sandbox_worker import tracing
 from sandbox_worker.api import SERVICE_MODEL, SERVICE_TOOL
 
 log = logging.getLogger(__name__)
@@ -125,8 +127,10 @@ async def serve(ns: argparse.Namespace) -> int:
                             "capacity": ns.capacity}
     for name, svc in services.items():
         info[name] = svc.info()
+    if otel.wanted():  # OTEL_EXPORTER_OTLP_ENDPOINT (docs/operations.md)
+        tracing.install()
     handlers: dict[str, Callable[[RequestContext], Awaitable[bytes]]] = {
-        name: svc.handle for name, svc in services.items()
+        name: tracing.wrap(name, svc.handle) for name, svc in services.items()
     }
     worker = BrokerWorker(
         ns.broker, handlers, capacity=ns.capacity, info=info,
@@ -161,6 +165,7 @@ async def serve(ns: argparse.Namespace) -> int:
     finally:
         for svc in services.values():
             await svc.aclose()
+        tracing.shutdown()  # flushes the spans not exported yet
     return 0
 
 

@@ -162,9 +162,7 @@ async def serve(ns: argparse.Namespace) -> int:
                 metrics_listen=ns.metrics or cfg.metrics_listen,
                 web_listen=ns.web or cfg.web_listen,
                 tracing=telemetry.tracing_wanted(cfg.otlp_endpoint),
-                record_content=cfg.record_content)
-            if wanted.tracing and cfg.otlp_endpoint:
-                os.environ.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", cfg.otlp_endpoint)
+                otlp_endpoint=cfg.otlp_endpoint, record_content=cfg.record_content)
             seen = await stack.enter_async_context(telemetry.started(
                 wanted, manager=manager, snapshot=facade.status, home=home))
             server = ClientServer(facade, ns.listen, guard=guard)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +38,10 @@ def split_host_port(text: str) -> tuple[str, int]:
 
 
 def tracing_wanted(otlp_endpoint: str | None) -> bool:
-    """Traces are on when an OTLP endpoint is set: the standard variables
-    (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``..._TRACES_ENDPOINT``) or corral.toml's
-    ``[telemetry] otlp_endpoint``; ``OTEL_SDK_DISABLED=true`` or
-    ``OTEL_TRACES_EXPORTER=none`` turn them off."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    if os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
-        return False
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or otlp_endpoint)
+    """Traces are on when an OTLP endpoint is set (``broker.otel.wanted``)."""
+    from broker import otel
+
+    return otel.wanted(otlp_endpoint)
 
 
 @dataclass
@@ -56,6 +49,7 @@ class Wanted:
     metrics_listen: str | None = None
     web_listen: str | None = None
     tracing: bool = False
+    otlp_endpoint: str | None = None
     record_content: bool = False
 
 
@@ -73,6 +67,13 @@ async def started(wanted: Wanted, *, manager: SessionManager,
     stops: list[Callable[[], None]] = []
     loop = asyncio.get_running_loop()
     try:
+        if wanted.tracing:
+            from supervisor.telemetry.tracing import SupervisorTracer
+
+            tracer = SupervisorTracer(record_content=wanted.record_content,
+                                      endpoint=wanted.otlp_endpoint)
+            sinks.append(tracer)
+            stops.append(tracer.shutdown)
         if wanted.metrics_listen:
             from prometheus_client import start_http_server
 
