@@ -147,8 +147,20 @@ def cmd_up(ns: Namespace) -> int:
                 print_json(info)
             else:
                 _print_farm(info)
+                for line in telemetry_lines(info.get("children", []), ns.home):
+                    print(line)
             return EXIT_OK
-        farm = Farm(ns.home, workers=ns.workers, metrics=ns.metrics, web=ns.web)
+        said: list[str] = []
+
+        def say_telemetry() -> None:
+            if said or not farm.serving:
+                return
+            said.extend(telemetry_lines(farm.tree.status(), ns.home))
+            for line in said:
+                print(f"corral: {line}", file=sys.stderr)
+
+        farm = Farm(ns.home, workers=ns.workers, metrics=ns.metrics, web=ns.web,
+                    on_change=say_telemetry)
     except config_mod.ConfigError as exc:
         return say_error(ns, "config", str(exc), EXIT_USAGE)
     except OSError as exc:
@@ -158,6 +170,29 @@ def cmd_up(ns: Namespace) -> int:
     print(f"farm at {ns.home}: starting {len(farm.specs)} processes; Ctrl-C stops it",
           file=sys.stderr)
     return asyncio.run(serve_forever(farm))
+
+
+def telemetry_lines(children: list[dict[str, Any]], home: Path) -> list[str]:
+    """Where the supervisor serves metrics and the web view (its ready line),
+    with the web view's token when its address needs one."""
+    ready = next((c.get("ready") or {} for c in children if c.get("name") == "supervisor"), {})
+    lines = []
+    if isinstance(ready.get("metrics"), str):
+        lines.append(f"metrics: {ready['metrics']}")
+    web = ready.get("web")
+    if isinstance(web, str):
+        from supervisor.telemetry.setup import split_host_port
+        from supervisor.telemetry.web import TOKEN_FILE, is_loopback
+
+        host = split_host_port(web.rstrip("/").removeprefix("http://"))[0]
+        token = ""
+        if not is_loopback(host):
+            try:
+                token = "?token=" + (home / TOKEN_FILE).read_text().strip()
+            except OSError:
+                token = f" (token in {home / TOKEN_FILE})"
+        lines.append(f"web view: {web}{token}")
+    return lines
 
 
 def cmd_down(ns: Namespace) -> int:

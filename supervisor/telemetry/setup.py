@@ -93,6 +93,14 @@ async def started(wanted: Wanted, *, manager: SessionManager,
             stops.append(stop_metrics)
             shown = f"[{host}]" if ":" in host else host
             bound["metrics"] = f"http://{shown}:{server.server_port}/metrics"
+        if wanted.web_listen:
+            from supervisor.telemetry.web import WebView
+
+            web = WebView(wanted.web_listen, manager=manager, snapshot=snapshot,
+                          home=home, loop=loop)
+            sinks.append(web)
+            bound["web"] = web.start()
+            stops.append(web.stop)
         hub = Telemetry(sinks)
         manager.on_commit = hub.committed
         calls.set_call_observer(hub)
