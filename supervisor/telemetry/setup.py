@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.engine import calls
+from supervisor.engine import calls, hooks
 from supervisor.engine.manager import SessionManager
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ async def started(wanted: Wanted, *, manager: SessionManager,
                                       endpoint=wanted.otlp_endpoint)
             sinks.append(tracer)
             stops.append(tracer.shutdown)
+            hooks.set_hook_observer(tracer.hook)
         if wanted.metrics_listen:
             from prometheus_client import start_http_server
 
@@ -108,6 +109,7 @@ async def started(wanted: Wanted, *, manager: SessionManager,
     finally:
         manager.on_commit = None
         calls.set_call_observer(None)
+        hooks.set_hook_observer(None)
         for stop in reversed(stops):
             try:
                 stop()

@@ -30,6 +30,7 @@ class ReceivedSpan:
     status_code: int
     attributes: dict[str, Any]
     events: list[str]
+    start_ns: int = 0
 
 
 @dataclass
@@ -72,7 +73,7 @@ def otlp_receiver() -> Iterator[Receiver]:
                             str(res.get("service.name")), s.name, s.trace_id.hex(),
                             s.span_id.hex(), s.parent_span_id.hex(), s.kind, s.status.code,
                             {a.key: _value(a.value) for a in s.attributes},
-                            [e.name for e in s.events]))
+                            [e.name for e in s.events], s.start_time_unix_nano))
             with rec.lock:
                 rec.spans.extend(got)
                 rec.requests += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ SCRIPT = {"responses": [
     {"text": "the worker was lost", "usage": {"input": 40, "output": 7}},
 ]}
 
+DASHBOARD = (Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json").read_text()
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -118,6 +120,11 @@ async def test_metrics_of_a_run_with_a_worker_killed(telemetry_farm: Callable[..
     assert value(after, "corral_sessions", state="idle") == 1
     assert value(after, "corral_approvals_pending") == 0
     assert value(after, "corral_workers", service="tool") >= 1
+    # Every series the sample Grafana dashboard queries exists.
+    _, families = await scrape(url)
+    series = {n for (n, _ls) in after}
+    for name in set(re.findall(r"corral_[a-z_]+", DASHBOARD)):
+        assert name in series or name.removesuffix("_total") in families, name
     # Bounded labels: no session id anywhere in a label.
     for (_name, labels) in after:
         for _k, v in labels:

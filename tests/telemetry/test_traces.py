@@ -55,7 +55,8 @@ def _ancestors(span: ReceivedSpan, by_id: dict[str, ReceivedSpan]) -> list[Recei
 
 async def test_traces_cross_the_processes_and_a_worker_kill(
         receiver: Receiver, telemetry_farm: Callable[..., Any], workspace_root: Path) -> None:
-    farm = await telemetry_farm(SCRIPT)
+    # A command hook after each executed tool call (none runs for the lost one).
+    farm = await telemetry_farm(SCRIPT, extra='[[hooks.post_tool]]\ncommand = "true"\n')
     ws = workspace_root / "ws"
     ws.mkdir()
     async with SupervisorClient(farm.endpoint) as sv:
@@ -82,19 +83,19 @@ async def test_traces_cross_the_processes_and_a_worker_kill(
     by_id = _by_id(spans)
     services = {s.service for s in spans}
     assert {"corral-supervisor", "corral-worker"} <= services, services
-    turns = [s for s in spans if s.name == "turn"]
+    turns = sorted((s for s in spans if s.name == "turn"), key=lambda s: s.start_ns)
     assert all(t.parent_span_id == "" for t in turns)
     assert all(t.attributes["gen_ai.conversation.id"] == sid for t in turns)
 
-    # Turn 1: turn -> model_step -> chat (client) -> worker's model request -> chat.
-    first = turns[0] if turns[0].attributes.get("corral.outcome") == "completed" else turns[1]
+    # Turn 1: turn -> chat (client) -> worker's model request -> chat (client).
+    first, second = turns
     worker_chat = [s for s in spans if s.service == "corral-worker" and s.name.startswith("chat ")
                    and s.trace_id == first.trace_id]
     assert len(worker_chat) == 2, [s.name for s in spans]
     for s in worker_chat:
         chain = [a.name for a in _ancestors(s, by_id)]
         assert chain[:2] == ["model request", f"chat {s.attributes['gen_ai.request.model']}"]
-        assert chain[2:] == ["model_step", "turn"], chain
+        assert chain[2:] == ["turn"], chain
         assert by_id[s.parent_span_id].service == "corral-worker"
         assert by_id[by_id[s.parent_span_id].parent_span_id].service == "corral-supervisor"
         assert "gen_ai.server.time_to_first_token" in s.attributes
@@ -106,23 +107,29 @@ async def test_traces_cross_the_processes_and_a_worker_kill(
     assert usage == {(20, 5), (30, 6)}
     run = next(s for s in spans if s.name == "tool.run" and s.trace_id == first.trace_id)
     chain = [(a.service, a.name) for a in _ancestors(run, by_id)]
-    assert chain == [("corral-worker", "tool request"), ("corral-supervisor", "tool shell"),
+    assert chain == [("corral-worker", "tool request"),
                      ("corral-supervisor", "execute_tool shell"),
                      ("corral-supervisor", "turn")], chain
     assert any(s.name == "sandbox.launch" and s.parent_span_id == run.parent_span_id
                for s in spans)
     execute = by_id[by_id[run.parent_span_id].parent_span_id]
+    assert execute.attributes["corral.outcome"] == "ok"
     assert execute.attributes["gen_ai.tool.name"] == "shell"
     assert execute.attributes["gen_ai.tool.call.id"]
 
-    # Turn 2: its tool call's worker was SIGKILLed; the supervisor's client span
-    # ends with the failure kind, parented in the same turn's trace.
-    second = next(t for t in turns if t is not first)
-    lost = [s for s in spans if s.name == "tool shell" and s.trace_id == second.trace_id]
+    hooks = [s for s in spans if s.name == "hook post_tool"]
+    assert [h.parent_span_id for h in hooks] == [first.span_id], hooks
+    assert hooks[0].trace_id == first.trace_id
+    assert hooks[0].status_code != 2
+
+    # Turn 2: its tool call's worker was SIGKILLed; the supervisor's span of the
+    # call ends with the failure kind, in the same turn's trace.
+    lost = [s for s in spans if s.name == "execute_tool shell"
+            and s.trace_id == second.trace_id]
     assert len(lost) == 1
     assert lost[0].attributes["error.type"] == "worker_lost"
     assert lost[0].status_code == 2  # STATUS_CODE_ERROR
-    assert [a.name for a in _ancestors(lost[0], by_id)] == ["execute_tool shell", "turn"]
+    assert lost[0].parent_span_id == second.span_id
 
     # No content, no key by default.
     for s in spans:

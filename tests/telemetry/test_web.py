@@ -42,7 +42,7 @@ def _check_headers(resp: httpx.Response) -> None:
                     "(scripts/_bootstrap.sh installs it with the test extra)")
 async def test_web_view_in_a_real_browser(telemetry_farm: Callable[..., Any],
                                           workspace_root: Path, tmp_path: Path) -> None:
-    from playwright.async_api import async_playwright
+    from playwright.async_api import async_playwright, expect
 
     farm = await telemetry_farm(SCRIPT, extra='[web]\nlisten = "127.0.0.1:0"\n')
     url = farm.ready()["web"]
@@ -85,9 +85,9 @@ async def test_web_view_in_a_real_browser(telemetry_farm: Callable[..., Any],
                 assert t in types, types
             # Server text is text, never markup.
             assert await browser_page.locator("#events b").count() == 0
-            await browser_page.wait_for_function(
-                "document.querySelector('[data-chart=\"tool calls\"] .v').textContent === '1'",
-                timeout=30_000)
+            # (a locator, not wait_for_function: the page's CSP forbids eval)
+            await expect(browser_page.locator('[data-chart="tool calls"] .v')).to_have_text(
+                "1", timeout=30_000)
             shot = tmp_path / "web-view.png"
             await browser_page.screenshot(path=str(shot), full_page=True)
         finally:
