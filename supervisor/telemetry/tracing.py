@@ -93,6 +93,8 @@ class SupervisorTracer:
                  provider: TracerProvider | None = None) -> None:
         self.record_content = record_content
         self._ids = _TurnIds()
+        if provider is not None:  # a given provider (tests) gets the turn ids too
+            provider.id_generator = self._ids
         self.provider = provider or otel.configure("corral-supervisor", endpoint,
                                                    id_generator=self._ids)
         self.tracer = self.provider.get_tracer("corral.supervisor")

@@ -60,3 +60,37 @@ def test_telemetry_config(tmp_path: Path) -> None:
         (tmp_path / "corral.toml").write_text(text)
         with pytest.raises(config_mod.ConfigError, match=where):
             config_mod.load(tmp_path)
+
+
+def test_a_restarted_supervisor_continues_the_turns_trace() -> None:
+    """The tracer of a new supervisor process, fed the rest of a turn begun under
+    the old one, reports its spans in the same trace (trace id from the turn id)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from supervisor.store.records import EventRecord, SessionId
+    from supervisor.telemetry.tracing import SupervisorTracer, trace_id_of
+
+    exporter = InMemorySpanExporter()
+
+    def tracer() -> SupervisorTracer:
+        t = SupervisorTracer(provider=TracerProvider())
+        t.provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return t
+
+    def event(type_: str, **payload: object) -> EventRecord:
+        return EventRecord(SessionId("sess_1"), 1, type_, {"turn_id": "turn_7", **payload},
+                           None, 1000.0)
+
+    before = tracer()
+    before.committed([event("turn_started")], 0.0)
+    before.committed([event("tool_call_begin", call_id="c1", name="shell")], 0.0)
+    # ... the supervisor is SIGKILLed; a new process resumes the turn.
+    after = tracer()
+    after.committed([event("tool_call_end", call_id="c1", name="shell", outcome="ok")], 0.0)
+    after.committed([event("turn_complete")], 0.0)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["turn (resumed)"].context.trace_id == trace_id_of("turn_7")
+    before_turn = before._turns["turn_7"].span.get_span_context()
+    assert before_turn.trace_id == trace_id_of("turn_7")
