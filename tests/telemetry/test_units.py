@@ -94,3 +94,18 @@ def test_a_restarted_supervisor_continues_the_turns_trace() -> None:
     assert spans["turn (resumed)"].context.trace_id == trace_id_of("turn_7")
     before_turn = before._turns["turn_7"].span.get_span_context()
     assert before_turn.trace_id == trace_id_of("turn_7")
+
+
+def test_corral_up_says_where_telemetry_serves(tmp_path: Path) -> None:
+    from supervisor.cli.lifecycle import telemetry_lines
+
+    children = [{"name": "broker", "ready": {}},
+                {"name": "supervisor", "ready": {"metrics": "http://127.0.0.1:9464/metrics",
+                                                 "web": "http://127.0.0.1:8765/"}}]
+    assert telemetry_lines(children, tmp_path) == [
+        "metrics: http://127.0.0.1:9464/metrics", "web view: http://127.0.0.1:8765/"]
+    (tmp_path / "web.token").write_text("t" * 43 + "\n")
+    children[1]["ready"] = {"web": "http://0.0.0.0:8765/"}
+    assert telemetry_lines(children, tmp_path) == [
+        "web view: http://0.0.0.0:8765/?token=" + "t" * 43]
+    assert telemetry_lines([{"name": "supervisor", "ready": None}], tmp_path) == []

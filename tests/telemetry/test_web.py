@@ -44,7 +44,8 @@ async def test_web_view_in_a_real_browser(telemetry_farm: Callable[..., Any],
                                           workspace_root: Path, tmp_path: Path) -> None:
     from playwright.async_api import async_playwright, expect
 
-    farm = await telemetry_farm(SCRIPT, extra='[web]\nlisten = "127.0.0.1:0"\n')
+    # corral up --web (Farm's override; the metrics test covers corral.toml's key)
+    farm = await telemetry_farm(SCRIPT, web="127.0.0.1:0")
     url = farm.ready()["web"]
     assert url.startswith("http://127.0.0.1:")
     port = int(url.rstrip("/").rsplit(":", 1)[1])
