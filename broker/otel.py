@@ -14,6 +14,9 @@ Trace context crosses processes as one W3C ``traceparent`` string
 ``parse_traceparent`` accepts only that shape (55 characters), so a peer can
 never make us carry anything else or anything bigger.
 
+The broker reads that key from the payload's last bytes only
+(``traceparent_at_end``): it never decodes a payload.
+
 Invariants: nothing here is imported by a process whose traces are off
 (the ``opentelemetry`` imports are inside the functions); the exporter runs in
 the SDK's own thread and never blocks the event loop.
@@ -66,6 +69,23 @@ def parse_traceparent(value: object) -> tuple[int, int, int] | None:
     if trace_id == 0 or span_id == 0:
         return None
     return trace_id, span_id, int(m.group(3), 16)
+
+
+_TAIL_KEY = b"\xa5trace\xd9\x37"  # msgpack: fixstr "trace", then str8 of 55 bytes
+_TAIL = len(_TAIL_KEY) + MAX_TRACEPARENT
+
+
+def traceparent_at_end(body: bytes) -> str | None:
+    """The traceparent of a request payload whose last key is ``"trace"`` (as
+    ``calls.stream_call`` adds it), read from the body's last 63 bytes without
+    decoding the rest (the broker's hot path); None otherwise."""
+    if len(body) < _TAIL or body[-_TAIL:-MAX_TRACEPARENT] != _TAIL_KEY:
+        return None
+    try:
+        value = body[-MAX_TRACEPARENT:].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return value if parse_traceparent(value) is not None else None
 
 
 def format_traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:

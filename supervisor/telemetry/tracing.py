@@ -13,7 +13,8 @@ A model step is its request's span and a tool call its ``execute_tool``
 span: no separate span for the request (each span costs about 0.14 ms of the
 supervisor's CPU on the 2-core test machine, with as much again to export
 it). Their context travels to the worker as the payload's ``trace``
-(``broker.otel``), so the worker's spans are their children. A request that
+(``broker.otel``), so the worker's spans and the broker's ``broker
+dispatch`` span are their children. A request that
 fails (``worker_lost`` when its worker died) marks its span with status ERROR
 and ``error.type`` = the failure kind.
 

@@ -62,6 +62,16 @@ async def test_traces_cross_the_processes_and_a_worker_kill(
     async with SupervisorClient(farm.endpoint) as sv:
         sid = await sv.create_session(workspace=str(ws))
         assert (await run_turn(sv, sid, "run echo"))["type"] == "turn_complete"
+
+        async def turn_one_exported() -> bool:
+            # Before the kill: a worker that served turn 1 may be the one killed,
+            # and a killed worker's unexported spans are lost.
+            spans = receiver.snapshot()
+            return (sum(1 for s in spans if s.service == "corral-worker"
+                        and s.name.startswith("chat ")) == 2
+                    and any(s.name == "tool.run" for s in spans))
+
+        await eventually(turn_one_exported, timeout_s=30, what="turn 1's worker spans")
         sub = await sv.submit(sid, {"type": "user_input", "text": "sleep"})
         victim = await eventually(lambda: _tool_worker_pid(sv), timeout_s=30,
                                   what="a worker to hold the tool call")
@@ -82,7 +92,7 @@ async def test_traces_cross_the_processes_and_a_worker_kill(
     spans = receiver.snapshot()
     by_id = _by_id(spans)
     services = {s.service for s in spans}
-    assert {"corral-supervisor", "corral-worker"} <= services, services
+    assert {"corral-supervisor", "corral-broker", "corral-worker"} <= services, services
     turns = sorted((s for s in spans if s.name == "turn"), key=lambda s: s.start_ns)
     assert all(t.parent_span_id == "" for t in turns)
     assert all(t.attributes["gen_ai.conversation.id"] == sid for t in turns)
@@ -130,6 +140,17 @@ async def test_traces_cross_the_processes_and_a_worker_kill(
     assert lost[0].attributes["error.type"] == "worker_lost"
     assert lost[0].status_code == 2  # STATUS_CODE_ERROR
     assert lost[0].parent_span_id == second.span_id
+
+    # The broker's span of each request hangs under the supervisor's span of it.
+    sup_chat = {s.span_id for s in spans if s.service == "corral-supervisor"
+                and s.name.startswith("chat ") and s.trace_id == first.trace_id}
+    dispatch = [s for s in spans if s.service == "corral-broker"
+                and s.trace_id == first.trace_id]
+    assert {s.name for s in dispatch} == {"broker dispatch"}
+    assert {s.parent_span_id for s in dispatch
+            if s.attributes["corral.service"] == "model"} == sup_chat
+    assert execute.span_id in {s.parent_span_id for s in dispatch
+                               if s.attributes["corral.service"] == "tool"}
 
     # No content, no key by default.
     for s in spans:

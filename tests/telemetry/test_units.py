@@ -109,3 +109,17 @@ def test_corral_up_says_where_telemetry_serves(tmp_path: Path) -> None:
     assert telemetry_lines(children, tmp_path) == [
         "web view: http://0.0.0.0:8765/?token=" + "t" * 43]
     assert telemetry_lines([{"name": "supervisor", "ready": None}], tmp_path) == []
+
+
+def test_the_broker_reads_the_traceparent_from_the_payloads_end_only() -> None:
+    from broker.protocol import pack
+
+    tp = otel.format_traceparent(0xABC, 0xDEF)
+    assert otel.traceparent_at_end(pack({"items": ["x" * 1000], "trace": tp})) == tp
+    # Anywhere but last (a model's text holding one, say) is not a trace context.
+    assert otel.traceparent_at_end(pack({"trace": tp, "items": []})) is None
+    assert otel.traceparent_at_end(pack({"items": [{"trace": "x"}]})) is None
+    assert otel.traceparent_at_end(pack({"items": ["say", tp]})) is None  # not the key
+    assert otel.traceparent_at_end(pack({"trace": "00-" + "z" * 52})) is None
+    assert otel.traceparent_at_end(b"") is None
+    assert otel.traceparent_at_end(b"\xa5trace\xd9\x37" + b"\xff" * 55) is None
