@@ -34,7 +34,8 @@ run. With ``--telemetry`` the supervisor levels run a second time in the same
 run with metrics (scraped every second) and traces (exported over OTLP/HTTP to
 a local sink) on in the supervisor process: ``telemetry_on_vs_off_N`` and
 ``throughputN_vs_minimal_telemetry_on`` (issue 18's bound: at most a 10% drop).
-The workers are the same processes in both phases and do not trace.
+The broker and the workers are the same processes in both phases and do not
+trace.
 
 Invariants: every turn is checked (one tool call ended ``ok``, then
 ``turn_complete``), a failed turn fails the run; every child is started in
