@@ -174,13 +174,13 @@ class WebView:
             except queue.Full:  # a slow viewer: close its stream, keep the others
                 with self._lock:
                     self._streams.discard(q)
-                with_end = q
-                while True:
+                while True:  # drop its backlog, then tell its thread to end
                     try:
-                        with_end.get_nowait()
+                        q.get_nowait()
                     except queue.Empty:
                         break
-                with_end.put_nowait(None)
+                with contextlib.suppress(queue.Full):  # the ticker may race us
+                    q.put_nowait(None)
 
     # ---------------------------------------------------------- snapshots
 

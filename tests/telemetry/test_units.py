@@ -123,3 +123,28 @@ def test_the_broker_reads_the_traceparent_from_the_payloads_end_only() -> None:
     assert otel.traceparent_at_end(pack({"trace": "00-" + "z" * 52})) is None
     assert otel.traceparent_at_end(b"") is None
     assert otel.traceparent_at_end(b"\xa5trace\xd9\x37" + b"\xff" * 55) is None
+
+
+def test_a_slow_web_viewer_is_closed_not_the_others(tmp_path: Path) -> None:
+    import asyncio
+
+    from supervisor.telemetry import web as web_mod
+
+    loop = asyncio.new_event_loop()
+    try:
+        view = web_mod.WebView("127.0.0.1:0", manager=None, snapshot=None,  # type: ignore[arg-type]
+                               home=tmp_path, loop=loop)
+        slow, fast = view.subscribe(), view.subscribe()
+        assert slow is not None
+        assert fast is not None
+        for i in range(web_mod.QUEUE_LIMIT + 5):
+            view._broadcast("event", {"i": i})
+            while not fast.empty():
+                fast.get_nowait()
+        assert slow.get_nowait() is None  # its backlog dropped, told to end
+        assert view.subscribe() is not None  # room again; the fast one still listed
+        with view._lock:
+            assert fast in view._streams
+            assert slow not in view._streams
+    finally:
+        loop.close()
