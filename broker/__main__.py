@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from broker import protocol
+from broker import otel, protocol
 from broker.faults import FrameFaults
 from broker.lifeline import watch_parent
 from broker.security import CurveServer, KeyFileError
@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("broker").warning("frame faults enabled: %s (rate %.3f, seed %d)",
                                             sorted(args.faults.kinds), args.faults.rate,
                                             args.faults_seed)
+    provider = None
+    if otel.wanted():  # OTEL_EXPORTER_OTLP_ENDPOINT (docs/operations.md)
+        provider = otel.configure("corral-broker")
+        broker.tracer = provider.get_tracer("corral.broker")
     frontend, backend = broker.bind()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         broker.run()
     finally:
         broker.close()
+        if provider is not None:
+            provider.shutdown()  # flushes the spans not exported yet
     return 0
 
 

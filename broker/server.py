@@ -39,7 +39,7 @@ from typing import Any, Final
 import msgpack
 import zmq
 
-from broker import protocol
+from broker import otel, protocol
 from broker.faults import DELAY, DROP, DUPLICATE, FrameFaults
 from broker.protocol import FailureKind
 from broker.security import CurveServer, Guard
@@ -132,6 +132,8 @@ class Broker:
         self._stopping = False
         self._drops = _DropLog()
         self._faults = config.faults
+        # OpenTelemetry tracer (python -m broker sets it when traces are on).
+        self.tracer: Any = None
         # The hot path (see _on_frontend) is off in chaos runs: faults act on messages.
         self._fast = config.faults is None
         # Metadata plus body at most this long keep a message within max_message_bytes.
@@ -353,6 +355,8 @@ class Broker:
                 body = frames[4]
                 got = self.state.on_request(frames[0], rid, service, budget_s, body, attempt,
                                             _monotonic())
+                if self.tracer is not None:
+                    self._trace(service, body, attempt, isinstance(got, Forward))
                 if isinstance(got, Forward):
                     self._send(_WORKER, got.identity, _request_frames(
                         self._pack, got.request_id, service, got.budget_s, body, attempt))
@@ -365,10 +369,23 @@ class Broker:
         msg = self._decode(frames, "client")
         if msg is None:
             return
+        if self.tracer is not None and isinstance(msg, protocol.Request):
+            self._trace(msg.service, msg.body, msg.attempt, None)
         if self._faults is None:
             self._perform(self.state.on_client(frames[0], msg, _monotonic()))
         else:
             self._inject(Side.CLIENT, frames[0], msg)
+
+    def _trace(self, service: str, body: bytes, attempt: int, at_once: bool | None) -> None:
+        """One ``broker dispatch`` span (``corral-broker``) under the caller's span,
+        when the payload carries a trace context (``broker.otel``; off: never called)."""
+        parent = otel.remote_parent(otel.traceparent_at_end(body))
+        if parent is None:
+            return
+        attrs: dict[str, Any] = {"corral.service": service, "corral.attempt": attempt}
+        if at_once is not None:
+            attrs["corral.dispatched_at_once"] = at_once  # False: queued for a worker
+        self.tracer.start_span("broker dispatch", context=parent, attributes=attrs).end()
 
     def _on_backend(self, frames: list[bytes]) -> None:
         if (len(frames) == 5 and frames[2] == _REPLY and frames[1] == _HEADER

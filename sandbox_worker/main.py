@@ -27,10 +27,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from broker import otel
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, KeyFileError
 from broker.taskdump import install_task_dump
 from broker.worker import BrokerWorker, RequestContext
+from sandbox_worker import tracing
 from sandbox_worker.api import PIN_SEP, SERVICE_MODEL, SERVICE_TOOL
 
 log = logging.getLogger(__name__)
@@ -126,15 +128,17 @@ async def serve(ns: argparse.Namespace) -> int:
                             "capacity": ns.capacity}
     for name, svc in services.items():
         info[name] = svc.info()
+    if otel.wanted():  # OTEL_EXPORTER_OTLP_ENDPOINT (docs/operations.md)
+        tracing.install()
     handlers: dict[str, Callable[[RequestContext], Awaitable[bytes]]] = {
-        name: svc.handle for name, svc in services.items()
+        name: tracing.wrap(name, svc.handle) for name, svc in services.items()
     }
     tool_service = services.get(SERVICE_TOOL)
     if tool_service is not None:
         # This worker's own name for the tool service: MCP calls of a session
         # whose server it holds are sent here (docs/tools.md, "Affinity").
         pin = f"{SERVICE_TOOL}{PIN_SEP}{uuid.uuid4().hex[:16]}"
-        handlers[pin] = tool_service.handle
+        handlers[pin] = tracing.wrap(SERVICE_TOOL, tool_service.handle)
         tool_service.mcp.pin = pin  # type: ignore[attr-defined]
     worker = BrokerWorker(
         ns.broker, handlers, capacity=ns.capacity, info=info,
@@ -169,6 +173,7 @@ async def serve(ns: argparse.Namespace) -> int:
     finally:
         for svc in services.values():
             await svc.aclose()
+        tracing.shutdown()  # flushes the spans not exported yet
     return 0
 
 

@@ -13,6 +13,11 @@ command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
   || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_apt+=(libseccomp2)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)  # the CLI's terminal tests (tests/cli/test_terminal.py)
+# The web view's browser test (tests/telemetry/test_web.py) drives Debian's
+# chromium with playwright (browsers cannot be downloaded): test extra only.
+if [ "${CORRAL_BOOTSTRAP_EXTRA:-}" = test ]; then
+  command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing system packages: ${need_apt[*]}" >&2

@@ -115,6 +115,13 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # parameters = { type = "object", properties = { text = { type = "string" } } }
 # command = ["python3", "-c", "import json,sys; print(len(json.load(sys.stdin)['text'].split()))"]
 # read_only = true             # and idempotent: run again after a lost worker
+# Telemetry (docs/operations.md): off by default.
+# [telemetry]
+# metrics_listen = "127.0.0.1:9464"   # Prometheus /metrics (corral up --metrics)
+# otlp_endpoint = "http://127.0.0.1:4318"  # OTLP/HTTP traces; OTEL_* variables win
+# record_content = false       # true: spans carry prompts, tool arguments and outputs
+# [web]
+# listen = "127.0.0.1:8765"    # the read-only live page (corral up --web)
 
 # Portable checkpoints are exported at every tool boundary to each sink.
 # [[export.sinks]]
@@ -122,7 +129,9 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # path = "exports"             # relative to the farm's home
 """
 
-_SECTIONS = {"farm", "sandbox", "session", "routes", "export", "hooks", "mcp", "tools"}
+_SECTIONS = {"farm", "sandbox", "session", "routes", "export", "hooks", "mcp", "tools",
+             "telemetry", "web"}
+_HOST_PORT = re.compile(r"[\w.\-\[\]:]+:\d{1,5}")
 _ROUTE_KEYS = {
     "provider", "model", "base_url", "credential_env", "native_compaction",
     "context_window", "max_output_tokens", "connect_timeout_s", "read_timeout_s",
@@ -162,6 +171,10 @@ class FarmConfig:
     instructions: str = "You are a careful coding agent. Use the tools to do the work."
     routes: dict[str, ModelRoute] = field(default_factory=dict)  # incl. script routes
     export_sinks: tuple[dict[str, Any], ...] = ()
+    metrics_listen: str | None = None  # [telemetry] HOST:PORT of /metrics
+    otlp_endpoint: str | None = None  # [telemetry] OTLP/HTTP base URL for traces
+    record_content: bool = False  # [telemetry] spans carry prompts/arguments/outputs
+    web_listen: str | None = None  # [web] listen: HOST:PORT of the live page
     # [[hooks.EVENT]] tables as the session spec's command hooks:
     # ({"event", "command", "timeout_s"}, ...) in file order.
     hooks: tuple[dict[str, Any], ...] = ()
@@ -337,6 +350,22 @@ def load(home: Path) -> FarmConfig:
         command_tools = parse_command_tools(raw.get("tools", {}))
     except SpecError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    telemetry = raw.get("telemetry", {})
+    _check_keys(path, "telemetry", telemetry, {"metrics_listen", "otlp_endpoint",
+                                               "record_content"})
+    metrics_listen = _typed(path, "telemetry", telemetry, "metrics_listen", str, None)
+    if metrics_listen is not None and not _HOST_PORT.fullmatch(metrics_listen):
+        raise _fail(path, "telemetry.metrics_listen", 'must be "HOST:PORT", e.g. '
+                    '"127.0.0.1:9464"')
+    otlp = _typed(path, "telemetry", telemetry, "otlp_endpoint", str, None)
+    if otlp is not None and not re.fullmatch(r"https?://\S+", otlp):
+        raise _fail(path, "telemetry.otlp_endpoint", 'must be an http(s) URL, e.g. '
+                    '"http://127.0.0.1:4318"')
+    web = raw.get("web", {})
+    _check_keys(path, "web", web, {"listen"})
+    web_listen = _typed(path, "web", web, "listen", str, None)
+    if web_listen is not None and not _HOST_PORT.fullmatch(web_listen):
+        raise _fail(path, "web.listen", 'must be "HOST:PORT", e.g. "127.0.0.1:8765"')
     workers = _typed(path, "farm", farm, "workers", int, None)
     if workers is not None and not 0 <= workers <= 256:
         raise _fail(path, "farm.workers", "must be between 0 (remote workers only) and 256")
@@ -376,6 +405,10 @@ def load(home: Path) -> FarmConfig:
                             FarmConfig.instructions),
         routes=routes,
         export_sinks=tuple(sinks),
+        metrics_listen=metrics_listen,
+        otlp_endpoint=otlp,
+        record_content=_typed(path, "telemetry", telemetry, "record_content", bool, False),
+        web_listen=web_listen,
         hooks=parse_hooks(path, raw.get("hooks", {})),
     )
 

@@ -40,6 +40,7 @@ from supervisor.farm.layout import secure_home
 from supervisor.keys import farm_keys
 from supervisor.server import ClientServer
 from supervisor.store import Store
+from supervisor.telemetry import setup as telemetry
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve", action="store_true",
                    help="CURVE + ZAP with the farm's keys (HOME/keys, see docs/multihost.md) "
                    "on a tcp:// --listen, and towards a tcp:// --broker")
+    p.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus /metrics here (default: [telemetry] metrics_listen)")
+    p.add_argument("--web", default=None, metavar="HOST:PORT",
+                   help="serve the read-only live web view here (default: [web] listen)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -156,12 +161,19 @@ async def serve(ns: argparse.Namespace) -> int:
         async with BrokerClient(ns.broker, heartbeat_interval_s=ns.heartbeat_interval_s,
                                 liveness=ns.liveness, curve=broker_curve,
                                 identity=broker_identity(ns.db or home / "corral.db"),
-                                ) as broker:
+                                ) as broker, contextlib.AsyncExitStack() as stack:
             manager = SessionManager(store=store, broker=broker, config=econf,
                                      export_sinks=export_sinks(cfg),
                                      middleware_factory=client_host.middlewares)
             facade = Facade(manager=manager, store=store, broker=broker,
                             engine_config=econf, home=home, defaults=session_defaults(cfg))
+            wanted = telemetry.Wanted(
+                metrics_listen=ns.metrics or cfg.metrics_listen,
+                web_listen=ns.web or cfg.web_listen,
+                tracing=telemetry.tracing_wanted(cfg.otlp_endpoint),
+                otlp_endpoint=cfg.otlp_endpoint, record_content=cfg.record_content)
+            seen = await stack.enter_async_context(telemetry.started(
+                wanted, manager=manager, snapshot=facade.status, home=home))
             server = ClientServer(facade, ns.listen, guard=guard, client_host=client_host)
             bound = server.bind()
             if bound.startswith("ipc://"):
@@ -187,7 +199,8 @@ async def serve(ns: argparse.Namespace) -> int:
                 stopping.cancel()
                 if not stop.is_set():
                     sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
-                                                 "listen": bound, "broker": ns.broker}) + "\n")
+                                                 "listen": bound, "broker": ns.broker,
+                                                 **seen}) + "\n")
                     sys.stdout.flush()
                 await stop.wait()
                 log.info("stopping: no new calls; sessions are checkpointed at every step")

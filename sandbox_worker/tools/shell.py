@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from sandbox_worker import tracing
 from sandbox_worker.api import TOOL_OUTPUT_BYTES, ToolLimits, fit_text, json_size
 from sandbox_worker.sandbox.errors import BadArguments, ToolError
 from sandbox_worker.sandbox.process import OnChunk, RunOutcome, RunSpec, run
@@ -72,6 +73,7 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
     workdir = check_relative(args.get("workdir", "."))
     wall = effective_wall_s(args, limits, remaining_s)
     tmpdir: str | None = None
+    launch = tracing.start("sandbox.launch", tier=str(profile.tier))
     if profile.tier in ("T1", "T0"):
         tmpdir = await asyncio.to_thread(_make_tmp, profile, uid)
     chain = profile.build(argv, workspace, limits, network=network, uid=uid, tmpdir=tmpdir,
@@ -92,17 +94,20 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
             raise ToolError(f"this call's sandbox did not hold at tier {profile.tier}: "
                             f"{'; '.join(verified.problems)}", kind="sandbox_unavailable")
     except BaseException:
+        tracing.end(launch, failed=True)
         for fd in chain.pass_fds:
             os.close(fd)
         if tmpdir is not None:
             await asyncio.to_thread(shutil.rmtree, tmpdir, True)
         raise
+    tracing.end(launch)
     spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
                    output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
                    grace_s=grace_s, uid=uid, stdin=stdin)
     try:
         try:
-            outcome = await run(spec, on_chunk)
+            with tracing.span("tool.run", tier=str(profile.tier)):
+                outcome = await run(spec, on_chunk)
         finally:
             for fd in chain.pass_fds:
                 os.close(fd)

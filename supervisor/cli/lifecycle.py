@@ -52,6 +52,13 @@ def add_parsers(sub: Subparsers) -> None:
                    help="sandbox workers (default: config, else one per core, at least 2; "
                    "0: none here, every worker is remote)")
     p.add_argument("--detach", action="store_true", help="run in the background")
+    p.add_argument("--metrics", default=None, metavar="HOST:PORT", type=host_port_arg,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: "
+                   "[telemetry] metrics_listen in corral.toml; off)")
+    p.add_argument("--web", default=None, metavar="HOST:PORT", type=host_port_arg,
+                   help="serve the read-only live web view at http://HOST:PORT/ (default: "
+                   "[web] listen; off); an address other than loopback needs the token "
+                   "printed at start")
     add_json(p)
     p.set_defaults(handler=cmd_up)
 
@@ -69,6 +76,19 @@ def add_parsers(sub: Subparsers) -> None:
     add_home(p)
     add_json(p)
     p.set_defaults(handler=cmd_status)
+
+
+def host_port_arg(text: str) -> str:
+    """``HOST:PORT`` (``[v6]:PORT`` too), checked at parse time."""
+    import argparse
+
+    from supervisor.telemetry.setup import split_host_port
+
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f'{exc}; e.g. "127.0.0.1:9464"') from None
+    return text
 
 
 def ensure_config(home: Path, say: Callable[[str], None]) -> Path:
@@ -121,13 +141,26 @@ def cmd_up(ns: Namespace) -> int:
         if ns.detach:
             if not ns.json:
                 print(f"starting a farm at {ns.home} ...", file=sys.stderr)
-            info = start_detached(ns.home, workers=ns.workers)
+            info = start_detached(ns.home, workers=ns.workers, metrics=ns.metrics,
+                                  web=ns.web)
             if ns.json:
                 print_json(info)
             else:
                 _print_farm(info)
+                for line in telemetry_lines(info.get("children", []), ns.home):
+                    print(line)
             return EXIT_OK
-        farm = Farm(ns.home, workers=ns.workers)
+        said: list[str] = []
+
+        def say_telemetry() -> None:
+            if said or not farm.serving:
+                return
+            said.extend(telemetry_lines(farm.tree.status(), ns.home))
+            for line in said:
+                print(f"corral: {line}", file=sys.stderr)
+
+        farm = Farm(ns.home, workers=ns.workers, metrics=ns.metrics, web=ns.web,
+                    on_change=say_telemetry)
     except config_mod.ConfigError as exc:
         return say_error(ns, "config", str(exc), EXIT_USAGE)
     except OSError as exc:
@@ -137,6 +170,29 @@ def cmd_up(ns: Namespace) -> int:
     print(f"farm at {ns.home}: starting {len(farm.specs)} processes; Ctrl-C stops it",
           file=sys.stderr)
     return asyncio.run(serve_forever(farm))
+
+
+def telemetry_lines(children: list[dict[str, Any]], home: Path) -> list[str]:
+    """Where the supervisor serves metrics and the web view (its ready line),
+    with the web view's token when its address needs one."""
+    ready = next((c.get("ready") or {} for c in children if c.get("name") == "supervisor"), {})
+    lines = []
+    if isinstance(ready.get("metrics"), str):
+        lines.append(f"metrics: {ready['metrics']}")
+    web = ready.get("web")
+    if isinstance(web, str):
+        from supervisor.telemetry.setup import split_host_port
+        from supervisor.telemetry.web import TOKEN_FILE, is_loopback
+
+        host = split_host_port(web.rstrip("/").removeprefix("http://"))[0]
+        token = ""
+        if not is_loopback(host):
+            try:
+                token = "?token=" + (home / TOKEN_FILE).read_text().strip()
+            except OSError:
+                token = f" (token in {home / TOKEN_FILE})"
+        lines.append(f"web view: {web}{token}")
+    return lines
 
 
 def cmd_down(ns: Namespace) -> int:

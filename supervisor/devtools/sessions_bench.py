@@ -30,7 +30,12 @@ provider). Memory per idle session: RSS growth of this process over
 before any traffic so freed arenas cannot hide growth) and tracemalloc's
 figure beside it. Ratios: supervisor turns/s over minimal turns/s per level
 (``throughput100_vs_minimal`` is the target: ≥ 0.7); compare only within one
-run.
+run. With ``--telemetry`` the supervisor levels run a second time in the same
+run with metrics (scraped every second) and traces (exported over OTLP/HTTP to
+a local sink) on in the supervisor process: ``telemetry_on_vs_off_N`` and
+``throughputN_vs_minimal_telemetry_on`` (issue 18's bound: at most a 10% drop).
+The broker and the workers are the same processes in both phases and do not
+trace.
 
 Invariants: every turn is checked (one tool call ended ``ok``, then
 ``turn_complete``), a failed turn fails the run; every child is started in
@@ -52,10 +57,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +201,7 @@ async def _drive(manager: SessionManager, sid: SessionId, turns: int,
             sub = await manager.submit(sid, {"type": "user_input", "text": f"turn {t}"})
             ok_calls = 0
             seen: list[str] = []
+            ends: list[Any] = []
             try:
                 async with asyncio.timeout(TURN_TIMEOUT_S):
                     while True:
@@ -204,6 +211,9 @@ async def _drive(manager: SessionManager, sid: SessionId, turns: int,
                         seen.append(e.type)
                         if e.type == "tool_call_end" and e.payload.get("outcome") == "ok":
                             ok_calls += 1
+                        elif e.type == "tool_call_end":
+                            ends.append({k: e.payload.get(k) for k in (
+                                "outcome", "error_kind", "error", "exit_code")})
                         if e.type == "turn_aborted":
                             raise BenchFailed(f"session {sid} turn {t} aborted: {e.payload}")
                         if e.type == "turn_complete":
@@ -217,7 +227,8 @@ async def _drive(manager: SessionManager, sid: SessionId, turns: int,
                     f"events {seen[-6:]}, turn {st.active_turn}, "
                     f"tool calls {st.pending_tool_calls}") from None
             if ok_calls != 1:
-                raise BenchFailed(f"session {sid} turn {t}: {ok_calls} ok tool calls, not 1")
+                raise BenchFailed(f"session {sid} turn {t}: {ok_calls} ok tool calls, not 1 "
+                                  f"({str(ends)[:500]})")
     finally:
         await it.aclose()  # type: ignore[attr-defined]
 
@@ -312,8 +323,58 @@ def _minimal(procs: list[subprocess.Popen[bytes]], url: str, ws: str,
     return out
 
 
+@contextlib.asynccontextmanager
+async def _telemetry_on(manager: SessionManager, client: BrokerClient,
+                        home: Path) -> AsyncIterator[None]:
+    """Metrics (scraped every second) and traces (exported to a local OTLP/HTTP
+    sink that drops them) on in this process, as a farm with both has them."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from supervisor.telemetry import setup as telemetry
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    sink = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    thread = threading.Thread(target=sink.serve_forever, daemon=True)
+    thread.start()
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{sink.server_address[1]}"
+
+    async def status() -> dict[str, Any]:
+        return {"broker": await client.status(timeout_s=2.0), "sessions": manager.stats()}
+
+    wanted = telemetry.Wanted(metrics_listen="127.0.0.1:0", tracing=True)
+    try:
+        async with telemetry.started(wanted, manager=manager, snapshot=status,
+                                     home=home) as bound:
+            async def scrape() -> None:
+                while True:
+                    await asyncio.to_thread(lambda: urllib.request.urlopen(
+                        bound["metrics"], timeout=5).read())
+                    await asyncio.sleep(1.0)
+
+            async with asyncio.TaskGroup() as tg:
+                scraper = tg.create_task(scrape())
+                try:
+                    yield
+                finally:
+                    scraper.cancel()
+    finally:
+        os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+        sink.shutdown()
+        sink.server_close()
+        thread.join(5)
+
+
 async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, capacity: int,
-                idle: int) -> dict[str, Any]:
+                idle: int, telemetry: bool = False) -> dict[str, Any]:
     script = tmp / "script.json"
     write_script(script, max(m for _, m in levels) + 1)
     ws = tmp / "ws"
@@ -356,6 +417,24 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                             sup[str(n)] = await _supervisor_level(manager, str(ws), meter,
                                                                   counter, n, m, on_stuck)
                         results["supervisor"] = sup
+                        if telemetry:  # the same levels again, metrics and traces on
+                            tel: dict[str, Any] = {}
+                            async with _telemetry_on(manager, client, tmp):
+                                # warm-up: the exporter's and the scrape's first
+                                # use import and set up (seconds on a loaded box)
+                                await _supervisor_level(manager, str(ws), meter, counter,
+                                                        1, 2, on_stuck)
+                                for n, m in levels:
+                                    tel[str(n)] = await _supervisor_level(
+                                        manager, str(ws), meter, counter, n, m, on_stuck)
+                            results["supervisor_telemetry"] = tel
+                            # and off again: the drift of the machine's load across
+                            # the two phases shows in off-before vs off-after
+                            again: dict[str, Any] = {}
+                            for n, m in levels:
+                                again[str(n)] = await _supervisor_level(
+                                    manager, str(ws), meter, counter, n, m, on_stuck)
+                            results["supervisor_off_again"] = again
                     finally:
                         task.cancel()
         finally:
@@ -406,6 +485,20 @@ def summarize(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]
     for n in sup:
         headline[f"supervisor_turns_per_s_{n}"] = sup[n]["turns_per_s"]
         headline[f"minimal_turns_per_s_{n}"] = mini[n]["turns_per_s"]
+    tel = results.get("supervisor_telemetry") or {}
+    for n in tel:
+        ratios[f"throughput{n}_vs_minimal_telemetry_on"] = round(
+            tel[n]["turns_per_s"] / mini[n]["turns_per_s"], 3)
+        ratios[f"telemetry_on_vs_off_{n}"] = round(
+            tel[n]["turns_per_s"] / sup[n]["turns_per_s"], 3)
+        again = (results.get("supervisor_off_again") or {}).get(n)
+        if again:  # on against the mean of the off runs before and after it
+            ratios[f"telemetry_on_vs_off_mean_{n}"] = round(
+                2 * tel[n]["turns_per_s"] / (sup[n]["turns_per_s"] + again["turns_per_s"]), 3)
+            ratios[f"cpu_per_turn_on_vs_off_mean_{n}"] = round(
+                2 * tel[n]["supervisor_cpu_ms_per_turn"]
+                / (sup[n]["supervisor_cpu_ms_per_turn"] + again["supervisor_cpu_ms_per_turn"]), 3)
+        headline[f"supervisor_turns_per_s_{n}_telemetry_on"] = tel[n]["turns_per_s"]
     key = "100" if "100" in sup else next(iter(sup))
     headline["supervisor_cpu_ms_per_turn"] = sup[key]["supervisor_cpu_ms_per_turn"]
     headline["minimal_cpu_ms_per_turn"] = mini[key]["cpu_ms_per_turn"]
@@ -425,6 +518,11 @@ def print_table(results: dict[str, Any], ratios: dict[str, float]) -> None:
               f"{s['workers_cpu_ms_per_turn']:>7.2f} {s['tool_children_cpu_ms_per_turn']:>7.2f} "
               f"{s['provider_cpu_ms_per_turn']:>6.2f} | "
               f"{ratios[f'throughput{n}_vs_minimal']:>6.3f}")
+    for n, t in (results.get("supervisor_telemetry") or {}).items():
+        print(f"{n:>8} {t['turns_each']:>7} | telemetry on: {t['turns_per_s']:>8.1f} t/s, "
+              f"cpu {t['supervisor_cpu_ms_per_turn']:.2f} ms/t | ratio to minimal "
+              f"{ratios[f'throughput{n}_vs_minimal_telemetry_on']:.3f}, on/off "
+              f"{ratios[f'telemetry_on_vs_off_{n}']:.3f}")
     idle = results["idle"]
     print(f"idle session: {idle['idle_session_bytes']} B RSS "
           f"({idle['idle_session_tracemalloc_bytes']} B tracemalloc), "
@@ -452,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
         "per worker; keep workers x capacity x 3 under the tools' per-uid process limit (256)"))
     parser.add_argument("--idle", type=int, default=0,
                         help="idle sessions for the memory figure (default 1000, --quick 300)")
+    parser.add_argument("--telemetry", action="store_true", help=(
+        "run the levels again with metrics (scraped every second) and traces (OTLP/HTTP "
+        "to a local sink) on in the supervisor; report on/off ratios"))
     parser.add_argument("--levels", type=_levels, default=None,
                         help="N:M[,N:M...] instead of the default levels (for profiling)")
     args = parser.parse_args(argv)
@@ -459,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
         levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
-        results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle))
+        results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle,
+                                    args.telemetry))
     results["seconds"] = round(time.monotonic() - started, 1)
     headline, ratios = summarize(results)
     results.update(headline)

@@ -12,6 +12,10 @@ Invariants:
   or dead worker cannot delay an interrupt. ``CancelledError`` is re-raised.
 - Every call carries a budget in seconds (``budget_s``); the broker fails it
   with ``timeout`` when the budget runs out.
+- Telemetry observes here and only here (``set_call_observer``): one
+  ``CallWatch`` per request sees its first partial and its end; when it gives
+  a ``trace`` (a W3C traceparent) the payload carries it as ``"trace"``, a key
+  workers that do not trace ignore. A watch never changes a call's outcome.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from broker.errors import BrokerError, RequestFailed
-from broker.protocol import FailureKind, ProtocolError, pack, unpack
+from broker.protocol import Failure, FailureKind, ProtocolError, pack, unpack
 from sandbox_worker.api import (
     SERVICE_MODEL,
     SERVICE_TOOL,
@@ -48,12 +52,71 @@ class Broker(Protocol):
               attempt: int = 1) -> Any: ...
 
 
+class CallWatch(Protocol):
+    """Telemetry's view of one request (``supervisor.telemetry``)."""
+
+    trace: str | None  # a W3C traceparent for the payload, or None
+
+    def first_partial(self) -> None: ...
+
+    def end(self, reply: Any, failure: Failure | None) -> None: ...
+
+
+class CallObserver(Protocol):
+    def begin(self, service: str, payload: dict[str, Any]) -> CallWatch: ...
+
+
+_observer: CallObserver | None = None
+
+
+def set_call_observer(observer: CallObserver | None) -> None:
+    """Install (or remove, with None) the process's one call observer."""
+    global _observer
+    _observer = observer
+
+
 async def stream_call(
     broker: Broker, service: str, payload: dict[str, Any], *, budget_s: float,
     attempt: int = 1, on_partial: Callable[[Any], Awaitable[None]] | None = None,
     cancel_grace_s: float = 0.3,
 ) -> Any:
     """Run one request to completion; return the decoded REPLY body."""
+    watch = _observer.begin(service, payload) if _observer is not None else None
+    if watch is None:
+        return await _stream_call(broker, service, payload, budget_s=budget_s,
+                                  attempt=attempt, on_partial=on_partial,
+                                  cancel_grace_s=cancel_grace_s)
+    if watch.trace:
+        payload = {**payload, "trace": watch.trace}
+    first = True
+
+    async def partial(body: Any) -> None:
+        nonlocal first
+        if first:
+            first = False
+            watch.first_partial()
+        if on_partial is not None:
+            await on_partial(body)
+
+    try:
+        reply = await _stream_call(broker, service, payload, budget_s=budget_s,
+                                   attempt=attempt, on_partial=partial,
+                                   cancel_grace_s=cancel_grace_s)
+    except CallFailed as exc:
+        watch.end(None, exc.failure)
+        raise
+    except asyncio.CancelledError:
+        watch.end(None, Failure(FailureKind.CANCELLED, "cancelled", False))
+        raise
+    watch.end(reply, None)
+    return reply
+
+
+async def _stream_call(
+    broker: Broker, service: str, payload: dict[str, Any], *, budget_s: float,
+    attempt: int, on_partial: Callable[[Any], Awaitable[None]] | None,
+    cancel_grace_s: float,
+) -> Any:
     try:
         call = broker.start(service, pack(payload), budget_s=budget_s, attempt=attempt)
     except BrokerError as exc:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -45,6 +45,28 @@ from typing import Any
 from supervisor.engine.errors import HookFailed
 
 log = logging.getLogger(__name__)
+
+# Telemetry's hook observer: (hook, event, session_id, turn_id) -> a callable
+# told how the hook ended (None: fine). Installed by supervisor.telemetry.
+HookObserver = Callable[[str, str, str, str | None], Callable[[BaseException | None], None]]
+_observer: HookObserver | None = None
+
+
+def set_hook_observer(observer: HookObserver | None) -> None:
+    global _observer
+    _observer = observer
+
+
+def _observed(method: Any, ended: Callable[[BaseException | None], None]) -> Any:
+    async def run(inp: Any) -> Any:
+        try:
+            result = await method(inp)
+        except BaseException as exc:
+            ended(exc)
+            raise
+        ended(None)
+        return result
+    return run
 
 
 class HookEvent(StrEnum):
@@ -218,6 +240,8 @@ class HookRunner:
             inp = HookInput(event, session_id, turn_id, copy.deepcopy(data))
             if event is HookEvent.MODEL_REQUEST:
                 inp.data["request"] = data["request"]  # edited in place on purpose
+            if _observer is not None:  # telemetry's span of this hook (None when off)
+                method = _observed(method, _observer(mw.name, str(event), session_id, turn_id))
             try:
                 async with asyncio.timeout(self.timeout_s):
                     result = await method(inp)

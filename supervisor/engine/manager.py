@@ -97,6 +97,9 @@ class SessionManager:
         self._tg: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
         self.loop_lag = LoopLag()
+        # Telemetry (supervisor.telemetry.hub): told of each committed step and
+        # its latency; None when telemetry is off.
+        self.on_commit: Callable[[StepWrite, float], None] | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -361,10 +364,13 @@ class SessionManager:
 
     async def store_commit(self, step: StepWrite) -> None:
         """Commit one step; a busy store is retried for ``store_retry_s``."""
-        deadline = time.monotonic() + self.config.store_retry_s
+        started = time.monotonic()
+        deadline = started + self.config.store_retry_s
         while True:
             try:
                 await self.store.commit(step)
+                if self.on_commit is not None:
+                    self.on_commit(step, time.monotonic() - started)
                 return
             except StoreBusy as exc:
                 if time.monotonic() >= deadline:

@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", type=Path, required=True, help="the farm's home directory")
     parser.add_argument("--workers", type=int, default=None,
                         help="sandbox worker processes (default: config, else one per core)")
+    parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus /metrics (default: [telemetry] metrics_listen)")
+    parser.add_argument("--web", default=None, metavar="HOST:PORT",
+                        help="serve the read-only live web view (default: [web] listen)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--broker-faults", default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
@@ -28,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     try:
         farm = Farm(ns.home, workers=ns.workers, log_level=ns.log_level,
-                    broker_faults=ns.broker_faults)
+                    broker_faults=ns.broker_faults, metrics=ns.metrics, web=ns.web)
     except ConfigError as exc:
         print(f"corral: {exc}", file=sys.stderr)
         return 2

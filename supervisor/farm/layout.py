@@ -27,7 +27,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -166,6 +166,18 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
     sup_argv = [py, "-m", "supervisor", "--home", str(paths.home),
                 "--broker", paths.broker_frontend, "--listen", paths.supervisor_endpoint,
                 *hb, "--log-level", log_level]
+    if cfg.metrics_listen:
+        sup_argv += ["--metrics", cfg.metrics_listen]
+    if cfg.web_listen:
+        sup_argv += ["--web", cfg.web_listen]
+    # [telemetry] otlp_endpoint reaches every child as the standard variable
+    # (one mechanism); an OTEL_* variable of the farm's own environment wins.
+    otel: dict[str, str] = {}
+    if cfg.otlp_endpoint and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        otel["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
+    if otel:
+        specs = [replace(spec, env={**otel, **(spec.env or {})}) for spec in specs]
+        supervisor_env = {**otel, **(supervisor_env or {})}
 
     def supervisor_argv(ready: dict[str, dict[str, Any]]) -> list[str]:
         urls = []

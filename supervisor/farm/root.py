@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -43,7 +44,8 @@ class Farm:
                  broker_faults: str | None = None, broker_faults_seed: int = 0,
                  supervisor_env: dict[str, str] | None = None, max_restarts: int = 20,
                  within_s: float = 60.0, on_change: Callable[[], None] | None = None,
-                 temporary: bool = False) -> None:
+                 temporary: bool = False, metrics: str | None = None,
+                 web: str | None = None) -> None:
         if os.environ.get(plants.ENV):  # planted bugs never run in a normal farm
             raise RuntimeError(f"{plants.ENV} is set: planted bugs are only for the "
                                "processes `corral chaos --plant` starts; unset it")
@@ -51,6 +53,10 @@ class Farm:
         self.paths.prepare()
         config_mod.write_default(self.paths.home)
         self.config = config_mod.load(self.paths.home)
+        if metrics or web:  # corral up --metrics/--web win over corral.toml
+            self.config = dataclasses.replace(
+                self.config, metrics_listen=metrics or self.config.metrics_listen,
+                web_listen=web or self.config.web_listen)
         self.specs = child_specs(self.config, self.paths, workers=workers, log_level=log_level,
                                  broker_faults=broker_faults,
                                  broker_faults_seed=broker_faults_seed,
@@ -161,7 +167,8 @@ def running_farm(home: Path) -> dict[str, Any] | None:
 
 
 def start_detached(home: Path, *, workers: int | None, timeout_s: float = 90.0,
-                   log_level: str = "INFO") -> dict[str, Any]:
+                   log_level: str = "INFO", metrics: str | None = None,
+                   web: str | None = None) -> dict[str, Any]:
     """Start the root process in the background; return once the farm serves."""
     paths = FarmPaths.of(home)
     paths.prepare()
@@ -169,6 +176,10 @@ def start_detached(home: Path, *, workers: int | None, timeout_s: float = 90.0,
             "--log-level", log_level]
     if workers is not None:
         argv += ["--workers", str(workers)]
+    if metrics:
+        argv += ["--metrics", metrics]
+    if web:
+        argv += ["--web", web]
     with contextlib.suppress(FileNotFoundError):
         paths.farm_json.unlink()
     log_path = paths.logs / "farm.log"

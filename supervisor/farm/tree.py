@@ -305,6 +305,7 @@ class SupervisionTree:
                                      "at": time.time(), "restarts": child.restarts})
             log.warning("%s failed (%s); restarting (%d so far)", child.spec.name, why,
                         child.restarts)
+            self._on_change()  # farm.json says the restart now, not once it is ready
             argv = child.spec.argv_for(self.ready_lines())
             try:
                 await self._spawn(child, argv)

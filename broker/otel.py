@@ -1,0 +1,105 @@
+"""OpenTelemetry set-up shared by the farm's processes (supervisor, worker).
+
+``wanted(endpoint)`` says whether traces are on: an OTLP endpoint is set by the
+standard variables (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) or by corral.toml's ``[telemetry]
+otlp_endpoint``; ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none``
+turn them off. ``configure(service_name)`` builds the process's
+``TracerProvider`` with a batching OTLP HTTP/protobuf exporter (every other
+``OTEL_*`` variable, e.g. ``OTEL_EXPORTER_OTLP_HEADERS`` or
+``OTEL_BSP_SCHEDULE_DELAY``, is read by the SDK itself).
+
+Trace context crosses processes as one W3C ``traceparent`` string
+(``00-<32 hex>-<16 hex>-<2 hex>``) in the request payload's ``"trace"`` key;
+``parse_traceparent`` accepts only that shape (55 characters), so a peer can
+never make us carry anything else or anything bigger.
+
+The broker reads that key from the payload's last bytes only
+(``traceparent_at_end``): it never decodes a payload.
+
+Invariants: nothing here is imported by a process whose traces are off
+(the ``opentelemetry`` imports are inside the functions); the exporter runs in
+the SDK's own thread and never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+MAX_TRACEPARENT = 55
+
+
+def wanted(endpoint: str | None = None) -> bool:
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return False
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or endpoint)
+
+
+def configure(service_name: str, endpoint: str | None = None, id_generator: Any = None) -> Any:
+    """The process's ``TracerProvider`` exporting to the OTLP endpoint."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    if endpoint and not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+    resource = Resource.create({"service.name": service_name,
+                                "service.namespace": "corral"})
+    provider = TracerProvider(resource=resource, id_generator=id_generator)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def parse_traceparent(value: object) -> tuple[int, int, int] | None:
+    """``(trace_id, span_id, flags)`` of a well-formed traceparent, else None."""
+    if not isinstance(value, str) or len(value) != MAX_TRACEPARENT:
+        return None
+    m = TRACEPARENT.fullmatch(value)
+    if m is None:
+        return None
+    trace_id, span_id = int(m.group(1), 16), int(m.group(2), 16)
+    if trace_id == 0 or span_id == 0:
+        return None
+    return trace_id, span_id, int(m.group(3), 16)
+
+
+_TAIL_KEY = b"\xa5trace\xd9\x37"  # msgpack: fixstr "trace", then str8 of 55 bytes
+_TAIL = len(_TAIL_KEY) + MAX_TRACEPARENT
+
+
+def traceparent_at_end(body: bytes) -> str | None:
+    """The traceparent of a request payload whose last key is ``"trace"`` (as
+    ``calls.stream_call`` adds it), read from the body's last 63 bytes without
+    decoding the rest (the broker's hot path); None otherwise."""
+    if len(body) < _TAIL or body[-_TAIL:-MAX_TRACEPARENT] != _TAIL_KEY:
+        return None
+    try:
+        value = body[-MAX_TRACEPARENT:].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return value if parse_traceparent(value) is not None else None
+
+
+def format_traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+
+
+def remote_parent(value: object) -> Any:
+    """An OpenTelemetry ``Context`` whose parent is the traceparent's span, or None."""
+    parsed = parse_traceparent(value)
+    if parsed is None:
+        return None
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    trace_id, span_id, flags = parsed
+    ctx = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+    return trace.set_span_in_context(NonRecordingSpan(ctx))

@@ -1,0 +1,150 @@
+"""The small pure parts of telemetry: bounded labels, the traceparent parser,
+and the [telemetry]/[web] config keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker import otel
+from supervisor import config as config_mod
+from supervisor.telemetry.labels import OTHER, Bounded
+from supervisor.telemetry.setup import split_host_port
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_bounded_labels_cap_distinct_values() -> None:
+    b = Bounded(3, max_chars=8)
+    assert [b(x) for x in ("a", "b", "c")] == ["a", "b", "c"]
+    assert b("d") == OTHER
+    assert b("a") == "a"
+    assert Bounded(2)("bad label\n{x}") == "bad_label__x_"
+    assert Bounded(2, max_chars=4)("abcdefgh") == "abcd"
+    assert Bounded(2)(None) == "none"
+
+
+def test_traceparent_is_parsed_strictly() -> None:
+    tp = otel.format_traceparent(0xABC, 0xDEF)
+    assert otel.parse_traceparent(tp) == (0xABC, 0xDEF, 1)
+    for bad in (None, 5, "", tp + "x", tp.upper(), "01" + tp[2:],
+                otel.format_traceparent(0, 1), otel.format_traceparent(1, 0),
+                "00-" + "g" * 32 + "-" + "1" * 16 + "-01", "x" * 10_000):
+        assert otel.parse_traceparent(bad) is None, bad
+
+
+def test_host_port() -> None:
+    assert split_host_port("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert split_host_port("[::1]:9464") == ("::1", 9464)
+    for bad in ("9464", ":9464", "host:", "host:99999", "host:x"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            split_host_port(bad)
+
+
+def test_telemetry_config(tmp_path: Path) -> None:
+    (tmp_path / "corral.toml").write_text(
+        '[telemetry]\nmetrics_listen = "127.0.0.1:9464"\n'
+        'otlp_endpoint = "http://collector:4318"\nrecord_content = true\n'
+        '[web]\nlisten = "0.0.0.0:8765"\n')
+    cfg = config_mod.load(tmp_path)
+    assert cfg.metrics_listen == "127.0.0.1:9464"
+    assert cfg.otlp_endpoint == "http://collector:4318"
+    assert cfg.record_content is True
+    assert cfg.web_listen == "0.0.0.0:8765"
+    assert config_mod.load(tmp_path / "none").metrics_listen is None
+    for text, where in (('[telemetry]\nmetrics_listen = "9464"\n', "metrics_listen"),
+                        ('[telemetry]\notlp_endpoint = "collector"\n', "otlp_endpoint"),
+                        ('[telemetry]\nbogus = 1\n', "unknown key"),
+                        ('[web]\nlisten = 8765\n', "web.listen")):
+        (tmp_path / "corral.toml").write_text(text)
+        with pytest.raises(config_mod.ConfigError, match=where):
+            config_mod.load(tmp_path)
+
+
+def test_a_restarted_supervisor_continues_the_turns_trace() -> None:
+    """The tracer of a new supervisor process, fed the rest of a turn begun under
+    the old one, reports its spans in the same trace (trace id from the turn id)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from supervisor.store.records import EventRecord, SessionId
+    from supervisor.telemetry.tracing import SupervisorTracer, trace_id_of
+
+    exporter = InMemorySpanExporter()
+
+    def tracer() -> SupervisorTracer:
+        t = SupervisorTracer(provider=TracerProvider())
+        t.provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return t
+
+    def event(type_: str, **payload: object) -> EventRecord:
+        return EventRecord(SessionId("sess_1"), 1, type_, {"turn_id": "turn_7", **payload},
+                           None, 1000.0)
+
+    before = tracer()
+    before.committed([event("turn_started")], 0.0)
+    before.committed([event("tool_call_begin", call_id="c1", name="shell")], 0.0)
+    # ... the supervisor is SIGKILLed; a new process resumes the turn.
+    after = tracer()
+    after.committed([event("tool_call_end", call_id="c1", name="shell", outcome="ok")], 0.0)
+    after.committed([event("turn_complete")], 0.0)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["turn (resumed)"].context.trace_id == trace_id_of("turn_7")
+    before_turn = before._turns["turn_7"].span.get_span_context()
+    assert before_turn.trace_id == trace_id_of("turn_7")
+
+
+def test_corral_up_says_where_telemetry_serves(tmp_path: Path) -> None:
+    from supervisor.cli.lifecycle import telemetry_lines
+
+    children = [{"name": "broker", "ready": {}},
+                {"name": "supervisor", "ready": {"metrics": "http://127.0.0.1:9464/metrics",
+                                                 "web": "http://127.0.0.1:8765/"}}]
+    assert telemetry_lines(children, tmp_path) == [
+        "metrics: http://127.0.0.1:9464/metrics", "web view: http://127.0.0.1:8765/"]
+    (tmp_path / "web.token").write_text("t" * 43 + "\n")
+    children[1]["ready"] = {"web": "http://0.0.0.0:8765/"}
+    assert telemetry_lines(children, tmp_path) == [
+        "web view: http://0.0.0.0:8765/?token=" + "t" * 43]
+    assert telemetry_lines([{"name": "supervisor", "ready": None}], tmp_path) == []
+
+
+def test_the_broker_reads_the_traceparent_from_the_payloads_end_only() -> None:
+    from broker.protocol import pack
+
+    tp = otel.format_traceparent(0xABC, 0xDEF)
+    assert otel.traceparent_at_end(pack({"items": ["x" * 1000], "trace": tp})) == tp
+    # Anywhere but last (a model's text holding one, say) is not a trace context.
+    assert otel.traceparent_at_end(pack({"trace": tp, "items": []})) is None
+    assert otel.traceparent_at_end(pack({"items": [{"trace": "x"}]})) is None
+    assert otel.traceparent_at_end(pack({"items": ["say", tp]})) is None  # not the key
+    assert otel.traceparent_at_end(pack({"trace": "00-" + "z" * 52})) is None
+    assert otel.traceparent_at_end(b"") is None
+    assert otel.traceparent_at_end(b"\xa5trace\xd9\x37" + b"\xff" * 55) is None
+
+
+def test_a_slow_web_viewer_is_closed_not_the_others(tmp_path: Path) -> None:
+    import asyncio
+
+    from supervisor.telemetry import web as web_mod
+
+    loop = asyncio.new_event_loop()
+    try:
+        view = web_mod.WebView("127.0.0.1:0", manager=None, snapshot=None,  # type: ignore[arg-type]
+                               home=tmp_path, loop=loop)
+        slow, fast = view.subscribe(), view.subscribe()
+        assert slow is not None
+        assert fast is not None
+        for i in range(web_mod.QUEUE_LIMIT + 5):
+            view._broadcast("event", {"i": i})
+            while not fast.empty():
+                fast.get_nowait()
+        assert slow.get_nowait() is None  # its backlog dropped, told to end
+        assert view.subscribe() is not None  # room again; the fast one still listed
+        with view._lock:
+            assert fast in view._streams
+            assert slow not in view._streams
+    finally:
+        loop.close()
