@@ -90,9 +90,9 @@ class _Container:
                 self._members[_norm(m.name)] = m
         except (tarfile.TarError, EOFError, OSError) as exc:
             self.close()
-            raise ImageFormatError(f"{path}: not a readable image tarball, or truncated ({exc}); give an "
-                                   "OCI layout directory, an OCI archive or a 'docker save' "
-                                   "tarball") from exc
+            raise ImageFormatError(f"{path}: not a readable image tarball, or truncated "
+                                   f"({exc}); give an OCI layout directory, an OCI archive "
+                                   "or a 'docker save' tarball") from exc
 
     @property
     def is_tar(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ CASES = [
     ("absolute", [[f("/etc/evil", b"x")]], "/etc/evil", "absolute path"),
     ("symlink-out", [[d("a"), sym("a/up", "../../etc")]], "a/up", "leads out"),
     ("symlink-dotdot-top", [[sym("up", "..")]], "up", "leads out"),
-    ("through-symlinked-dir", [[sym("etc", "/etc")], [f("etc/evil", b"x")]], "etc/evil",
+    ("through-symlinked-dir", [[sym("etc", "@OUT")], [f("etc/evil", b"x")]], "etc/evil",
      "symlink or not a directory"),
     ("through-symlink-same-layer", [[d("a"), sym("a/b", "."), f("a/b/c/x")]], "a/b/c/x",
      "symlink or not a directory"),
@@ -33,7 +34,7 @@ CASES = [
      "symlink or not a directory"),
     ("hardlink-dotdot", [[hard("h", "../etc/passwd")]], "h", "path traversal"),
     ("hardlink-absolute", [[hard("h", "/etc/passwd")]], "h", "absolute path"),
-    ("hardlink-through-symlink", [[sym("s", "/etc"), hard("h", "s/passwd")]], "h",
+    ("hardlink-through-symlink", [[sym("s", "@OUT"), hard("h", "s/secret")]], "h",
      "symlink or not a directory"),
     ("hardlink-missing", [[hard("h", "nothing")]], "h", "not in the image"),
     ("hardlink-dir", [[d("a"), hard("h", "a")]], "h", "to a directory"),
@@ -50,9 +51,13 @@ CASES = [
                          ids=[c[0] for c in CASES])
 def test_hostile_entry_is_refused_and_nothing_installed(tmp_path: Path, layers: list,
                                                         entry: str, reason: str) -> None:
+    outside = tmp_path / "outside"  # what links point at: never the host's /etc
+    outside.mkdir()
+    (outside / "secret").write_text("host secret")
+    layers = [[replace(e, link=e.link.replace("@OUT", str(outside))) for e in layer]
+              for layer in layers]
     b = oci([[f("ok", b"fine")], *layers])
     store = ImageStore(tmp_path / "home")
-    (tmp_path / "outside").mkdir()
     with pytest.raises(UnsafeEntry) as caught:
         store.import_image(write_layout(b, tmp_path / "l"), "evil")
     exc = caught.value
