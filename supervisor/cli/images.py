@@ -60,13 +60,13 @@ def add_parsers(sub: Subparsers) -> None:
                    help="refuse an image whose unpacked files exceed this many bytes "
                    "(default: 32 GiB)")
     add_json(p)
-    p.set_defaults(handler=cmd_import)
+    p.set_defaults(handler=cmd_image_import)
 
     p = group.add_parser("ls", help="list the images in the store",
                          description="List the stored images: digest, names, size, layers.")
     add_home(p)
     add_json(p)
-    p.set_defaults(handler=cmd_ls)
+    p.set_defaults(handler=cmd_image_ls)
 
     p = group.add_parser("rm", help="remove a name, or an image by digest",
                          description="Remove NAME[:TAG] (the image goes with its last name) "
@@ -74,7 +74,7 @@ def add_parsers(sub: Subparsers) -> None:
     add_home(p)
     p.add_argument("image", help="NAME[:TAG] or sha256:DIGEST (see 'corral image ls')")
     add_json(p)
-    p.set_defaults(handler=cmd_rm)
+    p.set_defaults(handler=cmd_image_rm)
     _help_for(top)
 
 
@@ -92,7 +92,7 @@ def _store(ns: Namespace, **limits: int | None) -> ImageStore:
     return ImageStore(ns.home, replace(Limits(), **given))
 
 
-def cmd_import(ns: Namespace) -> int:
+def cmd_image_import(ns: Namespace) -> int:
     from supervisor.images.errors import ImageError
     from supervisor.images.store import info_json
 
@@ -111,7 +111,7 @@ def cmd_import(ns: Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_ls(ns: Namespace) -> int:
+def cmd_image_ls(ns: Namespace) -> int:
     from supervisor.images.errors import ImageError
     from supervisor.images.store import info_json
 
@@ -133,7 +133,7 @@ def cmd_ls(ns: Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_rm(ns: Namespace) -> int:
+def cmd_image_rm(ns: Namespace) -> int:
     from supervisor.images.errors import ImageError
 
     try:
