@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -321,8 +322,12 @@ def _remove(dir_fd: int, name: str) -> None:
 
 def remove_tree_at(dir_fd: int, name: str) -> None:
     """Remove the directory ``name`` and everything in it, never following a
-    link; directories are made writable first (an image may hold 0555 ones)."""
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    link; directories are made writable first (an image may hold 0555 ones).
+    What vanishes meanwhile (another process sweeping the same tree) is fine."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
     try:
         os.fchmod(fd, 0o700)
         with os.scandir(fd) as it:
@@ -331,7 +336,9 @@ def remove_tree_at(dir_fd: int, name: str) -> None:
             if is_dir:
                 remove_tree_at(fd, child)
             else:
-                os.unlink(child, dir_fd=fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(child, dir_fd=fd)
     finally:
         os.close(fd)
-    os.rmdir(name, dir_fd=dir_fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(name, dir_fd=dir_fd)
