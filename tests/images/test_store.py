@@ -4,9 +4,11 @@ input and concurrent imports. Hostile entries are in test_hostile.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
+import tarfile
 import threading
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from supervisor.images.errors import (
     ImageNotFound,
     LimitExceeded,
 )
+from supervisor.images.source import host_arch
 from supervisor.images.store import ImageStore
 from supervisor.images.unpack import Limits
 from tests.images.build import (
@@ -266,3 +269,48 @@ def test_a_truncated_layer_blob_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ImageFormatError, match=r"truncated or corrupt"):
         store.import_image(path, "x")
     _empty(store)
+
+
+def test_a_multi_platform_index_gives_this_hosts_image(tmp_path: Path) -> None:
+    ours = oci([[f("which", b"ours")]])
+    theirs = oci([[f("which", b"theirs")]], arch="s390x" if host_arch() != "s390x" else "arm64")
+    ours.blobs |= theirs.blobs
+    entries = [{**json.loads(b.index)["manifests"][0],
+                "platform": {"os": "linux", "architecture": json.loads(b.config)["architecture"]}}
+               for b in (theirs, ours)]
+    ours.index = json.dumps({"schemaVersion": 2, "manifests": entries}).encode()
+    store = ImageStore(tmp_path / "home")
+    info = store.import_image(write_layout(ours, tmp_path / "l"))
+    assert info.digest == ours.manifest_digest
+    assert (store.rootfs(info.digest) / "which").read_text() == "ours"
+    ours.index = json.dumps({"schemaVersion": 2, "manifests": entries[:1]}).encode()
+    with pytest.raises(ImageFormatError, match=f"no manifest for linux/{host_arch()}"):
+        store.import_image(write_layout(ours, tmp_path / "l2"))
+
+
+def test_docker_save_repeated_layers_linked_inside_the_archive(tmp_path: Path) -> None:
+    """docker save writes a repeated layer once and links the other path to it."""
+    b = oci([[f("a", b"1")], [f("b", b"2")]], gzip_layers=False)
+    path = write_docker_save(b, tmp_path / "d.tar")
+    with tarfile.open(path) as tar:
+        doc = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+    with tarfile.open(path, "a") as tar:
+        ti = tarfile.TarInfo("02/layer.tar")
+        ti.type = tarfile.SYMTYPE
+        ti.linkname = "../00/layer.tar"
+        tar.addfile(ti)
+    doc[0]["Layers"].append("02/layer.tar")
+    config = json.loads(b.config)
+    config["rootfs"]["diff_ids"].append(sha(b.layer_tars[0]))
+    b.config = json.dumps(config).encode()
+    chex = sha(b.config).removeprefix("sha256:")
+    doc[0]["Config"] = f"{chex}.json"
+    with tarfile.open(path, "a") as tar:
+        for name, data in ((f"{chex}.json", b.config), ("manifest.json", json.dumps(doc).encode())):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    store = ImageStore(tmp_path / "home")
+    info = store.import_image(path)
+    assert info.layers == 3
+    assert sorted(os.listdir(store.rootfs(info.digest))) == ["a", "b"]
