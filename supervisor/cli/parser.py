@@ -2,7 +2,7 @@
 sub-parsers in the order ``corral --help`` lists them.
 
 Each command group module (``lifecycle``, ``run``, ``control``, ``sessions``,
-``checkpoints``, ``remote``, ``completion``, ``dev``) declares its own
+``checkpoints``, ``images``, ``remote``, ``completion``, ``dev``) declares its own
 sub-parsers in ``add_parsers`` and binds each one to its handler with
 ``set_defaults(handler=...)``; ``app.main`` calls ``ns.handler(ns)``. Adding a
 command touches its group module only (a new group adds one line here).
@@ -21,6 +21,7 @@ from supervisor.cli import (
     completion,
     control,
     dev,
+    images,
     lifecycle,
     remote,
     run,
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_parsers(sub)        # approve, interrupt
     sessions.add_parsers(sub)       # sessions, show, terminate, delete
     checkpoints.add_parsers(sub)    # export, verify, import
+    images.add_parsers(sub)         # image import|ls|rm
     dev.add_fake_llm_parser(sub)    # fake-llm
     remote.add_parsers(sub)         # keys, worker
     completion.add_parsers(sub, parser)  # completion
