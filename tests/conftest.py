@@ -66,22 +66,7 @@ HEAVY = ("tests/chaos/test_chaos_runs.py", "tests/demo/test_demo.py::test_demo_s
          "tests/crash/", "test_escape_resources.py::test_fork_bomb")
 
 
-# The longest tests outside the heavy group (30-100 s each on a loaded 2-core
-# machine). Collected first, with the heavy group, so that xdist hands them out
-# at the start of the run: started last, one of them alone is the run's tail.
-SLOW_FIRST = ("tests/demo/test_demo.py::test_fresh_clone", "tests/chaos/test_plants.py",
-              "tests/cli/test_hostile_model_e2e.py", "tests/cli/test_cli_e2e.py",
-              "tests/cli/test_first_hour.py", "tests/cli/test_terminal.py",
-              "tests/tools/test_mcp_servers.py", "tests/sandbox/test_run_probes.py")
-
-
 def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        if any(part in item.nodeid for part in HEAVY):
-            return 0
-        return 1 if any(part in item.nodeid for part in SLOW_FIRST) else 2
-
     for item in items:
-        if rank(item) == 0:
+        if any(part in item.nodeid for part in HEAVY):
             item.add_marker(pytest.mark.xdist_group("heavy"))
-    items.sort(key=rank)  # stable: the order within each rank is the collection's
