@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
+import threading
 from pathlib import Path
 
 from supervisor.sdk import Corral, SessionOptions, tool
@@ -18,7 +18,7 @@ async def main(endpoint: str, workspace: str, marker: str) -> None:
     @tool
     def probe(x: int) -> str:
         Path(marker).write_text(str(os.getpid()))
-        time.sleep(3600)  # killed by the test while it runs
+        threading.Event().wait()  # runs until the test kills this program
         return "never"
 
     async with Corral(endpoint) as corral:

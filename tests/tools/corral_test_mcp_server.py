@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
+import threading
 
 from mcp.server.mcpserver import MCPServer
 from mcp_types import ToolAnnotations
@@ -57,7 +57,7 @@ def cancelled() -> str:
 @server.tool()
 async def hang() -> str:
     """Block the server's event loop (it answers nothing, not even a ping)."""
-    time.sleep(3600)  # noqa: ASYNC251 -- blocking on purpose
+    threading.Event().wait()
     return "never"
 
 
