@@ -53,6 +53,7 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 MAX_META_BYTES: Final = 64 * 1024
 MAX_ID_CHARS: Final = 256
 MAX_TEXT_CHARS: Final = 8192
+MAX_CAPACITY: Final = 4096  # a worker's slots (READY, HEARTBEAT)
 
 
 class ProtocolError(Exception):
@@ -163,6 +164,11 @@ class Heartbeat:
     # The sender's instance id. A broker that restarts gets a new one, which is
     # how clients and workers notice a restart faster than by silence.
     peer_id: str = ""
+    # Worker → broker only, optional: the worker's slots for this broker from
+    # now on (0..4096). A worker serving several brokers shares its slots among
+    # them and moves free ones with this (docs/protocol.md, "Several brokers").
+    # None (absent on the wire) leaves the capacity of READY unchanged.
+    capacity: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +324,9 @@ def _encode_failure(m: FailureReply, pack: Pack) -> list[bytes]:
 
 
 def _encode_heartbeat(m: Heartbeat, pack: Pack) -> list[bytes]:
-    return [HEADER, _HEARTBEAT_FRAME, pack({"p": m.peer_id})]
+    if m.capacity is None:
+        return [HEADER, _HEARTBEAT_FRAME, pack({"p": m.peer_id})]
+    return [HEADER, _HEARTBEAT_FRAME, pack({"p": m.peer_id, "c": m.capacity})]
 
 
 def _encode_cancel(m: Cancel, pack: Pack) -> list[bytes]:
@@ -534,7 +542,9 @@ def _build_failure(meta: dict[str, Any], body: bytes) -> Message:
 
 
 def _build_heartbeat(meta: dict[str, Any], body: bytes) -> Message:
-    return Heartbeat(_str(meta, "p", empty=True))
+    if "c" not in meta:
+        return Heartbeat(_str(meta, "p", empty=True))
+    return Heartbeat(_str(meta, "p", empty=True), _int(meta, "c", low=0, high=MAX_CAPACITY))
 
 
 def _build_cancel(meta: dict[str, Any], body: bytes) -> Message:
@@ -552,7 +562,7 @@ def _build_ready(meta: dict[str, Any], body: bytes) -> Message:
     info = meta.get("i", {})
     if not isinstance(info, dict):
         raise MalformedMessage("field 'i' (info) must be a map")
-    return Ready(tuple(services), _int(meta, "c", low=1, high=4096), info)
+    return Ready(tuple(services), _int(meta, "c", low=1, high=MAX_CAPACITY), info)
 
 
 def _build_disconnect(meta: dict[str, Any], body: bytes) -> Message:

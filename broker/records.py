@@ -100,7 +100,8 @@ class Req:
 
 
 class WorkerEntry:
-    __slots__ = ("answered", "capacity", "identity", "in_flight", "info", "last_seen", "services")
+    __slots__ = ("answered", "capacity", "identity", "in_flight", "info", "last_seen", "lowered",
+                 "services")
 
     def __init__(
         self, identity: bytes, services: tuple[str, ...], capacity: int,
@@ -113,6 +114,7 @@ class WorkerEntry:
         self.last_seen = now
         self.in_flight: dict[str, Req] = {}
         self.answered = 0  # requests this worker answered (REPLY or FAILURE)
+        self.lowered = False  # the worker lowered its capacity (HEARTBEAT capacity)
 
 
 class ClientEntry:

@@ -165,6 +165,8 @@ class Dispatcher:
                 out.append(Send(Side.CLIENT, req.client,
                                 protocol.Partial(req.client_rid, msg.seq, msg.body)))
         elif isinstance(msg, protocol.Heartbeat):
+            if msg.capacity is not None and msg.capacity != worker.capacity:
+                self._set_capacity(worker, msg.capacity, now, out)
             self._recancel(worker, now, out)
         elif isinstance(msg, protocol.Disconnect):
             self.counters["worker_disconnects"] += 1
@@ -408,6 +410,28 @@ class Dispatcher:
         out.append(Send(Side.WORKER, identity, self._heartbeat))  # acknowledges READY
         self._fill(worker, now, out)
 
+    def _set_capacity(self, worker: WorkerEntry, capacity: int, now: float,
+                      out: list[Send]) -> None:
+        """A worker that serves several brokers moved slots (HEARTBEAT ``capacity``):
+        lowered, it takes no new work until its held requests fit; raised, it
+        takes queued work at once. Held requests are never touched."""
+        self.counters["capacity_updates"] += 1
+        if capacity < worker.capacity:
+            worker.lowered = True
+        worker.capacity = capacity
+        if len(worker.in_flight) >= capacity:
+            wid = worker.identity
+            for service in worker.services:
+                idle = self._idle.get(service)
+                if idle is not None:
+                    idle.pop(wid, None)
+                    if not idle:
+                        del self._idle[service]
+        elif self._queues:
+            self._fill(worker, now, out)
+        else:
+            self._mark_idle(worker)
+
     def _ask_to_register(self, identity: bytes, now: float, out: list[Send]) -> None:
         last = self._disconnect_sent.get(identity)
         if last is not None and now - last < self.limits.heartbeat_interval_s:
@@ -645,7 +669,7 @@ class Dispatcher:
                     "requests", "replies", "partials", "cancels", "registrations",
                     "worker_expiries", "client_expiries", "worker_disconnects",
                     "client_disconnects", "client_restarts", "cancel_resends",
-                    "expired_requests_failed")},
+                    "expired_requests_failed", "capacity_updates")},
                 "failures": dict(self.failures),
                 "dropped": dict(self.dropped),
                 "faults": {k.removeprefix("fault_"): v for k, v in self.counters.items()
@@ -660,7 +684,9 @@ class Dispatcher:
 
         held: set[str] = set()
         for worker in self._workers.values():
-            if len(worker.in_flight) > worker.capacity:
+            if len(worker.in_flight) > worker.capacity and not worker.lowered:
+                # Only a worker's own HEARTBEAT capacity may leave it over: the
+                # dispatcher never assigns past a worker's capacity.
                 fail(f"worker {worker.identity!r} over capacity")
             for rid, req in worker.in_flight.items():
                 if req.worker != worker.identity or self._requests.get(rid) is not req:

@@ -51,6 +51,7 @@ from broker import protocol
 from broker.errors import BrokerUnavailable, HandlerError
 from broker.protocol import FailureKind
 from broker.security import CurveClient
+from broker.slots import SlotPool
 from broker.transport import AsyncDealer
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class BrokerWorker:
         info: Mapping[str, Any] | None = None, heartbeat_interval_s: float = 0.25,
         liveness: int = 4, max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         identity: bytes | None = None, curve: CurveClient | None = None,
+        pool: SlotPool | None = None,
     ) -> None:
         if not handlers:
             raise ValueError("a worker needs at least one handler")
@@ -146,6 +148,25 @@ class BrokerWorker:
         self._stopped = asyncio.Event()
         self._stop_requested = asyncio.Event()  # cuts a reconnect backoff short
         self._on_ready: Callable[[], None] | None = None
+        # Several brokers (broker.slots): the slots are the pool's, shared with
+        # the worker's links to the other brokers; None: this broker has them all.
+        self.pool = pool
+        if pool is not None:
+            pool.add(self)
+
+    @property
+    def live(self) -> bool:
+        """Registered and acknowledged by a broker that is not known to be gone."""
+        return self._sock is not None and self._broker_id is not None and not self._stopping
+
+    @property
+    def held(self) -> int:
+        """Requests accepted from this broker and not answered yet."""
+        return sum(1 for job in self._jobs.values() if not job.answered)
+
+    def send_capacity(self, capacity: int) -> None:
+        """Tell the broker this link's slots from now on (HEARTBEAT capacity)."""
+        self._send(protocol.encode(protocol.Heartbeat(self.instance_id, capacity)))
 
     @property
     def broker_id(self) -> str | None:
@@ -268,8 +289,14 @@ class BrokerWorker:
         self._broker_id = None
         self._last_heard = time.monotonic()
         self.registrations += 1
-        ready = protocol.Ready(tuple(self.handlers), self.capacity, self.info)
+        pool = self.pool
+        # With a pool, READY offers at most one slot (READY cannot say 0) until
+        # the broker acknowledges it and the pool gives this link its share.
+        capacity = self.capacity if pool is None else max(1, pool.advertised(self))
+        ready = protocol.Ready(tuple(self.handlers), capacity, self.info)
         self._send(protocol.encode(ready))
+        if pool is not None:
+            pool.registered(self, capacity)
         log.info("worker %s registering (%s)", self.identity.decode(), why)
 
     def _abandon_all(self) -> None:
@@ -279,6 +306,8 @@ class BrokerWorker:
                 job.task.cancel()
         self._jobs.clear()
         self._unsent.clear()
+        if self.pool is not None:
+            self.pool.changed()
 
     # ------------------------------------------------------------------ I/O
 
@@ -329,6 +358,8 @@ class BrokerWorker:
                     self._register(f"broker restarted ({self._broker_id} -> {msg.peer_id})")
                 self._broker_id = msg.peer_id
                 self._acknowledged = True
+                if self.pool is not None:
+                    self.pool.changed()
                 if self._on_ready is not None:
                     on_ready, self._on_ready = self._on_ready, None
                     on_ready()
@@ -340,10 +371,13 @@ class BrokerWorker:
     async def _heartbeat(self, sock: AsyncDealer) -> None:
         beat = protocol.encode(protocol.Heartbeat(self.instance_id))
         window = self.heartbeat_interval_s * self.liveness
+        pool = self.pool
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             self._flush_unsent()
-            sock.send(beat)
+            # With a pool every beat repeats this link's slots (a lost update heals).
+            sock.send(beat if pool is None or not self.live else protocol.encode(
+                protocol.Heartbeat(self.instance_id, pool.advertised(self))))
             self._cancel_overdue()
             silent = time.monotonic() - self._last_heard
             if silent > window and not sock.has_input():
@@ -380,6 +414,8 @@ class BrokerWorker:
         self._jobs[rid] = job
         job.task = self._tg.create_task(self._serve(job), name=f"request-{rid}")
         job.task.add_done_callback(lambda _task: self._job_done(job))
+        if self.pool is not None:
+            self.pool.changed()
 
     async def _serve(self, job: _Job) -> None:
         rid = job.ctx.request_id
@@ -407,7 +443,11 @@ class BrokerWorker:
             return protocol.FailureReply(rid, FailureKind.BAD_REQUEST,
                                          f"this worker has no service {ctx.service!r}", False)
         try:
-            body = await handler(ctx)
+            if self.pool is None:
+                body = await handler(ctx)
+            else:
+                async with self.pool.slot():  # never more than the pool's slots run
+                    body = await handler(ctx)
         except HandlerError as exc:
             kind = exc.kind if 0 < len(exc.kind) <= 64 else FailureKind.INTERNAL
             return protocol.FailureReply(rid, kind, _clip(exc.message), exc.retryable,
@@ -448,6 +488,10 @@ class BrokerWorker:
         job.answered = True
         if job.abandoned:
             return
+        if self.pool is not None:
+            # The slot moves (if it does) before the answer frees it at the broker,
+            # so the broker never sees a free slot the pool gave to another broker.
+            self.pool.changed()
         frames = protocol.encode(msg)
         if self._unsent or not self._send(frames):
             self._unsent.append(frames)  # bounded by the number of jobs

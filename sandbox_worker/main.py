@@ -30,12 +30,14 @@ from typing import Any, Protocol
 from broker import otel
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, KeyFileError
+from broker.slots import SlotPool
 from broker.taskdump import install_task_dump
 from broker.worker import BrokerWorker, RequestContext
 from sandbox_worker import tracing
 from sandbox_worker.api import PIN_SEP, SERVICE_MODEL, SERVICE_TOOL
 
 log = logging.getLogger(__name__)
+MAX_BROKERS = 8  # brokers one worker serves at once (--broker repeated)
 
 
 class Service(Protocol):
@@ -70,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Corral sandbox worker: serves model calls and sandboxed tool calls "
         "for a broker. Prints one JSON ready line on stdout once registered.",
     )
-    parser.add_argument("--broker", required=True, help="broker backend endpoint, e.g. "
-                        "ipc:///run/corral/backend or tcp://10.0.0.1:5556")
+    parser.add_argument("--broker", required=True, action="append",
+                        help="broker backend endpoint, e.g. ipc:///run/corral/backend or "
+                        "tcp://10.0.0.1:5556; repeat it to serve several brokers at once "
+                        "(the capacity is shared among them: docs/multihost.md)")
     parser.add_argument("--services", default="tool,model",
                         help="comma-separated services to serve (default: tool,model)")
     parser.add_argument("--capacity", type=int, default=4,
@@ -140,14 +144,15 @@ async def serve(ns: argparse.Namespace) -> int:
         pin = f"{SERVICE_TOOL}{PIN_SEP}{uuid.uuid4().hex[:16]}"
         handlers[pin] = tracing.wrap(SERVICE_TOOL, tool_service.handle)
         tool_service.mcp.pin = pin  # type: ignore[attr-defined]
-    worker = BrokerWorker(
-        ns.broker, handlers, capacity=ns.capacity, info=info,
-        heartbeat_interval_s=ns.heartbeat_interval_s, liveness=ns.liveness, curve=curve,
-    )
+    try:
+        links = broker_links(ns, handlers, info, curve)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     def ready() -> None:
-        line = {"event": "ready", "pid": os.getpid(), "services": names, "broker": ns.broker,
-                "info": info}
+        line = {"event": "ready", "pid": os.getpid(), "services": names,
+                "broker": ns.broker[0], "brokers": ns.broker, "info": info}
         sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
 
@@ -158,12 +163,14 @@ async def serve(ns: argparse.Namespace) -> int:
     install_task_dump(loop)
     try:
         async with asyncio.TaskGroup() as tg:
-            run_task = tg.create_task(worker.run(on_ready=ready))
+            run_task = tg.create_task(run_links(links, ready))
 
             async def stop_on_signal() -> None:
                 await stopping.wait()
                 log.info("draining for up to %.1fs", ns.drain_s)
-                await worker.stop(drain_s=ns.drain_s)
+                async with asyncio.TaskGroup() as stops:
+                    for link in links:
+                        stops.create_task(link.stop(drain_s=ns.drain_s))
                 run_task.cancel()
 
             stopper = tg.create_task(stop_on_signal())
@@ -175,6 +182,42 @@ async def serve(ns: argparse.Namespace) -> int:
             await svc.aclose()
         tracing.shutdown()  # flushes the spans not exported yet
     return 0
+
+
+def broker_links(ns: argparse.Namespace,
+                 handlers: dict[str, Callable[[RequestContext], Awaitable[bytes]]],
+                 info: dict[str, Any], curve: CurveClient | None) -> list[BrokerWorker]:
+    """One ``BrokerWorker`` per ``--broker``, all under one identity; with several
+    they share one ``SlotPool`` of ``--capacity`` slots (broker/slots.py)."""
+    endpoints = list(dict.fromkeys(ns.broker))
+    if len(endpoints) > MAX_BROKERS:
+        raise ValueError(f"at most {MAX_BROKERS} brokers (--broker given {len(endpoints)} "
+                         "times)")
+    if len(endpoints) > ns.capacity:
+        raise ValueError(f"--capacity {ns.capacity} is less than the {len(endpoints)} brokers "
+                         "it is shared among")
+    pool = SlotPool(ns.capacity) if len(endpoints) > 1 else None
+    identity = f"w-{uuid.uuid4().hex}".encode()
+    return [BrokerWorker(ep, handlers, capacity=ns.capacity, info=info,
+                         heartbeat_interval_s=ns.heartbeat_interval_s, liveness=ns.liveness,
+                         curve=curve, identity=identity, pool=pool)
+            for ep in endpoints]
+
+
+async def run_links(links: list[BrokerWorker], ready: Callable[[], None]) -> None:
+    """Serve every broker until each link's ``run`` ends; ``ready`` once, when the
+    first broker acknowledges (a broker that is down does not hold the worker)."""
+    said = False
+
+    def first() -> None:
+        nonlocal said
+        if not said:
+            said = True
+            ready()
+
+    async with asyncio.TaskGroup() as tg:
+        for link in links:
+            tg.create_task(link.run(on_ready=first), name=f"broker-link-{link.endpoint}")
 
 
 def main(argv: list[str] | None = None) -> int:
