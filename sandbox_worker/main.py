@@ -193,14 +193,12 @@ def broker_links(ns: argparse.Namespace,
     if len(endpoints) > MAX_BROKERS:
         raise ValueError(f"at most {MAX_BROKERS} brokers (--broker given {len(endpoints)} "
                          "times)")
-    if len(endpoints) > ns.capacity:
-        raise ValueError(f"--capacity {ns.capacity} is less than the {len(endpoints)} brokers "
-                         "it is shared among")
     pool = SlotPool(ns.capacity) if len(endpoints) > 1 else None
     identity = f"w-{uuid.uuid4().hex}".encode()
     return [BrokerWorker(ep, handlers, capacity=ns.capacity, info=info,
                          heartbeat_interval_s=ns.heartbeat_interval_s, liveness=ns.liveness,
-                         curve=curve, identity=identity, pool=pool)
+                         curve=curve if len(endpoints) == 1 or ep.startswith("tcp://") else None,
+                         identity=identity, pool=pool)
             for ep in endpoints]
 
 

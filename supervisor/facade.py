@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+from broker.brokerset import BrokerSet
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
 from supervisor import clienttools
@@ -259,7 +260,7 @@ def event_to_wire(e: EventRecord) -> dict[str, Any]:
 
 
 class Facade:
-    def __init__(self, *, manager: Any, store: Store, broker: BrokerClient,
+    def __init__(self, *, manager: Any, store: Store, broker: BrokerClient | BrokerSet,
                  engine_config: EngineConfig, home: Path,
                  defaults: dict[str, Any] | None = None) -> None:
         self.manager = manager

@@ -24,12 +24,12 @@ from typing import Any
 
 import zmq
 
-from broker.client import BrokerClient
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, Guard, KeyFileError
 from broker.taskdump import install_task_dump
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
+from supervisor.brokers import add_broker_option, broker_link, wants_curve
 from supervisor.clienttools import ClientToolHost
 from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Prints one JSON ready line on stdout once it serves clients.")
     p.add_argument("--home", type=Path, required=True,
                    help="the farm's home (corral.toml, corral.db)")
-    p.add_argument("--broker", required=True, help="the broker's frontend endpoint")
+    add_broker_option(p)
     p.add_argument("--listen", required=True,
                    help="client endpoint to bind, e.g. ipc://HOME/run/supervisor.sock")
     p.add_argument("--db", type=Path, default=None, help="store path (default HOME/corral.db)")
@@ -158,10 +158,9 @@ async def serve(ns: argparse.Namespace) -> int:
     client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)
     add_router(client_host)
     try:
-        async with BrokerClient(ns.broker, heartbeat_interval_s=ns.heartbeat_interval_s,
-                                liveness=ns.liveness, curve=broker_curve,
-                                identity=broker_identity(ns.db or home / "corral.db"),
-                                ) as broker, contextlib.AsyncExitStack() as stack:
+        async with broker_link(ns, curve=broker_curve,
+                               identity=broker_identity(ns.db or home / "corral.db"),
+                               ) as broker, contextlib.AsyncExitStack() as stack:
             manager = SessionManager(store=store, broker=broker, config=econf,
                                      export_sinks=export_sinks(cfg),
                                      middleware_factory=client_host.middlewares)
@@ -199,7 +198,8 @@ async def serve(ns: argparse.Namespace) -> int:
                 stopping.cancel()
                 if not stop.is_set():
                     sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
-                                                 "listen": bound, "broker": ns.broker,
+                                                 "listen": bound, "broker": ns.broker[0],
+                                                 "brokers": ns.broker,
                                                  **seen}) + "\n")
                     sys.stdout.flush()
                 await stop.wait()
@@ -220,7 +220,7 @@ def _security(ns: argparse.Namespace, home: Path) -> tuple[Guard | None, CurveCl
         return None, None
     fk = farm_keys(home)
     guard = Guard(zmq.Context.instance(), fk.supervisor_server())
-    curve = fk.supervisor_as_client() if ns.broker.startswith("tcp://") else None
+    curve = fk.supervisor_as_client() if wants_curve(ns) else None
     return guard, curve
 
 

@@ -56,7 +56,9 @@ def add_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("worker", help="run sandbox workers for a farm on another host",
                        description="Become a sandbox worker process serving a remote "
                        "broker over CURVE; reconnects forever, drains on SIGTERM.")
-    p.add_argument("--broker", required=True, help="the broker's backend, tcp://HOST:PORT")
+    p.add_argument("--broker", required=True, action="append",
+                   help="a broker's backend, tcp://HOST:PORT; repeat it to serve several "
+                   "brokers at once (one --server-key for all: the farm's broker key)")
     p.add_argument("--server-key", type=Path, default=None, help="the broker's public key")
     p.add_argument("--key", type=Path, default=None, help="this worker's NAME.key_secret")
     p.add_argument("--services", default="tool,model", help="default: tool,model")
@@ -121,7 +123,8 @@ def cmd_keys_init(ns: Namespace) -> int:
 
 def worker_argv(ns: Namespace) -> list[str]:
     """The ``python -m sandbox_worker`` command line ``corral worker`` becomes."""
-    argv = [sys.executable, "-m", "sandbox_worker", "--broker", ns.broker,
+    brokers = [arg for ep in ns.broker for arg in ("--broker", ep)]
+    argv = [sys.executable, "-m", "sandbox_worker", *brokers,
             "--services", ns.services, "--capacity", str(ns.capacity),
             "--drain-s", str(ns.drain_s), "--log-level", ns.worker_log_level]
     if ns.server_key is not None:
@@ -136,7 +139,8 @@ def worker_argv(ns: Namespace) -> list[str]:
 
 
 def cmd_worker(ns: Namespace) -> int:
-    if ns.broker.startswith("tcp://") and (ns.server_key is None or ns.key is None):
+    if (any(ep.startswith("tcp://") for ep in ns.broker)
+            and (ns.server_key is None or ns.key is None)):
         print("corral worker: a tcp:// broker needs --server-key (the broker's public key) "
               "and --key (this worker's NAME.key_secret, allowed with: corral keys allow "
               "NAME.key --role worker)", file=sys.stderr)
