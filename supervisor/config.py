@@ -46,6 +46,9 @@ liveness = 4                 # missed heartbeats before a peer counts as dead
 # Remote workers: the broker also binds this HOST:PORT, with CURVE + ZAP
 # (keys in HOME/keys, made at start; allow workers with corral keys allow).
 # backend_tcp = "0.0.0.0:5556"
+# Brokers (1..4): with 2, workers serve both and the supervisor moves off a
+# lost one; backend_tcp then gives broker N the port + N - 1 (docs/multihost.md).
+# brokers = 1
 
 [sandbox]
 tier_min = "T2"              # refuse to run tools below this tier (T0 < T1 < T2- < T2)
@@ -151,6 +154,7 @@ class FarmConfig:
     heartbeat_interval_s: float = 0.25
     liveness: int = 4
     backend_tcp: str | None = None  # HOST:PORT for remote workers (docs/multihost.md)
+    brokers: int = 1  # broker processes of the farm (docs/multihost.md, "Several brokers")
     tier_min: str = "T2"
     allow_unsandboxed: bool = False
     network: bool = False
@@ -303,7 +307,7 @@ def load(home: Path) -> FarmConfig:
             _table(path, section, raw[section])
     farm = raw.get("farm", {})
     _check_keys(path, "farm", farm, {"workers", "heartbeat_interval_s", "liveness",
-                                     "backend_tcp"})
+                                     "backend_tcp", "brokers"})
     backend_tcp = _typed(path, "farm", farm, "backend_tcp", str, None)
     if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
         raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
@@ -378,6 +382,7 @@ def load(home: Path) -> FarmConfig:
                                           (int, float), 0.25)),
         liveness=_typed(path, "farm", farm, "liveness", int, 4),
         backend_tcp=backend_tcp,
+        brokers=farm_brokers(path, farm),
         tier_min=tier_min,
         allow_unsandboxed=_typed(path, "sandbox", sandbox, "allow_unsandboxed", bool, False),
         network=_typed(path, "sandbox", sandbox, "network", bool, False),
@@ -466,3 +471,14 @@ def write_default(home: Path, env: Mapping[str, str] | None = None) -> tuple[Pat
     tmp.write_text(DEFAULT_CONFIG + "\n" + route)
     os.replace(tmp, path)
     return path, said
+
+
+MAX_FARM_BROKERS = 4
+
+
+def farm_brokers(path: Path, farm: dict[str, Any]) -> int:
+    """``[farm] brokers``: how many broker processes the farm runs (1..4)."""
+    n = _typed(path, "farm", farm, "brokers", int, 1)
+    if not 1 <= n <= MAX_FARM_BROKERS:
+        raise _fail(path, "farm.brokers", f"must be between 1 and {MAX_FARM_BROKERS}")
+    return int(n)

@@ -51,6 +51,9 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--workers", type=workers_arg, default=None,
                    help="sandbox workers (default: config, else one per core, at least 2; "
                    "0: none here, every worker is remote)")
+    p.add_argument("--brokers", type=int, default=None, choices=range(1, 5), metavar="N",
+                   help="broker processes, 1..4 (default: [farm] brokers in corral.toml, 1); "
+                   "with 2 the workers serve both and the supervisor moves off a lost one")
     p.add_argument("--detach", action="store_true", help="run in the background")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT", type=host_port_arg,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: "
@@ -142,7 +145,7 @@ def cmd_up(ns: Namespace) -> int:
             if not ns.json:
                 print(f"starting a farm at {ns.home} ...", file=sys.stderr)
             info = start_detached(ns.home, workers=ns.workers, metrics=ns.metrics,
-                                  web=ns.web)
+                                  web=ns.web, brokers=ns.brokers)
             if ns.json:
                 print_json(info)
             else:
@@ -160,7 +163,7 @@ def cmd_up(ns: Namespace) -> int:
                 print(f"corral: {line}", file=sys.stderr)
 
         farm = Farm(ns.home, workers=ns.workers, metrics=ns.metrics, web=ns.web,
-                    on_change=say_telemetry)
+                    on_change=say_telemetry, brokers=ns.brokers)
     except config_mod.ConfigError as exc:
         return say_error(ns, "config", str(exc), EXIT_USAGE)
     except OSError as exc:

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", type=Path, required=True, help="the farm's home directory")
     parser.add_argument("--workers", type=int, default=None,
                         help="sandbox worker processes (default: config, else one per core)")
+    parser.add_argument("--brokers", type=int, default=None, choices=range(1, 5),
+                        metavar="N", help="broker processes, 1..4 (default: [farm] brokers, 1)")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics (default: [telemetry] metrics_listen)")
     parser.add_argument("--web", default=None, metavar="HOST:PORT",
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     try:
-        farm = Farm(ns.home, workers=ns.workers, log_level=ns.log_level,
+        farm = Farm(ns.home, workers=ns.workers, brokers=ns.brokers, log_level=ns.log_level,
                     broker_faults=ns.broker_faults, metrics=ns.metrics, web=ns.web)
     except ConfigError as exc:
         print(f"corral: {exc}", file=sys.stderr)

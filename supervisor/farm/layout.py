@@ -80,6 +80,13 @@ class FarmPaths:
     def broker_backend(self) -> str:
         return f"ipc://{self.run}/broker-back.sock"
 
+    def broker_frontend_of(self, n: int) -> str:
+        """Broker ``n``'s frontend (1-based; broker 1 is ``broker_frontend``)."""
+        return self.broker_frontend if n == 1 else f"ipc://{self.run}/broker{n}-front.sock"
+
+    def broker_backend_of(self, n: int) -> str:
+        return self.broker_backend if n == 1 else f"ipc://{self.run}/broker{n}-back.sock"
+
     @property
     def supervisor_endpoint(self) -> str:
         return f"ipc://{self.run}/supervisor.sock"
@@ -115,7 +122,33 @@ def default_workers() -> int:
     return max(2, os.cpu_count() or 2)
 
 
+def broker_name(n: int) -> str:
+    """The child name of broker ``n``: ``broker``, then ``broker-2``, ``broker-3``..."""
+    return "broker" if n == 1 else f"broker-{n}"
+
+
+def broker_specs(cfg: FarmConfig, paths: FarmPaths, argv_of: Callable[[int], list[str]],
+                 brokers: int) -> list[ChildSpec]:
+    """The farm's brokers (``[farm] brokers``, ``corral up --brokers``): each its own
+    child with its own endpoints, restarted alone by the tree. With ``backend_tcp``
+    broker N binds the port + N - 1 (port 0: each its own free port)."""
+    specs = []
+    for n in range(1, brokers + 1):
+        argv = [*argv_of(n), "--frontend", paths.broker_frontend_of(n),
+                "--backend", paths.broker_backend_of(n)]
+        dynamic = None
+        if cfg.backend_tcp:
+            host, _, port = cfg.backend_tcp.rpartition(":")
+            nth = int(port) + n - 1 if int(port) else 0
+            argv += _curve_backend_args(paths.home, f"{host}:{nth}")
+            dynamic = _pin_backend_tcp(argv, broker_name(n))
+        specs.append(ChildSpec(broker_name(n), argv, shutdown_timeout_s=5.0, stage=0,
+                               dynamic_argv=dynamic))
+    return specs
+
+
 def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None,
+                brokers: int | None = None,
                 log_level: str = "INFO", broker_faults: str | None = None,
                 broker_faults_seed: int = 0,
                 supervisor_env: dict[str, str] | None = None) -> list[ChildSpec]:
@@ -143,28 +176,31 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
         specs.append(ChildSpec(f"fakellm-{name}", argv, stage=0,
                                dynamic_argv=_pin_port(f"fakellm-{name}", argv)))
         route_urls.append(name)
-    broker_argv = [py, "-m", "broker", "--frontend", paths.broker_frontend,
-                   "--backend", paths.broker_backend, *hb, "--log-level", log_level]
-    if broker_faults:
-        broker_argv += ["--faults", broker_faults, "--faults-seed", str(broker_faults_seed)]
-    broker_dynamic = None
-    if cfg.backend_tcp:
-        broker_argv += _curve_backend_args(paths.home, cfg.backend_tcp)
-        broker_dynamic = _pin_backend_tcp(broker_argv)
-    specs.append(ChildSpec("broker", broker_argv, shutdown_timeout_s=5.0, stage=0,
-                           dynamic_argv=broker_dynamic))
+    n_brokers = brokers if brokers is not None else cfg.brokers
+
+    def broker_argv(n: int) -> list[str]:
+        argv = [py, "-m", "broker", *hb, "--log-level", log_level]
+        if broker_faults:
+            argv += ["--faults", broker_faults, "--faults-seed", str(broker_faults_seed + n - 1)]
+        return argv
+
+    specs += broker_specs(cfg, paths, broker_argv, n_brokers)
+    backends = [a for n in range(1, n_brokers + 1) for a in ("--broker",
+                                                              paths.broker_backend_of(n))]
+    frontends = [a for n in range(1, n_brokers + 1) for a in ("--broker",
+                                                               paths.broker_frontend_of(n))]
     # 0 is a real answer (every worker is remote), not "the default".
     n = workers if workers is not None else (
         cfg.workers if cfg.workers is not None else default_workers())
     for i in range(1, n + 1):
-        argv = [py, "-m", "sandbox_worker", "--broker", paths.broker_backend, *hb,
+        argv = [py, "-m", "sandbox_worker", *backends, *hb,
                 "--tier-min", cfg.tier_min, "--log-level", log_level]
         if cfg.allow_unsandboxed:
             argv.append("--allow-unsandboxed")
         specs.append(ChildSpec(f"worker-{i}", argv, shutdown_timeout_s=8.0, stage=1,
                                stop_group="workers"))
     sup_argv = [py, "-m", "supervisor", "--home", str(paths.home),
-                "--broker", paths.broker_frontend, "--listen", paths.supervisor_endpoint,
+                *frontends, "--listen", paths.supervisor_endpoint,
                 *hb, "--log-level", log_level]
     if cfg.metrics_listen:
         sup_argv += ["--metrics", cfg.metrics_listen]
@@ -205,12 +241,13 @@ def _curve_backend_args(home: Path, host_port: str) -> list[str]:
             "--curve-secret", str(keys.secret("broker")), "--allow-dir", str(keys.allow_dir)]
 
 
-def _pin_backend_tcp(argv: list[str]) -> Callable[[dict[str, dict[str, Any]]], list[str]]:
+def _pin_backend_tcp(argv: list[str], name: str = "broker",
+                     ) -> Callable[[dict[str, dict[str, Any]]], list[str]]:
     """Restart the broker on the tcp port it got at its first start (remote workers
     reconnect to the same address)."""
 
     def argv_fn(ready: dict[str, dict[str, Any]]) -> list[str]:
-        bound = ready.get("broker", {}).get("tcp", {})
+        bound = ready.get(name, {}).get("tcp", {})
         endpoint = bound.get("backend") if isinstance(bound, dict) else None
         if not isinstance(endpoint, str):
             return argv
