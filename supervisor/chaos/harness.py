@@ -66,6 +66,7 @@ from supervisor.chaos import invariants as inv
 from supervisor.chaos.evidence import ProcWatch
 from supervisor.chaos.exportkeep import ExportKeeper
 from supervisor.chaos.schedule import (
+    BROKER_SET_FAULTS,
     FRAME_FAULTS,
     Fault,
     coverage_s,
@@ -359,10 +360,12 @@ class Harness:
                         self.pids[c.pid] = psutil.Process(c.pid).create_time()
                     except psutil.Error:
                         self.pids[c.pid] = None
-                if (c.spec.name in ("supervisor", "broker") and c.state == "running"
+                # every broker of a two-broker farm counts as "broker"
+                group = "broker" if c.spec.name.startswith("broker") else c.spec.name
+                if (group in ("supervisor", "broker") and c.state == "running"
                         and c.pid and (c.spec.name, c.pid) not in self._seen_up):
                     self._seen_up.add((c.spec.name, c.pid))
-                    self.ups.append((c.spec.name, time.monotonic()))
+                    self.ups.append((group, time.monotonic()))
 
     def child_env(self) -> dict[str, str]:
         """What every farm child (and the export check) gets besides the inherited env."""
@@ -382,6 +385,7 @@ class Harness:
             env.update({slowdisk.DELAY_ENV: str(STORE_SLOW_DELAY_S),
                         slowdisk.FLAG_ENV: str(self.slow_flag)})
         self.farm = Farm(self.home, workers=self.opts.workers,
+                         brokers=2 if set(self.kinds) & set(BROKER_SET_FAULTS) else None,
                          broker_faults=(",".join(frame) + f":rate={self.opts.frame_rate}"
                                         if frame else None),
                          broker_faults_seed=self.opts.seed, supervisor_env=env,
@@ -964,7 +968,7 @@ def recovery_group(kind: str) -> str | None:
         return "worker"
     if kind.startswith("crash_") or kind == "supervisor_kill":
         return "supervisor"
-    if kind in ("broker_kill", "provider_kill"):
+    if kind in ("broker_kill", "broker_kill_one", "provider_kill"):
         return kind.split("_")[0]
     return None
 

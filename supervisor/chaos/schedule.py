@@ -62,8 +62,14 @@ CANCEL_FAULTS: Final = ("interrupt_tool",)  # interrupt a turn mid long tool cal
 FRAME_FAULTS: Final = ("frame_drop", "frame_delay", "frame_duplicate")
 PROVIDER_FAULTS: Final = ("provider_429", "provider_500", "provider_hang", "provider_cut")
 STORE_FAULTS: Final = ("store_busy", "store_slow")
-ALL_FAULTS: Final = (PROCESS_FAULTS + WINDOW_FAULTS + CANCEL_FAULTS + FRAME_FAULTS
-                     + PROVIDER_FAULTS + STORE_FAULTS)
+# Faults of a farm with several brokers; naming one runs the farm with two brokers
+# (docs/multihost.md). Not in "all": that stays the one-broker soak.
+BROKER_SET_FAULTS: Final = (
+    "broker_kill_one",  # SIGKILL one of two brokers (new calls move to the other)
+)
+ONE_BROKER_FAULTS: Final = (PROCESS_FAULTS + WINDOW_FAULTS + CANCEL_FAULTS + FRAME_FAULTS
+                            + PROVIDER_FAULTS + STORE_FAULTS)
+ALL_FAULTS: Final = ONE_BROKER_FAULTS + BROKER_SET_FAULTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +81,11 @@ class Fault:
 
 
 def parse_faults(spec: str) -> tuple[str, ...]:
-    """``all`` or a comma list of kinds (or groups: process, frame, provider, store)."""
+    """``all`` or a comma list of kinds (or groups: process, frame, provider, store,
+    brokers); ``all`` is every kind of a one-broker farm."""
     groups = {"process": PROCESS_FAULTS, "window": WINDOW_FAULTS, "cancel": CANCEL_FAULTS,
               "frame": FRAME_FAULTS, "provider": PROVIDER_FAULTS, "store": STORE_FAULTS,
-              "all": ALL_FAULTS}
+              "brokers": BROKER_SET_FAULTS, "all": ONE_BROKER_FAULTS}
     kinds: list[str] = []
     for word in (w.strip() for w in spec.split(",") if w.strip()):
         if word in groups:

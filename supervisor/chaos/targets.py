@@ -63,7 +63,9 @@ WANT: Final = {"worker_kill_model": "model", "worker_kill_tool": "tool",
                "worker_kill_idle": "", "worker_hang": "*"}
 FREEZE_SETTLE_S: Final = 0.05  # SIGSTOP to the STATUS read that says what was held
 SINGLE: Final = {"broker_kill": "broker", "supervisor_kill": "supervisor",
-                 "provider_kill": "fakellm-"}
+                 "provider_kill": "fakellm-",
+                 # one of the brokers of a two-broker farm: "broker" or "broker-2"
+                 "broker_kill_one": "broker"}
 
 
 class Injector:
@@ -171,7 +173,9 @@ class Injector:
                 rec["skipped"] = f"no running {SINGLE[kind].rstrip('-')} process"
                 return rec
             child = targets[fault.pick % len(targets)]
-            rec.update(target=child.spec.name, pid=child.pid, hit=True)
+            # One of two brokers: a hit only while the other one runs to take over.
+            landed = kind != "broker_kill_one" or len(targets) >= 2
+            rec.update(target=child.spec.name, pid=child.pid, hit=landed)
             before_kill(None)
             _signal(child.pid, signal.SIGKILL)
             return rec

@@ -47,8 +47,9 @@ def add_chaos_parser(sub: Subparsers) -> None:
     p.add_argument("--sessions", type=int, default=8, help="sessions to run (default 8)")
     p.add_argument("--faults", default="all",
                    help="comma list of fault kinds or groups (process, window, cancel, "
-                   "frame, provider, store), or 'all' (default); e.g. "
-                   "worker_kill_tool,crash_publish")
+                   "frame, provider, store, brokers), or 'all' (default: every kind of a "
+                   "one-broker farm); e.g. worker_kill_tool,crash_publish. Naming "
+                   "broker_kill_one (group brokers) runs the farm with two brokers")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
     p.add_argument("--fault-gap", type=float, default=2.5, metavar="S",
                    help="minimum seconds between timed faults (gaps are S to 2S; default "
