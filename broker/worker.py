@@ -276,6 +276,8 @@ class BrokerWorker:
             self._sock = None
             self._session_end = None
             sock.close(linger_s=0.5)
+            if self.pool is not None:
+                self.pool.changed()  # this link is not live now: its share moves
         return reason
 
     def _end_session(self, reason: str) -> None:

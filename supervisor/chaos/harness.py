@@ -417,11 +417,15 @@ class Harness:
             frames = tg.create_task(self._count_frames()) if frame else None
             endpoint = self.farm.paths.supervisor_endpoint
             async with SupervisorClient(endpoint, timeout_s=15) as sv, \
-                    BrokerClient(self.farm.paths.broker_frontend) as broker:
+                    BrokerClient(self.farm.paths.broker_frontend) as broker, \
+                    contextlib.AsyncExitStack() as others:
                 self.sv = sv
+                # A two-broker farm: workers hold calls of either broker; ask both.
+                more = [await others.enter_async_context(BrokerClient(ep)) for ep in
+                        self.farm.info()["endpoints"].get("broker_frontends", [])[1:]]
                 injector = Injector(self.farm, broker, self.slow_flag, arm_path=self.arm_path,
                                     run_tag=self.run_tag, interrupter=self._interrupt,
-                                    steady=self._steady)
+                                    steady=self._steady, more_brokers=more)
                 runs = [await self._create(sv, i) for i in range(self.opts.sessions)]
                 self.report.sessions = runs
                 phase("startup")

@@ -46,7 +46,7 @@ import os
 import signal
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -73,9 +73,11 @@ class Injector:
                  wait_s: float = 3.0, arm_path: Path | None = None, run_tag: str = "",
                  interrupter: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
                  arm_wait_s: float = 6.0,
-                 steady: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 steady: Callable[[], Awaitable[bool]] | None = None,
+                 more_brokers: Sequence[BrokerClient] = ()) -> None:
         self.farm = farm
         self.broker = broker
+        self.brokers = [broker, *more_brokers]  # a worker's calls may be on any of them
         self.slow_flag = slow_flag
         self.wait_s = wait_s
         self.arm_path = arm_path
@@ -90,15 +92,28 @@ class Injector:
                       key=lambda c: c.spec.name)
 
     async def _status_workers(self) -> list[dict[str, Any]]:
-        try:
-            status = await self.broker.status(timeout_s=1.0)
-        except (BrokerError, TimeoutError) as exc:
-            log.info("chaos: broker STATUS failed (%s); retrying", exc)
-            return []
+        """Every worker the brokers list; a worker serving several brokers (one
+        identity at each) is one entry holding what it holds at all of them."""
         seen: dict[str, dict[str, Any]] = {}
-        for svc in (status.get("workers") or {}).values():
-            for w in svc.get("workers", []):
-                seen[str(w.get("identity"))] = w
+        for broker in self.brokers:
+            try:
+                status = await broker.status(timeout_s=1.0)
+            except (BrokerError, TimeoutError) as exc:
+                log.info("chaos: broker STATUS failed (%s); retrying", exc)
+                continue
+            here: dict[str, dict[str, Any]] = {}
+            for svc in (status.get("workers") or {}).values():
+                for w in svc.get("workers", []):
+                    here[str(w.get("identity"))] = w
+            for ident, w in here.items():
+                if ident in seen:
+                    both = dict(seen[ident])
+                    both["in_flight_services"] = sorted(
+                        [*(both.get("in_flight_services") or []),
+                         *(w.get("in_flight_services") or [])])
+                    seen[ident] = both
+                else:
+                    seen[ident] = w
         return list(seen.values())
 
     async def find_worker(self, want: str, pick: int) -> tuple[Any, list[str]] | None:

@@ -252,6 +252,9 @@ def cmd_status(ns: Namespace) -> int:
         print(f"supervisor: {clean(str(sup['error']))}")
         return EXIT_OK
     broker = sup.get("broker", {})
+    for b in broker.get("brokers", []):  # a farm with several brokers
+        mark = "current" if b.get("current") else ("heard" if b.get("connected") else "LOST")
+        print(clean(f"  broker {b.get('endpoint')} {mark} (id {b.get('broker_id')})"))
     queues = broker.get("queues", {})
     for service, w in sorted(broker.get("workers", {}).items()):
         print(f"  service {service:<8} workers idle {w.get('idle', 0)} busy {w.get('busy', 0)} "

@@ -37,6 +37,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.held: dict[bytes, set[str]] = {}  # worker -> request ids it was given
         self.cancelled: set[tuple[bytes, str]] = set()  # (worker, rid) CANCELs received
         self.instances: dict[bytes, str] = {}  # last non-empty instance id per live client
+        self.caps: dict[bytes, int] = {}  # worker -> the capacity it last said
 
     # ------------------------------------------------------------ helpers
 
@@ -57,6 +58,7 @@ class DispatcherMachine(RuleBasedStateMachine):
                 if isinstance(msg, protocol.Request):
                     held = self.held.setdefault(a.identity, set())
                     assert msg.request_id not in held, "request dispatched twice"
+                    assert len(held) < self.caps[a.identity], "dispatched past its capacity"
                     held.add(msg.request_id)
                     assert msg.budget_s >= 0
                 elif isinstance(msg, protocol.Cancel):
@@ -85,6 +87,7 @@ class DispatcherMachine(RuleBasedStateMachine):
           capacity=st.integers(1, 3))
     def register(self, worker: bytes, services: list[str], capacity: int) -> None:
         self.held.pop(worker, None)  # a (re-)registering worker starts afresh
+        self.caps[worker] = capacity
         self.apply(self.d.on_worker(worker, protocol.Ready(tuple(services), capacity), self.now))
 
     @rule(client=st.sampled_from(CLIENTS), service=st.sampled_from(SERVICES),
@@ -136,6 +139,13 @@ class DispatcherMachine(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(WORKERS))
     def worker_heartbeat(self, worker: bytes) -> None:
         self.apply(self.d.on_worker(worker, protocol.Heartbeat("w"), self.now))
+
+    @rule(worker=st.sampled_from(WORKERS), capacity=st.integers(0, 3))
+    def worker_moves_slots(self, worker: bytes, capacity: int) -> None:
+        """A worker serving several brokers changes its capacity here (HEARTBEAT c)."""
+        if worker in self.d.registered_workers():
+            self.caps[worker] = capacity
+        self.apply(self.d.on_worker(worker, protocol.Heartbeat("w", capacity), self.now))
 
     @rule(client=st.sampled_from(CLIENTS), instance=st.sampled_from(["", "p1", "p2"]))
     def client_heartbeat(self, client: bytes, instance: str) -> None:
