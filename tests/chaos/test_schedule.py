@@ -51,7 +51,9 @@ def test_provider_faults_go_into_the_script_once_per_entry() -> None:
 
 
 def test_fault_lists_are_checked() -> None:
-    assert parse_faults("all") == ALL_FAULTS
+    # "all" is the one-broker soak; the broker-set kinds are named (group brokers)
+    assert parse_faults("all") + parse_faults("brokers") == ALL_FAULTS
+    assert parse_faults("brokers") == ("broker_kill_one",)
     assert "provider_kill" in parse_faults("process")
     with pytest.raises(ValueError, match="unknown fault 'nope'"):
         parse_faults("worker_kill_tool,nope")
