@@ -17,6 +17,13 @@ broker). Starting a new session or re-registering *abandons* the work held
 for the old registration: those tasks are cancelled and send nothing, since
 the broker they belonged to has already failed them as worker_lost.
 
+Several brokers: a worker serving several brokers runs one ``BrokerWorker``
+(one link) per broker, all sharing one ``SlotPool`` (``broker/slots.py``):
+each link has its own session, liveness and jobs, so a broker's loss abandons
+only that link's work; every handler runs inside the pool's slot, and the
+pool tells each broker its share (HEARTBEAT capacity). Without a pool (one
+broker) nothing of this runs and the wire is as before.
+
 Invariants:
 - Every request the worker accepted is answered exactly once for its
   registration (REPLY, HandlerError → FAILURE(kind), unexpected exception →
