@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from broker import BrokerWorker, RequestContext
+from broker.brokerset import BrokerSet
 from broker.client import BrokerClient
 from broker.errors import RequestFailed
 from broker.protocol import FailureKind
@@ -135,6 +137,41 @@ async def _other_broker_untouched(two: dict[str, Any]) -> None:
     two["gate"].open.set()
     assert [await c.result() for c in on_b + more] == [b"b"] * 4
     assert pool.peak == SLOTS
+
+
+async def test_the_supervisors_set_moves_off_a_hung_broker_within_its_window(
+        procs: Procs, ipc_dir: Path) -> None:
+    """SIGSTOP: the broker is silent and nobody restarts it, so the client side alone
+    must decide it is lost (silence past ``HB_S * LIVENESS``, checked every HB_S)."""
+    async with two_brokers(procs, ipc_dir) as two:
+        brokers: dict[str, BrokerProc] = two["brokers"]
+        async with BrokerSet([brokers["a"].frontend, brokers["b"].frontend],
+                             heartbeat_interval_s=HB_S, liveness=LIVENESS) as bs:
+            await eventually(lambda: _true(all(c.connected for c in bs.clients)),
+                             timeout_s=10, what="both brokers heard")
+            assert bs.current.endpoint == brokers["a"].frontend
+            held = [bs.start("echo", b"x", budget_s=20) for _ in range(2)]
+            await eventually(lambda: _true(two["pool"].running == 2), timeout_s=10,
+                             what="2 calls running through broker a")
+            os.kill(brokers["a"].proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            for call in held:  # failed where they were, never moved
+                with pytest.raises(RequestFailed) as lost:
+                    await call.result()
+                assert lost.value.failure.kind == FailureKind.WORKER_LOST
+            lost_s = time.monotonic() - t0
+            assert bs.current.endpoint == brokers["b"].frontend
+            assert bs.moves == 1
+            window = HB_S * LIVENESS
+            # the window, plus the interval at which silence is checked, plus slack
+            # for a loaded machine; the measured figure is in docs/multihost.md
+            print(f"calls failed and new calls moved {lost_s:.2f} s after the SIGSTOP "
+                  f"(window {window:.2f} s)")
+            assert window <= lost_s + HB_S, lost_s
+            assert lost_s <= window + HB_S + 1.5, lost_s
+            two["gate"].open.set()
+            assert await bs.request("echo", b"y", budget_s=10) == b"b"
+            os.kill(brokers["a"].proc.pid, signal.SIGKILL)
 
 
 async def _true(value: bool) -> bool:
