@@ -13,6 +13,7 @@ header is present (401 otherwise), and tool ``token`` says how long it was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -39,13 +40,20 @@ def whoami() -> str:
 
 @server.tool()
 async def sleep(seconds: float) -> str:
-    """Sleep (cooperatively: notifications/cancelled ends it, and is counted)."""
+    """Sleep (cooperatively: notifications/cancelled ends it, and is counted).
+    Leaves ``sleeping`` in its cwd first: the tests' proof the call arrived."""
+    _mark("sleeping")
     try:
         await asyncio.sleep(seconds)
     except asyncio.CancelledError:
         state["cancelled"] += 1
         raise
     return "slept"
+
+
+def _mark(name: str) -> None:
+    with contextlib.suppress(OSError), open(name, "w") as f:
+        f.write(str(os.getpid()))
 
 
 @server.tool()
