@@ -125,6 +125,40 @@ def test_the_broker_reads_the_traceparent_from_the_payloads_end_only() -> None:
     assert otel.traceparent_at_end(b"\xa5trace\xd9\x37" + b"\xff" * 55) is None
 
 
+def test_the_broker_names_its_span_as_the_parent_in_the_body_it_forwards() -> None:
+    from broker.protocol import pack, unpack
+
+    tp = otel.format_traceparent(0xABC, 0xDEF, sampled=False)
+    body = pack({"items": ["x" * 100], "trace": tp})
+    forwarded = otel.with_parent(body, 0x1234)
+    assert len(forwarded) == len(body)  # same size: the frame's bound holds
+    payload = unpack(forwarded)
+    assert payload["items"] == ["x" * 100]
+    assert otel.parse_traceparent(payload["trace"]) == (0xABC, 0x1234, 0)  # trace, flags kept
+    # Malformed or missing context, or no valid span id: the body goes on as it came.
+    for bad in (pack({"trace": "00-" + "z" * 52}), pack({"items": [tp]}), b"", b"\xa5trace"):
+        assert otel.with_parent(bad, 0x1234) is bad
+    assert otel.with_parent(body, 0) is body
+    assert otel.with_parent(body, 1 << 64) is body
+
+
+def test_a_broker_with_traces_on_forwards_any_request_unharmed() -> None:
+    """Trace context can never cost the broker a request: a tracer that raises
+    leaves the body as it came, and no span."""
+    from broker.protocol import pack
+    from broker.server import Broker
+
+    class Raising:
+        def start_span(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("boom")
+
+    broker = Broker.__new__(Broker)  # _trace uses only the tracer
+    broker.tracer = Raising()
+    body = pack({"trace": otel.format_traceparent(1, 2)})
+    assert broker._trace("tool", body, 1) == (None, body)
+    assert broker._trace("tool", b"\x00" * 70, 1) == (None, b"\x00" * 70)
+
+
 def test_a_slow_web_viewer_is_closed_not_the_others(tmp_path: Path) -> None:
     import asyncio
 
