@@ -51,6 +51,24 @@ async def sleep(seconds: float) -> str:
     return "slept"
 
 
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def peek(seconds: float) -> str:
+    """Read-only: the first call in a workspace leaves ``peeking`` and sleeps;
+    any later one (a re-run) answers at once."""
+    if not _first("peeking"):
+        return "peeked again"
+    await asyncio.sleep(seconds)
+    return "peeked"
+
+
+def _first(name: str) -> bool:
+    """Leave ``name`` in the cwd; whether it was not there yet."""
+    if os.path.exists(name):
+        return False
+    _mark(name)
+    return True
+
+
 def _mark(name: str) -> None:
     with contextlib.suppress(OSError), open(name, "w") as f:
         f.write(str(os.getpid()))
