@@ -136,6 +136,7 @@ def serve_http() -> None:
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # before the port is said: a client may connect at once
     sys.stdout.write(json.dumps({"port": sock.getsockname()[1]}) + "\n")
     sys.stdout.flush()
     config = uvicorn.Config(guarded, log_level="warning", lifespan="on")
