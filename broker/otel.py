@@ -15,7 +15,11 @@ Trace context crosses processes as one W3C ``traceparent`` string
 never make us carry anything else or anything bigger.
 
 The broker reads that key from the payload's last bytes only
-(``traceparent_at_end``): it never decodes a payload.
+(``traceparent_at_end``): it never decodes a payload. It is a hop of the
+trace: it rewrites those 55 bytes in the REQUEST it forwards so that they name
+its own span (``with_parent``: same trace id and flags, same length, so the
+payload stays the same valid msgpack and a worker of any version reads it as
+before). A tail that is not a well-formed traceparent is left untouched.
 
 Invariants: nothing here is imported by a process whose traces are off
 (the ``opentelemetry`` imports are inside the functions); the exporter runs in
@@ -86,6 +90,17 @@ def traceparent_at_end(body: bytes) -> str | None:
     except UnicodeDecodeError:
         return None
     return value if parse_traceparent(value) is not None else None
+
+
+def with_parent(body: bytes, span_id: int) -> bytes:
+    """``body`` whose trailing traceparent names ``span_id`` as the parent
+    (trace id and flags kept); ``body`` itself when it has no well-formed one
+    or ``span_id`` is not a valid span id."""
+    value = traceparent_at_end(body)
+    if value is None or not 0 < span_id < 1 << 64:
+        return body
+    parent = f"{value[:36]}{span_id:016x}{value[52:]}".encode("ascii")
+    return body[:-MAX_TRACEPARENT] + parent
 
 
 def format_traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:

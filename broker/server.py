@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import select
@@ -353,10 +354,14 @@ class Broker:
                 pass
             else:
                 body = frames[4]
+                span = None
+                if self.tracer is not None:
+                    span, body = self._trace(service, body, attempt)
                 got = self.state.on_request(frames[0], rid, service, budget_s, body, attempt,
                                             _monotonic())
-                if self.tracer is not None:
-                    self._trace(service, body, attempt, isinstance(got, Forward))
+                if span is not None:
+                    span.set_attribute("corral.dispatched_at_once", isinstance(got, Forward))
+                    span.end()
                 if isinstance(got, Forward):
                     self._send(_WORKER, got.identity, _request_frames(
                         self._pack, got.request_id, service, got.budget_s, body, attempt))
@@ -370,22 +375,32 @@ class Broker:
         if msg is None:
             return
         if self.tracer is not None and isinstance(msg, protocol.Request):
-            self._trace(msg.service, msg.body, msg.attempt, None)
+            span, body = self._trace(msg.service, msg.body, msg.attempt)
+            if span is not None:
+                span.end()
+                msg = dataclasses.replace(msg, body=body)
         if self._faults is None:
             self._perform(self.state.on_client(frames[0], msg, _monotonic()))
         else:
             self._inject(Side.CLIENT, frames[0], msg)
 
-    def _trace(self, service: str, body: bytes, attempt: int, at_once: bool | None) -> None:
-        """One ``broker dispatch`` span (``corral-broker``) under the caller's span,
-        when the payload carries a trace context (``broker.otel``; off: never called)."""
-        parent = otel.remote_parent(otel.traceparent_at_end(body))
-        if parent is None:
-            return
-        attrs: dict[str, Any] = {"corral.service": service, "corral.attempt": attempt}
-        if at_once is not None:
-            attrs["corral.dispatched_at_once"] = at_once  # False: queued for a worker
-        self.tracer.start_span("broker dispatch", context=parent, attributes=attrs).end()
+    def _trace(self, service: str, body: bytes, attempt: int) -> tuple[Any, bytes]:
+        """A ``broker dispatch`` span (``corral-broker``, the caller ends it) under
+        the caller's span when the payload carries a trace context, and the body
+        to forward: its traceparent now names that span, so the worker's span is
+        the broker's child (``otel.with_parent``). Off: never called. Tracing is
+        never a reason to lose a request: any failure here forwards the body as
+        it came, without a span."""
+        try:
+            parent = otel.remote_parent(otel.traceparent_at_end(body))
+            if parent is None:
+                return None, body
+            span = self.tracer.start_span("broker dispatch", context=parent, attributes={
+                "corral.service": service, "corral.attempt": attempt})
+            return span, otel.with_parent(body, span.get_span_context().span_id)
+        except Exception:  # message boundary for trace context: never the broker's end
+            log.exception("broker: a request's trace context could not be carried")
+            return None, body
 
     def _on_backend(self, frames: list[bytes]) -> None:
         if (len(frames) == 5 and frames[2] == _REPLY and frames[1] == _HEADER

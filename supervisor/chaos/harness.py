@@ -86,6 +86,7 @@ from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.farm.root import Farm
 from supervisor.store import slowdisk
 from supervisor.store.records import SessionId
+from supervisor.telemetry.labels import CHAOS_FAULTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class ChaosOptions:
     fault_gap_s: float = 2.5  # minimum gap between timed faults (bounded: up to twice that)
     frame_rate: float = 0.02  # share of request-traffic frames the broker mangles
     provider_rate: float = 0.15  # share of script entries with a provider fault (1st attempt)
+    metrics: str | None = None  # HOST:PORT: the farm serves Prometheus /metrics there
 
 
 @dataclass
@@ -277,6 +279,7 @@ class Harness:
         self.kinds = parse_faults(opts.faults)
         self.plants = plants.parse(",".join(opts.plants))
         self.home = opts.home or Path(tempfile.mkdtemp(prefix="corral-chaos-"))
+        self._metrics_url: str | None = None  # where the farm's /metrics were last said
         self.schedule = (opts.schedule if opts.schedule is not None
                          else make_schedule(opts.seed, opts.duration_s, self.kinds,
                                             min_gap_s=opts.fault_gap_s))
@@ -310,6 +313,7 @@ class Harness:
                 raise ValueError(f"workspace {ws} is not empty: a previous run's effects "
                                  "would be counted; remove it or choose another --home")
         self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / CHAOS_FAULTS_FILE).unlink(missing_ok=True)  # a previous run's counts
         script = self.home / "workload.json"
         if self.opts.script is not None:
             self.script = self.opts.script
@@ -366,10 +370,43 @@ class Harness:
                         and c.pid and (c.spec.name, c.pid) not in self._seen_up):
                     self._seen_up.add((c.spec.name, c.pid))
                     self.ups.append((group, time.monotonic()))
+            self._say_metrics()  # a restarted supervisor may serve them elsewhere
 
     def child_env(self) -> dict[str, str]:
         """What every farm child (and the export check) gets besides the inherited env."""
         return {plants.ENV: ",".join(sorted(self.plants))} if self.plants else {}
+
+    # -- metrics ------------------------------------------------------------
+
+    def _say_metrics(self) -> None:
+        """With ``--metrics``: say where the farm serves them (stderr; stdout is
+        the report) each time that changes (port 0: a restarted supervisor
+        binds another port), and start the injected-fault counts at zero."""
+        if not self.opts.metrics or self.farm is None:
+            return
+        child = self.farm.tree.children.get("supervisor")
+        url = (child.ready or {}).get("metrics") if child is not None else None
+        if not url or url == self._metrics_url:
+            return
+        if self._metrics_url is None:
+            self._write_fault_counts()
+        self._metrics_url = url
+        print(f"corral chaos: metrics at {url}", file=sys.stderr, flush=True)
+
+    def _write_fault_counts(self) -> None:
+        """HOME/chaos-faults.json, the injected timed faults by kind, which the
+        supervisor's metrics serve as ``corral_chaos_faults_injected_total``
+        (written whole, then renamed: a scrape never reads half a file)."""
+        if not self.opts.metrics or self.farm is None:
+            return
+        counts: dict[str, int] = {}
+        for f in self.report.injected:
+            if "skipped" not in f:
+                counts[f["kind"]] = counts.get(f["kind"], 0) + 1
+        path = self.home / CHAOS_FAULTS_FILE
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"faults": counts}))
+        os.replace(tmp, path)
 
     # -- the run ------------------------------------------------------------
 
@@ -393,7 +430,7 @@ class Harness:
                          # The faults restart children on purpose, up to a few per second
                          # in a soak: the farm's crash-loop escalation (20 in 60 s) would
                          # stop the run, so it is set above what the schedule can cause.
-                         max_restarts=100_000,
+                         max_restarts=100_000, metrics=self.opts.metrics,
                          on_change=self._track_pids)  # every pid the farm ever ran
         for child in self.farm.tree.children.values():  # plants reach the children only
             child.spec = dataclasses.replace(child.spec,
@@ -736,6 +773,8 @@ class Harness:
         if index in self.at:  # the instant it hit (SIGSTOP, kill, interrupt, crash claim)
             record["hit_at_s"] = round(self.at[index] - t0, 3)
         self.report.injected.append(record)
+        if "skipped" not in record:
+            self._write_fault_counts()
         log.info("chaos: %s", record)
         return record
 
@@ -1112,7 +1151,8 @@ def main(ns: Any) -> int:
                         plants=tuple(getattr(ns, "plant", None) or ()),
                         fault_gap_s=getattr(ns, "fault_gap", 2.5),
                         frame_rate=getattr(ns, "frame_rate", 0.02),
-                        provider_rate=getattr(ns, "provider_rate", 0.15))
+                        provider_rate=getattr(ns, "provider_rate", 0.15),
+                        metrics=getattr(ns, "metrics", None))
     try:
         report = asyncio.run(Harness(opts).run()).as_dict()
     except ValueError as exc:

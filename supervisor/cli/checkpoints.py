@@ -124,8 +124,7 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     config gives the session; raises ``ConfigError`` saying what is wrong."""
     from supervisor import config as config_mod
     from supervisor.engine.config import SessionSpec
-    from supervisor.engine.tooling import spec_schemas
-    from supervisor.export import capability_binding
+    from supervisor.engine.tooling import session_binding
     from supervisor.facade import pin_workspace
     from supervisor.main import session_defaults
     from supervisor.server import CallError
@@ -152,27 +151,54 @@ def import_spec(ns: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     values: dict[str, Any] = {**session_defaults(cfg), "workspace": real, "route": route}
     if ns.approval:
         values["approval"] = ns.approval
+    values, outside = _outside_tools(values, ns)
     spec = SessionSpec(**values)
-    spec.extra = {**spec.extra, **extra}
-    binding = capability_binding(spec_schemas(spec),
-                                 {"approval": spec.approval,
-                                  "tool_policy": dict(spec.tool_policy)})
-    return spec.to_config(), binding
+    spec.extra = {**spec.extra, **extra, **outside}
+    return spec.to_config(), session_binding(spec)
 
 
-def _binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
+def _outside_tools(values: dict[str, Any], ns: Namespace
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The session's own MCP servers, command tools (over corral.toml's, per
+    name) and client tool declarations, as ``create_session`` takes them (the
+    SDK's import passes them; the CLI has none): the binding names them all."""
+    from supervisor import clienttools
+    from supervisor.config import ConfigError
+    from supervisor.server import CallError
+    from supervisor.tools.specs import SpecError, merged, parse_command_tools, parse_mcp_servers
+
+    mcp, tools, client = (getattr(ns, k, None) for k in ("mcp", "command_tools",
+                                                          "client_tools"))
+    try:
+        values["mcp"] = parse_mcp_servers(merged(values.get("mcp"), mcp))
+        values["command_tools"] = parse_command_tools(merged(values.get("command_tools"),
+                                                             tools))
+        extra = clienttools.declaration({"client_tools": list(client or []),
+                                         "command_tools": values["command_tools"]})
+    except SpecError as exc:
+        raise ConfigError(str(exc)) from None
+    except CallError as exc:
+        raise ConfigError(exc.message) from None
+    return values, extra
+
+
+def binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
     try:
         have = doc["content"]["logical_resume"]["capability_binding"]
         parts = []
-        mine = {t["name"]: t["schema_digest"] for t in expected["tools"]}
-        theirs = {t["name"]: t["schema_digest"] for t in have["tools"]}
-        if mine != theirs:
-            changed = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
-            parts.append(f"tools differ ({', '.join(changed)})")
+        for field, key, what in (("tools", "schema_digest", "tools"),
+                                 ("mcp_servers", "spec_digest", "MCP servers"),
+                                 ("client_tools", "schema_digest", "client tools")):
+            mine = {t["name"]: t[key] for t in expected.get(field, [])}
+            theirs = {t["name"]: t[key] for t in have.get(field, [])}
+            if mine != theirs:
+                changed = sorted(n for n in set(mine) | set(theirs)
+                                 if mine.get(n) != theirs.get(n))
+                parts.append(f"{what} differ ({', '.join(changed)})")
         if have.get("policy_digest") != expected.get("policy_digest"):
             parts.append("the approval/tool policy differs")
         return "; ".join(parts) or "the binding differs"
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, AttributeError):
         return "the binding is malformed"
 
 
@@ -225,7 +251,7 @@ def cmd_import(ns: Namespace) -> int:
         return EXIT_FAILED
     except BindingMismatch:
         print(f"corral: import refused: the checkpoint was made with other capabilities than "
-              f"this farm would give the session: {_binding_difference(doc, binding)}. A "
+              f"this farm would give the session: {binding_difference(doc, binding)}. A "
               "checkpoint never resumes under other tools or policy: import it into a farm "
               "with the same [session]/[sandbox] settings in corral.toml, or pass the "
               "--approval the session ran with", file=sys.stderr)

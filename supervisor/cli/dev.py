@@ -65,6 +65,10 @@ def add_chaos_parser(sub: Subparsers) -> None:
                    help="switch on a planted bug in the farm's processes, to see the "
                    "checker catch it (repeatable): " + "; ".join(
                        f"{name}: {what}" for name, what in sorted(PLANTS.items())))
+    p.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                   help="serve the farm's Prometheus /metrics there during the run (port 0: "
+                   "any; the URL is printed on stderr), with corral_chaos_faults_injected_"
+                   "total by kind")
     add_json(p)
     p.set_defaults(handler=cmd_chaos)
 

@@ -33,7 +33,9 @@ figure beside it. Ratios: supervisor turns/s over minimal turns/s per level
 run. With ``--telemetry`` the supervisor levels run a second time in the same
 run with metrics (scraped every second) and traces (exported over OTLP/HTTP to
 a local sink) on in the supervisor process: ``telemetry_on_vs_off_N`` and
-``throughputN_vs_minimal_telemetry_on`` (issue 18's bound: at most a 10% drop).
+``throughputN_vs_minimal_telemetry_on`` (issue 18's bound: at most a 10% drop);
+``--telemetry-rounds K`` alternates K on and off phases after the first off
+one and compares the means (``telemetry_on_vs_off_mean_N``).
 The broker and the workers are the same processes in both phases and do not
 trace.
 
@@ -57,7 +59,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tracemalloc
 import urllib.request
@@ -323,58 +324,79 @@ def _minimal(procs: list[subprocess.Popen[bytes]], url: str, ws: str,
     return out
 
 
+# The collector and the scraper of a farm are other processes: here one small
+# process that drops every OTLP/HTTP post and scrapes the metrics URL it is
+# given on stdin every second, so their CPU is not counted as the supervisor's.
+_OUTSIDE = """
+import sys, threading, time, urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Sink(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+print(server.server_address[1], flush=True)
+url = sys.stdin.readline().strip()
+while True:
+    try:
+        urllib.request.urlopen(url, timeout=5).read()
+    except OSError:
+        pass
+    time.sleep(1.0)
+"""
+
+
 @contextlib.asynccontextmanager
 async def _telemetry_on(manager: SessionManager, client: BrokerClient,
                         home: Path) -> AsyncIterator[None]:
-    """Metrics (scraped every second) and traces (exported to a local OTLP/HTTP
-    sink that drops them) on in this process, as a farm with both has them."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+    """Metrics (scraped every second) and traces (exported over OTLP/HTTP to a
+    sink that drops them) on in this process, as a farm with both has them; the
+    sink and the scraper run in a process of their own (``_OUTSIDE``)."""
     from supervisor.telemetry import setup as telemetry
 
-    class Sink(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    sink = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
-    thread = threading.Thread(target=sink.serve_forever, daemon=True)
-    thread.start()
-    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{sink.server_address[1]}"
-
-    async def status() -> dict[str, Any]:
-        return {"broker": await client.status(timeout_s=2.0), "sessions": manager.stats()}
-
-    wanted = telemetry.Wanted(metrics_listen="127.0.0.1:0", tracing=True)
+    outside = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _OUTSIDE, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    pipe_in, pipe_out = outside.stdin, outside.stdout
     try:
+        if pipe_in is None or pipe_out is None:
+            raise RuntimeError("the sink process has no pipes")
+        async with asyncio.timeout(60):
+            port = int(await pipe_out.readline())
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
+
+        async def status() -> dict[str, Any]:
+            return {"broker": await client.status(timeout_s=2.0), "sessions": manager.stats()}
+
+        wanted = telemetry.Wanted(metrics_listen="127.0.0.1:0", tracing=True)
         async with telemetry.started(wanted, manager=manager, snapshot=status,
                                      home=home) as bound:
-            async def scrape() -> None:
-                while True:
-                    await asyncio.to_thread(lambda: urllib.request.urlopen(
-                        bound["metrics"], timeout=5).read())
-                    await asyncio.sleep(1.0)
-
-            async with asyncio.TaskGroup() as tg:
-                scraper = tg.create_task(scrape())
-                try:
-                    yield
-                finally:
-                    scraper.cancel()
+            pipe_in.write(f"{bound['metrics']}\n".encode())
+            await pipe_in.drain()
+            yield
     finally:
         os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-        sink.shutdown()
-        sink.server_close()
-        thread.join(5)
+        outside.kill()
+        await outside.wait()
+
+
+def _mean_levels(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per level, the mean of every numeric figure over ``phases``."""
+    out: dict[str, Any] = {}
+    for n, first in phases[0].items():
+        out[n] = {k: (round(sum(p[n][k] for p in phases) / len(phases), 3)
+                      if isinstance(v, int | float) and not isinstance(v, bool) else v)
+                  for k, v in first.items()}
+    return out
 
 
 async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, capacity: int,
-                idle: int, telemetry: bool = False) -> dict[str, Any]:
+                idle: int, telemetry: int = 0) -> dict[str, Any]:
     script = tmp / "script.json"
     write_script(script, max(m for _, m in levels) + 1)
     ws = tmp / "ws"
@@ -417,7 +439,13 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                             sup[str(n)] = await _supervisor_level(manager, str(ws), meter,
                                                                   counter, n, m, on_stuck)
                         results["supervisor"] = sup
-                        if telemetry:  # the same levels again, metrics and traces on
+                        # The same levels again with metrics and traces on, then off,
+                        # alternated ``telemetry`` times: the drift of the machine's
+                        # load spreads over both (on is compared with the mean of
+                        # every off phase, the first included).
+                        ons: list[dict[str, Any]] = []
+                        offs: list[dict[str, Any]] = []
+                        for _ in range(telemetry):
                             tel: dict[str, Any] = {}
                             async with _telemetry_on(manager, client, tmp):
                                 # warm-up: the exporter's and the scrape's first
@@ -427,14 +455,16 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                                 for n, m in levels:
                                     tel[str(n)] = await _supervisor_level(
                                         manager, str(ws), meter, counter, n, m, on_stuck)
-                            results["supervisor_telemetry"] = tel
-                            # and off again: the drift of the machine's load across
-                            # the two phases shows in off-before vs off-after
+                            ons.append(tel)
                             again: dict[str, Any] = {}
                             for n, m in levels:
                                 again[str(n)] = await _supervisor_level(
                                     manager, str(ws), meter, counter, n, m, on_stuck)
-                            results["supervisor_off_again"] = again
+                            offs.append(again)
+                        if ons:
+                            results["supervisor_telemetry"] = _mean_levels(ons)
+                            results["supervisor_off_again"] = _mean_levels(offs)
+                            results["telemetry_rounds"] = len(ons)
                     finally:
                         task.cancel()
         finally:
@@ -492,12 +522,14 @@ def summarize(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]
         ratios[f"telemetry_on_vs_off_{n}"] = round(
             tel[n]["turns_per_s"] / sup[n]["turns_per_s"], 3)
         again = (results.get("supervisor_off_again") or {}).get(n)
-        if again:  # on against the mean of the off runs before and after it
-            ratios[f"telemetry_on_vs_off_mean_{n}"] = round(
-                2 * tel[n]["turns_per_s"] / (sup[n]["turns_per_s"] + again["turns_per_s"]), 3)
+        if again:  # on against the mean of every off phase (the first, and after each on)
+            k = int(results.get("telemetry_rounds", 1))
+            off_tps = (sup[n]["turns_per_s"] + k * again["turns_per_s"]) / (k + 1)
+            off_cpu = (sup[n]["supervisor_cpu_ms_per_turn"]
+                       + k * again["supervisor_cpu_ms_per_turn"]) / (k + 1)
+            ratios[f"telemetry_on_vs_off_mean_{n}"] = round(tel[n]["turns_per_s"] / off_tps, 3)
             ratios[f"cpu_per_turn_on_vs_off_mean_{n}"] = round(
-                2 * tel[n]["supervisor_cpu_ms_per_turn"]
-                / (sup[n]["supervisor_cpu_ms_per_turn"] + again["supervisor_cpu_ms_per_turn"]), 3)
+                tel[n]["supervisor_cpu_ms_per_turn"] / off_cpu, 3)
         headline[f"supervisor_turns_per_s_{n}_telemetry_on"] = tel[n]["turns_per_s"]
     key = "100" if "100" in sup else next(iter(sup))
     headline["supervisor_cpu_ms_per_turn"] = sup[key]["supervisor_cpu_ms_per_turn"]
@@ -553,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--telemetry", action="store_true", help=(
         "run the levels again with metrics (scraped every second) and traces (OTLP/HTTP "
         "to a local sink) on in the supervisor; report on/off ratios"))
+    parser.add_argument("--telemetry-rounds", type=int, default=1, metavar="K", help=(
+        "with --telemetry: alternate K on and off phases after the first off one "
+        "(default 1: off, on, off); the ratios use the means of the phases"))
     parser.add_argument("--levels", type=_levels, default=None,
                         help="N:M[,N:M...] instead of the default levels (for profiling)")
     args = parser.parse_args(argv)
@@ -561,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
         levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
         results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle,
-                                    args.telemetry))
+                                    max(1, args.telemetry_rounds) if args.telemetry else 0))
     results["seconds"] = round(time.monotonic() - started, 1)
     headline, ratios = summarize(results)
     results.update(headline)

@@ -34,8 +34,8 @@ from typing import Any
 from broker.protocol import Failed, Failure
 from supervisor.engine import events as ev
 from supervisor.engine.ports import TurnView
-from supervisor.engine.tooling import spec_schemas
-from supervisor.export.checkpoint import build_checkpoint, capability_binding
+from supervisor.engine.tooling import session_binding
+from supervisor.export.checkpoint import build_checkpoint
 from supervisor.export.resume import loop_reference
 from supervisor.store.records import EventRecord
 
@@ -88,9 +88,7 @@ async def export_boundary(turn: TurnView, call_ids: list[str]) -> None:
         return
     st = s.state
     events = await _run_events(turn)
-    binding = capability_binding(spec_schemas(s.spec),
-                                 {"approval": s.spec.approval,
-                                  "tool_policy": dict(s.spec.tool_policy)})
+    binding = session_binding(s.spec)
     doc = build_checkpoint(
         session_id=s.sid, run_id=turn.turn_id, turn=len(turn.tool_rounds),
         messages=s.context, usage={k: int(v) for k, v in turn.usage.items()},  # type: ignore[call-overload]

@@ -131,9 +131,22 @@ def _commands(spec: SessionSpec) -> list[ToolSchema]:
 
 def spec_schemas(spec: SessionSpec) -> list[ToolSchema]:
     """The tools a session's spec alone determines (built-ins and command
-    tools): what a checkpoint's capability binding names. MCP tools are
-    listed by their servers at run time and are not part of it."""
+    tools): the ``tools`` of a checkpoint's capability binding. MCP tools are
+    listed by their servers at run time: the binding names their servers'
+    specs instead (``session_binding``)."""
     return [*tool_schemas(spec.tools), *_commands(spec)]
+
+
+def session_binding(spec: SessionSpec) -> dict[str, Any]:
+    """A checkpoint's capability binding for a session of ``spec``: its
+    built-ins and command tools (``spec_schemas``), its policy, its MCP
+    servers by spec and its client tools by declaration. An export and an
+    import both build it here, so they agree by construction."""
+    from supervisor.export.checkpoint import capability_binding
+
+    return capability_binding(
+        spec_schemas(spec), {"approval": spec.approval, "tool_policy": dict(spec.tool_policy)},
+        mcp_servers=spec.mcp, client_tools=client_tool_schemas(spec.extra))
 
 
 def _mcp_schemas(s: Session) -> list[ToolSchema]:

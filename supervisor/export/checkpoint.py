@@ -18,7 +18,10 @@ Layout (``version`` 1)::
             "events": [{"sequence", "type", "payload", "submission_id", "created_at"}]}]}}}
 
     BINDING = {"tools": [{"name", "schema_digest"}] (sorted by name),
-               "policy_digest": "sha256:..."}
+               "policy_digest": "sha256:...",
+               # only when the session has any (older checkpoints have neither):
+               "mcp_servers": [{"name", "spec_digest"}] (sorted by name),
+               "client_tools": [{"name", "schema_digest"}] (sorted by name)}
 
 Invariants (what ``verify`` checks; it never raises on a malformed document):
 - the digest and size match the canonical JSON of ``content``;
@@ -48,13 +51,29 @@ TOOL_END_EVENT = "tool_call_end"
 
 
 def capability_binding(tools: Iterable[Mapping[str, Any]],
-                       policy: Mapping[str, Any]) -> dict[str, Any]:
-    """Bind a checkpoint to the tools (by schema digest) and policy it ran under."""
-    entries = sorted(
-        ({"name": str(t["name"]), "schema_digest": digest(dict(t))} for t in tools),
-        key=lambda e: e["name"],
-    )
-    return {"tools": entries, "policy_digest": digest(dict(policy))}
+                       policy: Mapping[str, Any], *,
+                       mcp_servers: Mapping[str, Mapping[str, Any]] | None = None,
+                       client_tools: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """Bind a checkpoint to the tools (by schema digest) and policy it ran under,
+    and to its MCP servers (by the digest of each ``[mcp.NAME]`` spec: their
+    tools are listed at run time) and client tools (by schema digest). The two
+    last fields are there only when non-empty, so a binding without them is
+    the one older checkpoints carry."""
+    binding: dict[str, Any] = {"tools": _entries(tools, "schema_digest"),
+                               "policy_digest": digest(dict(policy))}
+    if mcp_servers:
+        binding["mcp_servers"] = sorted(
+            ({"name": str(name), "spec_digest": digest(dict(spec))}
+             for name, spec in mcp_servers.items()), key=lambda e: e["name"])
+    clients = _entries(client_tools, "schema_digest")
+    if clients:
+        binding["client_tools"] = clients
+    return binding
+
+
+def _entries(tools: Iterable[Mapping[str, Any]], key: str) -> list[dict[str, Any]]:
+    return sorted(({"name": str(t["name"]), key: digest(dict(t))} for t in tools),
+                  key=lambda e: e["name"])
 
 
 def event_json(event: EventRecord) -> dict[str, Any]:
@@ -160,6 +179,17 @@ def _binding_problems(binding: object, where: str) -> list[str]:
         problems.append(f"{where}: binding tools must be sorted by name and unique")
     if not is_digest(binding.get("policy_digest")):
         problems.append(f"{where}: binding policy_digest is not a sha256 digest")
+    for field, key in (("mcp_servers", "spec_digest"), ("client_tools", "schema_digest")):
+        if field not in binding:
+            continue
+        entries = binding[field]
+        if not isinstance(entries, list) or not entries or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and is_digest(e.get(key))
+            for e in entries
+        ):
+            problems.append(f"{where}: binding {field} must be a non-empty [{{name, {key}}}]")
+        elif [e["name"] for e in entries] != sorted({e["name"] for e in entries}):
+            problems.append(f"{where}: binding {field} must be sorted by name and unique")
     return problems
 
 

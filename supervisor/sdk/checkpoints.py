@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from supervisor.sdk.tools import ClientTool
 
 
 class ImportRefused(Exception):
@@ -27,7 +30,8 @@ class ImportRefused(Exception):
 
 
 def _prepare(home: str | Path, workspace: str | Path, model: str | None,
-             approval: str | None) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+             approval: str | None, outside: dict[str, Any]
+             ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """Blocking: the farm must be stopped; the session config and its binding."""
     from supervisor.cli.checkpoints import import_spec
     from supervisor.config import ConfigError
@@ -38,7 +42,8 @@ def _prepare(home: str | Path, workspace: str | Path, model: str | None,
     if running_farm(home) is not None:
         raise ImportRefused("farm_running", f"stop the farm at {home} first: its supervisor "
                             "is the store's only writer")
-    ns = Namespace(home=home, workspace=Path(workspace), model=model, approval=approval)
+    ns = Namespace(home=home, workspace=Path(workspace), model=model, approval=approval,
+                   **outside)
     try:
         config, binding = import_spec(ns)
     except ConfigError as exc:
@@ -49,9 +54,18 @@ def _prepare(home: str | Path, workspace: str | Path, model: str | None,
 
 async def import_checkpoint(home: str | Path, checkpoint: Mapping[str, Any], *,
                             workspace: str | Path, session_id: str | None = None,
-                            model: str | None = None, approval: str | None = None) -> str:
+                            model: str | None = None, approval: str | None = None,
+                            mcp: Mapping[str, Mapping[str, Any]] | None = None,
+                            command_tools: Mapping[str, Mapping[str, Any]] | None = None,
+                            tools: Sequence[ClientTool] = ()) -> str:
     """Import ``checkpoint`` into the stopped farm at ``home``; returns the
-    session id (``session_id``, default the checkpoint's own)."""
+    session id (``session_id``, default the checkpoint's own).
+
+    The session gets what ``create_session`` would give it there: corral.toml's
+    ``[mcp.NAME]`` / ``[tools.NAME]`` with ``mcp`` / ``command_tools`` over them
+    per name, and ``tools`` (client tools) declared. The checkpoint's binding
+    must name exactly these (``binding`` refusal otherwise, naming what
+    differs); hold the client tools afterwards with ``resume(sid, tools=...)``."""
     from supervisor.export import BindingMismatch, CheckpointInvalid
     from supervisor.export import import_checkpoint as do_import
     from supervisor.facade import check_workspace
@@ -59,8 +73,10 @@ async def import_checkpoint(home: str | Path, checkpoint: Mapping[str, Any], *,
     from supervisor.server import CallError
     from supervisor.store import SessionId, Store, StoreError
 
+    outside = {"mcp": mcp, "command_tools": command_tools,
+               "client_tools": [t.declaration() for t in tools]}
     where, config, binding = await asyncio.to_thread(_prepare, home, workspace, model,
-                                                     approval)
+                                                     approval, outside)
     doc = dict(checkpoint)
     store = await Store.open(FarmPaths.of(where).db)
     try:
@@ -75,9 +91,12 @@ async def import_checkpoint(home: str | Path, checkpoint: Mapping[str, Any], *,
         return str(record.session_id)
     except CheckpointInvalid as exc:
         raise ImportRefused("invalid", str(exc)) from None
-    except BindingMismatch as exc:
+    except BindingMismatch:
+        from supervisor.cli.checkpoints import binding_difference
+
         raise ImportRefused("binding", f"the checkpoint was made with other tools or policy "
-                            f"than this farm gives the session: {exc}") from None
+                            f"than this farm gives the session: "
+                            f"{binding_difference(doc, binding)}") from None
     except CallError as exc:
         raise ImportRefused("config", exc.message) from None
     except StoreError as exc:

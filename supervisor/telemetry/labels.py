@@ -12,6 +12,10 @@ import re
 import threading
 
 OTHER = "other"
+# HOME/chaos-faults.json: ``corral chaos`` writes its injected faults by kind
+# there ({"faults": {kind: count}}), the metrics collector reads it (standard
+# library only here, so the harness can import it without prometheus_client).
+CHAOS_FAULTS_FILE = "chaos-faults.json"
 _CLEAN = re.compile(r"[^A-Za-z0-9_.:\-]")
 
 

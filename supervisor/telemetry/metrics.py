@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from broker.protocol import Failure
 from supervisor.engine import events as ev
 from supervisor.store.records import EventRecord
-from supervisor.telemetry.labels import Bounded
+from supervisor.telemetry.labels import CHAOS_FAULTS_FILE, Bounded
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,8 @@ class FarmCollector(Collector):
         self.loop = loop
         self.snapshot = snapshot
         self.farm_json = farm_json
+        # ``corral chaos`` keeps its injected faults by kind beside farm.json.
+        self.chaos_json = farm_json.with_name(CHAOS_FAULTS_FILE) if farm_json else None
         self.host = Bounded(64)
         self.service = Bounded(16)
         self.kind = Bounded(32)
@@ -281,11 +283,33 @@ class FarmCollector(Collector):
         for kind, n in failures.items():
             fk.add_metric([self.kind(kind)], float(n))
         yield fk
-        faults = CounterMetricFamily("corral_chaos_faults_injected", "Faults the broker "
-                                     "injected under chaos, by kind.", labels=["kind"])
-        for kind, n in (counters.get("faults") or {}).items():
-            faults.add_metric([self.kind(kind)], float(n))
+        faults = CounterMetricFamily("corral_chaos_faults_injected", "Faults injected under "
+                                     "corral chaos, by kind: the broker's frame faults "
+                                     "(drop, delay, duplicate) and the harness's timed "
+                                     "faults (worker_kill_tool, crash_publish, ...).",
+                                     labels=["kind"])
+        by_kind: dict[str, float] = {}
+        for kind, n in [*(counters.get("faults") or {}).items(), *self._chaos_faults()]:
+            label = self.kind(kind)
+            by_kind[label] = by_kind.get(label, 0.0) + float(n or 0)
+        for label, n in sorted(by_kind.items()):
+            faults.add_metric([label], n)
         yield faults
+
+    def _chaos_faults(self) -> list[tuple[str, float]]:
+        """The harness's injected faults by kind (``CHAOS_FAULTS_FILE``); none
+        outside a chaos run or when the file is unreadable."""
+        if self.chaos_json is None:
+            return []
+        try:
+            data = json.loads(self.chaos_json.read_text())
+        except (OSError, ValueError):
+            return []
+        faults = data.get("faults") if isinstance(data, dict) else None
+        if not isinstance(faults, dict):
+            return []
+        return [(str(k), float(v)) for k, v in list(faults.items())[:64]
+                if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0]
 
     def _restarts(self) -> Iterator[Metric]:
         c = CounterMetricFamily("corral_process_restarts", "Farm processes restarted by the "

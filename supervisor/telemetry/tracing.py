@@ -28,6 +28,12 @@ Attributes follow the GenAI semantic conventions (``gen_ai.system``,
 Prompts, tool arguments and outputs are recorded only with
 ``record_content``; API keys never (requests carry a credential *name*).
 
+Sampling (the standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``,
+read by the SDK) decides per turn, at its root span. A turn sampled out gets
+no child span, no attribute and no export: its requests carry its context
+with flags ``00`` (``_Unsampled``), so the broker's and the workers'
+parent-based samplers drop theirs too.
+
 Invariants: every span opened here is ended (turn end ends the turn's open
 children; ``MAX_OPEN`` bounds what a lost event could leave open).
 """
@@ -81,6 +87,10 @@ def _ns(seconds: float) -> int:
 class _Turn:
     def __init__(self, span: Span) -> None:
         self.span = span
+        # A turn the sampler dropped gets no child span at all: its calls carry
+        # its (unsampled) context so the broker and the workers drop theirs too.
+        self.recording = span.is_recording()
+        self.unsampled = None if self.recording else _Unsampled(span)
         self.tools: dict[str, Span] = {}
         self.approvals: dict[str, Span] = {}
         self.compactions: dict[str, Span] = {}
@@ -168,6 +178,11 @@ class SupervisorTracer:
             self._turns.pop(str(p.get("turn_id")), None)
             reason = "completed" if t == ev.TURN_COMPLETE else str(p.get("reason"))
             self._end_turn(turn, at, reason)
+        elif not turn.recording:  # sampled out: only the call -> turn map is kept
+            if t == ev.TOOL_CALL_BEGIN:
+                self._map_call(str(p.get("call_id")), str(p.get("turn_id")))
+            elif t == ev.TOOL_CALL_END:
+                self._call_turn.pop(str(p.get("call_id")), None)
         elif t == ev.TOOL_CALL_BEGIN:
             call_id = str(p.get("call_id"))
             for span in turn.approvals.values():
@@ -185,22 +200,20 @@ class SupervisorTracer:
             turn.tools[call_id] = self.tracer.start_span(
                 f"execute_tool {p.get('name')}", context=trace.set_span_in_context(turn.span),
                 kind=SpanKind.CLIENT, start_time=at, attributes=attrs)
-            self._call_turn[call_id] = str(p.get("turn_id"))
-            while len(self._call_turn) > MAX_OPEN:
-                self._call_turn.pop(next(iter(self._call_turn)))
+            self._map_call(call_id, str(p.get("turn_id")))
         elif t == ev.TOOL_CALL_END:
             call_id = str(p.get("call_id"))
             tool_span = turn.tools.pop(call_id, None)
             self._call_turn.pop(call_id, None)
             if tool_span is not None:
                 outcome = str(p.get("outcome"))
-                tool_span.set_attribute("corral.outcome", outcome)
+                ended: dict[str, Any] = {"corral.outcome": outcome}
                 isolation = p.get("isolation")
                 if isinstance(isolation, dict) and isinstance(isolation.get("tier"), str):
-                    tool_span.set_attribute("corral.sandbox.tier", isolation["tier"])
+                    ended["corral.sandbox.tier"] = isolation["tier"]
                 if self.record_content and isinstance(p.get("output"), str):
-                    tool_span.set_attribute("gen_ai.tool.call.result",
-                                            p["output"][:MAX_CONTENT])
+                    ended["gen_ai.tool.call.result"] = p["output"][:MAX_CONTENT]
+                tool_span.set_attributes(ended)  # one call: the SDK locks and checks per call
                 if outcome != "ok":
                     tool_span.set_status(Status(StatusCode.ERROR, outcome))
                 tool_span.end(end_time=at)
@@ -219,12 +232,19 @@ class SupervisorTracer:
                     block_span.set_attribute("corral.outcome", str(block.get("title")))
                     block_span.end(end_time=at)
 
+    def _map_call(self, call_id: str, turn_id: str) -> None:
+        self._call_turn[call_id] = turn_id
+        while len(self._call_turn) > MAX_OPEN:
+            self._call_turn.pop(next(iter(self._call_turn)))
+
     # -------------------------------------------------------------- hooks
 
     def hook(self, name: str, event: str, session_id: str,
              turn_id: str | None) -> Callable[[BaseException | None], None]:
         """A ``hook EVENT`` span under its turn (``hooks.set_hook_observer``)."""
         turn = self._turns.get(turn_id) if turn_id else None
+        if turn is not None and not turn.recording:
+            return _not_traced
         ctx = trace.set_span_in_context(turn.span) if turn is not None else None
         span = self.tracer.start_span(f"hook {event}", context=ctx, attributes={
             "corral.hook.name": name, "corral.hook.event": event,
@@ -241,10 +261,12 @@ class SupervisorTracer:
 
     # -------------------------------------------------------------- calls
 
-    def begin(self, service: str, payload: dict[str, Any]) -> _CallSpan | None:
+    def begin(self, service: str, payload: dict[str, Any]) -> _CallSpan | _Unsampled | None:
         if service == "model":
             turn_id = self._session_turn.get(str(payload.get("session_id")))
             turn = self._turns.get(turn_id) if turn_id else None
+            if turn is not None and turn.unsampled is not None:
+                return turn.unsampled
             raw = payload.get("route")
             route: dict[str, Any] = raw if isinstance(raw, dict) else {}
             model = str(route.get("model"))
@@ -262,12 +284,34 @@ class SupervisorTracer:
             call_id = str(payload.get("call_id"))
             turn_id = self._call_turn.get(call_id)
             turn = self._turns.get(turn_id) if turn_id else None
+            if turn is not None and turn.unsampled is not None:
+                return turn.unsampled
             span = turn.tools.get(call_id) if turn is not None else None
             if span is not None:  # the call's execute_tool span, ended by TOOL_CALL_END
                 return _CallSpan(span, owned=False)
             return _CallSpan(self.tracer.start_span(
                 f"execute_tool {payload.get('tool')}", kind=SpanKind.CLIENT,
                 attributes={"gen_ai.tool.name": str(payload.get("tool"))}), owned=True)
+        return None
+
+
+def _not_traced(exc: BaseException | None) -> None:
+    return None
+
+
+class _Unsampled:
+    """The call sink of every request of a turn the sampler dropped: its
+    context (flags 00) and nothing else, so no span, attribute or export
+    costs anything downstream either."""
+
+    def __init__(self, span: Span) -> None:
+        sc = span.get_span_context()
+        self.trace: str | None = otel.format_traceparent(sc.trace_id, sc.span_id, False)
+
+    def first_partial(self, ttft_s: float) -> None:
+        return None
+
+    def end(self, reply: Any, failure: Failure | None, duration_s: float) -> None:
         return None
 
 
@@ -289,16 +333,18 @@ class _CallSpan:
             self.span.set_attribute("error.type", failure.kind)
             self.span.set_status(Status(StatusCode.ERROR, failure.kind))
         elif isinstance(reply, dict):
+            attrs: dict[str, Any] = {}
             usage = reply.get("usage")
             if isinstance(usage, dict):
                 for key, attr in (("input", "gen_ai.usage.input_tokens"),
                                   ("output", "gen_ai.usage.output_tokens")):
                     if isinstance(usage.get(key), int):
-                        self.span.set_attribute(attr, usage[key])
+                        attrs[attr] = usage[key]
             if isinstance(reply.get("model"), str):
-                self.span.set_attribute("gen_ai.response.model", reply["model"])
+                attrs["gen_ai.response.model"] = reply["model"]
             if isinstance(reply.get("stop_reason"), str):
-                self.span.set_attribute("gen_ai.response.finish_reasons",
-                                        [reply["stop_reason"]])
+                attrs["gen_ai.response.finish_reasons"] = (reply["stop_reason"],)
+            if attrs:
+                self.span.set_attributes(attrs)  # one call: the SDK locks and checks per call
         if self.owned:
             self.span.end()

@@ -13,7 +13,10 @@ catch are in ``test_plants.py``.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,33 @@ import pytest
 from tests.helpers import PYTHON, Procs
 
 SEEDS = (11,)
+FAULTS_METRIC = "corral_chaos_faults_injected_total"
+
+
+def _scrape_while_running(proc: subprocess.Popen[bytes], procs: Procs,
+                          deadline_s: float) -> dict[str, float]:
+    """The last scrape of the faults metric taken while ``corral chaos`` ran,
+    parsed with the official parser, from the URL it last said on its stderr
+    (a supervisor the run restarts binds another port)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + deadline_s
+    last: dict[str, float] = {}
+    while proc.poll() is None and time.monotonic() < deadline:
+        said = re.findall(r"metrics at (http://\S+/metrics)", procs.log(proc))
+        url = said[-1] if said else None
+        if url is not None:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    text = resp.read().decode()
+            except OSError:  # the farm is stopping at the end of the run
+                pass
+            else:
+                last = {s.labels["kind"]: s.value
+                        for family in text_string_to_metric_families(text)
+                        for s in family.samples if s.name == FAULTS_METRIC}
+        time.sleep(0.5)  # a scrape interval, as Prometheus would
+    return last
 
 
 @pytest.mark.slow
@@ -30,13 +60,23 @@ def test_chaos_60s_has_no_violation(seed: int, workspace_root: Path, procs: Proc
     home = workspace_root / f"chaos-{seed}"
     proc = procs.spawn([PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(seed),
                         "--duration", "60", "--fault-gap", "1.5", "--sessions", "3",
-                        "--workers", "2",
+                        "--workers", "2", "--metrics", "127.0.0.1:0",
                         "--json", "--home", str(home)],
                        name=f"chaos-{seed}", stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=400)
+    scraped = _scrape_while_running(proc, procs, deadline_s=400)
+    out, _ = proc.communicate(timeout=60)
     lines = out.decode().strip().splitlines()
     assert lines, f"no report; log:\n{procs.log(proc)[-3000:]}"
     report = json.loads(lines[0])
+    # The farm's /metrics counted the faults as they were injected, by kind:
+    # the harness's timed faults and the broker's frame faults.
+    by_kind = report["faults_by_kind"]
+    assert scraped, "no scrape of corral_chaos_faults_injected_total"
+    timed = {k: v for k, v in scraped.items() if k in by_kind}
+    assert sum(timed.values()) >= len(by_kind) // 2, (scraped, by_kind)
+    for kind, n in timed.items():
+        assert n <= by_kind[kind]["injected"], (kind, n, by_kind[kind])
+    assert {"drop", "delay", "duplicate"} <= set(scraped), scraped
     assert report["violations"] == [], (report["violations"][:3], lines[1:])
     assert proc.returncode == 0
     counts = report["counts"]

@@ -418,3 +418,50 @@ async def test_a_50_mb_client_tool_result_is_cut_to_the_bound(farm: EmbeddedFarm
     assert end.payload["truncated"] is True  # cut to TOOL_OUTPUT_BYTES (the event shows 64 KiB)
     assert isinstance(events[-1], TurnComplete)
     assert isinstance(follow_up[-1], TurnComplete)
+
+
+@module_loop
+async def test_the_binding_names_mcp_servers_and_client_tools(
+        farm: EmbeddedFarm, workspace: Path, tmp_path: Path) -> None:
+    """A checkpoint binds the session's MCP servers (by spec) and client tools
+    (by schema) as well as its built-ins and command tools: an import that
+    would not give the session the same ones is refused, naming them; one
+    that does is taken."""
+    @tool
+    def probe(x: int) -> str:
+        """Probe."""
+        return f"probed {x}"
+
+    mcp = {"t": {"command": ["/bin/false"]}}  # never needs to start for the binding
+    commands = {"double": {"description": "Double x.", "command": ["/bin/cat"],
+                           "parameters": {"type": "object",
+                                          "properties": {"x": {"type": "integer"}}}}}
+    async with farm.connect() as corral:
+        session = await corral.create_session(
+            SessionOptions(workspace=workspace, approval="allow", mcp=mcp,
+                           command_tools=commands), tools=[probe])
+        events = await collect(session.run("go", timeout_s=60))
+        assert isinstance(events[-1], TurnComplete)
+        checkpoint = await session.export()
+    binding = checkpoint["content"]["logical_resume"]["capability_binding"]
+    assert [e["name"] for e in binding["mcp_servers"]] == ["t"]
+    assert [e["name"] for e in binding["client_tools"]] == ["probe"]
+    assert "double" in [e["name"] for e in binding["tools"]]
+    home = tmp_path / "bound-home"
+    home.mkdir()
+    (home / "corral.toml").write_text((farm.home / "corral.toml").read_text())
+    with searchable_dir("corral-sdk-ws-", "/tmp") as ws2:
+        with pytest.raises(ImportRefused) as refused:
+            await import_checkpoint(home, checkpoint, workspace=ws2, approval="allow")
+        assert refused.value.kind == "binding"
+        for named in ("tools differ (double)", "MCP servers differ (t)",
+                      "client tools differ (probe)"):
+            assert named in refused.value.message
+        with pytest.raises(ImportRefused) as refused:  # another spec of the same name
+            await import_checkpoint(home, checkpoint, workspace=ws2, approval="allow",
+                                    mcp={"t": {"command": ["/bin/true"]}},
+                                    command_tools=commands, tools=[probe])
+        assert "MCP servers differ (t)" in refused.value.message
+        sid = await import_checkpoint(home, checkpoint, workspace=ws2, approval="allow",
+                                      mcp=mcp, command_tools=commands, tools=[probe])
+    assert sid == session.id

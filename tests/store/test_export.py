@@ -98,6 +98,17 @@ def test_binding_is_by_schema_digest_and_sorted() -> None:
         != BINDING["policy_digest"]
 
 
+def test_binding_names_mcp_servers_and_client_tools_only_when_there_are_any() -> None:
+    assert set(BINDING) == {"tools", "policy_digest"}  # as older checkpoints have it
+    assert capability_binding(TOOLS, POLICY, mcp_servers={}, client_tools=[]) == BINDING
+    full = capability_binding(TOOLS, POLICY, mcp_servers={"z": {"url": "u"}, "a": {"url": "v"}},
+                              client_tools=[{"name": "w", "parameters": {}}])
+    assert [e["name"] for e in full["mcp_servers"]] == ["a", "z"]
+    assert full["client_tools"][0]["name"] == "w"
+    moved = capability_binding(TOOLS, POLICY, mcp_servers={"z": {"url": "x"}, "a": {"url": "v"}})
+    assert moved["mcp_servers"][1]["spec_digest"] != full["mcp_servers"][1]["spec_digest"]
+
+
 async def test_series_verifies_and_is_ordered(series: list[dict[str, Any]]) -> None:
     first, second = series
     assert verify(first) == []
@@ -155,6 +166,13 @@ async def test_verify_rules(series: list[dict[str, Any]]) -> None:
         (lambda c: snap(c).update(capability_binding=capability_binding(TOOLS[:1], POLICY)),
          "capability binding differs"),
         (lambda c: snap(c).update(status="completed"), "terminal"),
+        (lambda c: [b.update(mcp_servers=[{"name": "t"}]) for b in (
+            c["logical_resume"]["capability_binding"], snap(c)["capability_binding"])],
+         "binding mcp_servers must be"),
+        (lambda c: [b.update(client_tools=[{"name": n, "schema_digest": BINDING[
+            "policy_digest"]} for n in ("b", "a")]) for b in (
+            c["logical_resume"]["capability_binding"], snap(c)["capability_binding"])],
+         "client_tools must be sorted"),
         (lambda c: snap(c).update(id="other-run"), "no run record"),
         (lambda c: events(c).pop(2), "not dense"),
         (lambda c: snap(c).update(event_count=99), "event_count"),

@@ -103,11 +103,12 @@ async def test_traces_cross_the_processes_and_a_worker_kill(
                    and s.trace_id == first.trace_id]
     assert len(worker_chat) == 2, [s.name for s in spans]
     for s in worker_chat:
-        chain = [a.name for a in _ancestors(s, by_id)]
-        assert chain[:2] == ["model request", f"chat {s.attributes['gen_ai.request.model']}"]
-        assert chain[2:] == ["turn"], chain
-        assert by_id[s.parent_span_id].service == "corral-worker"
-        assert by_id[by_id[s.parent_span_id].parent_span_id].service == "corral-supervisor"
+        # supervisor -> broker -> worker: the broker's span is the worker's parent.
+        chain = [(a.service, a.name) for a in _ancestors(s, by_id)]
+        assert chain == [("corral-worker", "model request"),
+                         ("corral-broker", "broker dispatch"),
+                         ("corral-supervisor", f"chat {s.attributes['gen_ai.request.model']}"),
+                         ("corral-supervisor", "turn")], chain
         assert "gen_ai.server.time_to_first_token" in s.attributes
         assert s.attributes["gen_ai.operation.name"] == "chat"
     usage = {(s.attributes.get("gen_ai.usage.input_tokens"),
@@ -118,11 +119,12 @@ async def test_traces_cross_the_processes_and_a_worker_kill(
     run = next(s for s in spans if s.name == "tool.run" and s.trace_id == first.trace_id)
     chain = [(a.service, a.name) for a in _ancestors(run, by_id)]
     assert chain == [("corral-worker", "tool request"),
+                     ("corral-broker", "broker dispatch"),
                      ("corral-supervisor", "execute_tool shell"),
                      ("corral-supervisor", "turn")], chain
     assert any(s.name == "sandbox.launch" and s.parent_span_id == run.parent_span_id
                for s in spans)
-    execute = by_id[by_id[run.parent_span_id].parent_span_id]
+    execute = by_id[by_id[by_id[run.parent_span_id].parent_span_id].parent_span_id]
     assert execute.attributes["corral.outcome"] == "ok"
     assert execute.attributes["gen_ai.tool.name"] == "shell"
     assert execute.attributes["gen_ai.tool.call.id"]

@@ -96,6 +96,44 @@ def test_a_restarted_supervisor_continues_the_turns_trace() -> None:
     assert before_turn.trace_id == trace_id_of("turn_7")
 
 
+def test_a_turn_sampled_out_costs_no_child_span() -> None:
+    """Under a sampler that drops the turn, the tracer starts the turn's root
+    span and nothing else, and every request carries the turn's unsampled
+    context (flags 00) so the broker and the workers drop theirs too."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    from supervisor.store.records import EventRecord, SessionId
+    from supervisor.telemetry.tracing import SupervisorTracer, trace_id_of
+
+    t = SupervisorTracer(provider=TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0))))
+    started: list[str] = []
+    start_span = t.tracer.start_span
+
+    def counting(name: str, *args: object, **kwargs: object) -> object:
+        started.append(name)
+        return start_span(name, *args, **kwargs)  # type: ignore[arg-type]
+    t.tracer.start_span = counting  # type: ignore[method-assign]
+
+    def event(type_: str, **payload: object) -> EventRecord:
+        return EventRecord(SessionId("sess_1"), 1, type_, {"turn_id": "turn_9", **payload},
+                           None, 1000.0)
+
+    t.committed([event("turn_started")], 0.0)
+    model = t.begin("model", {"session_id": "sess_1", "route": {"model": "m"}})
+    t.committed([event("tool_call_begin", call_id="c1", name="shell")], 0.0)
+    tool = t.begin("tool", {"call_id": "c1", "tool": "shell"})
+    t.hook("audit", "pre_tool", "sess_1", "turn_9")(None)
+    t.committed([event("exec_approval_request", id="a1")], 0.0)
+    t.committed([event("tool_call_end", call_id="c1", name="shell", outcome="ok")], 0.0)
+    t.committed([event("turn_complete")], 0.0)
+    assert started == ["turn"]
+    for sink in (model, tool):
+        assert sink is not None
+        assert sink.trace is not None
+        assert otel.parse_traceparent(sink.trace)[::2] == (trace_id_of("turn_9"), 0)  # type: ignore[index]
+
+
 def test_corral_up_says_where_telemetry_serves(tmp_path: Path) -> None:
     from supervisor.cli.lifecycle import telemetry_lines
 
@@ -123,6 +161,40 @@ def test_the_broker_reads_the_traceparent_from_the_payloads_end_only() -> None:
     assert otel.traceparent_at_end(pack({"trace": "00-" + "z" * 52})) is None
     assert otel.traceparent_at_end(b"") is None
     assert otel.traceparent_at_end(b"\xa5trace\xd9\x37" + b"\xff" * 55) is None
+
+
+def test_the_broker_names_its_span_as_the_parent_in_the_body_it_forwards() -> None:
+    from broker.protocol import pack, unpack
+
+    tp = otel.format_traceparent(0xABC, 0xDEF, sampled=False)
+    body = pack({"items": ["x" * 100], "trace": tp})
+    forwarded = otel.with_parent(body, 0x1234)
+    assert len(forwarded) == len(body)  # same size: the frame's bound holds
+    payload = unpack(forwarded)
+    assert payload["items"] == ["x" * 100]
+    assert otel.parse_traceparent(payload["trace"]) == (0xABC, 0x1234, 0)  # trace, flags kept
+    # Malformed or missing context, or no valid span id: the body goes on as it came.
+    for bad in (pack({"trace": "00-" + "z" * 52}), pack({"items": [tp]}), b"", b"\xa5trace"):
+        assert otel.with_parent(bad, 0x1234) is bad
+    assert otel.with_parent(body, 0) is body
+    assert otel.with_parent(body, 1 << 64) is body
+
+
+def test_a_broker_with_traces_on_forwards_any_request_unharmed() -> None:
+    """Trace context can never cost the broker a request: a tracer that raises
+    leaves the body as it came, and no span."""
+    from broker.protocol import pack
+    from broker.server import Broker
+
+    class Raising:
+        def start_span(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("boom")
+
+    broker = Broker.__new__(Broker)  # _trace uses only the tracer
+    broker.tracer = Raising()
+    body = pack({"trace": otel.format_traceparent(1, 2)})
+    assert broker._trace("tool", body, 1) == (None, body)
+    assert broker._trace("tool", b"\x00" * 70, 1) == (None, b"\x00" * 70)
 
 
 def test_a_slow_web_viewer_is_closed_not_the_others(tmp_path: Path) -> None:

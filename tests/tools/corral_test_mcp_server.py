@@ -13,6 +13,7 @@ header is present (401 otherwise), and tool ``token`` says how long it was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -39,13 +40,38 @@ def whoami() -> str:
 
 @server.tool()
 async def sleep(seconds: float) -> str:
-    """Sleep (cooperatively: notifications/cancelled ends it, and is counted)."""
+    """Sleep (cooperatively: notifications/cancelled ends it, and is counted).
+    Leaves ``sleeping`` in its cwd first: the tests' proof the call arrived."""
+    _mark("sleeping")
     try:
         await asyncio.sleep(seconds)
     except asyncio.CancelledError:
         state["cancelled"] += 1
         raise
     return "slept"
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def peek(seconds: float) -> str:
+    """Read-only: the first call in a workspace leaves ``peeking`` and sleeps;
+    any later one (a re-run) answers at once."""
+    if not _first("peeking"):
+        return "peeked again"
+    await asyncio.sleep(seconds)
+    return "peeked"
+
+
+def _first(name: str) -> bool:
+    """Leave ``name`` in the cwd; whether it was not there yet."""
+    if os.path.exists(name):
+        return False
+    _mark(name)
+    return True
+
+
+def _mark(name: str) -> None:
+    with contextlib.suppress(OSError), open(name, "w") as f:
+        f.write(str(os.getpid()))
 
 
 @server.tool()
@@ -110,6 +136,7 @@ def serve_http() -> None:
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # before the port is said: a client may connect at once
     sys.stdout.write(json.dumps({"port": sock.getsockname()[1]}) + "\n")
     sys.stdout.flush()
     config = uvicorn.Config(guarded, log_level="warning", lifespan="on")

@@ -8,7 +8,9 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -187,7 +189,7 @@ async def test_worker_loss_then_restart_elsewhere(tools_farm: Farm, sandbox_site
                       and _serves(w.pid, first["isolation"]["uid"]))
         slow = asyncio.ensure_future(call(client, request(ws, sid, "t", spec, "sleep",
                                                           {"seconds": 60})))
-        await eventually(lambda: _sleeping(first["isolation"]["uid"]), timeout_s=20,
+        await eventually(lambda: _sleeping(ws), timeout_s=20,
                          what="the sleep call reached the server")
         holder.kill()
         with pytest.raises(CallFailed) as lost:
@@ -209,11 +211,10 @@ def _serves(worker_pid: int, uid: int) -> bool:
     return any(k.uids().real == uid for k in kids if k.is_running())
 
 
-async def _sleeping(uid: int) -> bool:
-    # The server answers tools/call only once it runs the tool; a process of
-    # its uid in the sleep proves the request reached it: wait for its
-    # second thread state instead: cheap proxy, the call was sent.
-    return bool(uid_processes(uid))
+async def _sleeping(ws: str) -> bool:
+    # The test server's sleep tool leaves ``sleeping`` in its cwd (the
+    # workspace) before it sleeps: the call reached the server.
+    return await asyncio.to_thread(os.path.exists, os.path.join(ws, "sleeping"))
 
 
 async def test_interrupts_reach_the_server(tools_farm: Farm, sandbox_site: str) -> None:
@@ -267,3 +268,47 @@ async def test_http_server_called_from_the_worker(tools_farm: Farm, procs: Procs
         assert "CORRAL_MCP_UNSET_VAR" in refused["output"]
     for log in (tools_farm.tmp / "logs").glob("*.log"):
         assert TOKEN not in log.read_text(errors="replace"), log
+
+
+async def test_http_server_killed_mid_call(tools_farm: Farm, procs: Procs,
+                                           tmp_path: Path) -> None:
+    """A streamable-HTTP server SIGKILLed while it runs a call: the call gets
+    a typed error long before its budget, the next call to the dead URL fails
+    fast, and the worker serves a new server at once (nothing wedged)."""
+    def spawn(name: str) -> subprocess.Popen[bytes]:
+        (tmp_path / name).mkdir()
+        return procs.spawn([PYTHON, str(HERE / "corral_test_mcp_server.py"), "http"],
+                           name="mcp-http", stdout=subprocess.PIPE, cwd=tmp_path / name)
+
+    def spec_of(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+        port = json.loads(read_line_with_deadline(proc, 60))["port"]
+        return {"url": f"http://127.0.0.1:{port}/mcp",
+                "headers_env": {"X-Corral-Token": "CORRAL_MCP_TEST_TOKEN"}}
+
+    proc, second = spawn("one"), spawn("two")  # both start at once
+    spec = spec_of(proc)
+    ws = str(new_workspace())
+    budget_s = 60.0
+    async with BrokerClient(tools_farm.frontend) as client:
+        assert (await call(client, request(ws, "sess-httpkill", "h", spec, "add",
+                                           {"n": 2})))["output"] == "2"
+        started = time.monotonic()
+        slow = asyncio.ensure_future(call(client, request(ws, "sess-httpkill", "h", spec,
+                                                          "sleep", {"seconds": 600}),
+                                          budget_s=budget_s))
+        await eventually(lambda: _sleeping(str(tmp_path / "one")), timeout_s=30,
+                         what="the sleep call reached the HTTP server")
+        proc.kill()
+        got = await asyncio.wait_for(slow, timeout=budget_s)
+        took = time.monotonic() - started
+        assert got["is_error"], got
+        assert got["error_kind"] == "mcp_server_died", got
+        assert took < budget_s / 2, f"the dropped call took {took:.1f} s"
+        again = await asyncio.wait_for(call(client, request(ws, "sess-httpkill", "h", spec,
+                                                            "add", {"n": 1})), timeout=40)
+        assert again["is_error"], again
+        assert again["error_kind"] == "mcp_start_failed", again
+        other = spec_of(second)
+        fresh = await asyncio.wait_for(call(client, request(ws, "sess-httpkill", "h", other,
+                                                            "add", {"n": 7})), timeout=40)
+        assert fresh["output"] == "7", fresh
