@@ -337,7 +337,19 @@ class ToolService:
             self._check_policy(profile, policy)
             read_only, git_writable = self._mode_of(policy)
             command_tool = req.get("command_tool")
+            digest = policy.get("image")
+            if digest is not None:
+                # Verified on disk for every call; never the host's root instead.
+                image = await asyncio.to_thread(self.images.open, digest)
             if req.get("mcp") is not None:
+                mcp_call: Any = req.get("mcp")
+                mcp_spec = mcp_call.get("spec") if isinstance(mcp_call, dict) else None
+                if policy.get("image") is not None and isinstance(mcp_spec, dict) \
+                        and "command" in mcp_spec:
+                    # Its server would run over the host's root: refused, not run there.
+                    raise ToolError("MCP stdio servers do not run in an image session yet "
+                                    "(docs/images.md); use a command tool, or a session "
+                                    "without --image", kind="image_unsupported")
                 return await self.mcp.handle(ctx, cast("dict[str, Any]", req), profile, limits,
                                              network, start,
                                              read_only=read_only, git_writable=git_writable)
@@ -346,12 +358,8 @@ class ToolService:
                 args = {"command": argv}
             else:
                 args = validate(tool, req["arguments"])
-            digest = policy.get("image")
-            if digest is not None:
-                # Verified on disk for every call; never the host's root instead.
-                image = await asyncio.to_thread(self.images.open, digest)
-                if not (tool == "shell" or command_tool is not None):
-                    args = image_view(args, image, tool)
+            if image is not None and not (tool == "shell" or command_tool is not None):
+                args = image_view(args, image, tool)
             if tool in ("write_file", "edit_file"):
                 self._check_writable(args, read_only, git_writable)
             pins = self.pins

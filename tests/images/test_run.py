@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from broker.client import BrokerClient
+from broker.protocol import pack, unpack
 from sandbox_worker.api import rootfs_digest
 from supervisor.images.store import ImageStore
 from tests.helpers import Procs, searchable_dir
@@ -199,3 +200,17 @@ async def test_a_home_through_a_symlink_is_never_followed(
     assert r["outcome"] == "ok", r["output"]
     assert "HOME=/tmp" in r["output"]
     assert os.listdir(images.trap) == []  # nothing made (or chowned) on the host
+
+
+async def test_an_mcp_stdio_server_is_refused_in_an_image_session(
+        images: Images, client: BrokerClient, ws: Path) -> None:
+    r = await call_tool(client, "mcp__s__t", {}, ws, {"image": images.digests["bb"]})
+    assert r.result["error_kind"] != "image_unsupported"  # not an MCP request: unknown tool
+    req = {"mcp": {"server": "s", "spec": {"command": ["/bin/sh", "-c", "echo RAN > ran"]},
+                   "op": "list", "tool": ""}}
+    body = {"call_id": "c-mcp", "tool": "mcp__s__list", "arguments": {}, "session_id": "s-m",
+            "workspace": str(ws), "policy": {"image": images.digests["bb"]}, **req}
+    answer = unpack(await client.request("tool", pack(body), budget_s=60))
+    assert answer["error_kind"] == "image_unsupported"
+    assert answer["isolation"]["image"]["digest"] == images.digests["bb"]
+    assert not (ws / "ran").exists()
