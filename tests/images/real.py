@@ -59,11 +59,24 @@ def build(layout: Path, tag: str, fill: dict[str, str | Path], links: dict[str, 
         dest = root / rel.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, dest)
+    _usual_modes(root)
     _run("umoci", "repack", "--image", f"{layout}:{tag}", str(bundle))
     if config:
         _run("umoci", "config", "--image", f"{layout}:{tag}", *config)
     shutil.rmtree(bundle)
     return layout
+
+
+def _usual_modes(root: Path) -> None:
+    """Directories 0755, files 0644 (0755 when executable): what an image has,
+    whatever the umask of the process building it (a farm in the same process
+    sets 077)."""
+    for dirpath, _dirs, filenames in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o755 if os.stat(path).st_mode & 0o100 else 0o644)
 
 
 def busybox_image(layout: Path, tag: str = "bb", *, workdir: str = "/app",

@@ -25,7 +25,8 @@ from tests.helpers import Procs, searchable_dir
 from tests.images.real import MARKER, build, busybox_image, need_tools, python_image
 from tests.sandbox.conftest import HB_S, Stack, call_tool, start_stack, stop_all
 
-pytestmark = pytest.mark.timeout(120)
+# One worker stack for the module, also under xdist (--dist loadgroup).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("images-run")]
 
 
 @dataclass

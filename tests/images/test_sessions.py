@@ -20,7 +20,9 @@ from tests.helpers import searchable_dir
 from tests.images.real import MARKER, busybox_image, need_tools
 from tests.sdk.farms import running_farm
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+# One farm for the module, also under xdist (--dist loadgroup).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module"),
+              pytest.mark.xdist_group("images-sessions")]
 SCRIPT = {"responses": [
     {"tool_calls": [{"name": "shell", "arguments": {"command": "cat /etc/corral-marker; pwd"}}]},
     {"text": "done"},
@@ -89,5 +91,8 @@ async def test_corral_run_image(tmp_path: Path, workspace: Path) -> None:
                 f"tools/bb@{digest}", "--workspace", str(workspace), "--approval", "allow",
                 "--json", "go")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert digest in ok.stdout  # the tool result's isolation record
-    assert "corral image marker" in ok.stdout
+    ended = [json.loads(line) for line in ok.stdout.splitlines()
+             if '"tool_call_end"' in line or '"exec_command_end"' in line]
+    assert ended, ok.stdout
+    assert digest in ok.stdout, ok.stdout  # the tool result's isolation record
+    assert "corral image marker" in ok.stdout, ended
