@@ -45,7 +45,7 @@ from typing import Any, Final
 
 from sandbox_worker.api import IMAGE_DIGEST_RE, IMAGE_SERVICES, ImageRecord, rootfs_digest
 from sandbox_worker.sandbox.errors import ToolError
-from sandbox_worker.sandbox.overlay import MOUNT_DIR, overlay_argv
+from sandbox_worker.sandbox.overlay import close_worker_dir, mount_layer, sweep
 from sandbox_worker.sandbox.resolve import RESOLVE_NO_MAGICLINKS, openat2
 
 log = logging.getLogger(__name__)
@@ -212,39 +212,39 @@ class ImageRoots:
 
     # -- start-up ------------------------------------------------------------
     async def setup(self) -> None:
-        """Try the overlay link for real (a tiny lower dir, ``true`` as the
-        command): ``overlay`` says whether image calls can run here."""
+        """Try the call's layer for real (``overlay.mount_layer`` over a scratch
+        directory, then detached): ``overlay`` says whether image calls can
+        run here. Layers of dead workers are removed first."""
         if not self.enabled:
             self.reason = "images are switched off on this worker (--no-images)"
             return
         if self.store is None:
             self.reason = "no image store configured (--images DIR)"
             return
-        try:
-            os.makedirs(MOUNT_DIR, 0o755, exist_ok=True)
-            lower = await asyncio.to_thread(_scratch_lower)
-        except OSError as exc:
-            self.reason = f"cannot prepare the overlay mount point: {exc}"
-            return
+        swept = await asyncio.to_thread(sweep)
+        if swept:
+            log.info("removed the image layers of %d dead workers", swept)
         fd = -1
+        lower = ""
         try:
+            lower = await asyncio.to_thread(_scratch_lower)
             fd = os.open(lower, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            proc = await asyncio.create_subprocess_exec(
-                *overlay_argv(lower, fd, 1 << 20, ["/proc", "/tmp"], "", ""), "true",
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE, pass_fds=(fd,))
-            async with asyncio.timeout(20):
-                _, err = await proc.communicate()
-            self.overlay = proc.returncode == 0
-            if not self.overlay:
-                self.reason = (err.decode(errors="replace").strip().splitlines() or
-                               [f"exit code {proc.returncode}"])[0][:300]
-        except (OSError, TimeoutError) as exc:
-            self.reason = f"overlay check failed: {exc}"
+            layer = await asyncio.to_thread(mount_layer, fd, 1 << 20, ["/proc", "/tmp"], "",
+                                            0, 0)
+            await asyncio.to_thread(layer.close)
+            self.overlay = True
+        except OSError as exc:
+            self.reason = f"cannot mount an overlay for image calls here: {exc}"
         finally:
             if fd >= 0:
                 os.close(fd)
-            await asyncio.to_thread(shutil.rmtree, lower, True)
+            if lower:
+                await asyncio.to_thread(shutil.rmtree, lower, True)
+
+    async def aclose(self) -> None:
+        """Detach this worker's layer directory (after its calls ended)."""
+        if self.overlay:
+            await asyncio.to_thread(close_worker_dir)
 
     def held(self) -> list[str]:
         """Digests of the images in this worker's store (installed ones only)."""

@@ -1,69 +1,192 @@
-"""The image root's writable layer: the root link of an image call's chain.
+"""The image root's writable layer: mounted by the worker for one call.
 
-bwrap 0.8 (Debian 12) has no ``--overlay-src``/``--tmp-overlay``; this link
-is the equivalent. It runs as root, before the uid drop (like the cgroup
-join), never in the worker's process::
+bwrap 0.8 (Debian 12) has no ``--overlay-src``/``--tmp-overlay``; this is the
+equivalent. For each call over an image the worker (root) mounts, in its own
+mount namespace, under ``MOUNT_DIR/<pid>/<random id>`` (``mount_layer``):
 
-    unshare --mount --propagation private -- /bin/bash -c OVERLAY_SCRIPT bash \\
-        LOWER FD SIZE DIRS HOME OWNER ARGV...
+1. a tmpfs of the call's ``tmpfs_bytes`` (``nosuid,nodev``): the call's
+   writable layer, with ``u`` (upper) and ``w`` (overlay work) in it;
+2. over it an overlay (``nosuid,nodev``) at ``m``: the lower layer is the
+   image root *as the worker's verified fd* (``lowerdir=/proc/self/fd/N``),
+   so the root bound is the directory whose digest was checked, not whatever
+   its path names by then;
+3. in the merged root, the mount points the image lacks, and the image
+   user's home given to the call's uid and group, each made a component at
+   a time from a directory fd with ``O_NOFOLLOW`` (an image's
+   ``/home -> /etc`` never leads to the host's /etc).
 
-1. ``unshare`` gives the call a mount namespace of its own with every mount
-   private: nothing mounted here is seen by the host, and all of it goes
-   away with the call's last process;
-2. ``LOWER`` (the image's unpacked root) is opened in that namespace and must
-   be the very directory the worker verified, which it passes as fd ``FD``
-   (``test -ef``: same device and inode); ``FD`` is closed right after, so
-   no descriptor of a host directory reaches the sandbox;
-3. a tmpfs of ``SIZE`` bytes is mounted at ``MOUNT_DIR``, and over it an
-   overlay (``nosuid,nodev``): the opened root as the read-only lower layer,
-   a directory of the tmpfs as the upper (the call's writable layer, gone
-   with the call);
-4. the mount points ``DIRS`` the image lacks (relative to its root,
-   space-separated; most images have them all) are made in the merged
-   root, and ``HOME`` given to ``OWNER`` (UID:GID);
-   the worker checked beforehand that none of these paths goes through a
-   symlink in the image (``images.plain_path``), so ``mkdir -p`` cannot be
-   led out of the merged root;
-5. exec ``ARGV`` (``setpriv ... bwrap --bind MOUNT_DIR/m / ...``).
+bwrap then binds ``m`` as the call's ``/``. When the call's processes are
+gone the worker detaches both mounts and removes the directory
+(``Layer.close``): nothing of the layer outlives the call. A worker killed
+mid-call leaves its ``MOUNT_DIR/<pid>`` behind; the next worker to start on
+the host detaches and removes those of dead pids (``sweep``).
 
-A shell script rather than Python: this link runs for every call, and
-Python's start-up cost several times the rest (0.6-0.8 s against 0.07 s for
-the script under this machine's load, measured by hand). bash, not dash:
-dash takes only single-digit fds in redirections, and the root's fd is
-opened at a free number (``{low}``) so it cannot replace an fd passed on
-to bwrap. Exit code 125 and one line on stderr when the root is not the
-verified one.
+``MOUNT_DIR/<pid>`` is 0711 (the call's uid, which bwrap runs as, must
+traverse it; nobody can list it) and the id is 128 random bits. The mounts
+are made private to the host's mount namespace (``MS_PRIVATE`` on a bind of
+``MOUNT_DIR/<pid>`` onto itself), so they never propagate to other
+namespaces.
+
+Doing this in the worker instead of in a root link of the chain (``unshare``,
+a shell, two ``mount`` and a ``mkdir``, which was this module's first
+version) saves five process starts per call: measured under load 20, that
+link took 66 ms against 50 ms for the whole setpriv/prlimit/bwrap chain.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import secrets
+from dataclasses import dataclass
 from typing import Final
 
+log = logging.getLogger(__name__)
+
 MOUNT_DIR: Final = "/run/corral/overlay"
+MS_NOSUID: Final = 0x2
+MS_NODEV: Final = 0x4
+MS_BIND: Final = 0x1000
+MS_PRIVATE: Final = 1 << 18
+MNT_DETACH: Final = 2
 
-OVERLAY_SCRIPT: Final = f"""set -eu
-r={MOUNT_DIR}
-exec {{low}}<"$1"
-[ /proc/self/fd/$low -ef "/proc/self/fd/$2" ] || {{
-  echo "overlay: $1 is no longer the verified image root" >&2; exit 125; }}
-eval "exec $2<&-"
-mount -t tmpfs -o "size=$3,mode=0755,nosuid,nodev" corral-layer "$r"
-mkdir "$r/u" "$r/w" "$r/m"
-mount -t overlay -o "lowerdir=/proc/self/fd/$low,upperdir=$r/u,workdir=$r/w,nosuid,nodev" \\
-  corral-image "$r/m"
-exec {{low}}<&-
-cd "$r/m"
-[ -z "$4" ] || mkdir -p -- $4
-[ -z "$5" ] || {{ mkdir -p -- ".$5"; chown -- "$6" ".$5"; }}
-cd /
-shift 6
-exec "$@"
-"""
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def overlay_argv(lower: str, fd: int, size: int | str, dirs: list[str], home: str,
-                 owner: str) -> list[str]:
-    """The root link's argv (before the uid drop); ``fd`` must be passed to it."""
-    rel = " ".join(d.strip("/") for d in dirs)
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/bash", "-c",
-            OVERLAY_SCRIPT, "bash", lower, str(fd), str(size), rel, home, owner]
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    rc = _libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None,
+                     ctypes.c_ulong(flags), data.encode() if data is not None else None)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype or 'bind'} at {target}: {os.strerror(err)}")
+
+
+def _umount(target: str) -> None:
+    if _libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH)) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):  # not mounted (any more)
+            raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def make_dir(root_fd: int, path: str) -> int:
+    """Create ``path`` (absolute, inside the directory ``root_fd``) a component
+    at a time, never following a symlink; an fd of the directory. ``OSError``
+    when a component is a symlink or not a directory."""
+    fd = os.dup(root_fd)
+    for part in [p for p in path.split("/") if p]:
+        if part in (".", ".."):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{path}: '.' or '..' in a mount point")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, 0o755, dir_fd=fd)
+        try:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _worker_dir() -> str:
+    """``MOUNT_DIR/<pid>``, made private once per worker process."""
+    base = f"{MOUNT_DIR}/{os.getpid()}"
+    if not os.path.isdir(base):
+        os.makedirs(MOUNT_DIR, 0o711, exist_ok=True)
+        os.chmod(MOUNT_DIR, 0o711)
+        os.mkdir(base, 0o711)
+        os.chmod(base, 0o711)
+        _mount(base, base, None, MS_BIND, None)
+        _mount("none", base, None, MS_PRIVATE, None)
+    return base
+
+
+@dataclass
+class Layer:
+    """One call's mounted image root (``root``: bind it as ``/``)."""
+
+    path: str
+
+    @property
+    def root(self) -> str:
+        return f"{self.path}/m"
+
+    def close(self) -> None:
+        """Detach both mounts and remove the directory. Blocking; never raises."""
+        try:
+            _umount(f"{self.path}/m")
+            _umount(self.path)
+            os.rmdir(self.path)
+        except OSError as exc:
+            log.warning("image layer %s not removed: %s", self.path, exc)
+
+
+def mount_layer(lower_fd: int, size: int, dirs: list[str], home: str, uid: int,
+                gid: int) -> Layer:
+    """Mount one call's layer over the image root ``lower_fd`` (blocking)."""
+    path = f"{_worker_dir()}/{secrets.token_hex(16)}"
+    os.mkdir(path, 0o711)
+    layer = Layer(path)
+    try:
+        _mount("corral-layer", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size)},mode=0711")
+        os.mkdir(f"{path}/u", 0o755)
+        os.mkdir(f"{path}/w", 0o700)
+        os.mkdir(f"{path}/m", 0o755)
+        _mount("corral-image", f"{path}/m", "overlay", MS_NOSUID | MS_NODEV,
+               f"lowerdir=/proc/self/fd/{lower_fd},upperdir={path}/u,workdir={path}/w")
+        root = os.open(f"{path}/m", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for d in dirs:
+                os.close(make_dir(root, d))
+            if home:
+                hfd = make_dir(root, home)
+                try:
+                    os.fchown(hfd, uid, gid)
+                finally:
+                    os.close(hfd)
+        finally:
+            os.close(root)
+    except BaseException:
+        layer.close()
+        raise
+    return layer
+
+
+def close_worker_dir() -> None:
+    """Detach this worker's ``MOUNT_DIR/<pid>`` (its calls are done). Blocking."""
+    base = f"{MOUNT_DIR}/{os.getpid()}"
+    if os.path.isdir(base):
+        with contextlib.suppress(OSError):
+            _umount(base)
+            os.rmdir(base)
+
+
+def sweep() -> int:
+    """Detach and remove the layers of workers that no longer run (blocking)."""
+    removed = 0
+    try:
+        names = os.listdir(MOUNT_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            os.kill(int(name), 0)
+            continue  # alive: its layers are its own
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        base = f"{MOUNT_DIR}/{name}"
+        with contextlib.suppress(OSError):
+            for call in os.listdir(base):
+                Layer(f"{base}/{call}").close()
+        with contextlib.suppress(OSError):
+            _umount(base)
+            os.rmdir(base)  # never a recursive removal: something may still be mounted
+        removed += 1
+    return removed

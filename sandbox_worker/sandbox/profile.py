@@ -35,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import sys
@@ -47,7 +48,7 @@ from sandbox_worker.api import TIER_ORDER, IsolationRecord, SandboxMode, Tier, T
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.images import ImageRoot
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, prlimit_argv
-from sandbox_worker.sandbox.overlay import MOUNT_DIR, overlay_argv
+from sandbox_worker.sandbox.overlay import Layer, mount_layer
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.user import SandboxUser
 from sandbox_worker.sandbox.verify import (
@@ -182,7 +183,8 @@ class Profile:
               network: bool, uid: int, tmpdir: str | None = None, call_id: str = "",
               workdir: str = ".", workspace_fd: int | None = None, gid: int | None = None,
               read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = (),
-              image: ImageRoot | None = None, probe: bool = False) -> Chain:
+              image: ImageRoot | None = None, layer: Layer | None = None,
+              probe: bool = False) -> Chain:
         """The argv chain running ``command`` in ``workspace`` as ``uid`` (the
         call's own, from the uid pool) and ``gid`` (the workspace's group;
         the sandbox user's when None). At T2 the workspace is bound from
@@ -190,9 +192,10 @@ class Profile:
         ``read_only``, and each ``(fd, relative path)`` of ``ro_fds`` is bound
         read-only at that path inside it. Fds in ``pass_fds`` are the chain's
         own duplicates: the caller closes them once the chain has started.
-        With ``image`` (T2/T2- only) the call runs over that image's root
-        instead of the host's (``_image_chain``); ``probe`` adds what the
-        probe needs there, outside the chain's shape."""
+        With ``image`` and its mounted ``layer`` (T2/T2- only; ``image_layer``)
+        the call runs over that image's root instead of the host's
+        (``_image_chain``); ``probe`` adds what the probe needs there,
+        outside the chain's shape."""
         if uid <= 0:
             raise ValueError(f"refusing to run a tool as uid {uid}")
         group = self.user.gid if gid is None else gid
@@ -207,11 +210,13 @@ class Profile:
                       "CORRAL_SANDBOX": self.tier, "CORRAL_CALL_ID": call_id, **GIT_SAFE_ENV}
         pass_fds: list[int] = []
         if image is not None:
+            if layer is None:
+                raise ValueError("an image chain needs the call's mounted layer")
             return self._image_chain(head, command, workspace, limits, env_inside,
                                      network=network, uid=uid, group=group, call_id=call_id,
                                      workdir=workdir, workspace_fd=workspace_fd,
                                      read_only=read_only, ro_fds=ro_fds, image=image,
-                                     probe=probe)
+                                     layer=layer, probe=probe)
         if self.tier in ("T2", "T2-"):
             argv = [*head, "bwrap", "--unshare-all"]
             if network:
@@ -285,39 +290,32 @@ class Profile:
                      uid: int, group: int, call_id: str, workdir: str,
                      workspace_fd: int | None, read_only: bool,
                      ro_fds: tuple[tuple[int, str], ...], image: ImageRoot,
-                     probe: bool) -> Chain:
-        """The chain over an image root (docs/images.md): a root link
-        (``overlay.py``, passed a duplicate of the verified root's fd) mounts
-        the image's verified root read-only under a per-call tmpfs writable
-        layer in a mount namespace of the call's own; then the usual uid
-        drop, rlimits and bwrap, which binds that merged root as ``/`` (not
+                     layer: Layer, probe: bool) -> Chain:
+        """The chain over an image root (docs/images.md): bwrap binds the
+        call's layer (``overlay.py``: the verified image root read-only under a
+        per-call tmpfs writable layer, mounted by the worker) as ``/`` (not
         remounted read-only: the layer is the call's), then ``/proc``,
         ``/dev``, a private ``/tmp`` and ``/dev/shm``, and the workspace at
-        the image's WorkingDir."""
+        the image's WorkingDir; the uid drop, rlimits and the rest as for
+        every call."""
         if self.tier not in ("T2", "T2-"):
             raise ValueError(f"image roots need tier T2 or T2-, not {self.tier}")
         size = str(limits["tmpfs_bytes"])
         inside = image.workdir
         cwd = inside if workdir == "." else f"{inside}/{workdir}"
-        dirs = [d for d in ("/proc", "/dev", "/tmp", inside) if d not in image.has]
-        owner = f"{uid}:{group}"
-        pass_fds: list[int] = [os.dup(image.fd)]  # the verified root, checked by the link
-        root = overlay_argv(image.rootfs, pass_fds[0], size,
-                            [*dirs, PROBE_USR] if probe else dirs, image.home, owner)
+        pass_fds: list[int] = []
         # The image's variables, then the chain's own (which an image cannot replace).
         env = {"PATH": SANDBOX_PATH, **image.env, "HOME": image.home or "/tmp",
                "TMPDIR": "/tmp", "LANG": image.env.get("LANG", "C.UTF-8"), "TERM": "dumb",
                **{k: v for k, v in env_inside.items() if k not in ("PATH", "LANG", "TERM")}}
-        split = head.index("setpriv")  # the root link goes before the uid drop
-        argv = [*head[:split], *root, *head[split:], "bwrap", "--unshare-all"]
-        dirs_at = split + len(root) - 3
+        argv = [*head, "bwrap", "--unshare-all"]
         if network:
             argv.append("--share-net")
         argv += ["--unshare-user", "--disable-userns", "--die-with-parent",
                  "--new-session", "--cap-drop", "ALL", "--clearenv"]
         for key, value in env.items():
             argv += ["--setenv", key, value]
-        argv += ["--bind", f"{MOUNT_DIR}/m", "/"]
+        argv += ["--bind", layer.root, "/"]
         probe_at = len(argv)
         if probe:
             argv += ["--ro-bind", "/usr", PROBE_USR]
@@ -341,16 +339,25 @@ class Profile:
             pass_fds.append(fd)
             argv += ["--seccomp", str(fd)]
         argv += ["--", *command]
-        # The shape: the probe's additions left out (a probe of this shape
-        # stands for the calls without them); the image's path, identity and
-        # variables kept (each image root is probed once per worker).
+        # The shape: the probe's additions and the layer's path left out (a
+        # probe of this shape stands for the calls without them); the image's
+        # variables and WorkingDir kept (each image is probed once per worker).
         head_argv = argv[:len(argv) - len(command)]
         if probe:
-            head_argv[dirs_at] = " ".join(d.strip("/") for d in dirs)
             del head_argv[probe_at:probe_at + 3]
-        shape = chain_shape(head_argv, [str(uid), str(group), owner, call_id, workspace, cwd,
-                                        size, *map(str, pass_fds)])
+        shape = chain_shape(head_argv, [str(uid), str(group), call_id, workspace, cwd,
+                                        size, layer.root, *map(str, pass_fds)])
         return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
+
+    async def image_layer(self, image: ImageRoot, limits: ToolLimits, uid: int,
+                          gid: int | None, *, probe: bool = False) -> Layer:
+        """Mount one call's layer over ``image`` (``overlay.mount_layer``): the
+        mount points the image lacks, the image user's home given to ``uid``."""
+        group = self.user.gid if gid is None else gid
+        dirs = [d for d in ("/proc", "/dev", "/tmp", image.workdir) if d not in image.has]
+        return await asyncio.to_thread(mount_layer, image.fd, int(limits["tmpfs_bytes"]),
+                                       [*dirs, PROBE_USR] if probe else dirs, image.home,
+                                       uid, group)
 
     def probe_command(self, marker: str) -> list[str]:
         """``probe.py`` as a command; it tries to write into ``tmp_root`` (a
@@ -372,12 +379,18 @@ class Profile:
         marker = f"corral-probe-{secrets.token_hex(8)}"
         command = (probe_in_image(self.python, marker) if image is not None
                    else self.probe_command(marker))
-        chain = self.build(command, workspace, limits, network=network,
-                           uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe",
-                           workspace_fd=workspace_fd, gid=gid, read_only=read_only,
-                           ro_fds=ro_fds, image=image, probe=image is not None)
-        code, out, err, outside, cgroups = await run_probe(chain.argv, chain.env,
-                                                           chain.pass_fds, marker)
+        layer = (await self.image_layer(image, limits, uid, gid, probe=True)
+                 if image is not None else None)
+        try:
+            chain = self.build(command, workspace, limits, network=network,
+                               uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe",
+                               workspace_fd=workspace_fd, gid=gid, read_only=read_only,
+                               ro_fds=ro_fds, image=image, layer=layer, probe=image is not None)
+            code, out, err, outside, cgroups = await run_probe(chain.argv, chain.env,
+                                                               chain.pass_fds, marker)
+        finally:
+            if layer is not None:
+                await asyncio.to_thread(layer.close)
         cg = self.cgroup
         joined = cg is not None and cg.applied and bool(cg.dirs)
         expect = Expect(self.tier, uid, self.user.gid if gid is None else gid, limits, network,

@@ -256,6 +256,7 @@ class ToolService:
                 async with asyncio.timeout(self.config.grace_s + 5):
                     await asyncio.gather(*calls, return_exceptions=True)
         await self.mcp.aclose()
+        await self.images.aclose()
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None

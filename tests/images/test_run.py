@@ -2,7 +2,7 @@
 (``--images STORE``), with images built by umoci from busybox-static and from
 Debian's python3.11-minimal files.
 
-One stack for the module; every image, workspace and host path a test
+One stack (per xdist worker); every image, workspace and host path a test
 touches is under the module's tmp directory.
 """
 
@@ -44,7 +44,9 @@ class Images:
         return str(meta["rootfs_sha256"])
 
 
-@pytest.fixture(scope="module")
+# Package scope: under xdist the group's tests may come interleaved with other
+# modules' (module scope then started the stack twice, 30 s under load).
+@pytest.fixture(scope="package")
 def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
     need_tools()
     tmp = tmp_path_factory.mktemp("images-run")

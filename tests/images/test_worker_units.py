@@ -20,6 +20,7 @@ from sandbox_worker.sandbox.images import (
     plain_path,
 )
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
+from sandbox_worker.sandbox.overlay import Layer
 from sandbox_worker.sandbox.profile import PROBE_USR, Profile
 from sandbox_worker.sandbox.user import SandboxUser
 from sandbox_worker.tools.service import IN_IMAGE, image_view
@@ -80,7 +81,8 @@ def test_an_image_chains_shape_leaves_out_per_call_values_and_the_probe(tmp_path
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         chains = [profile.build(["true"], str(tmp_path), limits, network=False, uid=uid,
-                                call_id=cid, image=_root(fd), probe=probe, gid=3000)
+                                call_id=cid, image=_root(fd), probe=probe, gid=3000,
+                                layer=Layer(f"/run/corral/overlay/1/{cid}"))
                   for uid, cid, probe in ((200001, "c1", False), (200002, "c2", False),
                                           (200003, "probe", True))]
         for chain in chains:
@@ -92,10 +94,9 @@ def test_an_image_chains_shape_leaves_out_per_call_values_and_the_probe(tmp_path
     assert PROBE_USR in chains[2].argv
     assert PROBE_USR not in chains[0].argv
     argv = chains[0].argv
-    assert argv[:4] == ["unshare", "--mount", "--propagation", "private"]
-    assert argv.index("unshare") < argv.index("setpriv") < argv.index("bwrap")
+    assert argv.index("setpriv") < argv.index("bwrap")
     assert "/usr" not in argv  # nothing of the host is bound
     assert argv[argv.index("--bind") + 1:argv.index("--bind") + 3] == [
-        "/run/corral/overlay/m", "/"]
+        "/run/corral/overlay/1/c1/m", "/"]
     assert "--remount-ro" in argv
     assert argv[argv.index("--remount-ro") + 1] == "/dev"
