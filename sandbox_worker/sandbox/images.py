@@ -13,8 +13,8 @@ time: the sha256 of ``manifest.json`` is the digest asked for; the sha256 of
 digest (``sandbox_worker.api.rootfs_digest``) is ``image.json``'s
 ``rootfs_sha256``. The tree walk is done once per worker for a root
 directory identity (device, inode, ctime); later calls compare the identity.
-The root is handed on by that identity, and the chain's overlay link
-(``overlay.py``) refuses a directory that is not it.
+The root is handed on as the verified directory's fd: the call's layer
+(``overlay.py``) uses that fd as its lower layer, never the path again.
 
 Invariants:
 - A missing, unreadable or unverifiable image is a ``ToolError``
@@ -130,7 +130,8 @@ def clean_workdir(value: Any) -> str:
 def plain_path(root_fd: int, path: str) -> bool:
     """Whether ``path`` (absolute, in the image) has no symlink or non-directory
     on its way: each component a directory, or missing (it is created in the
-    call's layer). The root link (``overlay.py``) refuses the same, as root."""
+    call's layer). ``overlay.make_dir`` refuses the same, as root, when it
+    makes them."""
     rel = path.strip("/")
     while rel:
         try:
@@ -206,7 +207,7 @@ class ImageRoots:
     store: str | None  # the store this worker reads (HOME/images or a cache)
     source: str | None = None  # a store on shared storage to fetch from
     enabled: bool = True
-    overlay: bool = False  # whether the overlay link worked here (``setup``)
+    overlay: bool = False  # whether a call's layer could be mounted here (``setup``)
     reason: str = ""
     _verified: dict[tuple[str, str], str] = field(default_factory=dict)
 
@@ -365,13 +366,15 @@ class ImageRoots:
             raise ImageUnavailable(f"image {digest} is not in this worker's store "
                                    f"({self.store}){where}; import it there with "
                                    "'corral image import'")
-        assert self.store is not None  # open() checked it
-        tmp = os.path.join(self.store, "tmp", f"fetch-{secrets.token_hex(8)}")
-        os.makedirs(os.path.join(self.store, "sha256"), 0o700, exist_ok=True)
+        store = self.store
+        if store is None:
+            raise ImageUnavailable(f"image {digest}: this worker has no image store")
+        tmp = os.path.join(store, "tmp", f"fetch-{secrets.token_hex(8)}")
+        os.makedirs(os.path.join(store, "sha256"), 0o700, exist_ok=True)
         try:
             shutil.copytree(src, tmp, symlinks=True)
             with contextlib.suppress(OSError):  # another fetch may have won
-                os.rename(tmp, os.path.join(self.store, "sha256", hexd))
+                os.rename(tmp, os.path.join(store, "sha256", hexd))
         except OSError as exc:
             raise ImageUnavailable(f"image {digest}: fetching it from {self.source} failed "
                                    f"({exc})") from None
