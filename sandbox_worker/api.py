@@ -33,8 +33,11 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import stat
 from typing import Any, Final, Literal, NotRequired, TypeAlias, TypedDict
 
 SERVICE_TOOL: Final = "tool"
@@ -193,6 +196,40 @@ class ToolPolicy(TypedDict, total=False):
     limits: ToolLimits
     sandbox_mode: SandboxMode  # default "workspace-write"; "read-only" binds it read-only
     git_writable: bool  # opt-in: .git in the workspace is writable (default: read-only)
+    # The session's image (docs/images.md): "sha256:HEX", its manifest digest,
+    # resolved when the session was created. Tool calls run over its root.
+    image: str
+
+
+# --------------------------------------------------------------------------
+# Images (docs/images.md): what the store and the workers agree on
+# --------------------------------------------------------------------------
+
+IMAGE_DIGEST_RE: Final = re.compile(r"sha256:[0-9a-f]{64}")
+# A worker serves ``tool@img-<the digest's first 48 hex>`` for each image it
+# holds (at most IMAGE_SERVICES of them; READY takes names of at most 64
+# characters, and the worker checks the full digest anyway): a call of a
+# session in that image is sent there first, and to ``tool`` when no worker
+# serves the name.
+IMAGE_SERVICE_PREFIX: Final = "tool@img-"
+IMAGE_SERVICES: Final = 48
+
+
+def image_service(digest: str) -> str:
+    """The service name of the workers holding image ``digest`` (sha256:HEX)."""
+    return IMAGE_SERVICE_PREFIX + digest.removeprefix("sha256:")[:48]
+
+
+class ImageRecord(TypedDict):
+    """The image a call ran over, as the worker's disk showed it: the digest
+    of the manifest it read and hashed, and the digest of the root tree it
+    bound (``rootfs_sha256``, checked against the store's record of it)."""
+
+    digest: str
+    rootfs_sha256: str
+    workdir: str  # where the workspace was bound
+    user: str  # the image's User (its name or uid), "" when none
+    writable_layer: Literal["per-call"]
 
 
 class ToolCallRequest(TypedDict):
@@ -309,6 +346,7 @@ class IsolationRecord(TypedDict):
     kernel: KernelFacts | None  # what the chain's probe saw; None: file tools, not probed
     sandbox_mode: NotRequired[SandboxMode]  # how the workspace was bound for this call
     git_writable: NotRequired[bool]  # whether .git in the workspace was writable
+    image: NotRequired[ImageRecord]  # the image root the call ran over (none: the host's)
 
 
 ToolOutcome: TypeAlias = Literal["ok", "error", "timeout", "cancelled"]
@@ -579,3 +617,60 @@ def parse_route(spec: str, base_url: str | None = None, *, name: str = "main") -
     if provider == "openai-responses" and route["base_url"] == DEFAULT_BASE_URLS[provider]:
         route["native_compaction"] = True
     return route
+
+
+# --------------------------------------------------------------------------
+# An image root's tree digest: computed by the store when it installs an
+# image (``image.json``'s ``rootfs_sha256``), checked by a worker before it
+# binds the root. Pure standard library, so both sides run the same code.
+# --------------------------------------------------------------------------
+
+ROOTFS_DIGEST_MAX_DEPTH: Final = 256
+
+
+def rootfs_digest(root_fd: int) -> str:
+    """``sha256:HEX`` over the tree under the directory ``root_fd``: one line
+    per entry in sorted path order -- its type (d, f, l), permission bits,
+    path, and for a file its size and content sha256, for a symlink its
+    target. Links are never followed (every open is ``O_NOFOLLOW`` relative
+    to its parent's fd); any other file type raises ``ValueError``."""
+    total = hashlib.sha256()
+
+    def walk(dfd: int, prefix: bytes, depth: int) -> None:
+        if depth > ROOTFS_DIGEST_MAX_DEPTH:
+            raise ValueError(f"{prefix.decode(errors='replace')}: deeper than "
+                             f"{ROOTFS_DIGEST_MAX_DEPTH}")
+        for name in sorted(os.listdir(dfd)):
+            raw = os.fsencode(name)
+            path = prefix + b"/" + raw
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            mode = b"%o" % stat.S_IMODE(st.st_mode)
+            if stat.S_ISDIR(st.st_mode):
+                total.update(b"d " + mode + b" " + path + b"\n")
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                              | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    walk(sub, path, depth + 1)
+                finally:
+                    os.close(sub)
+            elif stat.S_ISLNK(st.st_mode):
+                target = os.readlink(name, dir_fd=dfd)
+                total.update(b"l " + mode + b" " + path + b" " + os.fsencode(target) + b"\n")
+            elif stat.S_ISREG(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    h = hashlib.sha256()
+                    size = 0
+                    while data := os.read(fd, 1 << 20):
+                        h.update(data)
+                        size += len(data)
+                finally:
+                    os.close(fd)
+                total.update(b"f " + mode + b" " + path + b" %d " % size
+                             + h.hexdigest().encode() + b"\n")
+            else:
+                raise ValueError(f"{path.decode(errors='replace')}: not a file, directory "
+                                 "or symlink")
+
+    walk(root_fd, b"", 0)
+    return "sha256:" + total.hexdigest()

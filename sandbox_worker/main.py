@@ -34,7 +34,7 @@ from broker.slots import SlotPool
 from broker.taskdump import install_task_dump
 from broker.worker import BrokerWorker, RequestContext
 from sandbox_worker import tracing
-from sandbox_worker.api import PIN_SEP, SERVICE_MODEL, SERVICE_TOOL
+from sandbox_worker.api import PIN_SEP, SERVICE_MODEL, SERVICE_TOOL, image_service
 
 log = logging.getLogger(__name__)
 MAX_BROKERS = 8  # brokers one worker serves at once (--broker repeated)
@@ -144,6 +144,10 @@ async def serve(ns: argparse.Namespace) -> int:
         pin = f"{SERVICE_TOOL}{PIN_SEP}{uuid.uuid4().hex[:16]}"
         handlers[pin] = tracing.wrap(SERVICE_TOOL, tool_service.handle)
         tool_service.mcp.pin = pin  # type: ignore[attr-defined]
+        # One name per image this worker holds (docs/images.md): a call of a
+        # session in that image is sent to a worker serving its name.
+        for digest in info[SERVICE_TOOL].get("images", {}).get("held", []):
+            handlers[image_service(digest)] = tracing.wrap(SERVICE_TOOL, tool_service.handle)
     try:
         links = broker_links(ns, handlers, info, curve)
     except ValueError as exc:

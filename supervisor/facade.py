@@ -46,6 +46,7 @@ from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, Unk
 from supervisor.export import CheckpointInvalid, file_name, load_loop_checkpoint, verify
 from supervisor.export.canonical import canonical_bytes
 from supervisor.farm.layout import FarmPaths
+from supervisor.images.session import resolve_image
 from supervisor.server import CallError
 from supervisor.store import Store
 from supervisor.store.records import EventRecord, SessionId
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 _SPEC_KEYS = {"workspace", "route", "route_spec", "approval", "instructions", "hooks",
               "tool_policy", "compaction_threshold_tokens", "stream", "session_id",
               "child_route", "parent_session_id", "sandbox_mode", "git_writable",
-              "mcp", "tools", *clienttools.SPEC_KEYS}
+              "mcp", "tools", "image", *clienttools.SPEC_KEYS}
 _ROUTE_KEYS = set(ModelRoute.__annotations__)
 # A checkpoint answer must fit in one client-protocol message (8 MiB) with room to spare.
 MAX_EXPORT_ANSWER_BYTES = 6 * 1024 * 1024
@@ -272,6 +273,7 @@ class Facade:
         self.routes_file = home / "routes.json"
         self.export_dirs = export_dirs(home)
         self.farm_dirs = farm_dirs(home)
+        self.home = home
         self._load_inline_routes()
 
     # -- routes -------------------------------------------------------------
@@ -341,6 +343,7 @@ class Facade:
         if not isinstance(workspace, str) or not os.path.isabs(workspace):
             raise CallError(ErrorKind.BAD_REQUEST, "workspace must be an absolute path")
         _sandbox_options(spec)
+        await self._image_option(spec)
         client_extra = clienttools.declaration(spec)  # client tools and hooks
         real, identity = await asyncio.to_thread(_pin_workspace, workspace, self.farm_dirs)
         await self._check_workspace(real, tenant)
@@ -353,6 +356,19 @@ class Facade:
                               "workspace_host": socket.gethostname(), **client_extra}
         with _engine_errors(session_spec.session_id or ""):
             return str(await self.manager.create_session(session_spec))
+
+    async def _image_option(self, spec: dict[str, Any]) -> None:
+        """The session's ``image`` (or a ``tool_policy.image`` given directly)
+        resolved to its manifest digest in the session's tool policy; refused
+        here, never at the first tool call (``supervisor/images/session.py``)."""
+        policy = dict(spec.get("tool_policy") or {})
+        ref = spec.pop("image", None)
+        if ref is None:
+            ref = policy.get("image")
+        if ref is None:
+            return
+        policy["image"] = await resolve_image(ref, self.home, self.broker)
+        spec["tool_policy"] = policy
 
     async def submit(self, session_id: str, op: dict[str, Any], tenant: str | None) -> str:
         await self._check_tenant(session_id, tenant)

@@ -67,6 +67,8 @@ class ErrorKind:
     UNAVAILABLE = "unavailable"  # supervisor shutting down or not ready
     NOT_FOUND = "not_found"  # the thing asked for does not exist (yet), e.g. a checkpoint
     INTERNAL = "internal"
+    IMAGE_NOT_FOUND = "image_not_found"  # a session's --image names no image in the store
+    IMAGES_UNSUPPORTED = "images_unsupported"  # no registered worker can run image calls
 
 
 class WireError(Exception):

@@ -19,6 +19,12 @@ Measured in one run, on this machine, so only ratios are compared:
   entry revoked), on the benchmark's empty workspace and on a 1,000-entry
   tree (100 directories of 9 files); every e2e call pays the first.
 
+- images (``supervisor/devtools/image_bench.py``, run as a child process: the
+  image store is the supervisor's): ``e2e_image_vs_host`` (a sandboxed
+  ``true`` over an image's root against the host's, target <= 1.2) and
+  ``image_import_mb_per_s`` against ``tar -x`` of the same layer
+  (``image_import_vs_tar``).
+
 Ratios: ``e2e_vs_bwrap`` (target <= 1.5), ``e2e_vs_subprocess``,
 ``uid_lease_vs_bwrap`` and ``workspace_grant_release_vs_bwrap``; and the
 outside tools' (``outside_bench.py``): ``mcp_call_vs_direct`` (target <= 2.0),
@@ -302,6 +308,19 @@ async def bench_throughput(frontend: str, workspace: str, total: int, in_flight:
         return total / (time.perf_counter() - t)
 
 
+IMAGE_RATIOS = ("e2e_image_vs_host", "image_import_vs_tar")
+
+
+def bench_images(quick: bool) -> dict[str, Any]:
+    """The image figures (``supervisor.devtools.image_bench``), from a child process."""
+    argv = [sys.executable, "-m", "supervisor.devtools.image_bench", "--json"]
+    done = subprocess.run([*argv, "--quick"] if quick else argv, capture_output=True,
+                          text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        return {"image_bench_failed": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def machine() -> dict[str, Any]:
     return {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
             "python": platform.python_version(), "bwrap": shutil.which("bwrap") is not None}
@@ -335,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             command = asyncio.run(bench_command_tool(outside.frontend, workspace, n))
         with Stack(4, 8) as four:
             tput = asyncio.run(bench_throughput(four.frontend, workspace, total, 32))
+        images = bench_images(ns.quick)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
     results = {
@@ -351,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_1min": round(os.getloadavg()[0], 2),
         **{k: v for k, v in {**mcp, **command}.items() if not k.endswith("_vs_direct")
            and not k.endswith("_vs_shell")},
+        **{k: v for k, v in images.items() if k not in IMAGE_RATIOS},
     }
     ratios = {
         "e2e_vs_bwrap": round(_median_ms(e2e) / _median_ms(bw), 3),
@@ -360,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "workspace_grant_release_vs_bwrap": round(_median_ms(cycle_s) / _median_ms(bw), 5),
         "mcp_call_vs_direct": mcp["mcp_call_vs_direct"],
         "command_tool_vs_shell": command["command_tool_vs_shell"],
+        **{k: images[k] for k in IMAGE_RATIOS if k in images},
     }
     doc = {"name": "tools", "machine": machine(), "results": results, "ratios": ratios,
            "quick": ns.quick}
@@ -374,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in ratios.items():
             print(f"{key:<40} {value:>12}")
         print("(targets: e2e_vs_bwrap <= 1.5, mcp_call_vs_direct <= 2.0, "
-              "command_tool_vs_shell <= 1.2; written to bench-results/tools.json)")
+              "command_tool_vs_shell <= 1.2, e2e_image_vs_host <= 1.2; written to "
+              "bench-results/tools.json)")
     return 0
 
 

@@ -35,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import sys
@@ -45,7 +46,9 @@ from typing import Final
 from broker import plants  # chaos plant switches
 from sandbox_worker.api import TIER_ORDER, IsolationRecord, SandboxMode, Tier, ToolLimits
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
+from sandbox_worker.sandbox.images import ImageRoot
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, prlimit_argv
+from sandbox_worker.sandbox.overlay import Layer, mount_layer
 from sandbox_worker.sandbox.seccomp import SeccompFilters
 from sandbox_worker.sandbox.user import SandboxUser
 from sandbox_worker.sandbox.verify import (
@@ -74,6 +77,10 @@ SANDBOX_WORKSPACE: Final = "/workspace"  # where T2 binds the workspace (hides i
 MERGED_USR: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 TIERS: Final[tuple[Tier, ...]] = ("T2", "T2-", "T1", "T0")
 MAX_SHAPES: Final = 64  # probed chain shapes kept per profile (oldest dropped)
+# The probe of an image chain runs the host's interpreter from here (an image
+# need not hold Python): the host's /usr bound read-only, only for the probe.
+PROBE_USR: Final = "/.corral-probe/usr"
+LOADERS: Final = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1")
 
 
 def _usable_by_others(path: str) -> bool:
@@ -103,6 +110,19 @@ def launcher_python() -> str:
 def cg_mark(directory: str) -> str:
     """How /proc/<pid>/cgroup names a member of ``directory``: ``/corral/worker-N``."""
     return "/" + "/".join(directory.rstrip("/").split("/")[-2:])
+
+
+def probe_in_image(python: str, marker: str) -> list[str]:
+    """``probe.py`` run by the host's interpreter through the host's dynamic
+    loader, both seen under ``PROBE_USR`` (so it needs nothing of the image).
+    The write it tries is in the image's ``/``, which the call cannot write."""
+    real = os.path.realpath(python)
+    loader = next((os.path.realpath(p) for p in LOADERS if os.path.exists(p)), "")
+    if not real.startswith("/usr/") or not loader.startswith("/usr/"):
+        return ["/nonexistent/corral-probe-needs-usr"]  # the probe fails: never verified
+    libs = f"{PROBE_USR}{os.path.dirname(loader)[4:]}:{PROBE_USR}/lib"
+    return [PROBE_USR + loader[4:], "--library-path", libs, PROBE_USR + real[4:],
+            "-I", "-S", "-c", PROBE_SOURCE, "/", "--hold", marker]
 
 
 def tier_at_least(tier: Tier, minimum: Tier) -> bool:
@@ -162,14 +182,20 @@ class Profile:
     def build(self, command: list[str], workspace: str, limits: ToolLimits, *,
               network: bool, uid: int, tmpdir: str | None = None, call_id: str = "",
               workdir: str = ".", workspace_fd: int | None = None, gid: int | None = None,
-              read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = ()) -> Chain:
+              read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = (),
+              image: ImageRoot | None = None, layer: Layer | None = None,
+              probe: bool = False) -> Chain:
         """The argv chain running ``command`` in ``workspace`` as ``uid`` (the
         call's own, from the uid pool) and ``gid`` (the workspace's group;
         the sandbox user's when None). At T2 the workspace is bound from
         ``workspace_fd`` (the worker's pinned fd) when given, read-only with
         ``read_only``, and each ``(fd, relative path)`` of ``ro_fds`` is bound
         read-only at that path inside it. Fds in ``pass_fds`` are the chain's
-        own duplicates: the caller closes them once the chain has started."""
+        own duplicates: the caller closes them once the chain has started.
+        With ``image`` and its mounted ``layer`` (T2/T2- only; ``image_layer``)
+        the call runs over that image's root instead of the host's
+        (``_image_chain``); ``probe`` adds what the probe needs there,
+        outside the chain's shape."""
         if uid <= 0:
             raise ValueError(f"refusing to run a tool as uid {uid}")
         group = self.user.gid if gid is None else gid
@@ -183,6 +209,14 @@ class Profile:
         env_inside = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", "TERM": "dumb",
                       "CORRAL_SANDBOX": self.tier, "CORRAL_CALL_ID": call_id, **GIT_SAFE_ENV}
         pass_fds: list[int] = []
+        if image is not None:
+            if layer is None:
+                raise ValueError("an image chain needs the call's mounted layer")
+            return self._image_chain(head, command, workspace, limits, env_inside,
+                                     network=network, uid=uid, group=group, call_id=call_id,
+                                     workdir=workdir, workspace_fd=workspace_fd,
+                                     read_only=read_only, ro_fds=ro_fds, image=image,
+                                     layer=layer, probe=probe)
         if self.tier in ("T2", "T2-"):
             argv = [*head, "bwrap", "--unshare-all"]
             if network:
@@ -251,6 +285,80 @@ class Profile:
                              *map(str, pass_fds)])
         return Chain(argv, env, pass_fds, shape)
 
+    def _image_chain(self, head: list[str], command: list[str], workspace: str,
+                     limits: ToolLimits, env_inside: dict[str, str], *, network: bool,
+                     uid: int, group: int, call_id: str, workdir: str,
+                     workspace_fd: int | None, read_only: bool,
+                     ro_fds: tuple[tuple[int, str], ...], image: ImageRoot,
+                     layer: Layer, probe: bool) -> Chain:
+        """The chain over an image root (docs/images.md): bwrap binds the
+        call's layer (``overlay.py``: the verified image root read-only under a
+        per-call tmpfs writable layer, mounted by the worker) as ``/`` (not
+        remounted read-only: the layer is the call's), then ``/proc``,
+        ``/dev``, a private ``/tmp`` and ``/dev/shm``, and the workspace at
+        the image's WorkingDir; the uid drop, rlimits and the rest as for
+        every call."""
+        if self.tier not in ("T2", "T2-"):
+            raise ValueError(f"image roots need tier T2 or T2-, not {self.tier}")
+        size = str(limits["tmpfs_bytes"])
+        inside = image.workdir
+        cwd = inside if workdir == "." else f"{inside}/{workdir}"
+        pass_fds: list[int] = []
+        # The image's variables, then the chain's own (which an image cannot replace).
+        env = {"PATH": SANDBOX_PATH, **image.env, "HOME": image.home or "/tmp",
+               "TMPDIR": "/tmp", "LANG": image.env.get("LANG", "C.UTF-8"), "TERM": "dumb",
+               **{k: v for k, v in env_inside.items() if k not in ("PATH", "LANG", "TERM")}}
+        argv = [*head, "bwrap", "--unshare-all"]
+        if network:
+            argv.append("--share-net")
+        argv += ["--unshare-user", "--disable-userns", "--die-with-parent",
+                 "--new-session", "--cap-drop", "ALL", "--clearenv"]
+        for key, value in env.items():
+            argv += ["--setenv", key, value]
+        argv += ["--bind", layer.root, "/"]
+        probe_at = len(argv)
+        if probe:
+            argv += ["--ro-bind", "/usr", PROBE_USR]
+        if self.tier == "T2":
+            argv += ["--proc", "/proc"]
+        argv += ["--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
+                 "--size", size, "--tmpfs", "/dev/shm"]
+        if workspace_fd is not None:
+            wfd = os.dup(workspace_fd)
+            pass_fds.append(wfd)
+            argv += ["--ro-bind-fd" if read_only else "--bind-fd", str(wfd), inside]
+        else:
+            argv += ["--ro-bind" if read_only else "--bind", workspace, inside]
+        for fd, rel in ro_fds:
+            dup = os.dup(fd)
+            pass_fds.append(dup)
+            argv += ["--ro-bind-fd", str(dup), f"{inside}/{rel}"]
+        argv += ["--remount-ro", "/dev", "--chdir", cwd]
+        if self.filters is not None:
+            fd = self.filters.open_fd("bwrap")
+            pass_fds.append(fd)
+            argv += ["--seccomp", str(fd)]
+        argv += ["--", *command]
+        # The shape: the probe's additions and the layer's path left out (a
+        # probe of this shape stands for the calls without them); the image's
+        # variables and WorkingDir kept (each image is probed once per worker).
+        head_argv = argv[:len(argv) - len(command)]
+        if probe:
+            del head_argv[probe_at:probe_at + 3]
+        shape = chain_shape(head_argv, [str(uid), str(group), call_id, workspace, cwd,
+                                        size, layer.root, *map(str, pass_fds)])
+        return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
+
+    async def image_layer(self, image: ImageRoot, limits: ToolLimits, uid: int,
+                          gid: int | None, *, probe: bool = False) -> Layer:
+        """Mount one call's layer over ``image`` (``overlay.mount_layer``): the
+        mount points the image lacks, the image user's home given to ``uid``."""
+        group = self.user.gid if gid is None else gid
+        dirs = [d for d in ("/proc", "/dev", "/tmp", image.workdir) if d not in image.has]
+        return await asyncio.to_thread(mount_layer, image.fd, int(limits["tmpfs_bytes"]),
+                                       [*dirs, PROBE_USR] if probe else dirs, image.home,
+                                       uid, group)
+
     def probe_command(self, marker: str) -> list[str]:
         """``probe.py`` as a command; it tries to write into ``tmp_root`` (a
         world-writable host directory outside every workspace) and, once it
@@ -263,18 +371,26 @@ class Profile:
                            workspace_fd: int | None = None, gid: int | None = None,
                            read_only: bool = False,
                            ro_fds: tuple[tuple[int, str], ...] = (),
-                           ) -> tuple[Shape, Verified]:
+                           image: ImageRoot | None = None) -> tuple[Shape, Verified]:
         """Run ``probe.py`` at the end of the chain ``build`` makes for these
         inputs (default limits: the shape does not depend on their values),
         keep what the kernel showed under the chain's shape, and return it."""
         limits = ToolLimits(**DEFAULT_LIMITS)
         marker = f"corral-probe-{secrets.token_hex(8)}"
-        chain = self.build(self.probe_command(marker), workspace, limits, network=network,
-                           uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe",
-                           workspace_fd=workspace_fd, gid=gid, read_only=read_only,
-                           ro_fds=ro_fds)
-        code, out, err, outside, cgroups = await run_probe(chain.argv, chain.env,
-                                                           chain.pass_fds, marker)
+        command = (probe_in_image(self.python, marker) if image is not None
+                   else self.probe_command(marker))
+        layer = (await self.image_layer(image, limits, uid, gid, probe=True)
+                 if image is not None else None)
+        try:
+            chain = self.build(command, workspace, limits, network=network,
+                               uid=uid, tmpdir=tmpdir, workdir=workdir, call_id="corral-probe",
+                               workspace_fd=workspace_fd, gid=gid, read_only=read_only,
+                               ro_fds=ro_fds, image=image, layer=layer, probe=image is not None)
+            code, out, err, outside, cgroups = await run_probe(chain.argv, chain.env,
+                                                               chain.pass_fds, marker)
+        finally:
+            if layer is not None:
+                await asyncio.to_thread(layer.close)
         cg = self.cgroup
         joined = cg is not None and cg.applied and bool(cg.dirs)
         expect = Expect(self.tier, uid, self.user.gid if gid is None else gid, limits, network,
@@ -314,7 +430,8 @@ class Profile:
 
     def isolation(self, limits: ToolLimits, *, network: bool, uid: int,
                   shape: Shape | None = None, read_only: bool = False,
-                  git_writable: bool = False, gid: int | None = None) -> IsolationRecord:
+                  git_writable: bool = False, gid: int | None = None,
+                  image: ImageRoot | None = None) -> IsolationRecord:
         """The record of a shell call as ``uid`` whose chain had ``shape``,
         derived from what the probe of that shape saw. Without a shape (a tool
         error before anything ran), the probed shape with the same grant.
@@ -329,12 +446,12 @@ class Profile:
         git_open = not read_only and (git_writable or not protects_git)
         if found is None or found.view is None:
             why = found.problems[0] if found is not None else "this chain was never probed"
-            return IsolationRecord(
+            return _with_image(image, IsolationRecord(
                 tier=self.tier, filesystem="unverified", network="host", pid_namespace=False,
                 seccomp=False, uid=uid, limits=ToolLimits(**limits),
                 degraded=[*degraded, f"isolation not verified: {why}"],
                 unsandboxed_opt_in=self.unsandboxed_opt_in, kernel=None,
-                sandbox_mode=mode, git_writable=git_open)
+                sandbox_mode=mode, git_writable=git_open))
         view, expect = found.view, found.expect
         # What the probe could write, not what was asked for: its chain started
         # in the workspace as this shape binds it (older probes did not say).
@@ -351,7 +468,10 @@ class Profile:
         no_ns = not view.seen_ns
         if self.tier in ("T2", "T2-"):
             fs_ok = write_denied and ("mnt" in sep or no_ns)
-            filesystem = "ro-system+rw-workspace+tmpfs" if fs_ok else "host"
+            # Over an image, the probe's refused write was in the image's "/".
+            shown = ("image-root+call-layer+rw-workspace+tmpfs" if image is not None
+                     else "ro-system+rw-workspace+tmpfs")
+            filesystem = shown if fs_ok else "host"
             closed = "net" in sep or (no_ns and view.interfaces == ["lo"])
         elif self.tier == "T1":
             filesystem = "landlock:ro-host+rw-workspace" if write_denied else "host"
@@ -368,7 +488,7 @@ class Profile:
         if no_ns and self.tier != "T0":
             notes.append("namespaces not verified: neither the probe nor the host could read "
                          "them")
-        return IsolationRecord(
+        return _with_image(image, IsolationRecord(
             tier=self.tier, filesystem=filesystem, network=net,  # type: ignore[typeddict-item]
             pid_namespace="pid" in sep, seccomp=view.seccomp_in_force,
             uid=uid if set(view.uids) == {expect.uid} else view.uids[1],
@@ -376,18 +496,26 @@ class Profile:
             unsandboxed_opt_in=self.unsandboxed_opt_in,
             kernel=kernel_facts(view, expect, self.host_ns, uid, gid),
             sandbox_mode=mode, git_writable=git_open,
-        )
+        ))
 
     def file_isolation(self, limits: ToolLimits, *, read_only: bool = False,
-                       git_writable: bool = False) -> IsolationRecord:
+                       git_writable: bool = False,
+                       image: ImageRoot | None = None) -> IsolationRecord:
         """The record of a file tool: worker-side, confined by openat2, with the
         file tools' fsuid (the sandbox user's uid, outside the per-call range);
         they refuse writes in read-only mode and under ``.git`` unless opted in."""
-        return IsolationRecord(
+        return _with_image(image, IsolationRecord(
             tier=self.tier, filesystem="workspace-openat2", network="none",
             pid_namespace=False, seccomp=False, uid=self.user.uid,
             limits=ToolLimits(**limits), degraded=self.degraded(shell=False),
             unsandboxed_opt_in=self.unsandboxed_opt_in, kernel=None,
             sandbox_mode="read-only" if read_only else "workspace-write",
             git_writable=git_writable and not read_only,
-        )
+        ))
+
+
+def _with_image(image: ImageRoot | None, record: IsolationRecord) -> IsolationRecord:
+    """``record`` naming the image root the call ran over (as verified on disk)."""
+    if image is not None:
+        record["image"] = image.record()
+    return record

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import os
+import posixpath
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -63,11 +64,13 @@ from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.detect import Detection, detect
 from sandbox_worker.sandbox.errors import (
     BadArguments,
+    OutsideWorkspace,
     SandboxError,
     TierUnavailable,
     ToolError,
     WorkspaceUnusable,
 )
+from sandbox_worker.sandbox.images import ImageRoot, ImageRoots
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, GIB, merge_limits
 from sandbox_worker.sandbox.process import StreamName
 from sandbox_worker.sandbox.profile import TIERS, Profile, tier_at_least
@@ -131,6 +134,9 @@ class ToolServiceConfig:
     write_limit_bytes: int = 10 * 1024 * 1024
     tmp_root: str = "/var/tmp"
     file_threads: int = 2
+    images: str | None = None  # the image store this worker reads (docs/images.md)
+    image_source: str | None = None  # a shared store to fetch images it lacks from
+    image_roots: bool = True  # False: this worker runs no calls over images
 
 
 class ToolService:
@@ -149,6 +155,7 @@ class ToolService:
         self.pool: UidPool | None = None
         self._flimits = files.FileLimits(config.read_limit_bytes, config.write_limit_bytes)
         self.mcp = McpHost(self)  # the MCP servers this worker holds (mcphost.py)
+        self.images = ImageRoots(config.images, config.image_source, config.image_roots)
 
     # -- life cycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -199,6 +206,10 @@ class ToolService:
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)
+        if tier in ("T2", "T2-"):
+            await self.images.setup()
+        else:
+            self.images.reason = f"images need tier T2 or T2-; this worker runs at {tier}"
         self.fs = SandboxFS(user.uid, user.gid, cfg.file_threads)
         fsuid, _ = await asyncio.to_thread(self.fs.whoami)
         if fsuid != user.uid:
@@ -245,6 +256,7 @@ class ToolService:
                 async with asyncio.timeout(self.config.grace_s + 5):
                     await asyncio.gather(*calls, return_exceptions=True)
         await self.mcp.aclose()
+        await self.images.aclose()
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None
@@ -286,6 +298,7 @@ class ToolService:
             "unsandboxed_opt_in": bool(p and p.unsandboxed_opt_in),
             "tools": [s["name"] for s in SCHEMAS],
             "mcp": self.mcp.info(),
+            "images": self.images.info(),
         }
 
     # -- the handler --------------------------------------------------------
@@ -314,6 +327,7 @@ class ToolService:
         network = False
         read_only = git_writable = False
         pinned: Pinned | None = None
+        image: ImageRoot | None = None
         try:
             given: Any = req.get("policy") or {}  # its meaning is checked here: a tool error
             if not isinstance(given, dict):
@@ -324,7 +338,19 @@ class ToolService:
             self._check_policy(profile, policy)
             read_only, git_writable = self._mode_of(policy)
             command_tool = req.get("command_tool")
+            digest = policy.get("image")
+            if digest is not None:
+                # Verified on disk for every call; never the host's root instead.
+                image = await asyncio.to_thread(self.images.open, digest)
             if req.get("mcp") is not None:
+                mcp_call: Any = req.get("mcp")
+                mcp_spec = mcp_call.get("spec") if isinstance(mcp_call, dict) else None
+                if policy.get("image") is not None and isinstance(mcp_spec, dict) \
+                        and "command" in mcp_spec:
+                    # Its server would run over the host's root: refused, not run there.
+                    raise ToolError("MCP stdio servers do not run in an image session yet "
+                                    "(docs/images.md); use a command tool, or a session "
+                                    "without --image", kind="image_unsupported")
                 return await self.mcp.handle(ctx, cast("dict[str, Any]", req), profile, limits,
                                              network, start,
                                              read_only=read_only, git_writable=git_writable)
@@ -333,6 +359,8 @@ class ToolService:
                 args = {"command": argv}
             else:
                 args = validate(tool, req["arguments"])
+            if image is not None and not (tool == "shell" or command_tool is not None):
+                args = image_view(args, image, tool)
             if tool in ("write_file", "edit_file"):
                 self._check_writable(args, read_only, git_writable)
             pins = self.pins
@@ -347,12 +375,15 @@ class ToolService:
             if tool == "shell" or command_tool is not None:
                 return await self._shell(ctx, req, profile, args, pinned, limits, network,
                                          start, read_only=read_only, git_writable=git_writable,
-                                         stdin=stdin if command_tool is not None else None)
+                                         stdin=stdin if command_tool is not None else None,
+                                         image=image)
             return await self._file_tool(call_id, tool, profile, args, pinned, limits,
-                                         start, read_only=read_only, git_writable=git_writable)
+                                         start, read_only=read_only, git_writable=git_writable,
+                                         image=image)
         except ToolError as exc:
             return self._error(call_id, tool, exc.kind, str(exc), profile, limits, network,
-                               start, read_only, git_writable, process=runs_process)
+                               start, read_only, git_writable, process=runs_process,
+                               image=image)
         except WorkspaceUnusable as exc:
             return self._error(call_id, tool, "workspace_unusable", str(exc), profile,
                                limits, network, start, read_only, git_writable,
@@ -371,6 +402,8 @@ class ToolService:
                                profile, limits, network, start, read_only, git_writable,
                                process=runs_process)
         finally:
+            if image is not None:
+                image.close()
             if pinned is not None and self.pins is not None:
                 # Idempotent (a shell call released before its uid went back).
                 await asyncio.shield(self.pins.release(pinned))
@@ -433,7 +466,8 @@ class ToolService:
     async def _shell(self, ctx: RequestContext, req: ToolCallRequest, profile: Profile,
                      args: dict[str, Any], pinned: Pinned, limits: ToolLimits, network: bool,
                      start: float, *, read_only: bool, git_writable: bool,
-                     stdin: bytes | None = None) -> ToolCallResult:
+                     stdin: bytes | None = None, image: ImageRoot | None = None
+                     ) -> ToolCallResult:
         async def on_chunk(stream: StreamName, data: bytes) -> None:
             await ctx.send_partial(pack(ToolOutputChunk(stream=stream, data=data)))
 
@@ -446,7 +480,7 @@ class ToolService:
                 profile, args, pinned.path, limits, network=network, uid=lease.uid,
                 call_id=req["call_id"], remaining_s=ctx.budget_s(), on_chunk=on_chunk,
                 grace_s=self.config.grace_s, workspace_fd=pinned.fd, gid=pinned.gid,
-                read_only=read_only, ro_fds=tuple(pinned.git_fds), stdin=stdin)
+                read_only=read_only, ro_fds=tuple(pinned.git_fds), stdin=stdin, image=image)
         finally:
             # run_shell returns (or raises) only once the call's tree is gone: what
             # it left is given to the workspace's owner (and the grant revoked when
@@ -478,20 +512,23 @@ class ToolService:
             truncated=o.truncated or cut,
             isolation=profile.isolation(applied, network=network, uid=lease.uid,
                                         shape=run.shape, read_only=read_only,
-                                        git_writable=git_writable, gid=pinned.gid))
+                                        git_writable=git_writable, gid=pinned.gid,
+                                        image=image))
         if kind is not None:
             result["error_kind"] = kind
         return result
 
     async def _file_tool(self, call_id: str, tool: str, profile: Profile, args: dict[str, Any],
                          pinned: Pinned, limits: ToolLimits, start: float, *, read_only: bool,
-                         git_writable: bool) -> ToolCallResult:
+                         git_writable: bool, image: ImageRoot | None = None) -> ToolCallResult:
         fs = self.fs
         if fs is None:
             raise HandlerError(FailureKind.INTERNAL, "tool service closed", retryable=True)
         fsize = int(limits["file_size_bytes"])
         fn: Any
         workspace = pinned.fd
+        if args.get(IN_IMAGE) and image is not None:
+            workspace = image.fd  # a read outside the workspace, in the image as imported
         if tool == "read_file":
             fn = functools.partial(files.read_file, workspace, args, self._flimits)
         elif tool == "write_file":
@@ -516,23 +553,48 @@ class ToolService:
             exit_code=None, signal=None, duration_s=time.monotonic() - start,
             stdout_bytes=size, stderr_bytes=0, truncated=res.truncated,
             isolation=profile.file_isolation(limits, read_only=read_only,
-                                             git_writable=git_writable))
+                                             git_writable=git_writable, image=image))
 
     def _error(self, call_id: str, tool: str, kind: str, message: str, profile: Profile,
                limits: ToolLimits, network: bool, start: float, read_only: bool = False,
-               git_writable: bool = False, *, process: bool = False) -> ToolCallResult:
+               git_writable: bool = False, *, process: bool = False,
+               image: ImageRoot | None = None) -> ToolCallResult:
         # No process ran for a tool error: the record names the sandbox user's uid.
         git = git_writable
         isolation: IsolationRecord = (
             profile.isolation(limits, network=network, uid=profile.user.uid,
-                              read_only=read_only, git_writable=git)
-            if process or tool == "shell" else profile.file_isolation(limits, read_only=read_only,
-                                                            git_writable=git))
+                              read_only=read_only, git_writable=git, image=image)
+            if process or tool == "shell" else profile.file_isolation(
+                limits, read_only=read_only, git_writable=git, image=image))
         return ToolCallResult(
             call_id=call_id, tool=tool, outcome="error", is_error=True, output=message,
             exit_code=None, signal=None, duration_s=time.monotonic() - start,
             stdout_bytes=0, stderr_bytes=0, truncated=False, isolation=isolation,
             error_kind=kind)
+
+
+IN_IMAGE = "\0in_image"  # an args key no JSON schema lets through: set here only
+
+
+def image_view(args: dict[str, Any], image: ImageRoot, tool: str) -> dict[str, Any]:
+    """A file tool's arguments in the view the shell has of an image session:
+    a relative path is in the workspace (the shell starts there); an absolute
+    one under the image's WorkingDir is that path of the workspace; any other
+    absolute path is in the image's root, which file tools may read (as
+    imported: a shell call's writable layer is its own) but never change."""
+    args = {k: v for k, v in args.items() if k != IN_IMAGE}
+    path = args.get("path")
+    if not isinstance(path, str) or not path.startswith("/"):
+        return args
+    norm = posixpath.normpath(path)
+    base = image.workdir
+    if norm == base or norm.startswith(base + "/"):
+        return {**args, "path": norm[len(base) + 1:] or "."}
+    if tool in ("write_file", "edit_file"):
+        raise OutsideWorkspace(f"{path!r} is outside the workspace ({base}); the image's root "
+                               "is read-only to file tools, and what a shell call changes "
+                               "there lives only for that call (docs/images.md)")
+    return {**args, "path": norm.lstrip("/") or ".", IN_IMAGE: True}
 
 
 _RESULT_CUT = ("\n[... result cut to fit the stored result: {shown} of {total} bytes "
@@ -590,6 +652,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="SIGTERM-to-SIGKILL grace when a call is cancelled or times out")
     g.add_argument("--no-worker-cgroup", action="store_true",
                    help="do not create the per-worker memory/pids cgroup")
+    g.add_argument("--images", default=None, metavar="DIR",
+                   help="the image store this worker runs image sessions from (the farm's "
+                   "HOME/images, or a local copy); none: no image sessions here")
+    g.add_argument("--image-source", default=None, metavar="DIR",
+                   help="a farm's image store on shared storage: an image missing from "
+                   "--images is copied from here and verified before its first call")
+    g.add_argument("--no-images", action="store_true",
+                   help="run no tool calls over images on this worker (they go elsewhere)")
     g.add_argument("--cgroup-memory-bytes", type=int, default=8 * GIB)
     g.add_argument("--cgroup-pids", type=int, default=2048)
 
@@ -614,7 +684,8 @@ def config_from_args(ns: argparse.Namespace) -> ToolServiceConfig:
         cgroup_memory_bytes=ns.cgroup_memory_bytes, cgroup_pids=ns.cgroup_pids,
         uid_range_start=uid_start, uid_range_count=uid_count,
         uid_lock_dir=ns.sandbox_uid_lock_dir, gid_range_start=gid_start,
-        gid_range_count=gid_count, group_dir=ns.workspace_group_dir)
+        gid_range_count=gid_count, group_dir=ns.workspace_group_dir,
+        images=ns.images, image_source=ns.image_source, image_roots=not ns.no_images)
 
 
 __all__ = ["SandboxUser", "ToolService", "ToolServiceConfig", "add_arguments",

@@ -1,6 +1,7 @@
 """The ``shell`` tool: one sandboxed command, streamed, bounded, timed.
 
-A string command runs as ``/bin/bash -c COMMAND``; a list runs as that argv.
+A string command runs as ``/bin/bash -c COMMAND`` (over an image without
+``/bin/bash``, ``/bin/sh -c COMMAND``); a list runs as that argv.
 The command runs through the worker's ``Profile`` chain (see
 ``sandbox/profile.py``) in the workspace (or ``workdir`` beneath it) and
 ``sandbox/process.py`` streams and bounds it.
@@ -29,6 +30,8 @@ from typing import Any
 from sandbox_worker import tracing
 from sandbox_worker.api import TOOL_OUTPUT_BYTES, ToolLimits, fit_text, json_size
 from sandbox_worker.sandbox.errors import BadArguments, ToolError
+from sandbox_worker.sandbox.images import ImageRoot
+from sandbox_worker.sandbox.overlay import Layer
 from sandbox_worker.sandbox.process import OnChunk, RunOutcome, RunSpec, run
 from sandbox_worker.sandbox.profile import Profile, Shape
 from sandbox_worker.tools.fsops import check_relative
@@ -66,19 +69,53 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
                     remaining_s: float, on_chunk: OnChunk | None, grace_s: float,
                     workspace_fd: int | None = None, gid: int | None = None,
                     read_only: bool = False, ro_fds: tuple[tuple[int, str], ...] = (),
-                    stdin: bytes | None = None) -> ShellRun:
+                    stdin: bytes | None = None, image: ImageRoot | None = None) -> ShellRun:
     """Run one shell call as ``uid`` (the call's own, leased by the caller) and
     ``gid`` (its workspace's group), in the workspace pinned as ``workspace_fd``."""
     argv = command_argv(args["command"])
+    if image is not None and isinstance(args["command"], str):
+        argv[0] = image.shell  # an image need not have bash
     workdir = check_relative(args.get("workdir", "."))
     wall = effective_wall_s(args, limits, remaining_s)
     tmpdir: str | None = None
     launch = tracing.start("sandbox.launch", tier=str(profile.tier))
     if profile.tier in ("T1", "T0"):
         tmpdir = await asyncio.to_thread(_make_tmp, profile, uid)
+    layer: Layer | None = None
+    try:
+        if image is not None:  # the call's writable layer over the image (overlay.py)
+            layer = await profile.image_layer(image, limits, uid, gid)
+        return await _run_chain(profile, argv, workspace, limits, network=network, uid=uid,
+                                tmpdir=tmpdir, call_id=call_id, workdir=workdir,
+                                workspace_fd=workspace_fd, gid=gid, read_only=read_only,
+                                ro_fds=ro_fds, image=image, layer=layer, wall=wall,
+                                launch=launch, on_chunk=on_chunk, grace_s=grace_s,
+                                stdin=stdin)
+    except OSError as exc:
+        if layer is None and image is not None:
+            tracing.end(launch, failed=True)
+            raise ToolError(f"the image's root could not be mounted for this call: {exc}",
+                            kind="sandbox_unavailable") from None
+        raise
+    finally:
+        if layer is not None:
+            # run() returned only once the call's tree is gone.
+            await asyncio.to_thread(layer.close)
+        if tmpdir is not None:
+            await asyncio.to_thread(shutil.rmtree, tmpdir, True)
+
+
+async def _run_chain(profile: Profile, argv: list[str], workspace: str, limits: ToolLimits, *,
+                     network: bool, uid: int, tmpdir: str | None, call_id: str, workdir: str,
+                     workspace_fd: int | None, gid: int | None, read_only: bool,
+                     ro_fds: tuple[tuple[int, str], ...], image: ImageRoot | None,
+                     layer: Layer | None, wall: float, launch: Any,
+                     on_chunk: OnChunk | None, grace_s: float, stdin: bytes | None,
+                     ) -> ShellRun:
     chain = profile.build(argv, workspace, limits, network=network, uid=uid, tmpdir=tmpdir,
                           call_id=call_id, workdir=workdir, workspace_fd=workspace_fd,
-                          gid=gid, read_only=read_only, ro_fds=ro_fds)
+                          gid=gid, read_only=read_only, ro_fds=ro_fds, image=image,
+                          layer=layer)
     verified = profile.verified.get(chain.shape)
     try:
         if verified is None:
@@ -86,7 +123,8 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
             # the kernel must show its layers before a tool runs under it.
             shape, verified = await profile.verify_chain(
                 workspace, network=network, uid=uid, tmpdir=tmpdir, workdir=workdir,
-                workspace_fd=workspace_fd, gid=gid, read_only=read_only, ro_fds=ro_fds)
+                workspace_fd=workspace_fd, gid=gid, read_only=read_only, ro_fds=ro_fds,
+                image=image)
             if shape != chain.shape:
                 raise ToolError("this call's sandbox chain differs from the one probed for it",
                                 kind="sandbox_unavailable")
@@ -97,23 +135,17 @@ async def run_shell(profile: Profile, args: dict[str, Any], workspace: str,
         tracing.end(launch, failed=True)
         for fd in chain.pass_fds:
             os.close(fd)
-        if tmpdir is not None:
-            await asyncio.to_thread(shutil.rmtree, tmpdir, True)
         raise
     tracing.end(launch)
     spec = RunSpec(argv=chain.argv, env=chain.env, wall_s=wall,
                    output_bytes=int(limits["output_bytes"]), pass_fds=chain.pass_fds,
                    grace_s=grace_s, uid=uid, stdin=stdin)
     try:
-        try:
-            with tracing.span("tool.run", tier=str(profile.tier)):
-                outcome = await run(spec, on_chunk)
-        finally:
-            for fd in chain.pass_fds:
-                os.close(fd)
+        with tracing.span("tool.run", tier=str(profile.tier)):
+            outcome = await run(spec, on_chunk)
     finally:
-        if tmpdir is not None:
-            await asyncio.to_thread(shutil.rmtree, tmpdir, True)
+        for fd in chain.pass_fds:
+            os.close(fd)
     return ShellRun(outcome, wall, chain.shape)
 
 

@@ -84,6 +84,10 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--allow-git-write", action="store_true",
                    help="a new session's tools may write .git in the workspace (its config "
                    "and hooks run on the host; read-only by default); recorded")
+    p.add_argument("--image", default=None, metavar="REF",
+                   help="a new session's tools run over this image's root (NAME[:TAG], "
+                   "sha256:HEX or NAME@sha256:HEX; import it first with 'corral image "
+                   "import'); resolved to its digest now, refused now if missing")
     p.add_argument("--workers", type=workers_arg, default=None,
                    help="workers of a temporary farm (default 2)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
@@ -259,6 +263,8 @@ def session_spec(ns: Namespace, model: str | None,
         spec["sandbox_mode"] = ns.sandbox
     if getattr(ns, "allow_git_write", False):
         spec["git_writable"] = True
+    if getattr(ns, "image", None):
+        spec["image"] = ns.image
     return spec
 
 

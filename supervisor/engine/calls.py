@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from broker.errors import BrokerError, RequestFailed
 from broker.protocol import Failure, FailureKind, ProtocolError, pack, unpack
 from sandbox_worker.api import (
+    IMAGE_DIGEST_RE,
     SERVICE_MODEL,
     SERVICE_TOOL,
     MalformedResult,
@@ -37,6 +38,7 @@ from sandbox_worker.api import (
     ToolCallResult,
     decode_model_result,
     decode_tool_result,
+    image_service,
 )
 from supervisor.engine.errors import CallFailed
 from supervisor.engine.routers import find_router
@@ -185,14 +187,41 @@ async def call_tool(
     and an MCP call sent to the worker that holds its server. A name another
     router takes (client tools: ``engine/routers.py``) runs there instead of
     through the broker."""
-    send = tool_sender(broker, budget_s=budget_s, attempt=attempt, on_partial=on_partial,
-                       cancel_grace_s=cancel_grace_s)
+    send = image_routed(tool_sender(broker, budget_s=budget_s, attempt=attempt,
+                                    on_partial=on_partial, cancel_grace_s=cancel_grace_s),
+                        request)
     if "command_tool" in request or "mcp" in request:
         return await router_for(broker).call(send, request)
     router = await find_router(request)
     if router is not None:
         return await router.call(request, budget_s=budget_s, on_partial=on_partial)
     return await send(SERVICE_TOOL, dict(request))
+
+
+def image_routed(send: Callable[[str, dict[str, Any]], Awaitable[ToolCallResult]],
+                 request: ToolCallRequest,
+                 ) -> Callable[[str, dict[str, Any]], Awaitable[ToolCallResult]]:
+    """``send`` for a session in an image (docs/images.md): what would go to
+    ``tool`` goes first to ``tool@img-HEX``, served by the workers that hold the
+    image; the broker fails that at once with ``unroutable`` (never queued, never
+    dispatched) when none does, and the call then goes to ``tool``, whose worker
+    fetches the image or fails the call with a typed error. Pinned services
+    (MCP affinity) are left alone."""
+    digest = (request.get("policy") or {}).get("image")
+    if not isinstance(digest, str) or not IMAGE_DIGEST_RE.fullmatch(digest):
+        return send
+
+    async def routed(service: str, payload: dict[str, Any]) -> ToolCallResult:
+        if service != SERVICE_TOOL:
+            return await send(service, payload)
+        try:
+            return await send(image_service(digest), payload)
+        except CallFailed as f:
+            if f.kind != FailureKind.UNROUTABLE:
+                raise
+        return await send(SERVICE_TOOL, payload)
+
+    return routed
 
 
 async def _send_cancel(call: Any, grace_s: float) -> None:

@@ -462,6 +462,7 @@ class Session:
             "status": "closed" if self.closed else ("busy" if self.driver else "idle"),
             "route": self.route_name,
             "workspace": self.spec.workspace,
+            "image": self.spec.tool_policy.get("image"),  # its digest (docs/images.md)
             "parent_session_id": self.record.parent_session_id,
             "active_turn": st.active_turn,
             "pending_approval": st.pending_approval,

@@ -194,7 +194,8 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
         cfg.workers if cfg.workers is not None else default_workers())
     for i in range(1, n + 1):
         argv = [py, "-m", "sandbox_worker", *backends, *hb,
-                "--tier-min", cfg.tier_min, "--log-level", log_level]
+                "--tier-min", cfg.tier_min, "--log-level", log_level,
+                "--images", str(paths.home / "images")]
         if cfg.allow_unsandboxed:
             argv.append("--allow-unsandboxed")
         specs.append(ChildSpec(f"worker-{i}", argv, shutdown_timeout_s=8.0, stage=1,

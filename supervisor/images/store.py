@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from sandbox_worker.api import rootfs_digest
 from supervisor.images.errors import (
     DigestMismatch,
     ImageError,
@@ -191,13 +192,16 @@ class ImageStore:
                     self._apply_layer(applier, layer)
                 applier.finish()
                 os.fchmod(root_fd, 0o755)
+                # What a worker checks before it binds this root (docs/images.md).
+                tree = rootfs_digest(root_fd)
             finally:
                 os.close(root_fd)
             (tmp / "manifest.json").write_bytes(image.manifest)
             (tmp / "config.json").write_bytes(image.config)
             meta = {"digest": image.digest, "size_bytes": applier.total_bytes,
                     "layers": len(image.layers), "entries": applier.total_entries,
-                    "source": image.kind, "imported_at": time.time()}
+                    "source": image.kind, "imported_at": time.time(),
+                    "rootfs_sha256": tree}
             (tmp / "image.json").write_text(json.dumps(meta, sort_keys=True) + "\n")
             with self._locked():
                 try:

@@ -14,6 +14,8 @@ base_url                   ``--base-url``                     route_spec
 approval                   ``--approval`` (or a policy map)   approval
 sandbox                    ``--sandbox``                      sandbox_mode
 allow_git_write            ``--allow-git-write``              git_writable
+image                      ``--image`` (NAME[:TAG],           image
+                           sha256:HEX, NAME@sha256:HEX)
 instructions, command_hooks, tool_policy, compaction_threshold_tokens, stream,
 session_id, child_route, parent_session_id: the spec keys of the same names
 (``command_hooks`` is ``hooks``: command hooks run in the sandbox)
@@ -46,6 +48,7 @@ class SessionOptions:
     approval: Approval | None = None
     sandbox: Literal["read-only", "workspace-write"] | None = None
     allow_git_write: bool = False
+    image: str | None = None  # tools run over this image's root (docs/images.md)
     instructions: str | None = None
     command_hooks: Sequence[Mapping[str, Any]] | None = None
     tool_policy: Mapping[str, Any] | None = None
@@ -68,7 +71,7 @@ class SessionOptions:
                 spec["route_spec"] = dict(route)
             else:
                 spec["route"] = self.model
-        simple = {"approval": self.approval, "sandbox_mode": self.sandbox,
+        simple = {"approval": self.approval, "sandbox_mode": self.sandbox, "image": self.image,
                   "instructions": self.instructions, "tool_policy": self.tool_policy,
                   "compaction_threshold_tokens": self.compaction_threshold_tokens,
                   "stream": self.stream, "session_id": self.session_id,

@@ -1,0 +1,102 @@
+"""The worker's image pieces alone (no process): where the workspace goes, which
+of an image's variables a call gets, how file-tool paths map onto the shell's
+view, and that an image chain's shape leaves out per-call values and the
+probe's additions (so one probe stands for every call over that image)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sandbox_worker.api import ToolLimits
+from sandbox_worker.sandbox.errors import OutsideWorkspace
+from sandbox_worker.sandbox.images import (
+    DEFAULT_WORKDIR,
+    ImageRoot,
+    clean_workdir,
+    image_env,
+    plain_path,
+)
+from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
+from sandbox_worker.sandbox.overlay import Layer
+from sandbox_worker.sandbox.profile import PROBE_USR, Profile
+from sandbox_worker.sandbox.user import SandboxUser
+from sandbox_worker.tools.service import IN_IMAGE, image_view
+
+
+@pytest.mark.parametrize(("given", "used"), [
+    ("/app", "/app"), ("/srv/app/", "/srv/app"), ("/a/../b", "/b"), ("", DEFAULT_WORKDIR),
+    ("relative", DEFAULT_WORKDIR), ("/", DEFAULT_WORKDIR), ("/proc/x", DEFAULT_WORKDIR),
+    ("/tmp", DEFAULT_WORKDIR), ("/dev/shm", DEFAULT_WORKDIR), ("/run/corral", DEFAULT_WORKDIR),
+    (None, DEFAULT_WORKDIR), ("/" + "a" * 2000, DEFAULT_WORKDIR)])
+def test_the_workspace_goes_to_a_clean_working_dir(given: object, used: str) -> None:
+    assert clean_workdir(given) == used
+
+
+def test_an_image_cannot_replace_the_chains_own_variables() -> None:
+    env = image_env({"Env": ["PATH=/opt/bin:/bin", "CORRAL_CALL_ID=forged", "A=1=2",
+                             "GIT_CONFIG_COUNT=9", "TMPDIR=/x", "NOEQUALS", 7, "=empty"]})
+    assert env == {"PATH": "/opt/bin:/bin", "A": "1=2"}
+
+
+def test_mount_points_through_symlinks_are_seen(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "file").write_text("")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert plain_path(fd, "/real/new/deeper")
+        assert plain_path(fd, "/missing")
+        assert not plain_path(fd, "/link/x")
+        assert not plain_path(fd, "/file/x")
+    finally:
+        os.close(fd)
+
+
+def _root(fd: int = -1) -> ImageRoot:
+    return ImageRoot(digest="sha256:" + "a" * 64, rootfs_sha256="sha256:" + "b" * 64,
+                     rootfs="/store/rootfs", identity="1:2", fd=fd, workdir="/app", env={},
+                     user="", home="")
+
+
+def test_file_tool_paths_follow_the_shells_view() -> None:
+    root = _root()
+    assert image_view({"path": "/app/src/x.py"}, root, "read_file") == {"path": "src/x.py"}
+    assert image_view({"path": "/app"}, root, "list_dir") == {"path": "."}
+    assert image_view({"path": "src/x.py"}, root, "write_file") == {"path": "src/x.py"}
+    assert image_view({"path": "/etc/os-release"}, root, "read_file") == {
+        "path": "etc/os-release", IN_IMAGE: True}
+    assert image_view({"path": "/application"}, root, "read_file")[IN_IMAGE] is True
+    with pytest.raises(OutsideWorkspace):
+        image_view({"path": "/etc/passwd", "content": ""}, root, "write_file")
+    # A model cannot ask for the image root itself.
+    assert image_view({"path": "x", IN_IMAGE: True}, root, "read_file") == {"path": "x"}
+
+
+def test_an_image_chains_shape_leaves_out_per_call_values_and_the_probe(tmp_path: Path) -> None:
+    profile = Profile("T2", SandboxUser("corral-sandbox", 999, 995), None, None)
+    limits = ToolLimits(**DEFAULT_LIMITS)  # type: ignore[typeddict-item]
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        chains = [profile.build(["true"], str(tmp_path), limits, network=False, uid=uid,
+                                call_id=cid, image=_root(fd), probe=probe, gid=3000,
+                                layer=Layer(f"/run/corral/overlay/1/{cid}"))
+                  for uid, cid, probe in ((200001, "c1", False), (200002, "c2", False),
+                                          (200003, "probe", True))]
+        for chain in chains:
+            for passed in chain.pass_fds:
+                os.close(passed)
+    finally:
+        os.close(fd)
+    assert chains[0].shape == chains[1].shape == chains[2].shape
+    assert PROBE_USR in chains[2].argv
+    assert PROBE_USR not in chains[0].argv
+    argv = chains[0].argv
+    assert argv.index("setpriv") < argv.index("bwrap")
+    assert "/usr" not in argv  # nothing of the host is bound
+    assert argv[argv.index("--bind") + 1:argv.index("--bind") + 3] == [
+        "/run/corral/overlay/1/c1/m", "/"]
+    assert "--remount-ro" in argv
+    assert argv[argv.index("--remount-ro") + 1] == "/dev"
