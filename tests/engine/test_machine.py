@@ -41,12 +41,17 @@ from supervisor.engine.machine import (
     Compact,
     CompactionDone,
     CompactionDue,
+    Decide,
+    Decided,
+    Done,
+    Finish,
     Interrupt,
     Limits,
     ModelFailed,
     ModelReplied,
     Prepared,
     Publish,
+    Rejected,
     RunHook,
     StopDone,
     ToolFailed,
@@ -55,6 +60,7 @@ from supervisor.engine.machine import (
     TurnState,
     TurnTimedOut,
     Verdict,
+    Wait,
     resume,
     start,
     step,
@@ -64,11 +70,12 @@ from supervisor.engine.phases import CallState, TurnPhase
 LIMITS = Limits(max_model_steps=8, max_turn_s=500.0, model_attempts=3,
                 idempotent_tool_attempts=2, stop_continuations=1)
 LOST = Failure("worker_lost", "the worker was lost", True)
-ENDINGS = ("turn_complete", "turn_aborted")
 
-# mostly allowed calls, so that tools are often in flight when things go wrong
-verdicts = st.sampled_from([Verdict.ALLOW] * 4 + [Verdict.ASK, Verdict.DENY, Verdict.MISSING,
-                                                  Verdict.BAD])
+# pre_tool verdicts: mostly left to the policy (None: ``Decide``), which mostly allows,
+# so that tools are often in flight when things go wrong
+verdicts = st.sampled_from([None] * 4 + [Verdict.ALLOW, Verdict.DENY, Verdict.MISSING,
+                                         Verdict.BAD])
+policy = st.sampled_from([Verdict.ALLOW] * 3 + [Verdict.ASK, Verdict.DENY])
 calls_st = st.lists(st.tuples(verdicts, st.booleans()), max_size=3)
 rarely = st.integers(0, 5)  # a rule that ends the turn runs when this draws 0
 
@@ -90,6 +97,8 @@ class TurnMachine(RuleBasedStateMachine):
         self.tools_out: set[str] = set()  # tool calls in flight
         self.hook: str | None = None  # the hook the driver is running
         self.asking: str | None = None  # the approval id shown to the user
+        self.deciding: tuple[str, ...] = ()  # calls the policy is deciding
+        self.waits = 0
         self.next_call = 0
         self.feed(Begin())
 
@@ -101,8 +110,7 @@ class TurnMachine(RuleBasedStateMachine):
                 self.durable = a.state
                 self.committed.extend(a.events)
                 self.last_commit_events = a.events
-                self.endings += sum(1 for name, _ in a.events if name in ENDINGS)
-                assert self.endings <= 1, "the turn ended twice"
+                assert not self.endings, "a commit after the end"
                 for name, payload in a.events:
                     if name == "tool_call_end":
                         self.tools_out.discard(payload["call_id"])
@@ -125,8 +133,24 @@ class TurnMachine(RuleBasedStateMachine):
                 self.tools_out.add(a.call_id)
             elif isinstance(a, AskApproval):
                 self.asking = a.approval_id
+            elif isinstance(a, Decide):
+                assert self.durable is not None
+                for cid in a.call_ids:  # decided only once their requests are durable
+                    c = self.durable.call(cid)
+                    assert c is not None, "decided before its commit"
+                    assert c.verdict is None, "decided twice"
+                self.deciding = a.call_ids
             elif isinstance(a, RunHook):
-                self.hook = a.hook if a.hook != "turn_end" else None
+                self.hook = a.hook
+            elif isinstance(a, Wait):
+                self.waits += 1
+            elif isinstance(a, Finish):
+                self.endings += 1
+                assert self.endings <= 1, "the turn ended twice"
+                assert self.state.ended
+                self.durable = self.state  # the ending's commit clears the turn
+                self.hook = self.asking = None
+                self.deciding = ()
             elif isinstance(a, Cancel):
                 self.model_out = self.model_out and not a.model
                 self.tools_out -= set(a.call_ids)
@@ -168,9 +192,24 @@ class TurnMachine(RuleBasedStateMachine):
             self.asked[cid] += 1
             self.idempotent[cid] = idempotent
             specs.append(CallSpec(cid, "read_file" if idempotent else "shell", {"n": 1},
-                                  verdict, None, idempotent))
+                                  verdict, None if verdict is None else "pre_tool",
+                                  idempotent))
         self.feed(ModelReplied(tuple(specs), text))
 
+    @precondition(lambda self: self.deciding)
+    @rule(data=st.data())
+    def policy_decides(self, data: st.DataObject) -> None:
+        ids, self.deciding = self.deciding, ()
+        verdicts_ = tuple((cid, data.draw(policy), "policy") for cid in ids)
+        self.feed(Decided(verdicts_, f"approval_{self.next_call}", "asked"))
+
+    @precondition(lambda self: self.hook is not None)
+    @rule(how=rarely)
+    def a_hook_stops_or_rejects(self, how: int) -> None:
+        if how == 0:
+            self.feed(Done("a hook stopped the turn"))
+        elif how == 1:
+            self.feed(Rejected("a hook rejected the turn"))
     @precondition(lambda self: self.model_out
                   and self.state.turn.phase is TurnPhase.MODEL_CALL)
     @rule(kind=st.sampled_from(["worker_lost", "timeout", "bad_request"]))
@@ -188,7 +227,7 @@ class TurnMachine(RuleBasedStateMachine):
     def tool_replies(self, data: st.DataObject, is_error: bool) -> None:
         cid = data.draw(st.sampled_from(sorted(self.tools_out)))
         self.tools_out.discard(cid)
-        self.feed(ToolReplied(cid, is_error, "error" if is_error else "ok"))
+        self.feed(ToolReplied(cid, is_error, "error" if is_error else "ok", "out"))
 
     @precondition(lambda self: self.tools_out)
     @rule(data=st.data())
@@ -254,7 +293,7 @@ class TurnMachine(RuleBasedStateMachine):
     @rule(again=st.booleans())
     def stop_hooks_ran(self, again: bool) -> None:
         self.hook = None
-        self.feed(StopDone(again))
+        self.feed(StopDone({"type": "message", "role": "developer"} if again else None))
 
     @rule(now=rarely)
     def user_interrupts(self, now: int) -> None:
@@ -282,6 +321,7 @@ class TurnMachine(RuleBasedStateMachine):
         approval = restored.approval
         # everything the dead process had in flight is gone with it
         self.model_out, self.tools_out, self.hook, self.asking = False, set(), None, None
+        self.deciding = ()
         for c in in_flight:
             if not c.idempotent or c.attempt >= LIMITS.idempotent_tool_attempts:
                 self.must_be_unknown.add(c.call_id)
@@ -297,6 +337,10 @@ class TurnMachine(RuleBasedStateMachine):
         if phase is TurnPhase.AWAITING_APPROVAL:
             assert approval is not None
             assert AskApproval(approval.approval_id, approval.call_ids) in actions
+        undecided = tuple(c.call_id for c in restored.calls
+                          if c.verdict is None and c.state is CallState.REQUESTED)
+        if phase is TurnPhase.TOOLS and undecided:
+            assert Decide(undecided) in actions
         redispatched = {a.call_id for a in actions if isinstance(a, CallTool)}
         for c in in_flight:
             if c.call_id in self.must_be_unknown:
