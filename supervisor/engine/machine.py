@@ -4,7 +4,11 @@ No I/O, no awaits, no clock of its own (``now`` is wall-clock seconds, given).
 The state is frozen records whose phase and call-state fields are the Enums of
 ``phases.py``, moved only through ``advance_phase`` / ``advance_call`` (an
 illegal move raises ``IllegalTransition``). Actions are data for a driver to
-perform, in order; results come back as events.
+perform, in order; results come back as events (``turn.Turn.feed``). The
+machine decides (the next phase, which calls run, are denied or asked, what
+a lost call becomes, a model retry, when and how the turn ends); events carry
+what the driver measured and the payloads it built (a model step's events and
+items, a tool's output after post_tool hooks), which ``Commit`` carries on.
 
 The state is the checkpoint: ``TurnState.to_checkpoint`` gives exactly the
 ``active_turn``, ``pending_tool_calls`` and ``pending_approval`` fields of
@@ -20,25 +24,27 @@ States (``TurnState.turn.phase``)::
              CompactionDue  | CompactionDone   |   +--------+
                          v  |                  | ModelReplied(calls)
                        COMPACTING              v
-                                    TOOLS <-> AWAITING_APPROVAL
+                         (Decide) TOOLS <-> AWAITING_APPROVAL (AskApproval)
                        (all calls ended: Export, next step: PREPARING)
     STOPPING -StopDone(continue)-> PREPARING;  STOPPING -StopDone-> COMPLETED
     COMPACTING -CompactionDone(failed; ``retries``: the model call's rule)-> COMPACTING
-    any live phase -Interrupt / TurnTimedOut / ModelFailed(final) / Abort-> ABORTED | FAILED
+    any live phase -Interrupt / TurnTimedOut / ModelFailed(final) / Abort / Rejected
+                   / Done-> ABORTED | FAILED | COMPLETED  (one ``Finish``)
 
 Tool call: ``requested -> dispatched -> started -> ok | failed | unknown``.
 
 Invariants (``tests/engine/test_machine.py`` checks each with a Hypothesis
 ``RuleBasedStateMachine``):
-- A turn ends exactly once: one ``Commit`` carries ``turn_complete`` or
-  ``turn_aborted``; after it every event is ignored (no action).
+- A turn ends exactly once: one ``Finish`` (which gives every call left open
+  an output); after it every event is ignored (no action).
 - No call is dispatched twice unless the model asked twice: a ``CallTool`` for a
   call id follows its ``Commit`` as ``dispatched``; a second one only for an
   idempotent tool after a lost worker (or a restart), up to
   ``Limits.idempotent_tool_attempts``.
 - A lost call (worker lost, or in flight across a restart) ends ``unknown``
   unless it is idempotent and attempts are left.
-- Every ``Publish`` follows the ``Commit`` of the same events.
+- Every ``Publish`` follows the ``Commit`` of the same events; a ``Decide``
+  follows the commit of the calls it decides.
 - ``resume(from_checkpoint(to_checkpoint(s)))`` restarts exactly the work that
   was in flight in ``s`` (the model step, the approval, the tool calls as
   above): nothing the machine knows lives outside the checkpoint.
@@ -390,9 +396,11 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """The turn fails for a reason the driver met (a hook, the usage observer)."""
+    """The turn fails for a reason the driver met (a hook, the usage observer);
+    ``message``: turn_aborted's, when it is not the failure's own."""
 
     failure: Failure
+    message: str = ""
 
 
 Event: TypeAlias = (Begin | Prepared | CompactionDue | CompactionDone | ModelReplied
@@ -621,8 +629,8 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
             return _end(s, Ending.INTERRUPTED, out, None, "interrupted by the user")
         case TurnTimedOut():
             return _end(s, Ending.FAILED, out, _time_limit(limits))
-        case Abort(failure):
-            return _end(s, Ending.FAILED, out, failure)
+        case Abort(failure, message):
+            return _end(s, Ending.FAILED, out, failure, message)
         case Rejected(message):
             return _end(s, Ending.REJECTED, out, None, message)
         case Done(warning):
@@ -916,12 +924,12 @@ def _answered(s: TurnState, approval_id: str, decision: str, limits: Limits, now
     if decision == "abort":
         return _end(s, Ending.REJECTED, out, None,
                     "the user aborted the turn at the approval request")
-    timeout = limits.approval_timeout_s
+    timeout = "" if limits.approval_timeout_s is None else f"{limits.approval_timeout_s:g}"
     if decision in ("approved", "approved_for_session"):
         verdict, reason = Verdict.ALLOW, f"{decision} by the user"
     elif decision == "timed_out":
         verdict, reason = Verdict.DENY, (
-            f"denied: the approval request was not answered within {timeout:g}s")
+            f"denied: the approval request was not answered within {timeout}s")
     else:
         verdict, reason = Verdict.DENY, "denied by the user"
     asked = set(s.approval.call_ids)
@@ -933,7 +941,7 @@ def _answered(s: TurnState, approval_id: str, decision: str, limits: Limits, now
     events: tuple[EventSpec, ...] = ()
     if decision == "timed_out":
         events = (("warning", ev.warning(
-            f"approval request {approval_id} was not answered within {timeout:g}s; "
+            f"approval request {approval_id} was not answered within {timeout}s; "
             "its calls were denied", approval_id=approval_id)),)
     out.commit(s, *events, approve=approve)
     return _run_decided(s, limits, now, out)

@@ -145,6 +145,10 @@ class TurnMachine(RuleBasedStateMachine):
             elif isinstance(a, Wait):
                 self.waits += 1
             elif isinstance(a, Finish):
+                # every call the round left open gets one output, so the context
+                # stays well-formed
+                open_ = {c.call_id for c in self.before.calls if not c.state.terminal}
+                assert {o["call_id"] for o in a.outputs} == open_, "an open call unclosed"
                 self.endings += 1
                 assert self.endings <= 1, "the turn ended twice"
                 assert self.state.ended
@@ -156,6 +160,7 @@ class TurnMachine(RuleBasedStateMachine):
                 self.tools_out -= set(a.call_ids)
 
     def feed(self, event: Any) -> None:
+        self.before = self.state
         self.state, actions = step(self.state, event, LIMITS, self.now)
         self.perform(actions)
 
@@ -325,6 +330,7 @@ class TurnMachine(RuleBasedStateMachine):
         for c in in_flight:
             if not c.idempotent or c.attempt >= LIMITS.idempotent_tool_attempts:
                 self.must_be_unknown.add(c.call_id)
+        self.before = restored
         self.state, actions = resume(restored, LIMITS, self.now)
         self.perform(actions)
         if self.state.ended:
@@ -360,6 +366,25 @@ class TurnMachine(RuleBasedStateMachine):
     def one_source_of_truth(self) -> None:
         if self.durable is not None:
             assert self.state == self.durable, "the state differs from its last commit"
+
+    @invariant()
+    def no_call_is_forgotten(self) -> None:
+        """A requested call is being decided, or asked, or waits while the others
+        are decided or asked; never decided and left."""
+        s = self.state
+        if s.ended:
+            return
+        asked = set(s.approval.call_ids) if s.approval is not None else set()
+        for c in s.calls:
+            if c.state is not CallState.REQUESTED:
+                continue
+            if c.verdict is None:
+                assert c.call_id in self.deciding, f"{c.call_id} is never decided"
+            elif c.verdict is Verdict.ASK:
+                assert c.call_id in asked, f"{c.call_id} is never asked"
+            else:
+                assert self.deciding or s.turn.phase is TurnPhase.AWAITING_APPROVAL, \
+                    f"{c.call_id} is left"
 
     @invariant()
     def ends_exactly_once(self) -> None:
@@ -405,3 +430,81 @@ def test_the_model_budget_is_what_is_left_of_the_turn() -> None:
     _, actions = step(s, Prepared(), LIMITS, 10.0)
     (call,) = [a for a in actions if isinstance(a, CallModel)]
     assert call.budget_s == LIMITS.model_call_budget_s
+
+
+def _to_model_call(limits: Limits = LIMITS) -> TurnState:
+    s = start("t", None, 0.0)
+    s, _ = step(s, Begin(), limits, 0.0)
+    s, _ = step(s, Prepared("main"), limits, 0.0)
+    return s
+
+
+def test_calls_are_decided_after_the_step_is_committed_and_asked_after_the_request() -> None:
+    from supervisor.engine.machine import ApprovalAnswered
+
+    s = _to_model_call()
+    s, actions = step(s, ModelReplied((CallSpec("a", "shell", {"cmd": "ls"}, None),
+                                       CallSpec("b", "nope", {}, Verdict.MISSING, "unknown")),
+                                      events=(("model_step_completed", {"step": 1}),),
+                                      items=({"type": "function_call", "call_id": "a"},)),
+                      LIMITS, 0.0)
+    assert [type(a) for a in actions] == [Commit, Publish, Decide]
+    step_commit = actions[0]
+    assert isinstance(step_commit, Commit)
+    assert step_commit.events == (("model_step_completed", {"step": 1}),)  # carried as given
+    assert step_commit.items == ({"type": "function_call", "call_id": "a"},)
+    assert step_commit.point == "model_reply"
+    assert actions[2] == Decide(("a",))
+    s, actions = step(s, Decided((("a", Verdict.ASK, "shell asks"),), "ap_1", "shell asks"),
+                      LIMITS, 0.0)
+    (request,) = [a for a in actions if isinstance(a, Commit)]
+    assert request.events == (("exec_approval_request", {
+        "id": "ap_1", "turn_id": "t", "reason": "shell asks",
+        "calls": [{"call_id": "a", "name": "shell", "arguments": {"cmd": "ls"}}]}),)
+    assert request.point == "approval_wait"
+    assert actions[-1] == AskApproval("ap_1", ("a",))
+    assert s.to_checkpoint()["pending_approval"] == request.events[0][1]
+    # approved for the session: the call's key is committed with the verdict
+    s, actions = step(s, ApprovalAnswered("ap_1", "approved_for_session"), LIMITS, 0.0)
+    commits = [a for a in actions if isinstance(a, Commit)]
+    assert len(commits[0].approve) == 1
+    # the missing tool ends first (not run), then the approved call is dispatched
+    assert commits[1].events[0][0] == "tool_call_end"
+    assert commits[1].events[0][1]["outcome"] == "missing"
+    assert [a.call_id for a in actions if isinstance(a, CallTool)] == ["a"]
+
+
+def test_an_unanswered_approval_denies_with_the_timeout_named() -> None:
+    from supervisor.engine.machine import ApprovalAnswered
+
+    limits = Limits(approval_timeout_s=5.0)
+    s = _to_model_call(limits)
+    s, _ = step(s, ModelReplied((CallSpec("a", "shell", {}, None),)), limits, 0.0)
+    s, _ = step(s, Decided((("a", Verdict.ASK, "asks"),), "ap", "asks"), limits, 0.0)
+    s, actions = step(s, ApprovalAnswered("ap", "timed_out"), limits, 0.0)
+    warning = next(a for a in actions if isinstance(a, Commit)).events[0]
+    assert warning[0] == "warning"
+    assert "was not answered within 5s" in warning[1]["message"]
+    end = [a for a in actions if isinstance(a, Commit)][1].events[0][1]
+    assert end["outcome"] == "deny"
+    assert "within 5s" in end["output"]
+    assert not [a for a in actions if isinstance(a, CallTool)]
+
+
+def test_a_model_retry_waits_then_starts_again_and_a_final_failure_keeps_its_kind() -> None:
+    limits = Limits(model_attempts=2, model_retry_delay_s=0.5)
+    s = _to_model_call(limits)
+    s, actions = step(s, ModelFailed(Failure("rate_limited", "later", True), {}, "main"),
+                      limits, 0.0)
+    assert [type(a) for a in actions] == [Commit, Publish, Wait, Commit, Publish, CallModel]
+    assert actions[2] == Wait(1.0)  # the delay times the new attempt's number
+    assert actions[0].events[0][1]["outcome"] == "retrying"  # type: ignore[union-attr]
+    assert actions[3].events[0][1]["attempt"] == 2  # type: ignore[union-attr]
+    s, actions = step(s, ModelFailed(Failure("rate_limited", "still", True), {}, "main"),
+                      limits, 0.0)
+    (finish,) = [a for a in actions if isinstance(a, Finish)]
+    assert finish.failure is not None
+    assert finish.failure.kind == "rate_limited"
+    assert finish.message == "model call failed: rate_limited: still"
+    assert finish.open_step is None  # its failed completion was committed just before
+    assert s.ended
