@@ -83,7 +83,6 @@ def _failure_of(exc: Exception, timeout_s: float) -> Failure:
 async def export_boundary(turn: TurnView, call_ids: list[str]) -> None:
     s = turn.session
     sinks = s.manager.export_sinks
-    turn.add_tool_round(call_ids)
     if not sinks:
         return
     st = s.state

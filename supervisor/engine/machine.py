@@ -4,7 +4,11 @@ No I/O, no awaits, no clock of its own (``now`` is wall-clock seconds, given).
 The state is frozen records whose phase and call-state fields are the Enums of
 ``phases.py``, moved only through ``advance_phase`` / ``advance_call`` (an
 illegal move raises ``IllegalTransition``). Actions are data for a driver to
-perform, in order; results come back as events.
+perform, in order; results come back as events (``turn.Turn.feed``). The
+machine decides (the next phase, which calls run, are denied or asked, what
+a lost call becomes, a model retry, when and how the turn ends); events carry
+what the driver measured and the payloads it built (a model step's events and
+items, a tool's output after post_tool hooks), which ``Commit`` carries on.
 
 The state is the checkpoint: ``TurnState.to_checkpoint`` gives exactly the
 ``active_turn``, ``pending_tool_calls`` and ``pending_approval`` fields of
@@ -20,25 +24,27 @@ States (``TurnState.turn.phase``)::
              CompactionDue  | CompactionDone   |   +--------+
                          v  |                  | ModelReplied(calls)
                        COMPACTING              v
-                                    TOOLS <-> AWAITING_APPROVAL
+                         (Decide) TOOLS <-> AWAITING_APPROVAL (AskApproval)
                        (all calls ended: Export, next step: PREPARING)
     STOPPING -StopDone(continue)-> PREPARING;  STOPPING -StopDone-> COMPLETED
     COMPACTING -CompactionDone(failed; ``retries``: the model call's rule)-> COMPACTING
-    any live phase -Interrupt / TurnTimedOut / ModelFailed(final) / Abort-> ABORTED | FAILED
+    any live phase -Interrupt / TurnTimedOut / ModelFailed(final) / Abort / Rejected
+                   / Done-> ABORTED | FAILED | COMPLETED  (one ``Finish``)
 
 Tool call: ``requested -> dispatched -> started -> ok | failed | unknown``.
 
 Invariants (``tests/engine/test_machine.py`` checks each with a Hypothesis
 ``RuleBasedStateMachine``):
-- A turn ends exactly once: one ``Commit`` carries ``turn_complete`` or
-  ``turn_aborted``; after it every event is ignored (no action).
+- A turn ends exactly once: one ``Finish`` (which gives every call left open
+  an output); after it every event is ignored (no action).
 - No call is dispatched twice unless the model asked twice: a ``CallTool`` for a
   call id follows its ``Commit`` as ``dispatched``; a second one only for an
   idempotent tool after a lost worker (or a restart), up to
   ``Limits.idempotent_tool_attempts``.
 - A lost call (worker lost, or in flight across a restart) ends ``unknown``
   unless it is idempotent and attempts are left.
-- Every ``Publish`` follows the ``Commit`` of the same events.
+- Every ``Publish`` follows the ``Commit`` of the same events; a ``Decide``
+  follows the commit of the calls it decides.
 - ``resume(from_checkpoint(to_checkpoint(s)))`` restarts exactly the work that
   was in flight in ``s`` (the model step, the approval, the tool calls as
   above): nothing the machine knows lives outside the checkpoint.
@@ -51,7 +57,9 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, TypeAlias
 
+import supervisor.engine.events as ev
 from broker.protocol import Failure, FailureKind
+from supervisor.engine.approvals import call_key
 from supervisor.engine.phases import CallState, TurnPhase, advance_call, advance_phase
 
 MIN_REQUEST_BUDGET_S = 0.05  # a request with less left is not sent: the turn's limit ends it
@@ -89,6 +97,8 @@ class Limits:
     stop_continuations: int = 1
     model_call_budget_s: float = 300.0
     tool_call_budget_s: float = 600.0
+    model_retry_delay_s: float = 0.0  # times the new attempt's number, before it is sent
+    approval_timeout_s: float | None = None  # only named in a timed-out answer's texts
 
 
 # ---------------------------------------------------------------- records
@@ -208,14 +218,19 @@ class TurnState:
         """The ``CheckpointState`` fields this turn owns (an ended turn owns none)."""
         if self.ended:
             return {"active_turn": None, "pending_tool_calls": [], "pending_approval": None}
-        approval = None
-        if self.approval is not None:
-            approval = {"id": self.approval.approval_id, "turn_id": self.turn.turn_id,
-                        "call_ids": list(self.approval.call_ids),
-                        "reason": self.approval.reason}
         return {"active_turn": self.turn.to_json(),
                 "pending_tool_calls": [c.to_json() for c in self.calls],
-                "pending_approval": approval}
+                "pending_approval": self.approval_json()}
+
+    def approval_json(self) -> dict[str, Any] | None:
+        """The open approval as stored and as its ``exec_approval_request`` shows it."""
+        if self.approval is None:
+            return None
+        asked = [c for c in self.calls if c.call_id in self.approval.call_ids]
+        return {"id": self.approval.approval_id, "turn_id": self.turn.turn_id,
+                "calls": [{"call_id": c.call_id, "name": c.name,
+                           "arguments": dict(c.arguments)} for c in asked],
+                "reason": self.approval.reason}
 
     @classmethod
     def from_checkpoint(cls, d: Mapping[str, Any]) -> TurnState | None:
@@ -234,6 +249,14 @@ class TurnState:
 
 
 # ----------------------------------------------------------------- events
+#
+# Events carry what the driver met and measured: the machine decides with them,
+# and the payloads it cannot build itself (the model step's diagnostics, a
+# tool's output as a post_tool hook left it, hook contexts) it carries unchanged
+# into its ``Commit``.
+
+EventSpec: TypeAlias = tuple[str, Mapping[str, Any]]
+Item: TypeAlias = Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +267,8 @@ class Begin:
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """pre_model / model_request hooks ran: the model step may be sent."""
+
+    route: str | None = None  # named in ``model_step_started``
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,26 +284,51 @@ class CompactionDone:
 
 @dataclass(frozen=True, slots=True)
 class CallSpec:
-    """A function call the model asked for, with the driver's verdict on it
-    (pre_tool hooks, the approval policy and permission hooks already ran)."""
+    """A function call the model asked for, with what the driver knows of it
+    before the policy: a verdict if the arguments are bad, the tool is missing or
+    a pre_tool hook denied it; None while the approval policy is still to decide
+    (``Decide``)."""
 
     call_id: str
     name: str
     arguments: Mapping[str, Any] = field(default_factory=dict)
-    verdict: Verdict = Verdict.ALLOW
+    verdict: Verdict | None = Verdict.ALLOW
     reason: str | None = None
     idempotent: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class ModelReplied:
+    """The model step answered (the usage observer accepted its usage and the
+    pre_tool hooks ran). ``events``/``items``/``write`` are the step's commit as
+    the driver built it (agent_message, model_step_completed with its
+    diagnostics, token_count; the assistant items, pre_tool contexts and
+    function_call items; the usage and cache bookkeeping); ``notices`` are
+    warnings committed after it (dropped calls, renamed call ids)."""
+
     calls: tuple[CallSpec, ...] = ()
     text: str = ""
+    events: tuple[EventSpec, ...] = ()
+    items: tuple[Item, ...] = ()
+    write: Any = None
+    notices: tuple[EventSpec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ModelFailed:
     failure: Failure
+    diagnostics: Mapping[str, Any] = field(default_factory=dict)
+    route: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """The approval policy and permission hooks' verdicts on the undecided calls
+    (ASK: the user is asked, under ``approval_id``, with ``reason``)."""
+
+    verdicts: tuple[tuple[str, Verdict, str | None], ...]
+    approval_id: str = ""
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,9 +338,16 @@ class ToolStarted:
 
 @dataclass(frozen=True, slots=True)
 class ToolReplied:
+    """A call ran and answered; ``output`` as the post_tool hooks left it,
+    ``details`` the result's fields for ``tool_call_end`` (isolation, exit_code,
+    ...), ``contexts`` the post_tool hooks' context items."""
+
     call_id: str
     is_error: bool = False
     outcome: str = "ok"
+    output: str = ""
+    details: Mapping[str, Any] = field(default_factory=dict)
+    contexts: tuple[Item, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +364,17 @@ class ApprovalAnswered:
 
 @dataclass(frozen=True, slots=True)
 class StopDone:
-    continue_with: bool = False
+    """The stop hooks ran; ``continue_with``: the context item they continue with."""
+
+    continue_with: Item | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The turn's work is done without stop hooks: a compact op's turn, or a hook
+    stopped it (``warning``: its reason, committed first)."""
+
+    warning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,28 +388,44 @@ class TurnTimedOut:
 
 
 @dataclass(frozen=True, slots=True)
+class Rejected:
+    """A hook or the user rejected the turn."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
-    """The turn fails for a reason the driver met (a hook, the usage observer)."""
+    """The turn fails for a reason the driver met (a hook, the usage observer);
+    ``message``: turn_aborted's, when it is not the failure's own."""
 
     failure: Failure
+    message: str = ""
 
 
 Event: TypeAlias = (Begin | Prepared | CompactionDue | CompactionDone | ModelReplied
-                    | ModelFailed | ToolStarted | ToolReplied | ToolFailed | ApprovalAnswered
-                    | StopDone | Interrupt | TurnTimedOut | Abort)
+                    | ModelFailed | Decided | ToolStarted | ToolReplied | ToolFailed
+                    | ApprovalAnswered | StopDone | Done | Interrupt | TurnTimedOut | Rejected
+                    | Abort)
 
 
 # ---------------------------------------------------------------- actions
 
-EventSpec: TypeAlias = tuple[str, Mapping[str, Any]]
-
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """Persist ``state`` (``to_checkpoint``) and ``events`` in one store transaction."""
+    """Persist ``state`` (``to_checkpoint``), ``events`` and ``items`` in one store
+    transaction, with the driver's ``write`` (carried from its event), the keys
+    ``approve`` adds to ``approved_for_session``, and the turn's execution record
+    when ``execution``. ``point``: the crash point reached right after it."""
 
     state: TurnState
     events: tuple[EventSpec, ...] = ()
+    items: tuple[Item, ...] = ()
+    write: Any = None
+    approve: tuple[str, ...] = ()
+    execution: bool = False
+    point: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,7 +437,17 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class RunHook:
-    hook: str  # pre_model | stop | turn_end
+    """Hand the turn back to the driver's hooks: pre_model (then ``Prepared`` or
+    ``CompactionDue``) or stop (then ``StopDone``)."""
+
+    hook: str  # pre_model | stop
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Let ``delay_s`` pass before the next action (a model call's retry)."""
+
+    delay_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,8 +463,17 @@ class Compact:
 
 
 @dataclass(frozen=True, slots=True)
+class Decide:
+    """Run the approval policy and permission hooks on these calls (``Decided``)."""
+
+    call_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class CallTool:
     call_id: str
+    name: str
+    arguments: Mapping[str, Any]
     attempt: int
     budget_s: float
 
@@ -396,8 +498,38 @@ class Export:
     call_ids: tuple[str, ...]
 
 
-Action: TypeAlias = (Commit | Publish | RunHook | CallModel | Compact | CallTool | AskApproval
-                     | Cancel | Export)
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The turn's one ending, to commit with the turn's state cleared and then
+    the turn_end hooks (a completed turn runs them first: they may still fail
+    it). ``ending``/``reason``: turn_complete, or turn_aborted with ``reason``
+    (interrupted | rejected | failed) and ``message``; ``failure``: an ``error``
+    event first; ``warning``: a warning committed before it; ``open_step``: a
+    model step started and not completed (closed as interrupted or failed);
+    ``outputs``: a ``function_call_output`` for each call left open."""
+
+    ending: Ending
+    message: str = ""
+    failure: Failure | None = None
+    warning: str | None = None
+    open_step: int | None = None
+    outputs: tuple[Item, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        """``turn_aborted``'s reason ("" for a completed turn)."""
+        return "" if self.ending is Ending.COMPLETED else str(self.ending)
+
+
+Action: TypeAlias = (Commit | Publish | RunHook | Wait | CallModel | Compact | Decide | CallTool
+                     | AskApproval | Cancel | Export | Finish)
+
+
+# What the model reads for a call that did not run or whose effect is unknown.
+LOST_OUTPUT = ("The worker running this tool call was lost before it reported a result. "
+               "Whether the call had any effect is unknown; check before repeating it.")
+RESTART_OUTPUT = ("The supervisor restarted while this tool call was running. Whether the "
+                  "call had any effect is unknown; check before repeating it.")
 
 
 # ------------------------------------------------------------------ step
@@ -437,8 +569,11 @@ class _Out:
     def __init__(self) -> None:
         self.actions: list[Action] = []
 
-    def commit(self, state: TurnState, *events: EventSpec) -> None:
-        self.actions.append(Commit(state, tuple(events)))
+    def commit(self, state: TurnState, *events: EventSpec, items: tuple[Item, ...] = (),
+               write: Any = None, approve: tuple[str, ...] = (), execution: bool = False,
+               point: str | None = None) -> None:
+        self.actions.append(Commit(state, tuple(events), items, write, approve, execution,
+                                   point))
         if events:
             self.actions.append(Publish(tuple(events)))
 
@@ -459,39 +594,31 @@ def step(state: TurnState, event: Event, limits: Limits,
 def resume(state: TurnState, limits: Limits, now: float) -> tuple[TurnState, tuple[Action, ...]]:
     """Restart the work that was in flight when the process holding ``state``
     died: the model step is re-issued (a new step), the approval is asked again,
-    in-flight tool calls are re-dispatched if idempotent and attempts are left,
-    else they end ``unknown``."""
+    undecided calls are decided, in-flight tool calls are re-dispatched if
+    idempotent and attempts are left, else they end ``unknown``. (The driver
+    closes the events a crash left open, ``model_step_started`` and compaction
+    notices, from the journal before it resumes.)"""
     if state.ended:
         return state, ()
     out = _Out()
     t = state.turn
-    tid = t.turn_id
     if now - t.started_at >= limits.max_turn_s:
-        return _end(state, Ending.FAILED, out, Failure("turn_limit",
-                    f"the turn ran longer than {limits.max_turn_s:g}s")), tuple(out.actions)
+        return _end(state, Ending.FAILED, out, _time_limit(limits)), tuple(out.actions)
     if t.phase in (TurnPhase.STARTING, TurnPhase.PREPARING, TurnPhase.MODEL_CALL,
                    TurnPhase.COMPACTING):
-        if t.phase is TurnPhase.MODEL_CALL:
-            out.commit(state, ("model_step_completed",
-                               {"turn_id": tid, "step": t.model_steps,
-                                "outcome": "interrupted"}))
         if t.phase is not TurnPhase.PREPARING:
             state = replace(state, turn=t.moved(TurnPhase.PREPARING, attempt=0))
             out.commit(state)
         out.add(RunHook("pre_model"))
     elif t.phase is TurnPhase.STOPPING:
         out.add(RunHook("stop"))
-    elif t.phase is TurnPhase.AWAITING_APPROVAL and state.approval is not None:
-        out.add(AskApproval(state.approval.approval_id, state.approval.call_ids))
-    else:  # TOOLS
-        for c in state.calls:
-            if c.in_flight:
-                state = _lost(state, c, limits, now, out,
-                              "the supervisor restarted while this call was running")
-            elif c.state is CallState.REQUESTED and c.verdict is Verdict.ALLOW:
-                state = _dispatch(state, c, limits, now, out)
-        state = _maybe_round_done(state, limits, now, out)
+    else:  # TOOLS, AWAITING_APPROVAL
+        state = _round(state, limits, now, out, restarted=True)
     return state, tuple(out.actions)
+
+
+def _time_limit(limits: Limits) -> Failure:
+    return Failure("turn_limit", f"the turn ran longer than {limits.max_turn_s}s")
 
 
 def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> TurnState:
@@ -499,17 +626,20 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
     tid = t.turn_id
     match e:
         case Interrupt():
-            return _end(s, Ending.INTERRUPTED, out, None)
+            return _end(s, Ending.INTERRUPTED, out, None, "interrupted by the user")
         case TurnTimedOut():
-            return _end(s, Ending.FAILED, out, Failure(
-                "turn_limit", f"the turn ran longer than {limits.max_turn_s:g}s"))
-        case Abort(failure):
-            return _end(s, Ending.FAILED, out, failure)
+            return _end(s, Ending.FAILED, out, _time_limit(limits))
+        case Abort(failure, message):
+            return _end(s, Ending.FAILED, out, failure, message)
+        case Rejected(message):
+            return _end(s, Ending.REJECTED, out, None, message)
+        case Done(warning):
+            return _end(s, Ending.COMPLETED, out, None, warning=warning)
         case Begin():
             if t.phase is not TurnPhase.STARTING:
                 return s
             s = replace(s, turn=t.moved(TurnPhase.PREPARING))
-            out.commit(s, ("turn_started", {"turn_id": tid}))
+            out.commit(s, ("turn_started", {"turn_id": tid}), execution=True)
             out.add(RunHook("pre_model"))
             return s
         case CompactionDue():
@@ -536,16 +666,20 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
             out.commit(s, ("context_compacted", {"turn_id": tid}))
             out.add(RunHook("pre_model"))
             return s
-        case Prepared():
+        case Prepared(route):
             if t.phase is not TurnPhase.PREPARING:
                 return s  # a stale hook result: nothing to prepare
             if t.model_steps >= limits.max_model_steps:
                 return _end(s, Ending.FAILED, out, Failure(
                     "turn_limit",
                     f"the turn reached its limit of {limits.max_model_steps} model steps"))
-            return _call_model(s, t.model_steps + 1, 1, limits, now, out)
+            return _call_model(s, t.model_steps + 1, 1, route, limits, now, out)
         case ModelReplied() | ModelFailed():
             return _on_model(s, e, limits, now, out)
+        case Decided(verdicts, approval_id, reason):
+            if t.phase is not TurnPhase.TOOLS or s.approval is not None:
+                return s
+            return _decided(s, verdicts, approval_id, reason, limits, now, out)
         case ToolStarted() | ToolReplied() | ToolFailed():
             return _on_tool(s, e, limits, now, out)
         case ApprovalAnswered(approval_id, decision):
@@ -553,10 +687,10 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
         case StopDone(continue_with):
             if t.phase is not TurnPhase.STOPPING:
                 return s
-            if continue_with and t.continuations < limits.stop_continuations:
+            if continue_with is not None and t.continuations < limits.stop_continuations:
                 s = replace(s, turn=t.moved(TurnPhase.PREPARING,
                                             continuations=t.continuations + 1))
-                out.commit(s)
+                out.commit(s, items=(continue_with,))
                 out.add(RunHook("pre_model"))
                 return s
             return _end(s, Ending.COMPLETED, out, None)
@@ -568,145 +702,201 @@ def _on_model(s: TurnState, e: ModelReplied | ModelFailed, limits: Limits, now: 
     """The answer to the model step in flight (anything else is stale)."""
     t = s.turn
     tid = t.turn_id
+    if t.phase is not TurnPhase.MODEL_CALL:
+        return s
     match e:
-        case ModelReplied(calls, text):
-            if t.phase is not TurnPhase.MODEL_CALL:
-                return s
-            return _model_replied(s, calls, text, limits, now, out)
-        case ModelFailed(failure):
-            if t.phase is not TurnPhase.MODEL_CALL:
-                return s
+        case ModelReplied():
+            return _model_replied(s, e, limits, now, out)
+        case ModelFailed(failure, diagnostics, route):
             again = retries(failure, t.attempt, limits.model_attempts)
-            done = ("model_step_completed", {"turn_id": tid, "step": t.model_steps,
-                                             "attempt": t.attempt,
-                                             "outcome": "retrying" if again else "failed",
-                                             "error": failure.as_data()})
-            if not again:
-                out.commit(s, done)
-                return _end(s, Ending.FAILED, out, Failure(
-                    "model_failed", f"model call failed: {failure.kind}: {failure.message}",
-                    failure.retryable))
+            done = ("model_step_completed", {
+                "turn_id": tid, "step": t.model_steps, "attempt": t.attempt,
+                "outcome": "retrying" if again else "failed",
+                "diagnostics": {"error": ev.error(failure), **diagnostics}})
             out.commit(s, done)
-            return _call_model(s, t.model_steps, t.attempt + 1, limits, now, out)
+            if not again:
+                return _end(s, Ending.FAILED, out, Failure(
+                    failure.kind, f"model call failed: {failure.kind}: {failure.message}",
+                    failure.retryable), open_step=False)
+            out.add(Wait(limits.model_retry_delay_s * (t.attempt + 1)))
+            return _call_model(s, t.model_steps, t.attempt + 1, route, limits, now, out)
     return s
 
 
 def _on_tool(s: TurnState, e: ToolStarted | ToolReplied | ToolFailed, limits: Limits,
              now: float, out: _Out) -> TurnState:
     """News of a dispatched call (a call no longer in flight: stale, ignored)."""
+    c = s.call(e.call_id)
+    if c is None or not c.in_flight or s.turn.phase is not TurnPhase.TOOLS:
+        return s  # an answer for a call already ended (lost, interrupted): stale
     match e:
-        case ToolStarted(call_id):
-            c = s.call(call_id)
-            if c is None or c.state is not CallState.DISPATCHED:
+        case ToolStarted():
+            if c.state is not CallState.DISPATCHED:
                 return s
             s = s.with_call(c.moved(CallState.STARTED))
-            out.commit(s)
+            out.commit(s, point="tool_running")
             return s
-        case ToolReplied(call_id, is_error, outcome):
-            c = s.call(call_id)
-            if c is None or not c.in_flight:
-                return s  # a reply for a call already ended (lost, interrupted): stale
+        case ToolReplied(call_id, is_error, outcome, output, details, contexts):
+            item: dict[str, Any] = {"type": "function_call_output", "call_id": call_id,
+                                    "output": output}
+            if is_error:
+                item["is_error"] = True
             return _tool_ended(s, c, CallState.FAILED if is_error else CallState.OK, outcome,
-                               limits, now, out)
-        case ToolFailed(call_id, failure):
-            c = s.call(call_id)
-            if c is None or not c.in_flight:
-                return s
+                               output, is_error, limits, now, out, details=details,
+                               items=(item, *contexts))
+        case ToolFailed(_, failure):
             if failure.kind == FailureKind.WORKER_LOST:
-                return _lost(s, c, limits, now, out, failure.message, round_done=True)
-            return _tool_ended(s, c, CallState.FAILED, "failed", limits, now, out,
-                               error=failure)
+                s = _lost(s, c, limits, now, out, LOST_OUTPUT, failure)
+                return _maybe_round_done(s, limits, now, out)
+            return _tool_ended(s, c, CallState.FAILED, "failed",
+                               f"Tool call failed ({failure.kind}): {failure.message}", True,
+                               limits, now, out, error=failure)
     return s
 
 
-def _call_model(s: TurnState, step_no: int, attempt: int, limits: Limits, now: float,
-                out: _Out) -> TurnState:
+def _call_model(s: TurnState, step_no: int, attempt: int, route: str | None, limits: Limits,
+                now: float, out: _Out) -> TurnState:
     t = s.turn
     s = replace(s, turn=t.moved(TurnPhase.MODEL_CALL, model_steps=step_no, attempt=attempt,
                                 model_calls=t.model_calls + (attempt == 1)))
     out.commit(s, ("model_step_started", {"turn_id": t.turn_id, "step": step_no,
-                                          "attempt": attempt}))
+                                          "attempt": attempt, "route": route}),
+               execution=True, point="model_call_before")
     out.add(CallModel(step_no, attempt, budget_s(s, limits.model_call_budget_s, limits, now)))
     return s
 
 
-def _model_replied(s: TurnState, calls: tuple[CallSpec, ...], text: str, limits: Limits,
-                   now: float, out: _Out) -> TurnState:
+def _model_replied(s: TurnState, e: ModelReplied, limits: Limits, now: float,
+                   out: _Out) -> TurnState:
+    """Commit the step with its calls ``requested``; then the round (or the stop
+    hooks, for a final answer)."""
     t = s.turn
-    tid = t.turn_id
-    completed = ("model_step_completed", {"turn_id": tid, "step": t.model_steps,
-                                          "outcome": "completed"})
-    message = (("agent_message", {"turn_id": tid, "text": text}),) if text else ()
-    if not calls:
+    events = e.events or ((("agent_message", {"turn_id": t.turn_id, "text": e.text}),)
+                          if e.text else ()) + (
+        ("model_step_completed", {"turn_id": t.turn_id, "step": t.model_steps,
+                                  "outcome": "completed"}),)
+    if not e.calls:
         s = replace(s, turn=t.moved(TurnPhase.STOPPING, attempt=0))
-        out.commit(s, *message, completed)
+        out.commit(s, *events, items=e.items, write=e.write, execution=True,
+                   point=None if e.notices else "final_answer")
+        _notices(s, e.notices, out, "final_answer")
         out.add(RunHook("stop"))
         return s
     pcs = tuple(PendingCall(c.call_id, c.name, dict(c.arguments), CallState.REQUESTED, 0,
-                            c.verdict, c.reason, c.idempotent) for c in calls)
-    ask = tuple(c.call_id for c in pcs if c.verdict is Verdict.ASK)
-    if ask:
-        approval = Approval(f"approval_{tid}_{t.model_steps}", ask)
-        s = replace(s, turn=t.moved(TurnPhase.AWAITING_APPROVAL, attempt=0), calls=pcs,
-                    approval=approval)
-        out.commit(s, *message, completed,
-                   ("exec_approval_request", {"id": approval.approval_id, "turn_id": tid,
-                                              "call_ids": list(ask)}))
-        out.add(AskApproval(approval.approval_id, ask))
-        return s
+                            c.verdict, c.reason, c.idempotent) for c in e.calls)
     s = replace(s, turn=t.moved(TurnPhase.TOOLS, attempt=0), calls=pcs)
-    out.commit(s, *message, completed)
-    return _run_decided(s, limits, now, out)
+    out.commit(s, *events, items=e.items, write=e.write, execution=True,
+               point=None if e.notices else "model_reply")
+    _notices(s, e.notices, out, "model_reply")
+    return _round(s, limits, now, out)
 
 
-def _run_decided(s: TurnState, limits: Limits, now: float, out: _Out) -> TurnState:
-    """End the calls that may not run; dispatch the allowed ones."""
+def _notices(s: TurnState, notices: tuple[EventSpec, ...], out: _Out, point: str) -> None:
+    for n, notice in enumerate(notices):
+        out.commit(s, notice, point=point if n == len(notices) - 1 else None)
+
+
+def _round(s: TurnState, limits: Limits, now: float, out: _Out, *,
+           restarted: bool = False) -> TurnState:
+    """Go on with the round from where it stands: decide the undecided calls, ask
+    the open approval, else run what is decided."""
+    if s.turn.phase is TurnPhase.AWAITING_APPROVAL and s.approval is not None:
+        out.add(AskApproval(s.approval.approval_id, s.approval.call_ids))
+        return s
+    undecided = tuple(c.call_id for c in s.calls
+                      if c.verdict is None and c.state is CallState.REQUESTED)
+    if undecided:
+        out.add(Decide(undecided))
+        return s
+    return _run_decided(s, limits, now, out, restarted=restarted)
+
+
+def _decided(s: TurnState, verdicts: tuple[tuple[str, Verdict, str | None], ...],
+             approval_id: str, reason: str, limits: Limits, now: float,
+             out: _Out) -> TurnState:
+    given = {cid: (v, r) for cid, v, r in verdicts}
+    calls = tuple(replace(c, verdict=given[c.call_id][0], reason=given[c.call_id][1])
+                  if c.call_id in given and c.verdict is None else c for c in s.calls)
+    ask = tuple(c.call_id for c in calls if c.verdict is Verdict.ASK
+                and c.state is CallState.REQUESTED)
+    if not ask:
+        s = replace(s, calls=calls)
+        out.commit(s)
+        return _run_decided(s, limits, now, out)
+    s = TurnState(s.turn.moved(TurnPhase.AWAITING_APPROVAL), calls,
+                  Approval(approval_id, ask, reason))
+    out.commit(s, ("exec_approval_request", s.approval_json() or {}), point="approval_wait")
+    out.add(AskApproval(approval_id, ask))
+    return s
+
+
+def _run_decided(s: TurnState, limits: Limits, now: float, out: _Out, *,
+                 restarted: bool = False) -> TurnState:
+    """The decided round, in the driver's order: end the calls that may not run,
+    then (after a restart) the in-flight calls that may not run again, then
+    dispatch the allowed ones."""
     for c in s.calls:
-        if c.state is not CallState.REQUESTED:
-            continue
-        if c.verdict is Verdict.ALLOW:
-            s = _dispatch(s, c, limits, now, out)
-        elif c.verdict is not Verdict.ASK:
-            s = _tool_ended(s, c, CallState.FAILED, str(c.verdict), limits, now, out,
+        if c.state is CallState.REQUESTED and c.verdict in _NOT_RUN:
+            s = _tool_ended(s, c, CallState.FAILED, str(c.verdict),
+                            f"Tool call not run: {c.reason}", True, limits, now, out,
                             round_done=False)
+    if restarted:
+        for c in s.calls:
+            if c.in_flight and not reruns_lost(c.idempotent, c.attempt,
+                                               limits.idempotent_tool_attempts):
+                s = _lost(s, c, limits, now, out, RESTART_OUTPUT, None)
+    for c in s.calls:
+        if (c.in_flight and restarted) or (c.state is CallState.REQUESTED
+                                           and c.verdict is Verdict.ALLOW):
+            s = _dispatch(s, c, limits, now, out)
     return _maybe_round_done(s, limits, now, out)
+
+
+_NOT_RUN = frozenset({Verdict.DENY, Verdict.MISSING, Verdict.BAD})
 
 
 def _dispatch(s: TurnState, c: PendingCall, limits: Limits, now: float,
               out: _Out) -> TurnState:
     attempt = c.attempt + 1
-    c2 = c.moved(CallState.DISPATCHED, attempt=attempt)
-    s = s.with_call(c2)
+    s = s.with_call(c.moved(CallState.DISPATCHED, attempt=attempt))
     out.commit(s, ("tool_call_begin", {"turn_id": s.turn.turn_id, "call_id": c.call_id,
-                                       "name": c.name, "attempt": attempt}))
-    out.add(CallTool(c.call_id, attempt, budget_s(s, limits.tool_call_budget_s, limits, now)))
+                                       "name": c.name, "arguments": dict(c.arguments),
+                                       "attempt": attempt}))
+    out.add(CallTool(c.call_id, c.name, c.arguments, attempt,
+                     budget_s(s, limits.tool_call_budget_s, limits, now)))
     return s
 
 
-def _lost(s: TurnState, c: PendingCall, limits: Limits, now: float, out: _Out, why: str,
-          *, round_done: bool = False) -> TurnState:
+def _lost(s: TurnState, c: PendingCall, limits: Limits, now: float, out: _Out, output: str,
+          failure: Failure | None) -> TurnState:
     """A call whose worker (or supervisor) was lost mid-call: re-dispatched only
     if idempotent with attempts left, else it ends ``unknown``."""
     if reruns_lost(c.idempotent, c.attempt, limits.idempotent_tool_attempts):
-        s = _dispatch(s, c, limits, now, out)
-    else:
-        s = _tool_ended(s, c, CallState.UNKNOWN, "unknown", limits, now, out,
-                        error=Failure(FailureKind.WORKER_LOST, why, True), round_done=False)
-    return _maybe_round_done(s, limits, now, out) if round_done else s
+        return _dispatch(s, c, limits, now, out)
+    return _tool_ended(s, c, CallState.UNKNOWN, "unknown", output, True, limits, now, out,
+                       error=failure, round_done=False)
 
 
-def _tool_ended(s: TurnState, c: PendingCall, target: CallState, outcome: str, limits: Limits,
-                now: float, out: _Out, *, error: Failure | None = None,
-                round_done: bool = True) -> TurnState:
+def _tool_ended(s: TurnState, c: PendingCall, target: CallState, outcome: str, output: str,
+                is_error: bool, limits: Limits, now: float, out: _Out, *,
+                error: Failure | None = None, details: Mapping[str, Any] | None = None,
+                items: tuple[Item, ...] | None = None, round_done: bool = True) -> TurnState:
     t = s.turn
     s = replace(s.with_call(c.moved(target, outcome=outcome)),
                 turn=replace(t, tool_calls=t.tool_calls + 1,
                              failed_tool_calls=t.failed_tool_calls + (target is not CallState.OK)))
-    payload: dict[str, Any] = {"turn_id": t.turn_id, "call_id": c.call_id,
-                               "state": str(target), "outcome": outcome}
+    payload: dict[str, Any] = {"turn_id": t.turn_id, "call_id": c.call_id, "name": c.name,
+                               "output": ev.clip(output), "is_error": is_error,
+                               "outcome": outcome, "state": str(target), "isolation": None,
+                               "attempt": c.attempt}
+    if details:
+        payload.update(details)
     if error is not None:
-        payload["error"] = error.as_data()
-    out.commit(s, ("tool_call_end", payload))
+        payload["error"] = ev.error(error)
+    if items is None:
+        items = ({"type": "function_call_output", "call_id": c.call_id, "output": output,
+                  "is_error": True},)
+    out.commit(s, ("tool_call_end", payload), items=items, execution=True, point="tool_result")
     return _maybe_round_done(s, limits, now, out) if round_done else s
 
 
@@ -728,38 +918,53 @@ def _answered(s: TurnState, approval_id: str, decision: str, limits: Limits, now
     t = s.turn
     if s.approval is None or s.approval.approval_id != approval_id \
             or t.phase is not TurnPhase.AWAITING_APPROVAL:
-        out.commit(s, ("warning", {"message": "approval response targeted a stale request"}))
+        out.commit(s, ("warning", ev.warning(
+            f"approval response targeted a stale request {approval_id}")))
         return s
     if decision == "abort":
-        return _end(s, Ending.REJECTED, out, None)
-    allow = decision in ("approved", "approved_for_session")
+        return _end(s, Ending.REJECTED, out, None,
+                    "the user aborted the turn at the approval request")
+    timeout = "" if limits.approval_timeout_s is None else f"{limits.approval_timeout_s:g}"
+    if decision in ("approved", "approved_for_session"):
+        verdict, reason = Verdict.ALLOW, f"{decision} by the user"
+    elif decision == "timed_out":
+        verdict, reason = Verdict.DENY, (
+            f"denied: the approval request was not answered within {timeout}s")
+    else:
+        verdict, reason = Verdict.DENY, "denied by the user"
     asked = set(s.approval.call_ids)
-    calls = tuple(replace(c, verdict=Verdict.ALLOW if allow else Verdict.DENY,
-                          reason=f"{decision} by the user")
-                  if c.call_id in asked else c for c in s.calls)
+    calls = tuple(replace(c, verdict=verdict, reason=reason) if c.call_id in asked else c
+                  for c in s.calls)
+    approve = tuple(call_key(c.name, dict(c.arguments)) for c in calls
+                    if c.call_id in asked and decision == "approved_for_session")
     s = TurnState(t.moved(TurnPhase.TOOLS), calls, None)
     events: tuple[EventSpec, ...] = ()
     if decision == "timed_out":
-        events = (("warning", {"message": "approval timed out", "approval_id": approval_id}),)
-    out.commit(s, *events)
+        events = (("warning", ev.warning(
+            f"approval request {approval_id} was not answered within {timeout}s; "
+            "its calls were denied", approval_id=approval_id)),)
+    out.commit(s, *events, approve=approve)
     return _run_decided(s, limits, now, out)
 
 
-def _end(s: TurnState, how: Ending, out: _Out, failure: Failure | None) -> TurnState:
-    """The turn's one ending: cancel what is in flight, close open calls, commit."""
+def _end(s: TurnState, how: Ending, out: _Out, failure: Failure | None, message: str = "", *,
+         warning: str | None = None, open_step: bool = True) -> TurnState:
+    """The turn's one ending: cancel what is in flight, close what is open, finish."""
     t = s.turn
     in_flight = tuple(c.call_id for c in s.calls if c.in_flight)
     model = t.phase in (TurnPhase.MODEL_CALL, TurnPhase.COMPACTING)
     if in_flight or model:
         out.add(Cancel(model, in_flight))
-    events: list[EventSpec] = []
-    if failure is not None:
-        events.append(("error", failure.as_data()))
-    if how is Ending.COMPLETED:
-        events.append(("turn_complete", {"turn_id": t.turn_id}))
-    else:
-        events.append(("turn_aborted", {"turn_id": t.turn_id, "reason": str(how)}))
-    ended = TurnState(t.moved(_ENDING_PHASE[how], attempt=0))
-    out.commit(ended, *events)
-    out.add(RunHook("turn_end"))
-    return ended
+    outputs = []
+    for c in s.calls:
+        if c.state.terminal:
+            continue
+        text = f"Tool call not completed: {message or (failure and failure.message)}."
+        if c.in_flight:
+            text += " It was cancelled while running; its effect may be partial."
+        outputs.append({"type": "function_call_output", "call_id": c.call_id,
+                        "output": text, "is_error": True})
+    step_open = open_step and t.phase is TurnPhase.MODEL_CALL
+    out.add(Finish(how, message or (failure.message if failure else ""), failure, warning,
+                   t.model_steps if step_open else None, tuple(outputs)))
+    return TurnState(t.moved(_ENDING_PHASE[how], attempt=0))

@@ -12,8 +12,8 @@ private state.
 Invariants:
 - No handler writes ``CheckpointState.active_turn`` except through
   ``TurnView.checkpoint_turn`` / ``moving_to`` (the machine's ``ActiveTurn``
-  record, ``machine.py``), nor ``pending_tool_calls`` except as
-  ``machine.PendingCall`` records (``toolround.put_calls``).
+  record, ``machine.py``), and none writes ``pending_tool_calls`` or
+  ``pending_approval``: only the driver's ``Commit`` of the machine's state does.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sandbox_worker.api import ModelCallResult, Usage
-from supervisor.engine.phases import CallState, TurnPhase
+from sandbox_worker.api import Usage
+from supervisor.engine.phases import TurnPhase
 from supervisor.engine.session import Session
 from supervisor.store.records import CheckpointState, ExecutionRecord, SubmissionId, TurnId
 
@@ -67,13 +67,8 @@ class TurnView(Protocol):
     @property
     def tool_rounds(self) -> list[list[str]]: ...
 
-    def add_tool_round(self, call_ids: list[str]) -> None: ...
-    def note_tool_call(self, state: CallState, tier: str | None) -> None: ...
+    def note_tier(self, tier: str | None) -> None: ...
     def moving_to(self, target: TurnPhase) -> Mutate: ...
     def checkpoint_turn(self, phase: TurnPhase) -> dict[str, Any]: ...
     def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord: ...
     def budget_s(self, cap_s: float) -> float: ...
-    async def commit_model_result(self, result: ModelCallResult,
-                                  call_items: list[dict[str, Any]],
-                                  extra_items: list[dict[str, Any]] | None = None,
-                                  mutate_more: Mutate | None = None) -> None: ...

@@ -1,5 +1,16 @@
-"""One tool round: the function calls of one model step, from ``requested``
-to an output each, through approvals and parallel dispatch.
+"""The tool round's action handlers: the function calls of one model step
+from the model's reply to an output each. The turn machine (``machine.py``)
+decides the round (which calls run, are denied or asked, what a lost call
+becomes, when the round ends); the driver (``turn.Turn.feed``) performs its
+actions with these handlers and feeds their results back as events:
+
+- ``prepare_calls``: the model's calls as ``CallSpec`` records (ids made
+  unique, arguments parsed and bounded, missing tools, pre_tool hooks);
+- ``decide`` (``Decide`` -> ``Decided``): the approval policy, then
+  permission hooks;
+- ``await_approval`` (``AskApproval`` -> ``ApprovalAnswered``);
+- ``run_call`` (``CallTool`` -> ``ToolStarted``, then ``ToolReplied`` with the
+  output as the post_tool hooks left it, or ``ToolFailed``).
 
 Order of what enters the context (the möbius ordering the tests pin):
 ``[assistant items..., pre_tool contexts..., function_call...]`` in the model
@@ -10,8 +21,8 @@ completion order, one commit per completed call.
 Worker-loss rules:
 - A call whose worker is lost is never re-run silently: outcome ``unknown``,
   and the model reads that the worker was lost and the effect is unknown.
-  Only tools that say they are idempotent (``tooling.idempotent_in``) are
-  re-dispatched (bounded attempts).
+  Only tools that say they are idempotent (``tooling.idempotent_in``, recorded
+  in the call's ``PendingCall``) are re-dispatched (bounded attempts).
 - On resume, a call found ``dispatched``/``started`` is resolved the same way
   (``machine.reruns_lost``: an idempotent call is re-dispatched while its
   dispatches are fewer than ``idempotent_tool_attempts``, across restarts too).
@@ -31,7 +42,7 @@ follows its begin).
 
 Invariants:
 - Every function_call in the context gets exactly one function_call_output
-  (``close_open_calls`` closes what an interrupt or failure left open).
+  (the machine's ``Finish`` closes what an interrupt or failure left open).
 - The pending approval is durable (``CheckpointState.pending_approval``) before
   ``exec_approval_request`` is visible, and survives a supervisor restart.
 - ``approval_timeout_s`` counts from the request, not from the wait: after a
@@ -46,45 +57,47 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from broker import plants  # chaos plant switches (broker/plants.py)
-from sandbox_worker.api import (
-    ModelCallResult,
-    ToolCallResult,
-    json_size,
-    replace_surrogates,
-)
-from supervisor import crashpoints
+from sandbox_worker.api import ModelCallResult, json_size, replace_surrogates
 from supervisor.engine import bounds
 from supervisor.engine import events as ev
-from supervisor.engine.approvals import Decision, call_key
+from supervisor.engine.approvals import Decision
 from supervisor.engine.calls import call_tool
-from supervisor.engine.errors import CallFailed, TurnError
-from supervisor.engine.exporting import export_boundary
+from supervisor.engine.errors import CallFailed
 from supervisor.engine.hooks import HookEvent, context_item
-from supervisor.engine.machine import PendingCall, Verdict, reruns_lost
-from supervisor.engine.phases import CallState, TurnPhase
-from supervisor.engine.ports import TurnRejected, TurnView
+from supervisor.engine.machine import (
+    CallSpec,
+    CallTool,
+    Decided,
+    Event,
+    EventSpec,
+    ToolFailed,
+    ToolReplied,
+    ToolStarted,
+    TurnState,
+    Verdict,
+)
+from supervisor.engine.ports import TurnView
 from supervisor.engine.session import PendingApproval
 from supervisor.engine.tooling import base_request, idempotent_in, offered_in, outside_request
-from supervisor.store.records import CheckpointState
 
 log = logging.getLogger(__name__)
 
-LOST_OUTPUT = ("The worker running this tool call was lost before it reported a result. "
-               "Whether the call had any effect is unknown; check before repeating it.")
-RESTART_OUTPUT = ("The supervisor restarted while this tool call was running. Whether the "
-                  "call had any effect is unknown; check before repeating it.")
+# (event, acknowledged once the driver performed what it led to, or None)
+Results = asyncio.Queue[tuple[Event, "asyncio.Future[None] | None"]]
 
 
-async def prepare_calls(turn: TurnView, result: ModelCallResult,
-                        calls: list[dict[str, Any]]) -> None:
-    """Run pre_tool hooks, then commit the model step with its calls ``requested``."""
+async def prepare_calls(turn: TurnView, result: ModelCallResult
+                        ) -> tuple[list[CallSpec], list[dict[str, Any]], list[dict[str, Any]],
+                                   list[EventSpec]]:
+    """The model's function calls as the machine takes them, after pre_tool hooks:
+    (calls, their function_call items, the pre_tool contexts, the warnings to
+    commit after the step: dropped calls, renamed call ids)."""
     s = turn.session
-    pcs: list[PendingCall] = []
+    calls = [i for i in result["items"] if i.get("type") == "function_call"]
+    specs: list[CallSpec] = []
     contexts: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -121,14 +134,14 @@ async def prepare_calls(turn: TurnView, result: ModelCallResult,
             text = json.dumps(args, ensure_ascii=False)  # as run: lone surrogates replaced
         if args is not None:
             budget -= json_size(args)
-        item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": text}
-        items.append(item)
-        # the machine's record is the checkpoint's (machine.PendingCall)
-        pc = PendingCall(call_id, name, args or {}, idempotent=idempotent_in(s, name))
+        items.append({"type": "function_call", "call_id": call_id, "name": name,
+                      "arguments": text})
+        # undecided (None) until the approval policy runs (``decide``)
+        spec = CallSpec(call_id, name, args or {}, None, None, idempotent_in(s, name))
         if problem is not None:
-            pc = replace(pc, verdict=Verdict.BAD, reason=problem)
+            spec = replace(spec, verdict=Verdict.BAD, reason=problem)
         elif not offered_in(s, name):
-            pc = replace(pc, verdict=Verdict.MISSING, reason=(
+            spec = replace(spec, verdict=Verdict.MISSING, reason=(
                 f"unknown tool {name!r}; available tools: {', '.join(s.spec.tools)}"))
         else:
             folded = await s.hooks.run(HookEvent.PRE_TOOL, s.sid, turn.turn_id,
@@ -139,156 +152,87 @@ async def prepare_calls(turn: TurnView, result: ModelCallResult,
                 rewritten, why, _ = bounds.parse_arguments(folded.arguments)
                 grown = json_size(rewritten) - json_size(args) if rewritten is not None else 0
                 if rewritten is None or grown > budget:
-                    pc = replace(pc, verdict=Verdict.BAD, arguments={}, reason=(
+                    spec = replace(spec, verdict=Verdict.BAD, arguments={}, reason=(
                         f"a pre_tool hook rewrote the arguments: {why or 'too large'}"))
                 else:
-                    pc = replace(pc, arguments=rewritten)
+                    spec = replace(spec, arguments=rewritten)
                     budget -= grown
             if folded.deny is not None:
-                pc = replace(pc, verdict=Verdict.DENY, reason=(  # lives in the state row
+                spec = replace(spec, verdict=Verdict.DENY, reason=(  # lives in the state row
                     f"denied by a pre_tool hook: {ev.clip(str(folded.deny), 4096)}"))
-        pcs.append(pc)
-    result = ModelCallResult(**{**result, "items": [
-        i for i in result["items"] if i.get("type") != "function_call"]})
-
-    def mutate(st: Any) -> None:
-        put_calls(st, pcs, only=False)
-        turn.moving_to(TurnPhase.TOOLS)(st)  # requested, not yet decided
-    await turn.commit_model_result(result, items, extra_items=contexts, mutate_more=mutate)
+        specs.append(spec)
+    notices: list[EventSpec] = []
     if dropped:
-        await s.warn(f"the model asked for {len(calls) + len(dropped)} tool calls in one step; "
-                     f"the {len(dropped)} after the first {bounds.MAX_CALLS_PER_STEP} were "
-                     "dropped", turn.submission_id, dropped_calls=len(dropped))
+        notices.append((ev.WARNING, ev.warning(
+            f"the model asked for {len(calls) + len(dropped)} tool calls in one step; "
+            f"the {len(dropped)} after the first {bounds.MAX_CALLS_PER_STEP} were dropped",
+            dropped_calls=len(dropped))))
     for old, fresh, in_step in renamed:
         what = ("to more than one call in one step; the later call" if in_step else
                 "that an earlier call in the session's context has; this call")
-        await s.warn(f"the model gave call_id {old[:100]!r} {what} runs as {fresh!r}",
-                     turn.submission_id, call_id=old[:200], renamed_to=fresh)
+        notices.append((ev.WARNING, ev.warning(
+            f"the model gave call_id {old[:100]!r} {what} runs as {fresh!r}",
+            call_id=old[:200], renamed_to=fresh)))
+    return specs, items, contexts, notices
 
 
-async def tool_round(turn: TurnView) -> None:
-    s = turn.session
-    st = s.state
-    if st.pending_approval is None and any(pc.verdict is None for pc in pending_calls(st)
-                                           if pc.state is CallState.REQUESTED):
-        await _decide(turn)
-    if s.state.pending_approval is not None:
-        await _await_approval(turn)
-    await s.commit(mutate=turn.moving_to(TurnPhase.TOOLS))
-    pcs = pending_calls(s.state)
-    for pc in pcs:
-        if not pc.state.terminal and pc.verdict in _NOT_RUN:
-            await _finish_call(turn, pc.call_id, CallState.FAILED, str(pc.verdict),
-                               f"Tool call not run: {pc.reason}", True, None, executed=False)
-    for pc in pcs:
-        # in flight when the supervisor stopped: the machine's rule for a lost call
-        # (bounded, as a lost worker is: repeated restarts never re-run it unboundedly)
-        if pc.in_flight and not reruns_lost(idempotent_in(s, pc.name), pc.attempt,
-                                            s.config.idempotent_tool_attempts) \
-                and not plants.on("rerun_after_restart"):
-            await _finish_call(turn, pc.call_id, CallState.UNKNOWN, "unknown", RESTART_OUTPUT,
-                               True, None, executed=False)
-    runnable = [pc for pc in pending_calls(s.state)
-                if not pc.state.terminal and pc.verdict is Verdict.ALLOW]
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for pc in runnable:
-                tg.create_task(_run_call(turn, pc.call_id))
-    except BaseExceptionGroup as group:
-        # One call's TurnError (a post_tool hook, the store) ends the round and the
-        # turn; the other calls were cancelled and are closed by the abort.
-        turn_errors = group.subgroup(TurnError)
-        if turn_errors is None:
-            raise
-        first: BaseException = turn_errors
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from group
-
-    def done(st: Any) -> None:
-        st.pending_tool_calls = []
-        turn.moving_to(TurnPhase.PREPARING)(st)
-    await s.commit(mutate=done)
-    await export_boundary(turn, [pc.call_id for pc in pcs])
-
-
-async def _decide(turn: TurnView) -> None:
+async def decide(turn: TurnView, state: TurnState, call_ids: tuple[str, ...]) -> Decided:
     """The approval policy, then permission hooks, for the calls not yet decided;
-    what is still undecided becomes one approval request (committed with it)."""
+    what is still undecided is asked (``Verdict.ASK``) under a fresh approval id."""
     s = turn.session
     approved = frozenset(s.state.approved_for_session)
-    decided: list[PendingCall] = []
-    ask: list[tuple[PendingCall, str]] = []
-    for pc in pending_calls(s.state):
-        if pc.verdict is not None or pc.state is not CallState.REQUESTED:
+    verdicts: list[tuple[str, Verdict, str | None]] = []
+    ask: list[tuple[str, str, dict[str, Any], str]] = []  # (call_id, name, arguments, reason)
+    for call_id in call_ids:
+        pc = state.call(call_id)
+        if pc is None:
             continue
         decision, reason = s.policy.decide(pc.name, dict(pc.arguments), approved)
         if decision is Decision.ALLOW:
-            decided.append(replace(pc, verdict=Verdict.ALLOW, reason=reason))
+            verdicts.append((call_id, Verdict.ALLOW, reason))
         elif decision is Decision.DENY:
-            decided.append(replace(pc, verdict=Verdict.DENY, reason=reason))
+            verdicts.append((call_id, Verdict.DENY, reason))
         else:
-            ask.append((pc, reason))
+            ask.append((call_id, pc.name, dict(pc.arguments), reason))
+    joined = "; ".join(r for *_, r in ask)
     if ask:
-        summary = [{"call_id": pc.call_id, "name": pc.name, "arguments": dict(pc.arguments)}
-                   for pc, _ in ask]
+        summary = [{"call_id": cid, "name": name, "arguments": args}
+                   for cid, name, args, _ in ask]
         folded = await s.hooks.run(HookEvent.PERMISSION_REQUEST, s.sid, turn.turn_id,
-                                   {"calls": summary, "reason": "; ".join(r for _, r in ask)})
+                                   {"calls": summary, "reason": joined})
         if folded.deny is not None:  # any deny wins; no later allow can weaken it
-            decided += [replace(pc, verdict=Verdict.DENY, reason=(
+            verdicts += [(cid, Verdict.DENY, (
                 f"denied by a permission hook: {ev.clip(str(folded.deny), 4096)}"))
-                for pc, _ in ask]
+                for cid, *_ in ask]
             ask = []
         elif folded.allow:
-            decided += [replace(pc, verdict=Verdict.ALLOW,
-                                reason="allowed by a permission hook") for pc, _ in ask]
+            verdicts += [(cid, Verdict.ALLOW, "allowed by a permission hook")
+                         for cid, *_ in ask]
             ask = []
-    if not ask:
-        def decide(st: Any) -> None:
-            put_calls(st, decided)
-            turn.moving_to(TurnPhase.TOOLS)(st)
-        await s.commit(mutate=decide)
-        return
-    decided += [replace(pc, verdict=Verdict.ASK, reason=reason) for pc, reason in ask]
-    approval_id = ev.new_id("approval")
-    approval = {"id": approval_id, "turn_id": turn.turn_id,
-                "calls": [{"call_id": pc.call_id, "name": pc.name,
-                           "arguments": dict(pc.arguments)} for pc, _ in ask],
-                "reason": "; ".join(r for _, r in ask)}
-
-    def mutate(st: Any) -> None:
-        put_calls(st, decided)
-        st.pending_approval = approval
-        turn.moving_to(TurnPhase.AWAITING_APPROVAL)(st)
-    (request, *_) = await s.commit(
-        [(ev.EXEC_APPROVAL_REQUEST, dict(approval), turn.submission_id)], mutate=mutate)
-    s.approval = PendingApproval(approval_id, turn.turn_id, requested_at=request.created_at,
-                                 requested_mono=time.monotonic())
-    crashpoints.reach("approval_wait")
+    verdicts += [(cid, Verdict.ASK, reason) for cid, _, _, reason in ask]
+    return Decided(tuple(verdicts), ev.new_id("approval") if ask else "", joined)
 
 
-async def _await_approval(turn: TurnView) -> None:
-
+async def await_approval(turn: TurnView, approval_id: str,
+                         requested_at: float | None) -> tuple[str, PendingApproval]:
+    """Wait for the user's answer to an open approval request (``requested_at``:
+    the stored time of its ``exec_approval_request``, when this process made it
+    or a resumed turn found it); the answer and its waiter (whose ``applied`` the
+    driver resolves once the answer's verdicts are committed)."""
     s = turn.session
-    pending = s.state.pending_approval
-    assert_pending = pending is not None and pending.get("turn_id") == turn.turn_id
-    if not assert_pending or pending is None:
-        return
     waiter = s.approval
-    if waiter is None or waiter.approval_id != pending["id"]:
-        waiter = PendingApproval(pending["id"], turn.turn_id)
+    if waiter is None or waiter.approval_id != approval_id:
+        waiter = PendingApproval(approval_id, turn.turn_id)
         s.approval = waiter
     if waiter.requested_at is None and waiter.requested_mono is None:
-        # Resumed: the request's time as stored with its event (found by the
-        # resumed turn's scan of its events).
-        waiter.requested_at = turn.approval_requested_at.get(pending["id"])
+        waiter.requested_at = requested_at
     timeout_s = s.config.approval_timeout_s
     left_s = timeout_s
     if timeout_s is not None:
         elapsed_s = waiter.elapsed_s()
         if elapsed_s is None:  # its event is beyond the resume scan: count from now
             log.warning("session %s: approval %s: request time unknown; its timeout "
-                        "counts from now", s.sid, pending["id"])
+                        "counts from now", s.sid, approval_id)
             waiter.requested_mono = time.monotonic()
             elapsed_s = 0.0
         # Already past: a zero timeout still takes an answer that is already
@@ -306,182 +250,63 @@ async def _await_approval(turn: TurnView) -> None:
         decision = waiter.future.result() if done else "timed_out"
     finally:
         s.approval = None
-    try:
-        await _apply_answer(turn, pending, decision, timeout_s)
-    finally:
-        if not waiter.applied.done():  # the answer's submit is acknowledged now
-            waiter.applied.set_result(None)
+    return decision, waiter
 
 
-async def _apply_answer(turn: TurnView, pending: dict[str, Any], decision: str,
-                        timeout_s: float | None) -> None:
-    """Commit the verdicts an approval's answer (or its timeout) gives its calls."""
-    s = turn.session
-    asked = {c["call_id"] for c in pending["calls"]}
-    if decision == "abort":
-        raise TurnRejected("the user aborted the turn at the approval request")
-    events = []
-    if decision == "timed_out":
-        events = [(ev.WARNING, ev.warning(
-            f"approval request {pending['id']} was not answered within {timeout_s:g}s; "
-            "its calls were denied", approval_id=pending["id"]), turn.submission_id)]
-
-    def mutate(st: Any) -> None:
-        answered: list[PendingCall] = []
-        for pc in pending_calls(st):
-            if pc.call_id not in asked:
-                continue
-            if decision in ("approved", "approved_for_session"):
-                answered.append(replace(pc, verdict=Verdict.ALLOW,
-                                        reason=f"{decision} by the user"))
-                key = call_key(pc.name, dict(pc.arguments))
-                if decision == "approved_for_session" and key not in st.approved_for_session:
-                    st.approved_for_session.append(key)
-            elif decision == "timed_out":
-                answered.append(replace(pc, verdict=Verdict.DENY, reason=(
-                    f"denied: the approval request was not answered within {timeout_s:g}s")))
-            else:
-                answered.append(replace(pc, verdict=Verdict.DENY, reason="denied by the user"))
-        put_calls(st, answered)
-        st.pending_approval = None
-        turn.moving_to(TurnPhase.TOOLS)(st)
-    await s.commit(events, mutate=mutate)
+def acknowledge(waiter: PendingApproval) -> None:
+    """The answer's submit returns now (its verdicts are committed, or the turn
+    ended without them)."""
+    if not waiter.applied.done():
+        waiter.applied.set_result(None)
 
 
-async def _run_call(turn: TurnView, call_id: str) -> None:
+async def run_call(turn: TurnView, call: CallTool, results: Results) -> None:
+    """Perform one ``CallTool``: its first output is ``ToolStarted`` (the
+    delta is shown once that state is committed), its answer ``ToolReplied``
+    after the post_tool hooks, a failure ``ToolFailed``."""
     s = turn.session
     cfg = s.config
-    pc = call_of(s.state, call_id)
-    name = pc.name
-    while True:
-        attempt = call_of(s.state, call_id).attempt + 1
+    call_id = call.call_id
+    started = False
 
-        def dispatch(st: Any, attempt: int = attempt) -> None:
-            put_calls(st, [call_of(st, call_id).moved(CallState.DISPATCHED, attempt=attempt)])
-        await s.commit([(ev.TOOL_CALL_BEGIN, {"turn_id": turn.turn_id, "call_id": call_id,
-                                              "name": name, "arguments": dict(pc.arguments),
-                                              "attempt": attempt}, turn.submission_id)],
-                       mutate=dispatch)
-        started = False
+    async def on_partial(chunk: Any) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            committed = asyncio.get_running_loop().create_future()
+            await results.put((ToolStarted(call_id), committed))
+            await committed
+        if isinstance(chunk, dict):
+            data = chunk.get("data", b"")
+            text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+            s.publish_live(ev.TOOL_CALL_OUTPUT_DELTA, {
+                "turn_id": turn.turn_id, "call_id": call_id,
+                "stream": chunk.get("stream", "stdout"), "text": text[:65536]},
+                turn.submission_id)
 
-        async def on_partial(chunk: Any) -> None:
-            nonlocal started
-            if not started:
-                started = True
-
-                def start(st: Any) -> None:
-                    put_calls(st, [call_of(st, call_id).moved(CallState.STARTED)])
-                await s.commit(mutate=start)
-                crashpoints.reach("tool_running")
-            if isinstance(chunk, dict):
-                data = chunk.get("data", b"")
-                text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
-                s.publish_live(ev.TOOL_CALL_OUTPUT_DELTA, {
-                    "turn_id": turn.turn_id, "call_id": call_id,
-                    "stream": chunk.get("stream", "stdout"), "text": text[:65536]},
-                    turn.submission_id)
-
-        request = outside_request(s, base_request(s, call_id, name, dict(pc.arguments)))
-        try:
-            result = await call_tool(s.manager.broker, request,
-                                     budget_s=turn.budget_s(cfg.tool_call_budget_s),
-                                     attempt=attempt, on_partial=on_partial,
-                                     cancel_grace_s=cfg.cancel_grace_s)
-        except CallFailed as f:
-            if f.worker_lost and reruns_lost(idempotent_in(s, name), attempt,
-                                             cfg.idempotent_tool_attempts):
-                continue
-            if f.worker_lost:
-                await _finish_call(turn, call_id, CallState.UNKNOWN, "unknown", LOST_OUTPUT,
-                                   True, None, executed=False, error=f)
-            else:
-                await _finish_call(turn, call_id, CallState.FAILED, "failed",
-                                   f"Tool call failed ({f.kind}): {f.message}", True, None,
-                                   executed=False, error=f)
-            return
-        is_error = bool(result.get("is_error"))
-        await _finish_call(turn, call_id, CallState.FAILED if is_error else CallState.OK,
-                           str(result.get("outcome", "error" if is_error else "ok")),
-                           result["output"], is_error, result, executed=True)
+    request = outside_request(s, base_request(s, call_id, call.name, dict(call.arguments)))
+    try:
+        result = await call_tool(s.manager.broker, request, budget_s=call.budget_s,
+                                 attempt=call.attempt, on_partial=on_partial,
+                                 cancel_grace_s=cfg.cancel_grace_s)
+    except CallFailed as f:
+        await results.put((ToolFailed(call_id, f.failure), None))
         return
-
-
-async def _finish_call(turn: TurnView, call_id: str, state: CallState, outcome: str,
-                       output: str, is_error: bool, result: ToolCallResult | None, *,
-                       executed: bool, error: CallFailed | None = None) -> None:
-    s = turn.session
-    pc = call_of(s.state, call_id)
-    contexts: list[dict[str, Any]] = []
-    if executed:  # post_tool runs only after a real execution
-        folded = await s.hooks.run(HookEvent.POST_TOOL, s.sid, turn.turn_id, {
-            "call_id": call_id, "name": pc.name, "arguments": dict(pc.arguments),
-            "output": output, "is_error": is_error})
-        if folded.output is not None:
-            output = folded.output
-        contexts = [context_item("post_tool_hook", c) for c in folded.contexts]
-    isolation = result.get("isolation") if result else None
+    is_error = bool(result.get("is_error"))
+    output = result["output"]
+    # post_tool runs only after a real execution
+    folded = await s.hooks.run(HookEvent.POST_TOOL, s.sid, turn.turn_id, {
+        "call_id": call_id, "name": call.name, "arguments": dict(call.arguments),
+        "output": output, "is_error": is_error})
+    if folded.output is not None:
+        output = folded.output
+    isolation = result.get("isolation")
     tier = isolation.get("tier") if isinstance(isolation, dict) else None
-    turn.note_tool_call(state, tier if isinstance(tier, str) else None)
-    item: dict[str, Any] = {"type": "function_call_output", "call_id": call_id,
-                            "output": output}
-    if is_error:
-        item["is_error"] = True
-    payload: dict[str, Any] = {
-        "turn_id": turn.turn_id, "call_id": call_id, "name": pc.name,
-        "output": ev.clip(output), "is_error": is_error, "outcome": outcome,
-        "state": str(state), "isolation": isolation, "attempt": pc.attempt}
-    if result is not None:
-        for key in ("exit_code", "signal", "duration_s", "truncated", "error_kind"):
-            if key in result:
-                payload[key] = result[key]
-    if error is not None:
-        payload["error"] = ev.error(error.failure)
-
-    def mutate(st: Any) -> None:
-        put_calls(st, [call_of(st, call_id).moved(state, outcome=outcome)])
-        if st.active_turn is not None:
-            st.active_turn = turn.checkpoint_turn(TurnPhase(st.active_turn["phase"]))
-    await s.commit([(ev.TOOL_CALL_END, payload, turn.submission_id)],
-                   items=[item, *contexts], execution=turn.execution("running"), mutate=mutate)
-    crashpoints.reach("tool_result")
-
-
-def close_open_calls(turn: TurnView, message: str) -> list[dict[str, Any]]:
-    """Outputs for every call an abort left open (the context stays well-formed)."""
-    items = []
-    for pc in pending_calls(turn.session.state):
-        if pc.state.terminal:
-            continue
-        text = f"Tool call not completed: {message}."
-        if pc.in_flight:
-            text += " It was cancelled while running; its effect may be partial."
-        items.append({"type": "function_call_output", "call_id": pc.call_id,
-                      "output": text, "is_error": True})
-    return items
-
-
-_NOT_RUN = frozenset({Verdict.DENY, Verdict.MISSING, Verdict.BAD})
-
-
-def pending_calls(st: CheckpointState) -> list[PendingCall]:
-    """The round's calls, typed: ``CheckpointState.pending_tool_calls`` holds
-    exactly their ``PendingCall.to_json()`` (written only by ``put_calls``)."""
-    return [PendingCall.from_json(d) for d in st.pending_tool_calls]
-
-
-def call_of(st: CheckpointState, call_id: str) -> PendingCall:
-    for d in st.pending_tool_calls:
-        if d["call_id"] == call_id:
-            return PendingCall.from_json(d)
-    raise KeyError(f"no pending tool call {call_id!r}")  # a bug: ids come from the state
-
-
-def put_calls(st: CheckpointState, calls: Sequence[PendingCall], *, only: bool = True) -> None:
-    """Store ``calls`` in the state: replacing the calls of the same id
-    (``only``), or as the round's whole list."""
-    if not only:
-        st.pending_tool_calls = [c.to_json() for c in calls]
-        return
-    by_id = {c.call_id: c for c in calls}
-    st.pending_tool_calls = [by_id[d["call_id"]].to_json() if d["call_id"] in by_id else d
-                             for d in st.pending_tool_calls]
+    turn.note_tier(tier if isinstance(tier, str) else None)
+    details: dict[str, Any] = {"isolation": isolation}
+    for key in ("exit_code", "signal", "duration_s", "truncated", "error_kind"):
+        if key in result:
+            details[key] = result[key]
+    await results.put((ToolReplied(
+        call_id, is_error, str(result.get("outcome", "error" if is_error else "ok")), output,
+        details, tuple(context_item("post_tool_hook", c) for c in folded.contexts)), None))

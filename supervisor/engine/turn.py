@@ -9,18 +9,28 @@ it at any await (model stream, tool calls, approval wait, a slow hook) and
 still finish the turn cleanly: partial output is kept, open tool calls get an
 output, an open compaction notice is closed, then ``turn_aborted(interrupted)``.
 
-Body (re-entrant from the persisted phase, which is how crash resume works)::
+The turn machine (``machine.py``) decides; this driver performs. ``feed``
+steps the machine with an event and performs the returned actions in order
+(``Commit``: one ``Session.commit`` of the machine's state with the carried
+events, items and writes; ``CallModel``; ``Decide``; ``AskApproval``;
+``CallTool`` as a task; ``Cancel``; ``Export``; ``Wait``; ``Finish``),
+feeding each result back as an event, until the machine hands the turn back
+for the hooks the driver runs (``RunHook``: pre_model, stop) or it ended.
+What the driver still does around the machine: starting the turn from its
+admitted input, compaction (``compaction.py``), the pre_model and
+model_request hooks and building the request, the stop hooks, and closing
+what a crash left open in the journal before ``resume``::
 
     STARTING   the admitted input (user_prompt_submit already ran at admission,
                ``Session.admit``) is committed with turn_started + user_message
     loop:
-      PREPARING  compaction (threshold or compact op), pre_model, model_request
-      MODEL_CALL model step (bounded retries on worker loss / retryable failures),
-                 usage observer, pre_tool hooks; commit items + requested calls
-      TOOLS      approvals (AWAITING_APPROVAL), parallel dispatch, outputs in
-                 completion order; then export at the tool boundary
-      STOPPING   stop hooks may ask for one bounded continuation
-    COMPLETED | ABORTED | FAILED
+      PREPARING  compaction (threshold or compact op), pre_model, model_request;
+                 then feed(Prepared): the machine runs the model step (retries),
+                 the tool round (policy, approvals, dispatch, lost calls, its
+                 end and export) and hands back pre_model or stop
+      STOPPING   stop hooks; feed(StopDone): one bounded continuation or the end
+    an interrupt, the time limit or a failure: ``end`` feeds it to the machine
+    from the checkpoint's state, which decides the ending (``Finish``)
 
 Invariants:
 - Every step commits (``Session.commit``) before its events are visible; the
@@ -28,6 +38,9 @@ Invariants:
   updated in the same commit as the events that reflect them.
 - A ``TurnError`` fails the turn with an ``error`` event, an execution record
   (outcome failed) and ``turn_aborted(failed)``; the session stays usable.
+- The turn's counters, phase, calls and approval are written only by the
+  machine's ``Commit`` (and ``moving_to`` for the phases the driver still
+  moves: starting, compacting); the checkpoint is the machine's state.
 - Usage reaches the checkpoint only after the usage observer accepted it.
 """
 
@@ -40,25 +53,62 @@ from dataclasses import replace
 from typing import Any
 
 from broker import plants  # chaos plant switches (broker/plants.py)
+from broker.protocol import Failure, FailureKind
 from sandbox_worker.api import TIER_ORDER, ModelCallResult, Usage, add_usage, empty_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
 from supervisor.engine.calls import call_model
 from supervisor.engine.compaction import close_notice, maybe_compact, settle
-from supervisor.engine.errors import (
-    CallFailed,
-    HookFailed,
-    ModelCallFailed,
-    TurnError,
-    TurnLimitExceeded,
-)
+from supervisor.engine.errors import CallFailed, HookFailed, TurnError
+from supervisor.engine.exporting import export_boundary
 from supervisor.engine.hooks import HookEvent, context_item
-from supervisor.engine.machine import MIN_REQUEST_BUDGET_S, ActiveTurn, retries
-from supervisor.engine.phases import CallState, TurnPhase, advance_phase
+from supervisor.engine.machine import (
+    MIN_REQUEST_BUDGET_S,
+    Abort,
+    Action,
+    ActiveTurn,
+    ApprovalAnswered,
+    AskApproval,
+    CallModel,
+    CallSpec,
+    CallTool,
+    Cancel,
+    Commit,
+    Compact,
+    Decide,
+    Done,
+    Ending,
+    Event,
+    EventSpec,
+    Export,
+    Finish,
+    Interrupt,
+    Limits,
+    ModelFailed,
+    ModelReplied,
+    Prepared,
+    Publish,
+    Rejected,
+    RunHook,
+    StopDone,
+    TurnState,
+    TurnTimedOut,
+    Wait,
+    resume,
+    step,
+)
+from supervisor.engine.phases import TurnPhase, advance_phase
 from supervisor.engine.ports import Mutate, Provisional, TurnRejected, TurnStopped
-from supervisor.engine.session import Session, Work
+from supervisor.engine.session import PendingApproval, Session, Work
 from supervisor.engine.tooling import discover, offered_schemas
-from supervisor.engine.toolround import close_open_calls, prepare_calls, tool_round
+from supervisor.engine.toolround import (
+    Results,
+    acknowledge,
+    await_approval,
+    decide,
+    prepare_calls,
+    run_call,
+)
 from supervisor.store.records import ExecutionRecord, SubmissionId, TurnId
 
 log = logging.getLogger(__name__)
@@ -85,8 +135,10 @@ class Turn:
         self.force_compact = kind == "compact"
         self.provisional: Provisional | None = None
         self.open_block: str | None = None  # compaction notice awaiting its completion
-        self.open_step = False  # a model_step_started without its final completion
         self.finishing = False
+        self.ended = False  # the ending is committed
+        self._limits: Limits | None = None
+        self._model_request: dict[str, Any] = {}  # the prepared request (``CallModel``)
         self.last_message = ""
         # approval id -> created_at of its stored exec_approval_request (resumed turns)
         self.approval_requested_at: dict[str, float] = {}
@@ -140,47 +192,27 @@ class Turn:
         self.record = replace(self.record, phase=phase)
         return {**self.record.to_json(), "usage": _usage_dict(self.usage)}
 
-    # The record's fields, read and written as the turn's own (frozen record:
-    # a write replaces it).
+    # The record's fields, read as the turn's own: only the machine's commits
+    # (and ``moving_to``) replace the record.
     @property
     def model_steps(self) -> int:
         return self.record.model_steps
-
-    @model_steps.setter
-    def model_steps(self, value: int) -> None:
-        self.record = replace(self.record, model_steps=value)
 
     @property
     def model_calls(self) -> int:
         return self.record.model_calls
 
-    @model_calls.setter
-    def model_calls(self, value: int) -> None:
-        self.record = replace(self.record, model_calls=value)
-
     @property
     def tool_calls(self) -> int:
         return self.record.tool_calls
-
-    @tool_calls.setter
-    def tool_calls(self, value: int) -> None:
-        self.record = replace(self.record, tool_calls=value)
 
     @property
     def failed_tool_calls(self) -> int:
         return self.record.failed_tool_calls
 
-    @failed_tool_calls.setter
-    def failed_tool_calls(self, value: int) -> None:
-        self.record = replace(self.record, failed_tool_calls=value)
-
     @property
     def continuations(self) -> int:
         return self.record.continuations
-
-    @continuations.setter
-    def continuations(self, value: int) -> None:
-        self.record = replace(self.record, continuations=value)
 
     @property
     def started_at(self) -> float:
@@ -195,16 +227,9 @@ class Turn:
         """Call ids per completed tool round (a copy)."""
         return [list(r) for r in self.record.tool_rounds]
 
-    def add_tool_round(self, call_ids: list[str]) -> None:
-        self.record = replace(self.record,
-                              tool_rounds=(*self.record.tool_rounds, tuple(call_ids)))
-
-    def note_tool_call(self, state: CallState, tier: str | None) -> None:
-        """Count an ended tool call, and the weakest sandbox tier seen (the
-        execution record's); committed with the call's end."""
-        self.record = replace(self.record, tool_calls=self.record.tool_calls + 1,
-                              failed_tool_calls=self.record.failed_tool_calls
-                              + (state is not CallState.OK))
+    def note_tier(self, tier: str | None) -> None:
+        """The weakest sandbox tier a tool call of the turn ran at (the execution
+        record's)."""
         if tier is not None and (self.sandbox_tier is None or TIER_ORDER.get(tier, 0)
                                  < TIER_ORDER.get(self.sandbox_tier, 0)):
             self.sandbox_tier = tier
@@ -231,7 +256,7 @@ class Turn:
                     s.pending_interrupt = None
                     self.interrupt()
             if task.cancelled():
-                await self._finish_aborted(ev.ABORT_INTERRUPTED, "interrupted by the user")
+                await self.end(Interrupt())
         finally:
             s.turn = None
             s.turn_task = None
@@ -250,53 +275,200 @@ class Turn:
                 finally:
                     self._limit = None  # out of its scope: nothing may reschedule it
         except TurnRejected as exc:
-            await self._finish_aborted(ev.ABORT_REJECTED, str(exc))
+            await self.end(Rejected(str(exc)))
         except TurnStopped as exc:
-            await self.session.warn(str(exc), self.submission_id)
-            await self._finish_completed()
+            await self.end(Done(str(exc)))
         except TurnError as exc:
-            await self._finish_aborted(ev.ABORT_FAILED, str(exc), error=exc)
+            await self.end(Abort(exc.failure))
         except TimeoutError:
-            exc2 = TurnLimitExceeded(
-                f"the turn ran longer than {self.session.config.max_turn_s}s")
-            await self._finish_aborted(ev.ABORT_FAILED, str(exc2), error=exc2)
+            await self.end(TurnTimedOut())
         except Exception:  # the turn's boundary: a bug fails this turn, cleanly
             log.exception("session %s turn %s: unexpected error", self.session.sid,
                           self.turn_id)
-            await self._finish_aborted(
-                ev.ABORT_FAILED, "internal error in the supervisor",
-                error=TurnError("internal error in the supervisor; see its log"))
+            await self.end(Abort(Failure(FailureKind.INTERNAL,
+                                         "internal error in the supervisor; see its log"),
+                                 "internal error in the supervisor"))
 
     async def _body(self) -> None:
         if self.resumed:
             await self._close_what_the_crash_left_open()
             self._limit_from_start()
-        if not self.resumed:
-            if self.kind == "compact":
-                await self.session.commit(
-                    [(ev.TURN_STARTED, {"turn_id": self.turn_id, "kind": "compact"},
-                      self.submission_id)],
-                    execution=self.execution("running"),
-                    mutate=self.moving_to(TurnPhase.STARTING))
-                await self.session.commit(mutate=self.moving_to(TurnPhase.PREPARING))
-            else:
-                await self._start_with_input()
-        if self.phase in (TurnPhase.AWAITING_APPROVAL, TurnPhase.TOOLS):
-            await tool_round(self)
-        elif self.phase is TurnPhase.STOPPING:
-            # The final answer is durable: finish the turn from it.
-            self.last_message = _last_assistant_text(self.session.context)
-            if await self._stopping():
-                await self._finish_completed()
-                if plants.on("double_turn_end"):  # chaos plant: ends the turn again
-                    await self._finish_completed()
-                return
-        elif self.phase is not TurnPhase.PREPARING:
-            # mid model call / compaction / stop hooks: re-issue the step
+            stopping = self.phase is TurnPhase.STOPPING
+            if stopping:  # the final answer is durable: finish the turn from it
+                self.last_message = _last_assistant_text(self.session.context)
+            handback = await self.feed(None)
+            if stopping and handback == "stop":
+                handback = await self._stopping()
+                if handback == "ended" and plants.on("double_turn_end"):
+                    await self._finish_completed()  # chaos plant: ends the turn again
+        elif self.kind == "compact":
+            await self.session.commit(
+                [(ev.TURN_STARTED, {"turn_id": self.turn_id, "kind": "compact"},
+                  self.submission_id)],
+                execution=self.execution("running"),
+                mutate=self.moving_to(TurnPhase.STARTING))
             await self.session.commit(mutate=self.moving_to(TurnPhase.PREPARING))
-        while not await self._step():
-            pass
-        await self._finish_completed()
+            handback = "pre_model"
+        else:
+            await self._start_with_input()
+            handback = "pre_model"
+        while handback != "ended":
+            handback = await (self._stopping() if handback == "stop" else self._step())
+
+    # ------------------------------------------------------- the machine
+
+    def machine_state(self) -> TurnState:
+        """The machine's state: exactly the checkpoint's (a turn whose first commit
+        has not happened yet: its starting record)."""
+        st = self.session.state
+        state = TurnState.from_checkpoint({"active_turn": st.active_turn,
+                                           "pending_tool_calls": st.pending_tool_calls,
+                                           "pending_approval": st.pending_approval})
+        return state if state is not None else TurnState(self.record)
+
+    async def feed(self, event: Event | None) -> str:
+        """Step the machine with ``event`` (None: ``resume``) and perform its
+        actions in order, feeding their results back as events, until it hands
+        the turn back: "pre_model" or "stop" (the driver's hooks run next) or
+        "ended" (``Finish`` was performed). Tool calls run as tasks of this
+        loop; everything else is performed in turn."""
+        state = self.machine_state()
+        limits = self.limits
+        results: Results = asyncio.Queue()
+        tools: dict[str, asyncio.Task[None]] = {}
+        handback = ""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                if event is None:
+                    if plants.on("rerun_after_restart"):  # chaos plant: in-flight calls rerun
+                        state = replace(state, calls=tuple(
+                            replace(c, idempotent=True, attempt=0) if c.in_flight else c
+                            for c in state.calls))
+                    state, actions = resume(state, limits, time.time())
+                else:
+                    state, actions = step(state, event, limits, time.time())
+                ack: asyncio.Future[None] | None = None  # a tool task waits for its commit
+                answered: PendingApproval | None = None  # an answer waits for its commit
+                while True:
+                    got: tuple[Event, PendingApproval | None] | None = None
+                    try:
+                        for a in actions:
+                            if isinstance(a, RunHook):
+                                handback = a.hook
+                            elif isinstance(a, Finish):
+                                handback = "ended"
+                            got = await self._perform(a, state, tg, tools, results) or got
+                    finally:
+                        if ack is not None and not ack.done():
+                            ack.set_result(None)
+                        if answered is not None:
+                            acknowledge(answered)
+                    ack = answered = None
+                    if handback == "ended":
+                        return handback
+                    if got is not None:
+                        nxt, answered = got
+                    else:
+                        if handback and not any(c.in_flight for c in state.calls):
+                            return handback
+                        nxt, ack = await results.get()
+                    state, actions = step(state, nxt, limits, time.time())
+        except BaseExceptionGroup as group:
+            # One call's TurnError (a post_tool hook, the store) ends the round and the
+            # turn; the other calls were cancelled and are closed by the ending.
+            turn_errors = group.subgroup(TurnError)
+            if turn_errors is None:
+                raise
+            first: BaseException = turn_errors
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from group
+
+    async def _perform(self, a: Action, state: TurnState, tg: asyncio.TaskGroup,
+                       tools: dict[str, asyncio.Task[None]], results: Results
+                       ) -> tuple[Event, PendingApproval | None] | None:
+        """Perform one action; an action answered at once returns its event (and,
+        for an approval, the waiter to acknowledge once its answer is committed)."""
+        match a:
+            case Commit():
+                await self._commit(a)
+            case Publish():
+                pass  # Session.commit shows what it committed, right after the commit
+            case RunHook():
+                pass  # handed back to the driver (``feed`` returns)
+            case Wait(delay_s):
+                await asyncio.sleep(delay_s)
+            case CallModel():
+                return await self._call_model(a), None
+            case Decide(call_ids):
+                return await decide(self, state, call_ids), None
+            case AskApproval(approval_id):
+                decision, waiter = await await_approval(
+                    self, approval_id, self.approval_requested_at.get(approval_id))
+                return ApprovalAnswered(approval_id, decision), waiter
+            case CallTool(call_id):
+                tools[call_id] = tg.create_task(run_call(self, a, results),
+                                                name=f"tool-{call_id}")
+            case Cancel(_, call_ids):
+                # a model call is awaited in place: only tool calls can be in flight
+                for call_id in call_ids:
+                    running = tools.get(call_id)
+                    if running is not None:
+                        running.cancel()
+            case Export(_, call_ids):
+                await export_boundary(self, list(call_ids))
+            case Finish():
+                await self._finish(a)
+            case Compact():  # compaction is still run by ``compaction.maybe_compact``
+                raise RuntimeError("the driver does not run compaction through the machine")
+        return None
+
+    async def _commit(self, a: Commit) -> None:
+        """``Commit``: the machine's state is the checkpoint's turn, calls and
+        approval; the driver's write, items and events go in the same step."""
+        s = self.session
+        self.record = a.state.turn
+        cp = a.state.to_checkpoint()
+        turn = {**cp["active_turn"], "usage": _usage_dict(self.usage)}
+
+        def mutate(st: Any) -> None:
+            if a.write is not None:
+                a.write(st)
+            st.active_turn = turn
+            st.pending_tool_calls = cp["pending_tool_calls"]
+            st.pending_approval = cp["pending_approval"]
+            for key in a.approve:
+                if key not in st.approved_for_session:
+                    st.approved_for_session.append(key)
+        records = await s.commit(
+            [(name, dict(payload), self.submission_id) for name, payload in a.events],
+            items=[dict(i) for i in a.items] or None,
+            execution=self.execution("running") if a.execution else None, mutate=mutate)
+        for r in records:
+            if r.type == ev.EXEC_APPROVAL_REQUEST:
+                self.approval_requested_at[str(r.payload.get("id"))] = r.created_at
+        if a.point is not None:
+            crashpoints.reach(a.point)
+
+    async def end(self, event: Event) -> None:
+        """End the turn from outside the machine's loop (an interrupt, the time
+        limit, a failure): the machine decides the ending from the checkpoint."""
+        if self.ended:
+            return
+        _, actions = step(self.machine_state(), event, self.limits, time.time())
+        for a in actions:
+            if isinstance(a, Finish):
+                await self._finish(a)
+
+    @property
+    def limits(self) -> Limits:
+        if self._limits is None:
+            cfg = self.session.config
+            self._limits = Limits(cfg.max_model_steps, cfg.max_turn_s, cfg.model_attempts,
+                                  cfg.idempotent_tool_attempts, cfg.stop_continuations,
+                                  cfg.model_call_budget_s, cfg.tool_call_budget_s,
+                                  cfg.model_retry_delay_s, cfg.approval_timeout_s)
+        return self._limits
 
     def budget_s(self, cap_s: float) -> float:
         """The budget of a request the turn makes: what is left of the turn's own
@@ -394,18 +566,15 @@ class Turn:
 
     # ----------------------------------------------------------------- step
 
-    async def _step(self) -> bool:
-        """One model step; True when the turn is done."""
+    async def _step(self) -> str:
+        """Prepare one model step (compaction, pre_model and model_request hooks)
+        and feed it to the machine; what it hands back next."""
         s = self.session
-        cfg = s.config
-        if self.model_steps >= cfg.max_model_steps:
-            raise TurnLimitExceeded(f"the turn reached its limit of {cfg.max_model_steps} "
-                                    "model steps")
         await maybe_compact(self)
         if self.kind == "compact":
             if self.provisional is not None:
                 await settle(self, "success")
-            return True
+            return await self.feed(Done())
         context = self.provisional.context if self.provisional else s.context
         pre = await s.hooks.run(HookEvent.PRE_MODEL, s.sid, self.turn_id,
                                 {"context": context, "step": self.model_steps + 1})
@@ -432,32 +601,18 @@ class Turn:
             # The request was built on the provisional context, which is exactly what
             # settles (with its breakpoint): the decorated request stays as it is.
             await settle(self, "success")
-        result = await self._model_call(request)
-        calls = [i for i in result["items"] if i.get("type") == "function_call"]
-        if calls:
-            await prepare_calls(self, result, calls)
-            crashpoints.reach("model_reply")
-            await tool_round(self)
-            return False
-        # The final answer and the move to STOPPING are one commit: a restart
-        # after it finishes the turn and never asks the model again.
-        await self.commit_model_result(result, [],
-                                        mutate_more=self.moving_to(TurnPhase.STOPPING))
-        crashpoints.reach("final_answer")
-        return await self._stopping()
+        self._model_request = request
+        return await self.feed(Prepared(s.route_name))
 
-    async def _stopping(self) -> bool:
-        """Stop hooks after the final answer; True when the turn is done."""
+    async def _stopping(self) -> str:
+        """Stop hooks after the final answer; the machine decides whether they
+        continue the turn (one bounded continuation) or it completes."""
         s = self.session
         stop = await s.hooks.run(HookEvent.STOP, s.sid, self.turn_id,
                                  {"last_message": self.last_message,
                                   "continuations": self.continuations})
-        if stop.continue_with and self.continuations < s.config.stop_continuations:
-            self.continuations += 1
-            await s.commit(items=[context_item("stop_hook", stop.continue_with)],
-                           mutate=self.moving_to(TurnPhase.PREPARING))
-            return False
-        return True
+        item = context_item("stop_hook", stop.continue_with) if stop.continue_with else None
+        return await self.feed(StopDone(item))
 
     def _note_rewrite(self, reasons: list[str]) -> Any:
         def mutate(st: Any) -> None:
@@ -484,42 +639,30 @@ class Turn:
 
     # ----------------------------------------------------------- model call
 
-    async def _model_call(self, request: dict[str, Any]) -> ModelCallResult:
+    async def _call_model(self, call: CallModel) -> Event:
+        """``CallModel``: the prepared request, sent; ``ModelReplied`` (after the
+        usage observer, which may veto, and the pre_tool hooks) or ``ModelFailed``."""
         s = self.session
-        cfg = s.config
-        attempt = 1
-        self.model_steps += 1
-        self.model_calls += 1
-        step = self.model_steps
-        while True:
-            self.partial_text = ""
-            await s.commit([(ev.MODEL_STEP_STARTED,
-                             {"turn_id": self.turn_id, "step": step, "attempt": attempt,
-                              "route": s.route_name}, self.submission_id)],
-                           execution=self.execution("running"),
-                           mutate=self.moving_to(TurnPhase.MODEL_CALL))
-            self.open_step = True
-            crashpoints.reach("model_call_before")
-            try:
-                return await call_model(
-                    s.manager.broker, request, budget_s=self.budget_s(cfg.model_call_budget_s),
-                    attempt=attempt, on_partial=self._on_model_delta,
-                    cancel_grace_s=cfg.cancel_grace_s)
-            except CallFailed as f:
-                again = retries(f.failure, attempt, cfg.model_attempts)
-                outcome = ev.STEP_RETRYING if again else ev.STEP_FAILED
-                await s.commit([(ev.MODEL_STEP_COMPLETED, {
-                    "turn_id": self.turn_id, "step": step, "attempt": attempt,
-                    "outcome": outcome, "diagnostics": {
-                        "error": ev.error(f.failure),
-                        "prompt_cache": self._cache_diagnostics(s.state)}},
-                    self.submission_id)])
-                if not again:
-                    self.open_step = False
-                    raise ModelCallFailed(f"model call failed: {f.kind}: {f.message}",
-                                          kind=f.kind, retryable=f.retryable) from f
-                attempt += 1
-                await asyncio.sleep(cfg.model_retry_delay_s * attempt)
+        self.partial_text = ""
+        try:
+            result = await call_model(
+                s.manager.broker, self._model_request, budget_s=call.budget_s,
+                attempt=call.attempt, on_partial=self._on_model_delta,
+                cancel_grace_s=s.config.cancel_grace_s)
+        except CallFailed as f:
+            return ModelFailed(f.failure, {"prompt_cache": self._cache_diagnostics(s.state)},
+                               s.route_name)
+        calls: list[CallSpec] = []
+        call_items: list[dict[str, Any]] = []
+        contexts: list[dict[str, Any]] = []
+        notices: list[EventSpec] = []
+        if any(i.get("type") == "function_call" for i in result["items"]):
+            calls, call_items, contexts, notices = await prepare_calls(self, result)
+            result = ModelCallResult(**{**result, "items": [
+                i for i in result["items"] if i.get("type") != "function_call"]})
+        events, items, write = await self._model_step(result, call_items, contexts)
+        return ModelReplied(tuple(calls), self.last_message, events, items, write,
+                            tuple(notices))
 
     async def _on_model_delta(self, delta: Any) -> None:
         if not isinstance(delta, dict):
@@ -554,11 +697,13 @@ class Turn:
                 "outcome": "prefix_reuse" if st.cache_breakpoint is not None else "cold",
                 "rewrite_reasons": []}
 
-    async def commit_model_result(self, result: ModelCallResult,
-                                   call_items: list[dict[str, Any]],
-                                   extra_items: list[dict[str, Any]] | None = None,
-                                   mutate_more: Mutate | None = None) -> None:
-        """Commit a model step: observer first (it may veto), then items + usage."""
+    async def _model_step(self, result: ModelCallResult, call_items: list[dict[str, Any]],
+                          extra_items: list[dict[str, Any]]
+                          ) -> tuple[tuple[EventSpec, ...], tuple[dict[str, Any], ...],
+                                     Mutate]:
+        """A model step's commit, as the machine carries it: the usage observer
+        first (it may veto), then the step's events, its items (assistant items,
+        pre_tool contexts, function calls) and the usage and cache bookkeeping."""
         s = self.session
         usage: Usage = result["usage"]
         await s.manager.observe_usage(s.route_name, usage)
@@ -571,36 +716,39 @@ class Turn:
         diagnostics = {"prompt_cache": self._cache_diagnostics(s.state),
                        "stop_reason": result.get("stop_reason"),
                        "retries": result.get("retries", 0), "model": result.get("model")}
-        events: list[tuple[str, dict[str, Any], SubmissionId | None]] = []
+        events: list[EventSpec] = []
         if text:
-            events.append((ev.AGENT_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text)},
-                           self.submission_id))
+            events.append((ev.AGENT_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text)}))
         events.append((ev.MODEL_STEP_COMPLETED, {
             "turn_id": self.turn_id, "step": self.model_steps, "outcome": ev.STEP_COMPLETED,
-            "diagnostics": diagnostics}, self.submission_id))
-        all_items = [*items, *(extra_items or []), *call_items]
+            "diagnostics": diagnostics}))
+        all_items = [*items, *extra_items, *call_items]
 
-        def mutate(st: Any) -> None:
+        def write(st: Any) -> None:
             st.total_usage = dict(add_usage(st.total_usage, usage))
             st.last_usage = dict(usage)
             if st.last_rewrite is not None:
                 st.last_rewrite = {**st.last_rewrite, "reported": True}
             # the stable prefix for the next request ends with this step's last item
             st.cache_breakpoint = len(s.context) + len(all_items) - 1
-            if mutate_more is not None:
-                mutate_more(st)
-            st.active_turn = self.checkpoint_turn(TurnPhase(st.active_turn["phase"]))
         route = s.manager.route(s.route_name)
         events.append((ev.TOKEN_COUNT, {
             "turn_id": self.turn_id, "last": dict(usage),
             "total": dict(add_usage(s.state.total_usage, usage)),  # type: ignore[arg-type]
-            "context_window": route.get("context_window")}, self.submission_id))
+            "context_window": route.get("context_window")}))
         self.partial_text = ""
-        await s.commit(events, items=all_items or None, execution=self.execution("running"),
-                       mutate=mutate)
-        self.open_step = False
+        return tuple(events), tuple(all_items), write
 
     # ---------------------------------------------------------------- finish
+
+    async def _finish(self, a: Finish) -> None:
+        """``Finish``: the turn's one ending, as the machine decided it."""
+        if a.ending is Ending.COMPLETED:
+            if a.warning is not None:
+                await self.session.warn(a.warning, self.submission_id)
+            await self._finish_completed()
+        else:
+            await self._finish_aborted(a)
 
     async def _finish_completed(self) -> None:
         s = self.session
@@ -611,6 +759,7 @@ class Turn:
                                             "last_agent_message": ev.clip(self.last_message)},
                          self.submission_id)],
                        execution=self.execution("completed"), mutate=_clear_turn)
+        self.ended = True
 
     async def _disarm_limit(self) -> None:
         """A turn that has begun to finish ends once: its limit may no longer
@@ -628,10 +777,11 @@ class Turn:
         else:
             limit.reschedule(None)
 
-    async def _finish_aborted(self, reason: str, message: str,
-                              error: TurnError | None = None) -> None:
+    async def _finish_aborted(self, a: Finish) -> None:
         s = self.session
         self.finishing = True
+        await self._disarm_limit()
+        reason, message = a.reason, a.message
         outcome = "failed" if reason == ev.ABORT_FAILED else "aborted"
         if self.open_block is not None:
             await close_notice(self, "cancelled" if reason == ev.ABORT_INTERRUPTED else "failed")
@@ -644,21 +794,21 @@ class Turn:
             events.append((ev.AGENT_MESSAGE, {"turn_id": self.turn_id, "partial": True,
                                               "text": ev.clip(self.partial_text)},
                            self.submission_id))
-        if self.open_step:
-            self.open_step = False
+        if a.open_step is not None:
             events.append((ev.MODEL_STEP_COMPLETED, {
-                "turn_id": self.turn_id, "step": self.model_steps,
+                "turn_id": self.turn_id, "step": a.open_step,
                 "outcome": ev.STEP_INTERRUPTED if reason == ev.ABORT_INTERRUPTED
                 else ev.STEP_FAILED, "diagnostics": {}}, self.submission_id))
-        items.extend(close_open_calls(self, message))
-        if error is not None:
-            events.append((ev.ERROR, ev.error(error.failure), self.submission_id))
+        items.extend(dict(i) for i in a.outputs)
+        if a.failure is not None:
+            events.append((ev.ERROR, ev.error(a.failure), self.submission_id))
         events.append((ev.TURN_ABORTED, {"turn_id": self.turn_id, "reason": reason,
                                          "message": ev.clip(message, 4096)},
                        self.submission_id))
         await s.commit(events, items=items or None,
                        execution=self.execution(outcome, f"{reason}: {message}"[:1000]),
                        mutate=_clear_turn)
+        self.ended = True
         self.partial_text = ""
         try:
             await self._run_turn_end(outcome)

@@ -41,12 +41,17 @@ from supervisor.engine.machine import (
     Compact,
     CompactionDone,
     CompactionDue,
+    Decide,
+    Decided,
+    Done,
+    Finish,
     Interrupt,
     Limits,
     ModelFailed,
     ModelReplied,
     Prepared,
     Publish,
+    Rejected,
     RunHook,
     StopDone,
     ToolFailed,
@@ -55,6 +60,7 @@ from supervisor.engine.machine import (
     TurnState,
     TurnTimedOut,
     Verdict,
+    Wait,
     resume,
     start,
     step,
@@ -64,11 +70,12 @@ from supervisor.engine.phases import CallState, TurnPhase
 LIMITS = Limits(max_model_steps=8, max_turn_s=500.0, model_attempts=3,
                 idempotent_tool_attempts=2, stop_continuations=1)
 LOST = Failure("worker_lost", "the worker was lost", True)
-ENDINGS = ("turn_complete", "turn_aborted")
 
-# mostly allowed calls, so that tools are often in flight when things go wrong
-verdicts = st.sampled_from([Verdict.ALLOW] * 4 + [Verdict.ASK, Verdict.DENY, Verdict.MISSING,
-                                                  Verdict.BAD])
+# pre_tool verdicts: mostly left to the policy (None: ``Decide``), which mostly allows,
+# so that tools are often in flight when things go wrong
+verdicts = st.sampled_from([None] * 4 + [Verdict.ALLOW, Verdict.DENY, Verdict.MISSING,
+                                         Verdict.BAD])
+policy = st.sampled_from([Verdict.ALLOW] * 3 + [Verdict.ASK, Verdict.DENY])
 calls_st = st.lists(st.tuples(verdicts, st.booleans()), max_size=3)
 rarely = st.integers(0, 5)  # a rule that ends the turn runs when this draws 0
 
@@ -90,6 +97,8 @@ class TurnMachine(RuleBasedStateMachine):
         self.tools_out: set[str] = set()  # tool calls in flight
         self.hook: str | None = None  # the hook the driver is running
         self.asking: str | None = None  # the approval id shown to the user
+        self.deciding: tuple[str, ...] = ()  # calls the policy is deciding
+        self.waits = 0
         self.next_call = 0
         self.feed(Begin())
 
@@ -101,8 +110,7 @@ class TurnMachine(RuleBasedStateMachine):
                 self.durable = a.state
                 self.committed.extend(a.events)
                 self.last_commit_events = a.events
-                self.endings += sum(1 for name, _ in a.events if name in ENDINGS)
-                assert self.endings <= 1, "the turn ended twice"
+                assert not self.endings, "a commit after the end"
                 for name, payload in a.events:
                     if name == "tool_call_end":
                         self.tools_out.discard(payload["call_id"])
@@ -125,13 +133,34 @@ class TurnMachine(RuleBasedStateMachine):
                 self.tools_out.add(a.call_id)
             elif isinstance(a, AskApproval):
                 self.asking = a.approval_id
+            elif isinstance(a, Decide):
+                assert self.durable is not None
+                for cid in a.call_ids:  # decided only once their requests are durable
+                    c = self.durable.call(cid)
+                    assert c is not None, "decided before its commit"
+                    assert c.verdict is None, "decided twice"
+                self.deciding = a.call_ids
             elif isinstance(a, RunHook):
-                self.hook = a.hook if a.hook != "turn_end" else None
+                self.hook = a.hook
+            elif isinstance(a, Wait):
+                self.waits += 1
+            elif isinstance(a, Finish):
+                # every call the round left open gets one output, so the context
+                # stays well-formed
+                open_ = {c.call_id for c in self.before.calls if not c.state.terminal}
+                assert {o["call_id"] for o in a.outputs} == open_, "an open call unclosed"
+                self.endings += 1
+                assert self.endings <= 1, "the turn ended twice"
+                assert self.state.ended
+                self.durable = self.state  # the ending's commit clears the turn
+                self.hook = self.asking = None
+                self.deciding = ()
             elif isinstance(a, Cancel):
                 self.model_out = self.model_out and not a.model
                 self.tools_out -= set(a.call_ids)
 
     def feed(self, event: Any) -> None:
+        self.before = self.state
         self.state, actions = step(self.state, event, LIMITS, self.now)
         self.perform(actions)
 
@@ -168,9 +197,24 @@ class TurnMachine(RuleBasedStateMachine):
             self.asked[cid] += 1
             self.idempotent[cid] = idempotent
             specs.append(CallSpec(cid, "read_file" if idempotent else "shell", {"n": 1},
-                                  verdict, None, idempotent))
+                                  verdict, None if verdict is None else "pre_tool",
+                                  idempotent))
         self.feed(ModelReplied(tuple(specs), text))
 
+    @precondition(lambda self: self.deciding)
+    @rule(data=st.data())
+    def policy_decides(self, data: st.DataObject) -> None:
+        ids, self.deciding = self.deciding, ()
+        verdicts_ = tuple((cid, data.draw(policy), "policy") for cid in ids)
+        self.feed(Decided(verdicts_, f"approval_{self.next_call}", "asked"))
+
+    @precondition(lambda self: self.hook is not None)
+    @rule(how=rarely)
+    def a_hook_stops_or_rejects(self, how: int) -> None:
+        if how == 0:
+            self.feed(Done("a hook stopped the turn"))
+        elif how == 1:
+            self.feed(Rejected("a hook rejected the turn"))
     @precondition(lambda self: self.model_out
                   and self.state.turn.phase is TurnPhase.MODEL_CALL)
     @rule(kind=st.sampled_from(["worker_lost", "timeout", "bad_request"]))
@@ -188,7 +232,7 @@ class TurnMachine(RuleBasedStateMachine):
     def tool_replies(self, data: st.DataObject, is_error: bool) -> None:
         cid = data.draw(st.sampled_from(sorted(self.tools_out)))
         self.tools_out.discard(cid)
-        self.feed(ToolReplied(cid, is_error, "error" if is_error else "ok"))
+        self.feed(ToolReplied(cid, is_error, "error" if is_error else "ok", "out"))
 
     @precondition(lambda self: self.tools_out)
     @rule(data=st.data())
@@ -254,7 +298,7 @@ class TurnMachine(RuleBasedStateMachine):
     @rule(again=st.booleans())
     def stop_hooks_ran(self, again: bool) -> None:
         self.hook = None
-        self.feed(StopDone(again))
+        self.feed(StopDone({"type": "message", "role": "developer"} if again else None))
 
     @rule(now=rarely)
     def user_interrupts(self, now: int) -> None:
@@ -282,9 +326,11 @@ class TurnMachine(RuleBasedStateMachine):
         approval = restored.approval
         # everything the dead process had in flight is gone with it
         self.model_out, self.tools_out, self.hook, self.asking = False, set(), None, None
+        self.deciding = ()
         for c in in_flight:
             if not c.idempotent or c.attempt >= LIMITS.idempotent_tool_attempts:
                 self.must_be_unknown.add(c.call_id)
+        self.before = restored
         self.state, actions = resume(restored, LIMITS, self.now)
         self.perform(actions)
         if self.state.ended:
@@ -297,6 +343,10 @@ class TurnMachine(RuleBasedStateMachine):
         if phase is TurnPhase.AWAITING_APPROVAL:
             assert approval is not None
             assert AskApproval(approval.approval_id, approval.call_ids) in actions
+        undecided = tuple(c.call_id for c in restored.calls
+                          if c.verdict is None and c.state is CallState.REQUESTED)
+        if phase is TurnPhase.TOOLS and undecided:
+            assert Decide(undecided) in actions
         redispatched = {a.call_id for a in actions if isinstance(a, CallTool)}
         for c in in_flight:
             if c.call_id in self.must_be_unknown:
@@ -316,6 +366,25 @@ class TurnMachine(RuleBasedStateMachine):
     def one_source_of_truth(self) -> None:
         if self.durable is not None:
             assert self.state == self.durable, "the state differs from its last commit"
+
+    @invariant()
+    def no_call_is_forgotten(self) -> None:
+        """A requested call is being decided, or asked, or waits while the others
+        are decided or asked; never decided and left."""
+        s = self.state
+        if s.ended:
+            return
+        asked = set(s.approval.call_ids) if s.approval is not None else set()
+        for c in s.calls:
+            if c.state is not CallState.REQUESTED:
+                continue
+            if c.verdict is None:
+                assert c.call_id in self.deciding, f"{c.call_id} is never decided"
+            elif c.verdict is Verdict.ASK:
+                assert c.call_id in asked, f"{c.call_id} is never asked"
+            else:
+                assert self.deciding or s.turn.phase is TurnPhase.AWAITING_APPROVAL, \
+                    f"{c.call_id} is left"
 
     @invariant()
     def ends_exactly_once(self) -> None:
@@ -361,3 +430,81 @@ def test_the_model_budget_is_what_is_left_of_the_turn() -> None:
     _, actions = step(s, Prepared(), LIMITS, 10.0)
     (call,) = [a for a in actions if isinstance(a, CallModel)]
     assert call.budget_s == LIMITS.model_call_budget_s
+
+
+def _to_model_call(limits: Limits = LIMITS) -> TurnState:
+    s = start("t", None, 0.0)
+    s, _ = step(s, Begin(), limits, 0.0)
+    s, _ = step(s, Prepared("main"), limits, 0.0)
+    return s
+
+
+def test_calls_are_decided_after_the_step_is_committed_and_asked_after_the_request() -> None:
+    from supervisor.engine.machine import ApprovalAnswered
+
+    s = _to_model_call()
+    s, actions = step(s, ModelReplied((CallSpec("a", "shell", {"cmd": "ls"}, None),
+                                       CallSpec("b", "nope", {}, Verdict.MISSING, "unknown")),
+                                      events=(("model_step_completed", {"step": 1}),),
+                                      items=({"type": "function_call", "call_id": "a"},)),
+                      LIMITS, 0.0)
+    assert [type(a) for a in actions] == [Commit, Publish, Decide]
+    step_commit = actions[0]
+    assert isinstance(step_commit, Commit)
+    assert step_commit.events == (("model_step_completed", {"step": 1}),)  # carried as given
+    assert step_commit.items == ({"type": "function_call", "call_id": "a"},)
+    assert step_commit.point == "model_reply"
+    assert actions[2] == Decide(("a",))
+    s, actions = step(s, Decided((("a", Verdict.ASK, "shell asks"),), "ap_1", "shell asks"),
+                      LIMITS, 0.0)
+    (request,) = [a for a in actions if isinstance(a, Commit)]
+    assert request.events == (("exec_approval_request", {
+        "id": "ap_1", "turn_id": "t", "reason": "shell asks",
+        "calls": [{"call_id": "a", "name": "shell", "arguments": {"cmd": "ls"}}]}),)
+    assert request.point == "approval_wait"
+    assert actions[-1] == AskApproval("ap_1", ("a",))
+    assert s.to_checkpoint()["pending_approval"] == request.events[0][1]
+    # approved for the session: the call's key is committed with the verdict
+    s, actions = step(s, ApprovalAnswered("ap_1", "approved_for_session"), LIMITS, 0.0)
+    commits = [a for a in actions if isinstance(a, Commit)]
+    assert len(commits[0].approve) == 1
+    # the missing tool ends first (not run), then the approved call is dispatched
+    assert commits[1].events[0][0] == "tool_call_end"
+    assert commits[1].events[0][1]["outcome"] == "missing"
+    assert [a.call_id for a in actions if isinstance(a, CallTool)] == ["a"]
+
+
+def test_an_unanswered_approval_denies_with_the_timeout_named() -> None:
+    from supervisor.engine.machine import ApprovalAnswered
+
+    limits = Limits(approval_timeout_s=5.0)
+    s = _to_model_call(limits)
+    s, _ = step(s, ModelReplied((CallSpec("a", "shell", {}, None),)), limits, 0.0)
+    s, _ = step(s, Decided((("a", Verdict.ASK, "asks"),), "ap", "asks"), limits, 0.0)
+    s, actions = step(s, ApprovalAnswered("ap", "timed_out"), limits, 0.0)
+    warning = next(a for a in actions if isinstance(a, Commit)).events[0]
+    assert warning[0] == "warning"
+    assert "was not answered within 5s" in warning[1]["message"]
+    end = [a for a in actions if isinstance(a, Commit)][1].events[0][1]
+    assert end["outcome"] == "deny"
+    assert "within 5s" in end["output"]
+    assert not [a for a in actions if isinstance(a, CallTool)]
+
+
+def test_a_model_retry_waits_then_starts_again_and_a_final_failure_keeps_its_kind() -> None:
+    limits = Limits(model_attempts=2, model_retry_delay_s=0.5)
+    s = _to_model_call(limits)
+    s, actions = step(s, ModelFailed(Failure("rate_limited", "later", True), {}, "main"),
+                      limits, 0.0)
+    assert [type(a) for a in actions] == [Commit, Publish, Wait, Commit, Publish, CallModel]
+    assert actions[2] == Wait(1.0)  # the delay times the new attempt's number
+    assert actions[0].events[0][1]["outcome"] == "retrying"  # type: ignore[union-attr]
+    assert actions[3].events[0][1]["attempt"] == 2  # type: ignore[union-attr]
+    s, actions = step(s, ModelFailed(Failure("rate_limited", "still", True), {}, "main"),
+                      limits, 0.0)
+    (finish,) = [a for a in actions if isinstance(a, Finish)]
+    assert finish.failure is not None
+    assert finish.failure.kind == "rate_limited"
+    assert finish.message == "model call failed: rate_limited: still"
+    assert finish.open_step is None  # its failed completion was committed just before
+    assert s.ended
