@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,6 +11,20 @@ from typing import Any
 import pytest
 
 from tests.helpers import Procs, searchable_dir
+
+# pytest caches the assertion-rewritten test modules (tests/**/__pycache__/
+# *-pytest-*.pyc) only when bytecode may be written; with
+# PYTHONDONTWRITEBYTECODE set (CI, scripts/test's environment) every xdist
+# worker parsed and rewrote all ~150 test modules on every run. The processes
+# the tests start keep the variable.
+sys.dont_write_bytecode = False
+
+
+def pytest_configure(config: Any) -> None:
+    report = os.environ.get("CORRAL_TEST_CPU_REPORT")
+    if report:  # the suite's CPU budget per test (tests/cpureport.py)
+        from tests.cpureport import CpuReport
+        config.pluginmanager.register(CpuReport(Path(report)), "corral-cpureport")
 
 
 @pytest.fixture

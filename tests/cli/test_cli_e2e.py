@@ -27,8 +27,12 @@ from tests.helpers import PYTHON, REPO, Procs, read_line_with_deadline, wait_unt
 
 pytestmark = pytest.mark.timeout(120)
 
+# One worker: these tests walk one session at a time, and each sandbox worker
+# costs about 1.2 CPU-s to start (a temporary farm's default is two). The
+# tests that need a second worker say so (``_up(home, workers=2)``).
 TOML = ('[session]\ndefault_route = "s"\napproval = "{approval}"\n'
-        '[routes.s]\nscript = "script.json"\nread_timeout_s = 5.0\n')
+        '[routes.s]\nscript = "script.json"\nread_timeout_s = 5.0\n'
+        '[farm]\nworkers = 1\n')
 
 
 def shell(command: str) -> dict[str, Any]:
@@ -130,8 +134,8 @@ def _farm_json(home: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _up(home: Path) -> dict[str, Any]:
-    r = corral(home, "up", "--detach", "--workers", "2", "--json")
+def _up(home: Path, workers: int = 1) -> dict[str, Any]:
+    r = corral(home, "up", "--detach", "--workers", str(workers), "--json")
     assert r.returncode == 0, r.stderr
     info: dict[str, Any] = json.loads(r.stdout)
     return info
@@ -146,7 +150,7 @@ def test_up_status_down_with_a_restart_and_no_orphans(
                                               text("never")])
     homes.append(home)
     ws = make_ws(workspace_root)
-    info = _up(home)
+    info = _up(home, workers=2)
     on_disk = _farm_json(home)
     assert on_disk is not None
     assert on_disk["state"] == "serving"
