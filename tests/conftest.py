@@ -74,11 +74,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
 # sessions, fork bombs, network namespaces). Under xdist they share one group
 # (``--dist loadgroup`` in scripts/test), so they run one after another on one
 # worker instead of starving each other, while the other worker takes the rest.
-# (The fresh-clone test is not among them: it mostly waits on the package index.)
+# (The fresh-clone test is not among them: it mostly waits on the package index.
+# Nor is the crash matrix: its 12 cases take about 5 CPU-s each but 12-27 s of
+# wall time, mostly waiting for their crash point and the restart; in the group
+# they made its serial chain ~200 s longer, the suite's critical path.)
 HEAVY = ("tests/chaos/test_chaos_runs.py", "tests/demo/test_demo.py::test_demo_survives",
          "test_scale.py::test_a_thousand",
          "test_uid_pool.py::test_fork_bomb", "tests/multihost/test_netns.py",
-         "tests/crash/", "test_escape_resources.py::test_fork_bomb")
+         "test_escape_resources.py::test_fork_bomb")
 
 
 def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None:
