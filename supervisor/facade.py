@@ -46,7 +46,7 @@ from supervisor.export import CheckpointInvalid, file_name, load_loop_checkpoint
 from supervisor.export.canonical import canonical_bytes
 from supervisor.farm.layout import FarmPaths
 from supervisor.server import CallError
-from supervisor.store import Store
+from supervisor.store import SessionStore
 from supervisor.store.records import EventRecord, SessionId
 from supervisor.tools.specs import SpecError, merged, parse_command_tools, parse_mcp_servers
 from supervisor.wire import ErrorKind
@@ -158,7 +158,7 @@ def _pin_workspace(workspace: str, farm_dirs: list[str]) -> tuple[str, list[int]
     return real, [st.st_dev, st.st_ino]
 
 
-async def check_workspace(store: Store, workspace: str, tenant: str | None) -> None:
+async def check_workspace(store: SessionStore, workspace: str, tenant: str | None) -> None:
     """Refuse (``CallError``) a workspace nested in (or holding) another
     session's, whatever the tenant, and one that is, contains or lies in a
     workspace of another tenant's session (symlinks resolved, on the
@@ -259,7 +259,7 @@ def event_to_wire(e: EventRecord) -> dict[str, Any]:
 
 
 class Facade:
-    def __init__(self, *, manager: Any, store: Store, broker: BrokerClient,
+    def __init__(self, *, manager: Any, store: SessionStore, broker: BrokerClient,
                  engine_config: EngineConfig, home: Path,
                  defaults: dict[str, Any] | None = None) -> None:
         self.manager = manager

@@ -39,7 +39,8 @@ from supervisor.facade import Facade
 from supervisor.farm.layout import secure_home
 from supervisor.keys import farm_keys
 from supervisor.server import ClientServer
-from supervisor.store import Store
+from supervisor.store import SchemaMismatch, SchemaTooNew, StoreUnavailable
+from supervisor.store.opening import open_store
 from supervisor.telemetry import setup as telemetry
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker", required=True, help="the broker's frontend endpoint")
     p.add_argument("--listen", required=True,
                    help="client endpoint to bind, e.g. ipc://HOME/run/supervisor.sock")
-    p.add_argument("--db", type=Path, default=None, help="store path (default HOME/corral.db)")
+    p.add_argument("--db", type=Path, default=None,
+                   help="SQLite store path (default HOME/corral.db; unused with [store] url)")
     p.add_argument("--route-url", action="append", default=[], metavar="NAME=URL",
                    help="base URL of a scripted route's provider (given by the farm)")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
@@ -154,7 +156,11 @@ async def serve(ns: argparse.Namespace) -> int:
     except KeyFileError as exc:
         print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
         return 2
-    store = await Store.open(ns.db or home / "corral.db")
+    try:
+        store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url)
+    except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
     client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)
     add_router(client_host)
     try:

@@ -374,10 +374,10 @@ async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
 async def _close_in_store(home: Path, session_id: str) -> str:
     """No farm: mark the session closed in the store itself (a turn left running is
     then never resumed)."""
-    from supervisor.farm.layout import FarmPaths
-    from supervisor.store import SessionId, Store
+    from supervisor.store import SessionId
+    from supervisor.store.opening import open_for_home
 
-    store = await Store.open(FarmPaths.of(home).db)
+    store = await open_for_home(home)  # SQLite, or [store] url
     try:
         record = await store.get_session(SessionId(session_id))
         if record is None:
@@ -437,10 +437,10 @@ async def _delete_via_farm(home: Path, session_id: str) -> str:
 
 
 async def _delete_in_store(home: Path, session_id: str) -> str:
-    from supervisor.farm.layout import FarmPaths
-    from supervisor.store import SessionId, Store
+    from supervisor.store import SessionId
+    from supervisor.store.opening import open_for_home
 
-    store = await Store.open(FarmPaths.of(home).db)
+    store = await open_for_home(home)  # SQLite, or [store] url
     try:
         if await store.get_session(SessionId(session_id)) is None:
             raise LookupError(session_id)

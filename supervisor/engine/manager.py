@@ -54,7 +54,7 @@ from supervisor.engine.ops import (
 )
 from supervisor.engine.session import PendingApproval, Session, Work
 from supervisor.engine.turn import Turn, run_session_start
-from supervisor.store import SessionExists, Store, StoreBusy, StoreError
+from supervisor.store import SessionExists, SessionStore, StoreBusy, StoreError
 from supervisor.store.records import (
     CheckpointState,
     EventRecord,
@@ -80,7 +80,7 @@ class StoreFailed(TurnError):
 
 
 class SessionManager:
-    def __init__(self, *, store: Store, broker: Broker, config: EngineConfig,
+    def __init__(self, *, store: SessionStore, broker: Broker, config: EngineConfig,
                  middleware_factory: MiddlewareFactory | None = None,
                  usage_observer: UsageObserver | None = None,
                  export_sinks: Sequence[Any] = ()) -> None:

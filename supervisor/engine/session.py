@@ -53,7 +53,7 @@ from supervisor.engine.calls import Broker
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, HookFailed, SubscriberDropped, TurnError
 from supervisor.engine.hooks import HookEvent, HookRunner
-from supervisor.store import Store
+from supervisor.store import SessionStore
 from supervisor.store.codec import Limits
 from supervisor.store.records import (
     CheckpointState,
@@ -96,7 +96,7 @@ class Host(Protocol):
     @property
     def config(self) -> EngineConfig: ...
     @property
-    def store(self) -> Store: ...
+    def store(self) -> SessionStore: ...
     @property
     def broker(self) -> Broker: ...
     @property
