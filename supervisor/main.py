@@ -157,7 +157,7 @@ async def serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
         return 2
     try:
-        store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url)
+        store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url, home=home)
     except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

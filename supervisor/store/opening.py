@@ -18,13 +18,16 @@ from supervisor.store.store import Store
 
 
 async def open_store(*, db: Path | None = None, url: str | None = None,
-                     **options: Any) -> SessionStore:
+                     home: Path | None = None, **options: Any) -> SessionStore:
     """PostgreSQL when ``url`` is given, else SQLite at ``db``. ``options`` are passed to
-    the implementation's ``open`` (``limits``, ``max_group_ops``, ...)."""
+    the implementation's ``open`` (``limits``, ``max_group_ops``, ...); ``home`` names
+    the farm in the migration command a refused PostgreSQL schema asks for."""
     if url is not None:
-        from supervisor.store.pg.store import PgStore
+        from supervisor.store.migrating import migrate_command
+        from supervisor.store.pg.store import MIGRATE_COMMAND, PgStore
 
-        return await PgStore.open(url, **options)
+        command = migrate_command(home) if home is not None else MIGRATE_COMMAND
+        return await PgStore.open(url, migrate_command=command, **options)
     if db is None:
         raise ValueError("open_store needs a database path or a store url")
     return await Store.open(db, **options)
@@ -41,4 +44,5 @@ async def open_for_home(home: Path, **options: Any) -> SessionStore:
     """The store the farm at ``home`` is configured with."""
     from supervisor.farm.layout import FarmPaths
 
-    return await open_store(db=FarmPaths.of(home).db, url=configured_url(home), **options)
+    return await open_store(db=FarmPaths.of(home).db, url=configured_url(home), home=home,
+                            **options)

@@ -108,6 +108,27 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX executions_by_session ON executions (sid, id)",
         ),
     ),
+    Migration(
+        2,
+        "supervisors and session leases (owner, fencing epoch, expiry)",
+        (
+            """CREATE TABLE supervisors (
+                supervisor_id TEXT PRIMARY KEY,
+                address TEXT NOT NULL,
+                host TEXT NOT NULL,
+                pid BIGINT NOT NULL,
+                started_at DOUBLE PRECISION NOT NULL,
+                heartbeat_at DOUBLE PRECISION NOT NULL
+            )""",
+            """CREATE TABLE leases (
+                sid BIGINT PRIMARY KEY,
+                owner TEXT,
+                epoch BIGINT NOT NULL,
+                expires_at DOUBLE PRECISION NOT NULL
+            )""",
+            "CREATE INDEX leases_by_owner ON leases (owner)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 _VERSION_TABLE = (

@@ -227,7 +227,7 @@ async def set_status(conn: Conn, session_id: str, status: str) -> None:
 
 
 _SESSION_TABLES = ("transcript_batches", "context_rewrites", "events", "executions",
-                   "checkpoint_state", "sessions")
+                   "checkpoint_state", "leases", "sessions")
 
 
 async def delete_session(conn: Conn, session_id: str) -> None:
