@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -30,6 +31,7 @@ async def open_backend(request: pytest.FixtureRequest, backend: str, tmp_path: P
     """The backend's store: SQLite at tmp_path/corral.db, or the worker's PostgreSQL
     database (emptied first when ``fresh``; ``fresh=False`` reopens what is there)."""
     if backend == "sqlite":
+        os.makedirs(tmp_path, exist_ok=True)
         return await Store.open(tmp_path / "corral.db", **options)
     url: str = request.getfixturevalue("pg_database")
     if fresh:
