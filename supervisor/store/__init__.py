@@ -9,6 +9,7 @@ See docs/storage.md. The engine uses the ``SessionStore`` interface and the reco
 from supervisor.store.codec import REDACTED, SECRET_KEYS, Limits
 from supervisor.store.errors import (
     InvalidRequest,
+    LeaseLost,
     RecordTooLarge,
     SchemaMismatch,
     SchemaTooNew,
@@ -50,6 +51,7 @@ __all__ = [
     "EventRecord",
     "ExecutionRecord",
     "InvalidRequest",
+    "LeaseLost",
     "Limits",
     "LoadedSession",
     "Page",

@@ -6,6 +6,9 @@ Exception tree::
     ├── SchemaTooNew            the database was written by a newer Corral (not retryable)
     ├── SchemaMismatch          a shared (PostgreSQL) database at another schema version:
     │                           refused at open, with the command that migrates it
+    ├── LeaseLost               this supervisor no longer owns the session (its lease
+    │                           expired or another supervisor took it: a newer fencing
+    │                           epoch); the write was refused, nothing of it committed
     ├── StoreUnavailable        the database server cannot be reached (PostgreSQL down,
     │                           refused, timed out); the message names the URL without
     │                           its password (retryable)
@@ -73,6 +76,10 @@ class SchemaMismatch(StoreError):
         self.found = found
         self.supported = supported
         self.command = command
+
+
+class LeaseLost(StoreError):
+    pass
 
 
 class StoreUnavailable(StoreError):

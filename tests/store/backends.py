@@ -15,7 +15,7 @@ from supervisor.store import SessionStore, Store
 from supervisor.store.pg.store import PgStore
 
 TABLES = ("executions", "events", "context_rewrites", "transcript_batches",
-          "checkpoint_state", "sessions")
+          "checkpoint_state", "sessions", "leases", "supervisors")
 
 
 def empty_pg(url: str) -> None:

@@ -12,7 +12,8 @@ from supervisor.store.pg.store import PgStore
 def test_store_exports() -> None:
     assert sorted(store_pkg.__all__) == sorted([
         "REDACTED", "SCHEMA_VERSION", "SECRET_KEYS", "CheckpointState", "ContextRewrite",
-        "EventRecord", "ExecutionRecord", "InvalidRequest", "Limits", "LoadedSession", "Page",
+        "EventRecord", "ExecutionRecord", "InvalidRequest", "LeaseLost", "Limits",
+        "LoadedSession", "Page",
         "RecordTooLarge", "SchemaMismatch", "SchemaTooNew", "SequenceConflict", "SessionExists",
         "SessionId", "SessionNotFound", "SessionRecord", "SessionStore", "StepWrite", "Store",
         "StoreBusy", "StoreClosed", "StoreCorrupt", "StoreError", "StoreFull",
