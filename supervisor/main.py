@@ -30,6 +30,7 @@ from broker.security import CurveClient, Guard, KeyFileError
 from broker.taskdump import install_task_dump
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
+from supervisor import leasing
 from supervisor.clienttools import ClientToolHost
 from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client endpoint to bind, e.g. ipc://HOME/run/supervisor.sock")
     p.add_argument("--db", type=Path, default=None,
                    help="SQLite store path (default HOME/corral.db; unused with [store] url)")
+    p.add_argument("--supervisor-id", default=None,
+                   help="this supervisor's id in the leases of a shared PostgreSQL store "
+                   "(default: HOSTNAME-HASH_OF_HOME, stable across restarts)")
     p.add_argument("--route-url", action="append", default=[], metavar="NAME=URL",
                    help="base URL of a scripted route's provider (given by the farm)")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
@@ -157,7 +161,9 @@ async def serve(ns: argparse.Namespace) -> int:
         print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
         return 2
     try:
-        store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url, home=home)
+        store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url, home=home,
+                                 **leasing.lease_options(cfg.store_url, home,
+                                                         cfg.store_lease_s, ns.supervisor_id))
     except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
@@ -193,6 +199,7 @@ async def serve(ns: argparse.Namespace) -> int:
                 loop.add_signal_handler(signal.SIGHUP, guard.request_reload)
             install_task_dump(loop)
             async with asyncio.TaskGroup() as tg:
+                await leasing.start(store, manager, tg)  # PostgreSQL: take the leases
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
                 # Ready means serving: the stored sessions are resumed first, so a

@@ -7,9 +7,9 @@ server's clock (``clock_timestamp()``): the one clock every supervisor on every 
 shares, so no host's clock skew moves a deadline.
 
 Invariants:
-- ``acquire`` takes a lease only when it is free or expired, and always with a new
-  epoch (``epoch + 1``), in one statement (the row lock makes two acquirers serialize:
-  one wins, the other sees a live lease).
+- ``acquire`` takes a lease only when it is free, expired or already under the same
+  owner id, and always with a new epoch (``epoch + 1``), in one statement (the row
+  lock makes two acquirers serialize: one wins, the other sees a live lease).
 - ``check`` is the first statement of every write a supervisor makes for a session in
   lease mode. It holds the lease row ``FOR SHARE`` until the write's transaction ends,
   so a takeover (an UPDATE of that row) waits for the write to commit or roll back:
@@ -40,13 +40,16 @@ async def check(conn: Conn, sid: int, session_id: str, owner: str, epoch: int) -
 
 
 async def acquire(conn: Conn, sid: int, owner: str, lease_s: float) -> int | None:
-    """Take the lease of session ``sid`` if it is free or expired: its new epoch, or None
-    (another supervisor holds it)."""
+    """Take the lease of session ``sid`` if it is free, expired, or recorded under this
+    same owner id (a restarted supervisor taking its sessions back at once: the new
+    epoch fences whatever the previous process of that id still had in flight). Its new
+    epoch, or None (another supervisor holds it)."""
     row = await one(
         conn, f"INSERT INTO leases (sid, owner, epoch, expires_at) VALUES (%s, %s, 1, {NOW} + %s)"
         " ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = leases.epoch + 1,"
-        f" expires_at = excluded.expires_at WHERE leases.owner IS NULL"
-        f" OR leases.expires_at <= {NOW} RETURNING epoch", (sid, owner, lease_s))
+        " expires_at = excluded.expires_at WHERE leases.owner IS NULL"
+        f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner RETURNING epoch",
+        (sid, owner, lease_s))
     return int(row[0]) if row is not None else None
 
 
@@ -64,12 +67,14 @@ async def release(conn: Conn, sid: int, owner: str, epoch: int) -> None:
                        " AND owner = %s AND epoch = %s", (sid, owner, epoch))
 
 
-async def claimable(conn: Conn, limit: int) -> list[tuple[int, str]]:
-    """Active sessions nobody holds a live lease on: (sid, session_id), oldest first."""
+async def claimable(conn: Conn, limit: int, own: str | None = None) -> list[tuple[int, str]]:
+    """Active sessions nobody holds a live lease on (and, with ``own``, those leased to
+    that owner id: a restart taking its sessions back): (sid, session_id), oldest first."""
     return [(int(r[0]), str(r[1])) for r in await all_rows(
         conn, "SELECT s.sid, s.session_id FROM sessions s LEFT JOIN leases l ON l.sid = s.sid"
-        f" WHERE s.status = 'active' AND (l.sid IS NULL OR l.owner IS NULL"
-        f" OR l.expires_at <= {NOW}) ORDER BY s.sid LIMIT %s", (limit,))]
+        " WHERE s.status = 'active' AND (l.sid IS NULL OR l.owner IS NULL"
+        f" OR l.expires_at <= {NOW} OR l.owner = %s) ORDER BY s.sid LIMIT %s",
+        (own, limit))]
 
 
 async def owners(conn: Conn) -> list[tuple[str, int, float]]:

@@ -332,11 +332,13 @@ class PgStore:
         self._hold(session_id, held)
         return held[1] if held is not None else None
 
-    async def claim(self, limit: int) -> list[SessionId]:
-        """Acquire up to ``limit`` active sessions nobody holds a live lease on."""
+    async def claim(self, limit: int, *, own: bool = False) -> list[SessionId]:
+        """Acquire up to ``limit`` active sessions nobody holds a live lease on; with
+        ``own``, also those still leased to this owner id (at start-up: a restarted
+        supervisor takes its sessions back without waiting for the leases to lapse)."""
         owner = self._require_owner()
         got: list[tuple[str, tuple[int, int]]] = await self._group.submit(
-            partial(_claim, owner, self.lease_s, limit))
+            partial(_claim, owner, self.lease_s, limit, own))
         for session_id, held in got:
             self._hold(session_id, held)
         return [SessionId(sid) for sid, _ in got]
@@ -376,6 +378,10 @@ class PgStore:
         return await self._read(partial(_get_session, session_id), "reading a session")
 
     async def active_sessions(self) -> list[SessionId]:
+        """The active sessions; in lease mode, those this store holds a lease on (what
+        this supervisor resumes)."""
+        if self.owner is not None:
+            return sorted(self.held())
         return await self._read(reader.active_sessions, "listing active sessions")
 
     async def list_sessions(self, *, after: str | None = None,
@@ -459,10 +465,10 @@ async def _acquire(session_id: str, owner: str, lease_s: float,
     return (sid, epoch) if epoch is not None else None
 
 
-async def _claim(owner: str, lease_s: float, limit: int,
+async def _claim(owner: str, lease_s: float, limit: int, own: bool,
                  conn: Conn) -> list[tuple[str, tuple[int, int]]]:
     got = []
-    for sid, session_id in await leases.claimable(conn, limit):
+    for sid, session_id in await leases.claimable(conn, limit, owner if own else None):
         epoch = await leases.acquire(conn, sid, owner, lease_s)
         if epoch is not None:
             got.append((session_id, (sid, epoch)))
