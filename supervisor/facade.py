@@ -38,7 +38,7 @@ from typing import Any
 
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
-from supervisor import clienttools
+from supervisor import clienttools, leasing
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, UnknownSession
@@ -46,7 +46,7 @@ from supervisor.export import CheckpointInvalid, file_name, load_loop_checkpoint
 from supervisor.export.canonical import canonical_bytes
 from supervisor.farm.layout import FarmPaths
 from supervisor.server import CallError
-from supervisor.store import SessionStore
+from supervisor.store import SessionStore, StoreError
 from supervisor.store.records import EventRecord, SessionId
 from supervisor.tools.specs import SpecError, merged, parse_command_tools, parse_mcp_servers
 from supervisor.wire import ErrorKind
@@ -441,4 +441,11 @@ class Facade:
             broker = await self.broker.status(timeout_s=2.0)
         except Exception as exc:  # status must answer even when the broker does not
             broker = {"error": f"{type(exc).__name__}: {exc}"}
-        return {"broker": broker, "sessions": self.manager.stats()}
+        out = {"broker": broker, "sessions": self.manager.stats()}
+        try:
+            leases = await leasing.lease_status(self.store)  # several supervisors only
+        except StoreError as exc:
+            leases = {"error": str(exc)}
+        if leases is not None:
+            out["supervisors"] = leases
+        return out

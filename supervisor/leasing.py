@@ -74,6 +74,21 @@ async def start(store: SessionStore, engine: Engine, tg: asyncio.TaskGroup) -> N
     tg.create_task(run(leased, engine), name="leases")
 
 
+async def lease_status(store: SessionStore) -> dict[str, Any] | None:
+    """For ``status``: this supervisor's id, the lease period, and each supervisor holding
+    live leases with its session count and how long ago it last renewed (None: no lease
+    mode). Read from the shared store, so every supervisor shows the same picture."""
+    owner = getattr(store, "owner", None)
+    lease_owners = getattr(store, "lease_owners", None)
+    if owner is None or lease_owners is None:
+        return None
+    lease_s = float(getattr(store, "lease_s", 0.0))
+    rows: list[tuple[str, int, float]] = await lease_owners()
+    return {"self": owner, "lease_s": lease_s, "owners": [
+        {"id": who, "sessions": n, "renewed_s_ago": round(max(0.0, lease_s - left), 2),
+         "expires_in_s": round(left, 2)} for who, n, left in rows]}
+
+
 async def claim_at_start(store: Leased, batch: int = DEFAULT_CLAIM_BATCH) -> list[SessionId]:
     got = await store.claim(batch, own=True)
     if got:

@@ -80,6 +80,11 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                 await eventually(progressed, timeout_s=LEASE_S + MARGIN_S + 5,
                                  what="supervisor B to take the session over")
                 takeover_s = time.monotonic() - paused_at
+                status = (await b.status())["supervisors"]
+                assert status["self"] == "sv-b"
+                owners = {o["id"]: o for o in status["owners"]}
+                assert owners["sv-b"]["sessions"] == 1, status
+                assert 0 <= owners["sv-b"]["renewed_s_ago"] <= LEASE_S, status
 
                 async def ended() -> bool:
                     return await _has_end((await b.history(sid))["events"], sub)
