@@ -74,10 +74,10 @@ def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[Any]:
-    """A real PostgreSQL (tests/pgserver.py) shared by the tests of one xdist worker,
+    """A real PostgreSQL (supervisor/devtools/pgserver.py) shared by the tests of one xdist worker,
     stopped by pid at the end. Skips only when PostgreSQL is not installed (the
     bootstrap installs it where root)."""
-    from tests.pgserver import PgServer, find_bindir
+    from supervisor.devtools.pgserver import PgServer, find_bindir
 
     if find_bindir() is None:
         pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); "

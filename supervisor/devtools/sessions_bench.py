@@ -373,8 +373,43 @@ async def _telemetry_on(manager: SessionManager, client: BrokerClient,
         thread.join(5)
 
 
+async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
+                        route: ModelRoute, ws: str, meter: CpuMeter, n: int, m: int,
+                        on_stuck: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+    """The same level on the SQLite store (again, now) and on a PostgreSQL store (a
+    throwaway durable cluster on loopback: fsync on), one supervisor each, same farm."""
+    from supervisor.devtools.pgserver import PgServer
+    from supervisor.store.pg.store import PgStore
+
+    sqlite = await _supervisor_level(sqlite_manager, ws, meter, StepCounter(sqlite_manager),
+                                     n, m, on_stuck)
+    server = await asyncio.to_thread(PgServer.start, durable=True)
+    try:
+        store = await PgStore.open(await asyncio.to_thread(server.new_database))
+        try:
+            manager = SessionManager(store=store, broker=client,
+                                     config=EngineConfig(routes={"main": route}))
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(manager.run())
+                try:
+                    async with asyncio.timeout(READY_TIMEOUT_S):
+                        await manager.started()
+                    counter = StepCounter(manager)
+                    await _supervisor_level(manager, ws, meter, counter, 1, 1, on_stuck)
+                    pg = await _supervisor_level(manager, ws, meter, counter, n, m, on_stuck)
+                    groups = store.groups_committed
+                finally:
+                    task.cancel()
+        finally:
+            await store.close()
+    finally:
+        await asyncio.to_thread(server.stop)
+    return {"sqlite": sqlite, "postgresql": pg, "postgresql_transactions": groups,
+            "ratio": round(pg["turns_per_s"] / sqlite["turns_per_s"], 3)}
+
+
 async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, capacity: int,
-                idle: int, telemetry: bool = False) -> dict[str, Any]:
+                idle: int, telemetry: bool = False, pg: bool = False) -> dict[str, Any]:
     script = tmp / "script.json"
     write_script(script, max(m for _, m in levels) + 1)
     ws = tmp / "ws"
@@ -417,6 +452,10 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                             sup[str(n)] = await _supervisor_level(manager, str(ws), meter,
                                                                   counter, n, m, on_stuck)
                         results["supervisor"] = sup
+                        if pg:  # issue 19: the PostgreSQL store against SQLite, 100 sessions
+                            n, m = next(((n, m) for n, m in levels if n == 100), levels[-1])
+                            results["pg_vs_sqlite"] = await _pg_vs_sqlite(
+                                manager, client, route, str(ws), meter, n, m, on_stuck)
                         if telemetry:  # the same levels again, metrics and traces on
                             tel: dict[str, Any] = {}
                             async with _telemetry_on(manager, client, tmp):
@@ -499,6 +538,11 @@ def summarize(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]
                 2 * tel[n]["supervisor_cpu_ms_per_turn"]
                 / (sup[n]["supervisor_cpu_ms_per_turn"] + again["supervisor_cpu_ms_per_turn"]), 3)
         headline[f"supervisor_turns_per_s_{n}_telemetry_on"] = tel[n]["turns_per_s"]
+    pvs = results.get("pg_vs_sqlite")
+    if pvs:
+        ratios["pg_vs_sqlite"] = pvs["ratio"]
+        headline["pg_turns_per_s"] = pvs["postgresql"]["turns_per_s"]
+        headline["sqlite_turns_per_s_same_phase"] = pvs["sqlite"]["turns_per_s"]
     key = "100" if "100" in sup else next(iter(sup))
     headline["supervisor_cpu_ms_per_turn"] = sup[key]["supervisor_cpu_ms_per_turn"]
     headline["minimal_cpu_ms_per_turn"] = mini[key]["cpu_ms_per_turn"]
@@ -523,6 +567,13 @@ def print_table(results: dict[str, Any], ratios: dict[str, float]) -> None:
               f"cpu {t['supervisor_cpu_ms_per_turn']:.2f} ms/t | ratio to minimal "
               f"{ratios[f'throughput{n}_vs_minimal_telemetry_on']:.3f}, on/off "
               f"{ratios[f'telemetry_on_vs_off_{n}']:.3f}")
+    pvs = results.get("pg_vs_sqlite")
+    if pvs:
+        print(f"pg_vs_sqlite: {pvs['postgresql']['sessions']} sessions x "
+              f"{pvs['postgresql']['turns_each']}: PostgreSQL {pvs['postgresql']['turns_per_s']}"
+              f" t/s (supervisor cpu {pvs['postgresql']['supervisor_cpu_ms_per_turn']} ms/t), "
+              f"SQLite {pvs['sqlite']['turns_per_s']} t/s (cpu "
+              f"{pvs['sqlite']['supervisor_cpu_ms_per_turn']} ms/t): ratio {pvs['ratio']}")
     idle = results["idle"]
     print(f"idle session: {idle['idle_session_bytes']} B RSS "
           f"({idle['idle_session_tracemalloc_bytes']} B tracemalloc), "
@@ -553,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--telemetry", action="store_true", help=(
         "run the levels again with metrics (scraped every second) and traces (OTLP/HTTP "
         "to a local sink) on in the supervisor; report on/off ratios"))
+    parser.add_argument("--pg", action="store_true", help=(
+        "also run the 100-session level on a PostgreSQL store (a throwaway durable cluster "
+        "from Debian's postgresql package) against SQLite: pg_vs_sqlite"))
     parser.add_argument("--levels", type=_levels, default=None,
                         help="N:M[,N:M...] instead of the default levels (for profiling)")
     args = parser.parse_args(argv)
@@ -561,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
         levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
         results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle,
-                                    args.telemetry))
+                                    args.telemetry, args.pg))
     results["seconds"] = round(time.monotonic() - started, 1)
     headline, ratios = summarize(results)
     results.update(headline)

@@ -1,5 +1,5 @@
-"""A real PostgreSQL server for tests: Debian's binaries, ``initdb`` + ``pg_ctl`` in a
-temporary directory, a loopback TCP port, run as an unprivileged user.
+"""A throwaway PostgreSQL server for tests and benchmarks: Debian's binaries, ``initdb``
++ ``pg_ctl`` in a temporary directory, a loopback TCP port, run as an unprivileged user.
 
 PostgreSQL refuses to run as root (we run as root), so the cluster belongs to the
 ``postgres`` user Debian's package creates, or to ``corral-pg`` (created with
@@ -13,8 +13,9 @@ Invariants:
   the directory.
 - Password authentication on TCP (scram-sha-256): the URLs carry a password, so tests
   can check that none leaks into a message.
-- Durability is off (``fsync=off``): the tests check commit semantics and crashes of
-  Corral processes, not the server's own crash safety; the benches run it durable.
+- Durability is off by default (``fsync=off``): the tests check commit semantics and
+  crashes of Corral processes, not the server's own crash safety; the benchmarks start
+  it with ``durable=True`` (fsync on, the defaults of a production server).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class PgServer:
     password: str
     port: int = 0
     pid: int | None = None
+    durable: bool = False
 
     @property
     def data(self) -> Path:
@@ -74,14 +76,14 @@ class PgServer:
                               capture_output=True, text=True, timeout=timeout_s, cwd="/")
 
     @classmethod
-    def start(cls, *, tries: int = 8) -> PgServer:
+    def start(cls, *, tries: int = 8, durable: bool = False) -> PgServer:
         bindir = find_bindir()
         if bindir is None:
             raise FileNotFoundError("no /usr/lib/postgresql/*/bin/initdb")
         user = unprivileged_user()
         root = Path(tempfile.mkdtemp(prefix="corral-pg-", dir="/tmp"))
         os.chown(root, user.pw_uid, user.pw_gid)
-        server = cls(bindir, root, user, secrets.token_urlsafe(12))
+        server = cls(bindir, root, user, secrets.token_urlsafe(12), durable=durable)
         try:
             server._initdb()
             for _ in range(tries):
@@ -108,8 +110,9 @@ class PgServer:
 
     def _pg_ctl_start(self) -> bool:
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "
-                   "-c fsync=off -c full_page_writes=off -c max_connections=200 "
-                   "-c shared_buffers=32MB")
+                   "-c max_connections=200 -c shared_buffers=32MB")
+        if not self.durable:
+            options += " -c fsync=off -c full_page_writes=off"
         out = self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
                         str(self.root / "server.log"), "-o", options, "-w", "-t", "60",
                         "start")
