@@ -127,8 +127,18 @@ def parse_since(text: str, now: float) -> float:
 
 @contextlib.contextmanager
 def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Connection]:
+    from supervisor import config as config_mod
     from supervisor.farm.layout import FarmPaths
+    from supervisor.store.url import redact
 
+    try:
+        url = config_mod.load(home).store_url
+    except config_mod.ConfigError:
+        url = None
+    if url is not None:
+        raise StoreUnreadable(f"this farm's sessions are in PostgreSQL ({redact(url)}); "
+                              "'corral sessions' and 'corral show' read only SQLite stores "
+                              "so far: ask the running farm (corral status, corral attach)")
     db = FarmPaths.of(home).db
     if not db.exists():
         raise NoStore(f"no store at {db} yet: no session was ever created in this "
