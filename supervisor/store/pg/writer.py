@@ -65,12 +65,27 @@ async def require_sid(conn: Conn, session_id: str) -> int:
     return sid
 
 
+_PREFETCH = (
+    "SELECT s.sid,"
+    " COALESCE((SELECT e.sequence FROM events e WHERE e.sid = s.sid"
+    " ORDER BY e.sequence DESC LIMIT 1), 0),"
+    " COALESCE((SELECT b.sequence FROM transcript_batches b WHERE b.sid = s.sid"
+    " ORDER BY b.sequence DESC LIMIT 1), 0),"
+    " c.next_event_sequence, c.next_batch_sequence"
+    " FROM sessions s LEFT JOIN checkpoint_state c ON c.sid = s.sid WHERE s.session_id = %s"
+)
+
+
 async def apply_step(conn: Conn, p: PreparedStep) -> None:
-    sid = await require_sid(conn, p.session_id)
+    # One round trip for everything the checks need (sid, last event, last batch, the
+    # stored state's counters): the writer's cost is its sequential round trips.
+    head = await one(conn, _PREFETCH, (p.session_id,))
+    if head is None:
+        raise SessionNotFound(f"no session {p.session_id!r}")
+    sid, last_event, last_batch = int(head[0]), int(head[1]), int(head[2])
+    stored = (head[3], head[4]) if head[3] is not None else None
     now = time.time()
-    last_event = last_batch = None
     if p.events:
-        last_event = await reader.last_sequence(conn, "events", sid)
         new: list[tuple[Any, ...]] = []
         for seq, typ, submission, created_at, payload in p.events:
             check_n(seq)
@@ -96,7 +111,6 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
     if p.batch is not None:
         seq, epoch, created_at, items = p.batch
         check_n(seq)
-        last_batch = await reader.last_sequence(conn, "transcript_batches", sid)
         if seq <= last_batch:
             row = await one(conn, "SELECT epoch, items FROM transcript_batches"
                             " WHERE sid = %s AND sequence = %s", (sid, seq))
@@ -114,9 +128,10 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
                 f"session {p.session_id!r} batch {seq} would leave a gap after {last_batch}"
             )
     if p.rewrite is not None:
-        await _apply_rewrite(conn, sid, p.session_id, p.rewrite, now)
+        await _apply_rewrite(conn, sid, p.session_id, p.rewrite, last_batch, now)
     if p.state is not None:
-        await _apply_state(conn, sid, p.session_id, p.state, last_event, last_batch, now)
+        await _apply_state(conn, sid, p.session_id, p.state, stored, last_event, last_batch,
+                           now)
     if p.execution is not None:
         x = p.execution
         await conn.execute(
@@ -135,7 +150,8 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
 
 
 async def _apply_rewrite(conn: Conn, sid: int, session_id: str,
-                         rewrite: tuple[int, int, str, str], now: float) -> None:
+                         rewrite: tuple[int, int, str, str], last_batch: int,
+                         now: float) -> None:
     epoch, at_batch, reasons, items = rewrite
     check_n(epoch, "epoch")
     last_epoch = await one(conn, "SELECT epoch FROM context_rewrites WHERE sid = %s"
@@ -149,7 +165,7 @@ async def _apply_rewrite(conn: Conn, sid: int, session_id: str,
                 f"epoch {last_epoch[0]} and differs from what is stored"
             )
         return
-    if at_batch > await reader.last_sequence(conn, "transcript_batches", sid):
+    if at_batch > last_batch:
         raise SequenceConflict(f"session {session_id!r} rewrite at_batch {at_batch} is past "
                                "the last batch")
     await conn.execute(
@@ -158,16 +174,11 @@ async def _apply_rewrite(conn: Conn, sid: int, session_id: str,
 
 
 async def _apply_state(conn: Conn, sid: int, session_id: str, state: tuple[int, int, str],
-                       last_event: int | None, last_batch: int | None, now: float) -> None:
+                       stored: tuple[int, int] | None, last_event: int, last_batch: int,
+                       now: float) -> None:
     next_event, next_batch, text = state
-    stored = await one(conn, "SELECT next_event_sequence, next_batch_sequence"
-                       " FROM checkpoint_state WHERE sid = %s", (sid,))
     if stored is not None and (next_event < stored[0] or next_batch < stored[1]):
         return  # a late re-commit of an older step: the newer state stays
-    if last_event is None:
-        last_event = await reader.last_sequence(conn, "events", sid)
-    if last_batch is None:
-        last_batch = await reader.last_sequence(conn, "transcript_batches", sid)
     if next_event <= last_event or next_batch <= last_batch:
         raise SequenceConflict(
             f"session {session_id!r} state says next event {next_event} / next batch "
