@@ -12,11 +12,14 @@ command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
 [ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] || [ -e /usr/lib/aarch64-linux-gnu/libseccomp.so.2 ] \
   || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_apt+=(libseccomp2)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
-command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
+# PostgreSQL's server binaries: the PostgreSQL store's tests start a throwaway
+# cluster with initdb + pg_ctl (supervisor/devtools/pgserver.py); the package is not a runtime need.
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
+command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)  # the CLI's terminal tests (tests/cli/test_terminal.py)
 # Image tests and the image benchmark build OCI images offline (docs/images.md).
 command -v umoci >/dev/null 2>&1 || need_apt+=(umoci)
 command -v skopeo >/dev/null 2>&1 || need_apt+=(skopeo)
-[ -x /bin/busybox ] || need_apt+=(busybox-static)  # the CLI's terminal tests (tests/cli/test_terminal.py)
+[ -x /bin/busybox ] || need_apt+=(busybox-static)
 # The web view's browser test (tests/telemetry/test_web.py) drives Debian's
 # chromium with playwright (browsers cannot be downloaded): test extra only.
 if [ "${CORRAL_BOOTSTRAP_EXTRA:-}" = test ]; then

@@ -63,7 +63,7 @@ from supervisor.engine.config import SessionSpec
 from supervisor.engine.errors import CallFailed
 from supervisor.engine.hooks import DENYING_EVENTS, HookEvent, HookInput, HookResult, Middleware
 from supervisor.server import CallError
-from supervisor.store import Store
+from supervisor.store import SessionStore
 from supervisor.store.records import SessionId
 from supervisor.tools.router import refused
 from supervisor.tools.schema import ArgumentsInvalid, SchemaProblem, check_schema, validate
@@ -174,7 +174,7 @@ class ClientToolHost:
     """The supervisor's side of client tools and hooks: who holds what, the
     calls in flight, and the engine router (``engine/routers.py``)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: SessionStore) -> None:
         self.store = store
         self._send: Send | None = None
         self._tools: dict[str, dict[str, bytes]] = {}  # session -> tool -> holder

@@ -125,6 +125,10 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # record_content = false       # true: spans carry prompts, tool arguments and outputs
 # [web]
 # listen = "127.0.0.1:8765"    # the read-only live page (corral up --web)
+# [store]
+# url = "postgresql://corral@db.example:5432/corral"  # sessions on PostgreSQL, shared by
+#                              # several supervisors (docs/storage.md); default: HOME/corral.db
+# lease_s = 10                 # a supervisor paused or dead this long loses its sessions
 
 # Portable checkpoints are exported at every tool boundary to each sink.
 # [[export.sinks]]
@@ -133,7 +137,7 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 """
 
 _SECTIONS = {"farm", "sandbox", "session", "routes", "export", "hooks", "mcp", "tools",
-             "telemetry", "web"}
+             "telemetry", "web", "store"}
 _HOST_PORT = re.compile(r"[\w.\-\[\]:]+:\d{1,5}")
 _ROUTE_KEYS = {
     "provider", "model", "base_url", "credential_env", "native_compaction",
@@ -179,6 +183,8 @@ class FarmConfig:
     otlp_endpoint: str | None = None  # [telemetry] OTLP/HTTP base URL for traces
     record_content: bool = False  # [telemetry] spans carry prompts/arguments/outputs
     web_listen: str | None = None  # [web] listen: HOST:PORT of the live page
+    store_url: str | None = None  # [store] url: PostgreSQL; None: SQLite HOME/corral.db
+    store_lease_s: float = 10.0  # [store] lease_s: a session's lease (PostgreSQL only)
     # [[hooks.EVENT]] tables as the session spec's command hooks:
     # ({"event", "command", "timeout_s"}, ...) in file order.
     hooks: tuple[dict[str, Any], ...] = ()
@@ -279,6 +285,24 @@ def parse_route(path: Path, name: str, table: dict[str, Any]) -> ModelRoute:
     return route
 
 
+def parse_store(path: Path, table: dict[str, Any]) -> tuple[str | None, float]:
+    """``[store] url``: a PostgreSQL URL (docs/storage.md), or None for SQLite; and
+    ``lease_s``, the lease of a session between supervisors (docs/multihost.md)."""
+    from supervisor.store.url import BadStoreUrl, check_url
+
+    _check_keys(path, "store", table, {"url", "lease_s"})
+    lease_s = float(_typed(path, "store", table, "lease_s", (int, float), 10.0))
+    if not 1.0 <= lease_s <= 600.0:
+        raise _fail(path, "store.lease_s", "must be between 1 and 600 seconds")
+    url = _typed(path, "store", table, "url", str, None)
+    if url is None:
+        return None, lease_s
+    try:
+        return check_url(url), lease_s
+    except BadStoreUrl as exc:
+        raise _fail(path, "store.url", str(exc)) from None
+
+
 def load(home: Path) -> FarmConfig:
     """Read ``home/corral.toml`` (missing file: all defaults)."""
     path = home / "corral.toml"
@@ -370,6 +394,7 @@ def load(home: Path) -> FarmConfig:
     web_listen = _typed(path, "web", web, "listen", str, None)
     if web_listen is not None and not _HOST_PORT.fullmatch(web_listen):
         raise _fail(path, "web.listen", 'must be "HOST:PORT", e.g. "127.0.0.1:8765"')
+    store_url, store_lease_s = parse_store(path, raw.get("store", {}))
     workers = _typed(path, "farm", farm, "workers", int, None)
     if workers is not None and not 0 <= workers <= 256:
         raise _fail(path, "farm.workers", "must be between 0 (remote workers only) and 256")
@@ -414,6 +439,8 @@ def load(home: Path) -> FarmConfig:
         otlp_endpoint=otlp,
         record_content=_typed(path, "telemetry", telemetry, "record_content", bool, False),
         web_listen=web_listen,
+        store_url=store_url,
+        store_lease_s=store_lease_s,
         hooks=parse_hooks(path, raw.get("hooks", {})),
     )
 

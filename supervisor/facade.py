@@ -39,7 +39,7 @@ from typing import Any
 from broker.brokerset import BrokerSet
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
-from supervisor import clienttools
+from supervisor import clienttools, leasing
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, UnknownSession
@@ -48,7 +48,7 @@ from supervisor.export.canonical import canonical_bytes
 from supervisor.farm.layout import FarmPaths
 from supervisor.images.session import resolve_image
 from supervisor.server import CallError
-from supervisor.store import Store
+from supervisor.store import SessionStore, StoreError
 from supervisor.store.records import EventRecord, SessionId
 from supervisor.tools.specs import SpecError, merged, parse_command_tools, parse_mcp_servers
 from supervisor.wire import ErrorKind
@@ -160,7 +160,7 @@ def _pin_workspace(workspace: str, farm_dirs: list[str]) -> tuple[str, list[int]
     return real, [st.st_dev, st.st_ino]
 
 
-async def check_workspace(store: Store, workspace: str, tenant: str | None) -> None:
+async def check_workspace(store: SessionStore, workspace: str, tenant: str | None) -> None:
     """Refuse (``CallError``) a workspace nested in (or holding) another
     session's, whatever the tenant, and one that is, contains or lies in a
     workspace of another tenant's session (symlinks resolved, on the
@@ -261,7 +261,7 @@ def event_to_wire(e: EventRecord) -> dict[str, Any]:
 
 
 class Facade:
-    def __init__(self, *, manager: Any, store: Store, broker: BrokerClient | BrokerSet,
+    def __init__(self, *, manager: Any, store: SessionStore, broker: BrokerClient | BrokerSet,
                  engine_config: EngineConfig, home: Path,
                  defaults: dict[str, Any] | None = None) -> None:
         self.manager = manager
@@ -458,4 +458,11 @@ class Facade:
             broker = await self.broker.status(timeout_s=2.0)
         except Exception as exc:  # status must answer even when the broker does not
             broker = {"error": f"{type(exc).__name__}: {exc}"}
-        return {"broker": broker, "sessions": self.manager.stats()}
+        out = {"broker": broker, "sessions": self.manager.stats()}
+        try:
+            leases = await leasing.lease_status(self.store)  # several supervisors only
+        except StoreError as exc:
+            leases = {"error": str(exc)}
+        if leases is not None:
+            out["supervisors"] = leases
+        return out

@@ -29,6 +29,7 @@ from broker.security import CurveClient, Guard, KeyFileError
 from broker.taskdump import install_task_dump
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
+from supervisor import leasing
 from supervisor.brokers import add_broker_option, broker_link, wants_curve
 from supervisor.clienttools import ClientToolHost
 from supervisor.engine.config import EngineConfig
@@ -39,7 +40,8 @@ from supervisor.facade import Facade
 from supervisor.farm.layout import secure_home
 from supervisor.keys import farm_keys
 from supervisor.server import ClientServer
-from supervisor.store import Store
+from supervisor.store import SchemaMismatch, SchemaTooNew, StoreUnavailable
+from supervisor.store.opening import open_store
 from supervisor.telemetry import setup as telemetry
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_broker_option(p)
     p.add_argument("--listen", required=True,
                    help="client endpoint to bind, e.g. ipc://HOME/run/supervisor.sock")
-    p.add_argument("--db", type=Path, default=None, help="store path (default HOME/corral.db)")
+    p.add_argument("--db", type=Path, default=None,
+                   help="SQLite store path (default HOME/corral.db; unused with [store] url)")
+    p.add_argument("--supervisor-id", default=None,
+                   help="this supervisor's id in the leases of a shared PostgreSQL store "
+                   "(default: HOSTNAME-HASH_OF_HOME, stable across restarts)")
     p.add_argument("--route-url", action="append", default=[], metavar="NAME=URL",
                    help="base URL of a scripted route's provider (given by the farm)")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
@@ -154,7 +160,13 @@ async def serve(ns: argparse.Namespace) -> int:
     except KeyFileError as exc:
         print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
         return 2
-    store = await Store.open(ns.db or home / "corral.db")
+    try:
+        store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url, home=home,
+                                 **leasing.lease_options(cfg.store_url, home,
+                                                         cfg.store_lease_s, ns.supervisor_id))
+    except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
     client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)
     add_router(client_host)
     try:
@@ -186,6 +198,7 @@ async def serve(ns: argparse.Namespace) -> int:
                 loop.add_signal_handler(signal.SIGHUP, guard.request_reload)
             install_task_dump(loop)
             async with asyncio.TaskGroup() as tg:
+                await leasing.start(store, manager, tg)  # PostgreSQL: take the leases
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
                 # Ready means serving: the stored sessions are resumed first, so a

@@ -88,3 +88,20 @@ def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None
     for item in items:
         if any(part in item.nodeid for part in HEAVY):
             item.add_marker(pytest.mark.xdist_group("heavy"))
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Any]:
+    """A real PostgreSQL (supervisor/devtools/pgserver.py) shared by the tests of one xdist worker,
+    stopped by pid at the end. Skips only when PostgreSQL is not installed (the
+    bootstrap installs it where root)."""
+    from supervisor.devtools.pgserver import PgServer, find_bindir
+
+    if find_bindir() is None:
+        pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); "
+                    "scripts/_bootstrap.sh installs it where root")
+    server = PgServer.start()
+    try:
+        yield server
+    finally:
+        server.stop()

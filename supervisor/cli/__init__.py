@@ -15,7 +15,8 @@ tests/architecture/test_cli_package.py):
   ``lifecycle`` (init, up, down, status), ``run`` (run, attach, approve at
   the terminal), ``control`` (approve, interrupt), ``sessions`` (sessions,
   show, terminate, delete: the store read-only), ``checkpoints`` (export,
-  verify, import), ``remote`` (keys, worker), ``completion``, ``dev``
+  verify, import), ``storecmd`` (store migrate), ``remote`` (keys, worker),
+  ``completion``, ``dev``
   (fake-llm, chaos: dev tooling, imported only when run);
 - ``parser``: ``build_parser``, the groups in ``--help`` order;
 - ``app``: ``main`` (the ``corral`` entry point; ``python -m supervisor.cli``).

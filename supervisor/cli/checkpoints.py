@@ -210,8 +210,9 @@ def cmd_import(ns: Namespace) -> int:
     from supervisor.farm.layout import FarmPaths
     from supervisor.farm.root import running_farm
     from supervisor.server import CallError
-    from supervisor.store import SessionId, Store, StoreError
+    from supervisor.store import SessionId, StoreError
     from supervisor.store.errors import SessionExists
+    from supervisor.store.opening import open_for_home
 
     try:
         doc = json.loads(ns.file.read_text())
@@ -231,7 +232,7 @@ def cmd_import(ns: Namespace) -> int:
     async def go() -> str:
         paths = FarmPaths.of(ns.home)
         paths.prepare()
-        store = await Store.open(paths.db)
+        store = await open_for_home(ns.home)  # SQLite, or [store] url
         try:
             wanted = ns.session or doc.get("descriptor", {}).get("session_id")
             if isinstance(wanted, str) and await store.get_session(SessionId(wanted)):

@@ -231,6 +231,21 @@ def _print_farm(info: dict[str, Any]) -> None:
               f"restarts {child['restarts']}")
 
 
+def _supervisor_lines(leases: Any) -> list[str]:
+    """The supervisors sharing a PostgreSQL store, their sessions and lease ages."""
+    if not isinstance(leases, dict):
+        return []
+    if "error" in leases:
+        return [f"  supervisors: {leases['error']}"]
+    me = leases.get("self")
+    lines = [f"  supervisors on the shared store (lease {leases.get('lease_s')}s):"]
+    for o in leases.get("owners", []):
+        mark = " (this one)" if o.get("id") == me else ""
+        lines.append(f"    {o.get('id')}{mark}: {o.get('sessions')} sessions, lease renewed "
+                     f"{o.get('renewed_s_ago')}s ago, expires in {o.get('expires_in_s')}s")
+    return lines
+
+
 def cmd_status(ns: Namespace) -> int:
     from supervisor.client import SupervisorError
     from supervisor.farm.root import running_farm
@@ -267,6 +282,8 @@ def cmd_status(ns: Namespace) -> int:
         print("  sessions " + ", ".join(f"{k} {v}" for k, v in sorted(sessions.items())))
     if lag is not None:
         print(f"  supervisor loop lag {lag:.3f}s (worst in the last minute {lag_max:.3f}s)")
+    for line in _supervisor_lines(sup.get("supervisors")):
+        print(clean(line))
     for r in info.get("restarts", [])[-5:]:
         print(f"  restart: {r['child']} ({r['why']}) at {time.ctime(r['at'])}")
     return EXIT_OK

@@ -2,7 +2,7 @@
 sub-parsers in the order ``corral --help`` lists them.
 
 Each command group module (``lifecycle``, ``run``, ``control``, ``sessions``,
-``checkpoints``, ``images``, ``remote``, ``completion``, ``dev``) declares its own
+``checkpoints``, ``images``, ``storecmd``, ``remote``, ``completion``, ``dev``) declares its own
 sub-parsers in ``add_parsers`` and binds each one to its handler with
 ``set_defaults(handler=...)``; ``app.main`` calls ``ns.handler(ns)``. Adding a
 command touches its group module only (a new group adds one line here).
@@ -26,6 +26,7 @@ from supervisor.cli import (
     remote,
     run,
     sessions,
+    storecmd,
 )
 from supervisor.cli.common import VERSION, Subparsers
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_parsers(sub)       # sessions, show, terminate, delete
     checkpoints.add_parsers(sub)    # export, verify, import
     images.add_parsers(sub)         # image import|ls|rm
+    storecmd.add_parsers(sub)       # store migrate
     dev.add_fake_llm_parser(sub)    # fake-llm
     remote.add_parsers(sub)         # keys, worker
     completion.add_parsers(sub, parser)  # completion

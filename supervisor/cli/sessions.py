@@ -127,8 +127,18 @@ def parse_since(text: str, now: float) -> float:
 
 @contextlib.contextmanager
 def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Connection]:
+    from supervisor import config as config_mod
     from supervisor.farm.layout import FarmPaths
+    from supervisor.store.url import redact
 
+    try:
+        url = config_mod.load(home).store_url
+    except config_mod.ConfigError:
+        url = None
+    if url is not None:
+        raise StoreUnreadable(f"this farm's sessions are in PostgreSQL ({redact(url)}); "
+                              "'corral sessions' and 'corral show' read only SQLite stores "
+                              "so far: ask the running farm (corral status, corral attach)")
     db = FarmPaths.of(home).db
     if not db.exists():
         raise NoStore(f"no store at {db} yet: no session was ever created in this "
@@ -374,10 +384,10 @@ async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
 async def _close_in_store(home: Path, session_id: str) -> str:
     """No farm: mark the session closed in the store itself (a turn left running is
     then never resumed)."""
-    from supervisor.farm.layout import FarmPaths
-    from supervisor.store import SessionId, Store
+    from supervisor.store import SessionId
+    from supervisor.store.opening import open_for_home
 
-    store = await Store.open(FarmPaths.of(home).db)
+    store = await open_for_home(home)  # SQLite, or [store] url
     try:
         record = await store.get_session(SessionId(session_id))
         if record is None:
@@ -437,10 +447,10 @@ async def _delete_via_farm(home: Path, session_id: str) -> str:
 
 
 async def _delete_in_store(home: Path, session_id: str) -> str:
-    from supervisor.farm.layout import FarmPaths
-    from supervisor.store import SessionId, Store
+    from supervisor.store import SessionId
+    from supervisor.store.opening import open_for_home
 
-    store = await Store.open(FarmPaths.of(home).db)
+    store = await open_for_home(home)  # SQLite, or [store] url
     try:
         if await store.get_session(SessionId(session_id)) is None:
             raise LookupError(session_id)

@@ -395,8 +395,43 @@ def _mean_levels(phases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
+                        route: ModelRoute, ws: str, meter: CpuMeter, n: int, m: int,
+                        on_stuck: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+    """The same level on the SQLite store (again, now) and on a PostgreSQL store (a
+    throwaway durable cluster on loopback: fsync on), one supervisor each, same farm."""
+    from supervisor.devtools.pgserver import PgServer
+    from supervisor.store.pg.store import PgStore
+
+    sqlite = await _supervisor_level(sqlite_manager, ws, meter, StepCounter(sqlite_manager),
+                                     n, m, on_stuck)
+    server = await asyncio.to_thread(PgServer.start, durable=True)
+    try:
+        store = await PgStore.open(await asyncio.to_thread(server.new_database))
+        try:
+            manager = SessionManager(store=store, broker=client,
+                                     config=EngineConfig(routes={"main": route}))
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(manager.run())
+                try:
+                    async with asyncio.timeout(READY_TIMEOUT_S):
+                        await manager.started()
+                    counter = StepCounter(manager)
+                    await _supervisor_level(manager, ws, meter, counter, 1, 1, on_stuck)
+                    pg = await _supervisor_level(manager, ws, meter, counter, n, m, on_stuck)
+                    groups = store.groups_committed
+                finally:
+                    task.cancel()
+        finally:
+            await store.close()
+    finally:
+        await asyncio.to_thread(server.stop)
+    return {"sqlite": sqlite, "postgresql": pg, "postgresql_transactions": groups,
+            "ratio": round(pg["turns_per_s"] / sqlite["turns_per_s"], 3)}
+
+
 async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, capacity: int,
-                idle: int, telemetry: int = 0) -> dict[str, Any]:
+                idle: int, telemetry: int = 0, pg: bool = False) -> dict[str, Any]:
     script = tmp / "script.json"
     write_script(script, max(m for _, m in levels) + 1)
     ws = tmp / "ws"
@@ -439,6 +474,10 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
                             sup[str(n)] = await _supervisor_level(manager, str(ws), meter,
                                                                   counter, n, m, on_stuck)
                         results["supervisor"] = sup
+                        if pg:  # issue 19: the PostgreSQL store against SQLite, 100 sessions
+                            n, m = next(((n, m) for n, m in levels if n == 100), levels[-1])
+                            results["pg_vs_sqlite"] = await _pg_vs_sqlite(
+                                manager, client, route, str(ws), meter, n, m, on_stuck)
                         # The same levels again with metrics and traces on, then off,
                         # alternated ``telemetry`` times: the drift of the machine's
                         # load spreads over both (on is compared with the mean of
@@ -531,6 +570,11 @@ def summarize(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]
             ratios[f"cpu_per_turn_on_vs_off_mean_{n}"] = round(
                 tel[n]["supervisor_cpu_ms_per_turn"] / off_cpu, 3)
         headline[f"supervisor_turns_per_s_{n}_telemetry_on"] = tel[n]["turns_per_s"]
+    pvs = results.get("pg_vs_sqlite")
+    if pvs:
+        ratios["pg_vs_sqlite"] = pvs["ratio"]
+        headline["pg_turns_per_s"] = pvs["postgresql"]["turns_per_s"]
+        headline["sqlite_turns_per_s_same_phase"] = pvs["sqlite"]["turns_per_s"]
     key = "100" if "100" in sup else next(iter(sup))
     headline["supervisor_cpu_ms_per_turn"] = sup[key]["supervisor_cpu_ms_per_turn"]
     headline["minimal_cpu_ms_per_turn"] = mini[key]["cpu_ms_per_turn"]
@@ -555,6 +599,13 @@ def print_table(results: dict[str, Any], ratios: dict[str, float]) -> None:
               f"cpu {t['supervisor_cpu_ms_per_turn']:.2f} ms/t | ratio to minimal "
               f"{ratios[f'throughput{n}_vs_minimal_telemetry_on']:.3f}, on/off "
               f"{ratios[f'telemetry_on_vs_off_{n}']:.3f}")
+    pvs = results.get("pg_vs_sqlite")
+    if pvs:
+        print(f"pg_vs_sqlite: {pvs['postgresql']['sessions']} sessions x "
+              f"{pvs['postgresql']['turns_each']}: PostgreSQL {pvs['postgresql']['turns_per_s']}"
+              f" t/s (supervisor cpu {pvs['postgresql']['supervisor_cpu_ms_per_turn']} ms/t), "
+              f"SQLite {pvs['sqlite']['turns_per_s']} t/s (cpu "
+              f"{pvs['sqlite']['supervisor_cpu_ms_per_turn']} ms/t): ratio {pvs['ratio']}")
     idle = results["idle"]
     print(f"idle session: {idle['idle_session_bytes']} B RSS "
           f"({idle['idle_session_tracemalloc_bytes']} B tracemalloc), "
@@ -588,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--telemetry-rounds", type=int, default=1, metavar="K", help=(
         "with --telemetry: alternate K on and off phases after the first off one "
         "(default 1: off, on, off); the ratios use the means of the phases"))
+    parser.add_argument("--pg", action="store_true", help=(
+        "also run the 100-session level on a PostgreSQL store (a throwaway durable cluster "
+        "from Debian's postgresql package) against SQLite: pg_vs_sqlite"))
     parser.add_argument("--levels", type=_levels, default=None,
                         help="N:M[,N:M...] instead of the default levels (for profiling)")
     args = parser.parse_args(argv)
@@ -596,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
         levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
         results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle,
-                                    max(1, args.telemetry_rounds) if args.telemetry else 0))
+                                    max(1, args.telemetry_rounds) if args.telemetry else 0,
+                                    args.pg))
     results["seconds"] = round(time.monotonic() - started, 1)
     headline, ratios = summarize(results)
     results.update(headline)

@@ -54,7 +54,7 @@ from supervisor.engine.ops import (
 )
 from supervisor.engine.session import PendingApproval, Session, Work
 from supervisor.engine.turn import Turn, run_session_start
-from supervisor.store import SessionExists, Store, StoreBusy, StoreError
+from supervisor.store import LeaseLost, SessionExists, SessionStore, StoreBusy, StoreError
 from supervisor.store.records import (
     CheckpointState,
     EventRecord,
@@ -80,7 +80,7 @@ class StoreFailed(TurnError):
 
 
 class SessionManager:
-    def __init__(self, *, store: Store, broker: Broker, config: EngineConfig,
+    def __init__(self, *, store: SessionStore, broker: Broker, config: EngineConfig,
                  middleware_factory: MiddlewareFactory | None = None,
                  usage_observer: UsageObserver | None = None,
                  export_sinks: Sequence[Any] = ()) -> None:
@@ -152,6 +152,29 @@ class SessionManager:
         if loaded.state.active_turn is not None:
             session.work.append(Work("resume"))
         session.kick()
+
+    # ------------------------------------------------- leases (several supervisors)
+
+    def give_up(self, sid: SessionId) -> None:
+        """This supervisor lost the session's lease: publish nothing more, drop its
+        subscribers (they resubscribe to the new owner from their last sequence), stop
+        its work and forget it. Its state is in the store; the new owner resumes it."""
+        session = self.sessions.pop(sid, None)
+        if session is None:
+            return
+        log.warning("session %s: lease lost; given up to another supervisor", sid)
+        session.fenced = True
+        session.closed = True
+        for sub in list(session.subscribers):
+            sub.dropped = True
+        session.subscribers.clear()
+        if session.driver is not None and session.driver is not asyncio.current_task():
+            session.driver.cancel()
+
+    async def take_over(self, sid: SessionId) -> None:
+        """Resume a session whose lease this supervisor just took, as after a restart."""
+        if sid not in self.sessions:
+            await self._resume(sid)
 
     # --------------------------------------------------------------- public
 
@@ -372,6 +395,10 @@ class SessionManager:
                 if self.on_commit is not None:
                     self.on_commit(step, time.monotonic() - started)
                 return
+            except LeaseLost as exc:  # another supervisor owns the session now
+                self.give_up(step.session_id)
+                raise StoreFailed(f"the session's lease was lost: {exc}",
+                                  kind="lease_lost") from exc
             except StoreBusy as exc:
                 if time.monotonic() >= deadline:
                     raise StoreFailed(f"the store stayed busy: {exc}",

@@ -53,7 +53,7 @@ from supervisor.engine.calls import Broker
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, HookFailed, SubscriberDropped, TurnError
 from supervisor.engine.hooks import HookEvent, HookRunner
-from supervisor.store import Store
+from supervisor.store import SessionStore
 from supervisor.store.codec import Limits
 from supervisor.store.records import (
     CheckpointState,
@@ -96,7 +96,7 @@ class Host(Protocol):
     @property
     def config(self) -> EngineConfig: ...
     @property
-    def store(self) -> Store: ...
+    def store(self) -> SessionStore: ...
     @property
     def broker(self) -> Broker: ...
     @property
@@ -179,6 +179,9 @@ class Session:
         self.approval: PendingApproval | None = None
         self.pending_interrupt: str | None = None  # for a turn about to be resumed
         self.closed = record.status != "active"
+        # Leases (several supervisors, docs/multihost.md): set when this supervisor lost
+        # the session's lease; nothing more is published, the session leaves memory.
+        self.fenced = False
         self._lock = asyncio.Lock()
         self._admit_lock = asyncio.Lock()
         self._last_published = state.next_event_sequence - 1
@@ -304,6 +307,8 @@ class Session:
                               payload, submission_id))
 
     def _publish(self, record: EventRecord) -> None:
+        if self.fenced:  # given up (lease lost): another supervisor owns it now
+            return
         if record.sequence:
             self._last_published = record.sequence
             self._delta_index = 0

@@ -33,8 +33,8 @@ from supervisor.store import (
     ContextRewrite,
     SessionId,
     SessionRecord,
+    SessionStore,
     StepWrite,
-    Store,
 )
 
 IMPORT_REASON = "import"
@@ -60,7 +60,8 @@ def loop_reference(doc: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-async def load_loop_checkpoint(store: Store, session_id: SessionId) -> dict[str, Any] | None:
+async def load_loop_checkpoint(store: SessionStore,
+                               session_id: SessionId) -> dict[str, Any] | None:
     """Rebuild the checkpoint under export from the store; None when there is none.
 
     Raises ``CheckpointInvalid`` if what the store holds does not hash to the digest that
@@ -95,7 +96,7 @@ async def load_loop_checkpoint(store: Store, session_id: SessionId) -> dict[str,
 
 
 async def import_checkpoint(
-    store: Store,
+    store: SessionStore,
     doc: Mapping[str, Any],
     *,
     expected_binding: Mapping[str, Any] | None = None,

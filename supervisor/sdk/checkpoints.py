@@ -69,16 +69,16 @@ async def import_checkpoint(home: str | Path, checkpoint: Mapping[str, Any], *,
     from supervisor.export import BindingMismatch, CheckpointInvalid
     from supervisor.export import import_checkpoint as do_import
     from supervisor.facade import check_workspace
-    from supervisor.farm.layout import FarmPaths
     from supervisor.server import CallError
-    from supervisor.store import SessionId, Store, StoreError
+    from supervisor.store import SessionId, StoreError
+    from supervisor.store.opening import open_for_home
 
     outside = {"mcp": mcp, "command_tools": command_tools,
                "client_tools": [t.declaration() for t in tools]}
     where, config, binding = await asyncio.to_thread(_prepare, home, workspace, model,
                                                      approval, outside)
     doc = dict(checkpoint)
-    store = await Store.open(FarmPaths.of(where).db)
+    store = await open_for_home(where)  # SQLite, or [store] url
     try:
         wanted = session_id or doc.get("descriptor", {}).get("session_id")
         if isinstance(wanted, str) and await store.get_session(SessionId(wanted)):

@@ -1,13 +1,17 @@
-"""Durable session store: SQLite (WAL) via aiosqlite, the only writer of session state.
+"""Durable session store, the only writer of session state: SQLite (WAL) via aiosqlite
+by default (``Store``), PostgreSQL via psycopg 3 with ``[store] url`` (``pg.PgStore``).
 
-See docs/storage.md. The engine uses ``Store`` and the records of
-``supervisor.store.records``; errors are ``supervisor.store.errors`` types.
+See docs/storage.md. The engine uses the ``SessionStore`` interface and the records of
+``supervisor.store.records``; errors are ``supervisor.store.errors`` types;
+``opening.open_store`` chooses the implementation.
 """
 
 from supervisor.store.codec import REDACTED, SECRET_KEYS, Limits
 from supervisor.store.errors import (
     InvalidRequest,
+    LeaseLost,
     RecordTooLarge,
+    SchemaMismatch,
     SchemaTooNew,
     SequenceConflict,
     SessionExists,
@@ -17,7 +21,9 @@ from supervisor.store.errors import (
     StoreCorrupt,
     StoreError,
     StoreFull,
+    StoreUnavailable,
 )
+from supervisor.store.port import SessionStore
 from supervisor.store.records import (
     CheckpointState,
     ContextRewrite,
@@ -45,16 +51,19 @@ __all__ = [
     "EventRecord",
     "ExecutionRecord",
     "InvalidRequest",
+    "LeaseLost",
     "Limits",
     "LoadedSession",
     "Page",
     "RecordTooLarge",
+    "SchemaMismatch",
     "SchemaTooNew",
     "SequenceConflict",
     "SessionExists",
     "SessionId",
     "SessionNotFound",
     "SessionRecord",
+    "SessionStore",
     "StepWrite",
     "Store",
     "StoreBusy",
@@ -62,6 +71,7 @@ __all__ = [
     "StoreCorrupt",
     "StoreError",
     "StoreFull",
+    "StoreUnavailable",
     "SubmissionId",
     "TranscriptBatch",
     "TurnId",

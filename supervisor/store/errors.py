@@ -4,6 +4,14 @@ Exception tree::
 
     StoreError                  every store failure (a ``broker.protocol.Failed``)
     ├── SchemaTooNew            the database was written by a newer Corral (not retryable)
+    ├── SchemaMismatch          a shared (PostgreSQL) database at another schema version:
+    │                           refused at open, with the command that migrates it
+    ├── LeaseLost               this supervisor no longer owns the session (its lease
+    │                           expired or another supervisor took it: a newer fencing
+    │                           epoch); the write was refused, nothing of it committed
+    ├── StoreUnavailable        the database server cannot be reached (PostgreSQL down,
+    │                           refused, timed out); the message names the URL without
+    │                           its password (retryable)
     ├── StoreBusy               another connection held the write lock past the deadline
     │                           (retryable)
     ├── StoreFull               disk (or max_page_count) full; the transaction was rolled
@@ -18,7 +26,8 @@ Exception tree::
     └── StoreCorrupt            the database failed to open or an integrity check
 
 ``translate_sqlite_error`` is the one boundary where ``sqlite3.Error`` becomes one
-of these (``raise ... from exc``).
+of these (``raise ... from exc``); ``supervisor.store.pg.errors.translate`` is the
+one for ``psycopg.Error``.
 """
 
 from __future__ import annotations
@@ -52,6 +61,29 @@ class SchemaTooNew(StoreError):
         )
         self.found = found
         self.supported = supported
+
+
+class SchemaMismatch(StoreError):
+    def __init__(self, found: int, supported: int, where: str, command: str) -> None:
+        if found > supported:
+            advice = "upgrade Corral on this host"
+        else:
+            advice = f"migrate it first with: {command}"
+        super().__init__(
+            f"the store at {where} has schema version {found}, this Corral needs "
+            f"{supported}; {advice}"
+        )
+        self.found = found
+        self.supported = supported
+        self.command = command
+
+
+class LeaseLost(StoreError):
+    pass
+
+
+class StoreUnavailable(StoreError):
+    retryable = True
 
 
 class StoreBusy(StoreError):

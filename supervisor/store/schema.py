@@ -1,6 +1,6 @@
 """The store's SQLite schema, its ordered migrations, and connection setup.
 
-Schema (version 1)::
+Schema (version 2; version 1 lacked ``supervisors`` and ``leases``)::
 
     schema_version      one row per applied migration (version, applied_at, description)
     sessions            sid INTEGER PRIMARY KEY, session_id UNIQUE, config JSON, route,
@@ -14,6 +14,8 @@ Schema (version 1)::
     events              the event journal (rowid = key(sid, sequence)): type,
                         submission_id, created_at, payload JSON
     executions          one row per turn, upserted by UNIQUE(sid, turn_id); rowid orders pages
+    supervisors         (v2) one row per supervisor sharing the store: address, heartbeat
+    leases              (v2) one row per session (rowid = sid): owner, epoch, expires_at
 
 Invariants:
 - Tables keyed by (session, sequence) store that pair packed into the rowid
@@ -135,6 +137,28 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
             # Entries are ordered by (sid, rowid): newest-first execution pages per session.
             "CREATE INDEX executions_by_session ON executions (sid)",
+        ),
+    ),
+    Migration(
+        2,
+        "supervisors and session leases (owner, fencing epoch, expiry)",
+        (
+            # One row per supervisor process sharing the store (docs/multihost.md).
+            """CREATE TABLE supervisors (
+                supervisor_id TEXT PRIMARY KEY,
+                address TEXT NOT NULL,
+                host TEXT NOT NULL,
+                pid INTEGER NOT NULL,
+                started_at REAL NOT NULL,
+                heartbeat_at REAL NOT NULL
+            )""",
+            # One row per session ever owned: epoch only grows (the fencing token).
+            """CREATE TABLE leases (
+                sid INTEGER PRIMARY KEY,
+                owner TEXT,
+                epoch INTEGER NOT NULL,
+                expires_at REAL NOT NULL
+            )""",
         ),
     ),
 )

@@ -36,11 +36,10 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from supervisor.store import reader, schema, writer
+from supervisor.store import port, reader, schema, writer
 from supervisor.store.codec import Limits, check_key, encode
 from supervisor.store.errors import (
     InvalidRequest,
-    RecordTooLarge,
     StoreBusy,
     StoreClosed,
     StoreError,
@@ -226,6 +225,10 @@ class Store:
             finally:
                 await self._reader.close()
 
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
     async def __aenter__(self) -> Store:
         return self
 
@@ -404,19 +407,7 @@ class Store:
         """The session's whole event journal in order: what a client that saw everything
         has seen (including context_compacted markers). Read page by page; above
         ``max_events`` raises ``RecordTooLarge`` (use ``events_page``)."""
-        events: list[EventRecord] = []
-        after = 0
-        while True:
-            page = await self.events_page(session_id, after_sequence=after,
-                                          limit=reader.MAX_PAGE_EVENTS)
-            events.extend(page.items)
-            if len(events) > max_events:
-                raise RecordTooLarge(
-                    f"session {session_id!r} has more than {max_events} events; page them"
-                )
-            if page.next_cursor is None:
-                return events
-            after = int(page.next_cursor)
+        return await port.replay_events(self, session_id, max_events)
 
 
 def _writer_pragmas(conn: sqlite3.Connection, max_db_pages: int | None) -> None:

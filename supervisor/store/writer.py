@@ -358,7 +358,7 @@ def set_status(conn: sqlite3.Connection, sids: Sids, session_id: str, status: st
 
 # Every table holding a session's rows, keyed by rowid range (k) or by sid.
 _KEYED_TABLES = ("transcript_batches", "context_rewrites", "events")
-_SID_TABLES = ("executions", "checkpoint_state", "sessions")
+_SID_TABLES = ("executions", "checkpoint_state", "leases", "sessions")
 
 
 def delete_session(conn: sqlite3.Connection, sids: Sids, session_id: str) -> None:

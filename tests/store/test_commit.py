@@ -4,8 +4,6 @@ dense sequences, group commit of concurrent sessions, context after rewrites."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
-from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,15 @@ from supervisor.store import (
     SessionExists,
     SessionId,
     SessionNotFound,
+    SessionStore,
     StepWrite,
-    Store,
     TranscriptBatch,
 )
+from tests.store.backends import open_backend, row_count, state_bytes, stored_bytes
 from tests.store.steps import Session, execution, new_record, tool_round
 
 
-async def test_commit_then_load_gives_context_state_and_sequences(store: Store) -> None:
+async def test_commit_then_load_gives_context_state_and_sequences(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     for n in range(1, 4):
@@ -44,7 +43,7 @@ async def test_commit_then_load_gives_context_state_and_sequences(store: Store) 
     assert await store.load(SessionId("nope")) is None
 
 
-async def test_recommit_of_same_step_is_a_noop(store: Store, tmp_path: Path) -> None:
+async def test_recommit_of_same_step_is_a_noop(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     step = s.step(tool_round(1), events=[("item_completed", {"i": 1})])
@@ -58,12 +57,11 @@ async def test_recommit_of_same_step_is_a_noop(store: Store, tmp_path: Path) -> 
     assert loaded is not None
     assert loaded.context == tool_round(1)
     assert [e.sequence for e in await store.replay_events(s.id)] == [1]
-    with closing(sqlite3.connect(tmp_path / "corral.db")) as raw:
-        assert raw.execute("SELECT count(*) FROM events").fetchone()[0] == 1
-        assert raw.execute("SELECT count(*) FROM transcript_batches").fetchone()[0] == 1
+    assert row_count(store, "events") == 1
+    assert row_count(store, "transcript_batches") == 1
 
 
-async def test_cancelled_commit_followed_by_retry_commits_once(store: Store) -> None:
+async def test_cancelled_commit_followed_by_retry_commits_once(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     for n in range(1, 21):
@@ -82,7 +80,7 @@ async def test_cancelled_commit_followed_by_retry_commits_once(store: Store) -> 
     assert [e.sequence for e in await store.replay_events(s.id)] == list(range(1, 21))
 
 
-async def test_sequence_gap_and_different_content_are_conflicts(store: Store) -> None:
+async def test_sequence_gap_and_different_content_are_conflicts(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     await store.commit(s.step(tool_round(1), events=[("a", {"x": 1})]))
@@ -98,7 +96,7 @@ async def test_sequence_gap_and_different_content_are_conflicts(store: Store) ->
     assert [(e.sequence, e.type, e.payload) for e in events] == [(1, "a", {"x": 1}), (2, "b", {})]
 
 
-async def test_state_behind_the_journal_is_refused(store: Store) -> None:
+async def test_state_behind_the_journal_is_refused(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     step = s.step(tool_round(1), events=[("a", {})])
@@ -112,7 +110,7 @@ async def test_state_behind_the_journal_is_refused(store: Store) -> None:
     assert loaded.last_event_sequence == 0  # the whole step rolled back
 
 
-async def test_late_recommit_of_older_step_does_not_roll_state_back(store: Store) -> None:
+async def test_late_recommit_of_older_step_does_not_roll_state_back(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     first = s.step(tool_round(1), events=[("a", {})], extra={"mark": 1})
@@ -126,7 +124,7 @@ async def test_late_recommit_of_older_step_does_not_roll_state_back(store: Store
     assert loaded.state.next_batch_sequence == 3
 
 
-async def test_execution_upsert_and_terminal_outcome_is_not_regressed(store: Store) -> None:
+async def test_execution_upsert_and_terminal_outcome_is_not_regressed(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     running = execution("s1", "t1", "running")
@@ -140,7 +138,7 @@ async def test_execution_upsert_and_terminal_outcome_is_not_regressed(store: Sto
     ]
 
 
-async def test_rewrite_replaces_context_and_later_batches_apply_on_top(store: Store) -> None:
+async def test_rewrite_replaces_context_and_later_batches_apply_on_top(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     for n in range(1, 4):
@@ -161,7 +159,7 @@ async def test_rewrite_replaces_context_and_later_batches_apply_on_top(store: St
     assert [b.epoch for b in page.items] == [0, 0, 0, 1]
 
 
-async def test_rewrite_and_batch_in_one_step(store: Store) -> None:
+async def test_rewrite_and_batch_in_one_step(store: SessionStore) -> None:
     s = Session("s1")
     await store.create_session(new_record("s1"))
     await store.commit(s.step(tool_round(1)))
@@ -172,7 +170,7 @@ async def test_rewrite_and_batch_in_one_step(store: Store) -> None:
     assert loaded.context == summary + tool_round(2)
 
 
-async def test_concurrent_sessions_are_group_committed(store: Store) -> None:
+async def test_concurrent_sessions_are_group_committed(store: SessionStore) -> None:
     sessions = [Session(f"s{i}") for i in range(16)]
     for s in sessions:
         await store.create_session(new_record(s.id))
@@ -194,7 +192,7 @@ async def test_concurrent_sessions_are_group_committed(store: Store) -> None:
         assert loaded.context == [i for n in range(1, 11) for i in tool_round(n)]
 
 
-async def test_a_bad_step_fails_alone_within_its_group(store: Store) -> None:
+async def test_a_bad_step_fails_alone_within_its_group(store: SessionStore) -> None:
     good, other = Session("good"), Session("other")
     await store.create_session(new_record("good"))
     await store.create_session(new_record("other"))
@@ -219,7 +217,7 @@ async def test_a_bad_step_fails_alone_within_its_group(store: Store) -> None:
     assert loaded.context == tool_round(1)
 
 
-async def test_unknown_session_existing_session_and_bad_input(store: Store) -> None:
+async def test_unknown_session_existing_session_and_bad_input(store: SessionStore) -> None:
     ghost = Session("ghost")
     with pytest.raises(SessionNotFound):
         await store.commit(ghost.step(tool_round(1)))
@@ -233,7 +231,7 @@ async def test_unknown_session_existing_session_and_bad_input(store: Store) -> N
             EventRecord(SessionId("s1"), 1, "x", {"blob": b"bytes"})]))  # not JSON
 
 
-async def test_status_and_active_sessions(store: Store) -> None:
+async def test_status_and_active_sessions(store: SessionStore) -> None:
     for name in ("a", "b", "c"):
         await store.create_session(new_record(name))
     await store.set_status(SessionId("b"), "closed")
@@ -243,14 +241,15 @@ async def test_status_and_active_sessions(store: Store) -> None:
     assert record.status == "closed"
 
 
-async def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
-    path = tmp_path / "corral.db"
+async def test_data_survives_close_and_reopen(
+    request: pytest.FixtureRequest, backend: str, tmp_path: Path
+) -> None:
     s = Session("s1")
-    store = await Store.open(path)
+    store = await open_backend(request, backend, tmp_path)
     await store.create_session(new_record("s1"))
     await store.commit(s.step(tool_round(1), events=[("a", {})]))
     await store.close()
-    store = await Store.open(path)
+    store = await open_backend(request, backend, tmp_path, fresh=False)
     try:
         loaded = await store.load(s.id)
         assert loaded is not None
@@ -261,9 +260,11 @@ async def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
         await store.close()
 
 
-async def test_oversize_item_and_state_are_refused_before_writing(tmp_path: Path) -> None:
+async def test_oversize_item_and_state_are_refused_before_writing(
+    request: pytest.FixtureRequest, backend: str, tmp_path: Path
+) -> None:
     limits = Limits(max_item_bytes=4096, max_state_bytes=2048)
-    store = await Store.open(tmp_path / "corral.db", limits=limits)
+    store = await open_backend(request, backend, tmp_path, limits=limits)
     try:
         s = Session("s1")
         await store.create_session(new_record("s1"))
@@ -280,7 +281,7 @@ async def test_oversize_item_and_state_are_refused_before_writing(tmp_path: Path
         await store.close()
 
 
-async def test_a_failed_create_does_not_leave_a_stale_session_mapping(store: Store) -> None:
+async def test_a_failed_create_does_not_leave_a_stale_session_mapping(store: SessionStore) -> None:
     # The first step is bad (its events start at 2): the session row is rolled back too.
     bad_first = StepWrite(SessionId("a"), events=[EventRecord(SessionId("a"), 2, "x", {})])
     with pytest.raises(SequenceConflict):
@@ -299,9 +300,10 @@ async def test_a_failed_create_does_not_leave_a_stale_session_mapping(store: Sto
     assert loaded_b.context == tool_round(2)
 
 
-async def test_close_drains_pending_commits(tmp_path: Path) -> None:
-    path = tmp_path / "corral.db"
-    store = await Store.open(path)
+async def test_close_drains_pending_commits(
+    request: pytest.FixtureRequest, backend: str, tmp_path: Path
+) -> None:
+    store = await open_backend(request, backend, tmp_path)
     sessions = [Session(f"s{i}") for i in range(8)]
     for s in sessions:
         await store.create_session(new_record(s.id))
@@ -309,7 +311,7 @@ async def test_close_drains_pending_commits(tmp_path: Path) -> None:
     await asyncio.sleep(0)
     await store.close()
     await asyncio.gather(*commits)
-    store = await Store.open(path)
+    store = await open_backend(request, backend, tmp_path, fresh=False)
     try:
         for s in sessions:
             loaded = await store.load(s.id)
@@ -319,26 +321,17 @@ async def test_close_drains_pending_commits(tmp_path: Path) -> None:
         await store.close()
 
 
-def _db_bytes(path: Path) -> int:
-    with closing(sqlite3.connect(path)) as raw:
-        pages = raw.execute("PRAGMA page_count").fetchone()[0]
-        size = raw.execute("PRAGMA page_size").fetchone()[0]
-    return int(pages) * int(size)
-
-
-async def test_a_step_costs_what_it_added_not_the_whole_context(tmp_path: Path) -> None:
+async def test_a_step_costs_what_it_added_not_the_whole_context(store: SessionStore) -> None:
     """Database growth per step stays flat as the session's context grows (page counts,
     not timings): a step writes its events, one batch and one small state row."""
-    path = tmp_path / "corral.db"
-    store = await Store.open(path)
     try:
         s = Session("s1")
         await store.create_session(new_record("s1"))
-        sizes = [_db_bytes(path)]
+        sizes = [stored_bytes(store)]
         for n in range(1, 301):
             await store.commit(s.step(tool_round(n), events=[("tool_call_end", {"n": n})]))
             if n % 50 == 0:
-                sizes.append(_db_bytes(path))
+                sizes.append(stored_bytes(store))
         first, last = sizes[1] - sizes[0], sizes[-1] - sizes[-2]
         assert last <= first * 1.3, sizes
         loaded = await store.load(s.id)
@@ -346,6 +339,4 @@ async def test_a_step_costs_what_it_added_not_the_whole_context(tmp_path: Path) 
         assert len(loaded.context) == 4 * 300
     finally:
         await store.close()
-    with closing(sqlite3.connect(path)) as raw:
-        state_bytes = raw.execute("SELECT length(state) FROM checkpoint_state").fetchone()[0]
-    assert state_bytes < 2000  # the state row holds no context
+    assert state_bytes(store) < 2000  # the state row holds no context

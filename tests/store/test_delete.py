@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.store import SessionId, Store
+from supervisor.store import SessionId, SessionStore
 from supervisor.store.errors import SessionNotFound
+from tests.store.backends import row_count
 from tests.store.steps import Session, new_record, tool_round
 
 TABLES = ("sessions", "checkpoint_state", "transcript_batches", "context_rewrites",
           "events", "executions")
 
 
-async def _count(store: Store) -> dict[str, int]:
-    def count(conn: object) -> dict[str, int]:
-        return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[attr-defined]
-                for t in TABLES}
-    return await store._read(count, what="counting")
+async def _count(store: SessionStore) -> dict[str, int]:
+    return {t: row_count(store, t) for t in TABLES}
 
 
 @pytest.mark.timeout(30)
-async def test_delete_removes_every_row_and_the_sid_can_be_reused(store: Store) -> None:
+async def test_delete_removes_every_row_and_the_sid_can_be_reused(store: SessionStore) -> None:
     keep, gone = Session("keep"), Session("gone")
     for s in (keep, gone):
         await store.create_session(new_record(s.id), s.step(events=[("session_configured", {})]))

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.store import SessionId, Store
+from supervisor.store import SessionId, SessionStore, Store
+from supervisor.store.pg.store import PgStore
+from tests.store.backends import empty_pg
 from tests.store.steps import Session, new_record
 
 OPS = st.lists(
@@ -34,8 +37,8 @@ def _items(tag: str, n: int) -> list[dict[str, Any]]:
             for i in range(n)]
 
 
-async def _run(ops: list[tuple[str, int]], path: Path) -> None:
-    store = await Store.open(path)
+async def _run(ops: list[tuple[str, int]], opener: Callable[[], Awaitable[SessionStore]]) -> None:
+    store = await opener()
     try:
         s = Session("m")
         await store.create_session(new_record("m"))
@@ -101,4 +104,12 @@ async def _run(ops: list[tuple[str, int]], path: Path) -> None:
 @given(OPS)
 def test_store_agrees_with_a_plain_model(ops: list[tuple[str, int]]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(_run(ops, Path(tmp) / "model.db"))
+        asyncio.run(_run(ops, lambda: Store.open(Path(tmp) / "model.db")))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS)
+def test_postgresql_store_agrees_with_a_plain_model(pg_database: str,
+                                                    ops: list[tuple[str, int]]) -> None:
+    empty_pg(pg_database)
+    asyncio.run(_run(ops, lambda: PgStore.open(pg_database)))

@@ -6,15 +6,18 @@ import inspect
 
 import supervisor.store as store_pkg
 from supervisor.store import Store
+from supervisor.store.pg.store import PgStore
 
 
 def test_store_exports() -> None:
     assert sorted(store_pkg.__all__) == sorted([
         "REDACTED", "SCHEMA_VERSION", "SECRET_KEYS", "CheckpointState", "ContextRewrite",
-        "EventRecord", "ExecutionRecord", "InvalidRequest", "Limits", "LoadedSession", "Page",
-        "RecordTooLarge", "SchemaTooNew", "SequenceConflict", "SessionExists", "SessionId",
-        "SessionNotFound", "SessionRecord", "StepWrite", "Store", "StoreBusy", "StoreClosed",
-        "StoreCorrupt", "StoreError", "StoreFull", "SubmissionId", "TranscriptBatch", "TurnId",
+        "EventRecord", "ExecutionRecord", "InvalidRequest", "LeaseLost", "Limits",
+        "LoadedSession", "Page",
+        "RecordTooLarge", "SchemaMismatch", "SchemaTooNew", "SequenceConflict", "SessionExists",
+        "SessionId", "SessionNotFound", "SessionRecord", "SessionStore", "StepWrite", "Store",
+        "StoreBusy", "StoreClosed", "StoreCorrupt", "StoreError", "StoreFull",
+        "StoreUnavailable", "SubmissionId", "TranscriptBatch", "TurnId",
         "scan_db_bytes",
     ])
     for name in store_pkg.__all__:
@@ -57,6 +60,9 @@ def test_store_methods_match_the_engine_contract() -> None:
         fn = getattr(Store, name)
         assert _shape(fn) == shape, name
         assert inspect.iscoroutinefunction(fn), name
+        if name != "open":  # PgStore.open takes a URL and no SQLite settings
+            assert _shape(getattr(PgStore, name)) == shape, f"PgStore.{name}"
+            assert inspect.iscoroutinefunction(getattr(PgStore, name)), name
 
 
 def test_export_exports() -> None:

@@ -1,0 +1,111 @@
+"""Keeping this supervisor's session leases (several supervisors on one PostgreSQL store).
+
+At start-up ``claim_at_start`` takes the sessions still leased to this supervisor's id
+(a restart takes its own back at once, under new epochs) and free or expired ones; the
+engine then resumes them as after a restart. ``run`` then, every third of the lease:
+
+- renews the leases; each one lost (lapsed while this process was paused or cut off
+  from the database, or taken by another supervisor) is given up (``give_up``):
+  nothing more is published for it and it leaves memory;
+- claims sessions nobody holds a live lease on (a dead supervisor's, after its lease
+  lapsed), at most ``claim_batch`` per round, and resumes them (``take_over``).
+
+Invariants: a failure to reach the store skips the round (the process stays up; the
+store's fencing refuses writes of leases that lapsed meanwhile); every wait is bounded
+by the lease period; the task is owned by the supervisor's TaskGroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+from supervisor.store import SessionId, SessionStore, StoreError
+
+log = logging.getLogger(__name__)
+DEFAULT_CLAIM_BATCH = 64
+
+
+class Engine(Protocol):
+    def give_up(self, sid: SessionId) -> None: ...
+
+    async def take_over(self, sid: SessionId) -> None: ...
+
+
+class Leased(Protocol):
+    """What a store in lease mode offers (``PgStore`` with an owner)."""
+
+    owner: str | None
+    lease_s: float
+
+    async def claim(self, limit: int, *, own: bool = False) -> list[SessionId]: ...
+
+    async def renew(self) -> list[SessionId]: ...
+
+
+def supervisor_id(home: Path, given: str | None = None) -> str:
+    """This supervisor's owner id: ``given``, else stable for (host, home), so a restart
+    on the same host takes its own sessions back at once (under new epochs)."""
+    if given:
+        return given
+    digest = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12]
+    return f"{socket.gethostname()[:40]}-{digest}"
+
+
+def lease_options(url: str | None, home: Path, lease_s: float,
+                  given: str | None) -> dict[str, Any]:
+    """The store options of lease mode: none for SQLite (one supervisor per file)."""
+    if url is None:
+        return {}
+    return {"owner": supervisor_id(home, given), "lease_s": lease_s}
+
+
+async def start(store: SessionStore, engine: Engine, tg: asyncio.TaskGroup) -> None:
+    """In lease mode: take this supervisor's sessions (before the engine resumes what it
+    holds) and keep the leases in a task of ``tg``. Otherwise nothing."""
+    if getattr(store, "owner", None) is None:
+        return
+    leased = cast(Leased, store)
+    await claim_at_start(leased)
+    tg.create_task(run(leased, engine), name="leases")
+
+
+async def lease_status(store: SessionStore) -> dict[str, Any] | None:
+    """For ``status``: this supervisor's id, the lease period, and each supervisor holding
+    live leases with its session count and how long ago it last renewed (None: no lease
+    mode). Read from the shared store, so every supervisor shows the same picture."""
+    owner = getattr(store, "owner", None)
+    lease_owners = getattr(store, "lease_owners", None)
+    if owner is None or lease_owners is None:
+        return None
+    lease_s = float(getattr(store, "lease_s", 0.0))
+    rows: list[tuple[str, int, float]] = await lease_owners()
+    return {"self": owner, "lease_s": lease_s, "owners": [
+        {"id": who, "sessions": n, "renewed_s_ago": round(max(0.0, lease_s - left), 2),
+         "expires_in_s": round(left, 2)} for who, n, left in rows]}
+
+
+async def claim_at_start(store: Leased, batch: int = DEFAULT_CLAIM_BATCH) -> list[SessionId]:
+    got = await store.claim(batch, own=True)
+    if got:
+        log.info("took %d sessions at start-up (owner %s)", len(got), store.owner)
+    return got
+
+
+async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH) -> None:
+    period_s = store.lease_s / 3
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            async with asyncio.timeout(store.lease_s):
+                for sid in await store.renew():
+                    engine.give_up(sid)
+                for sid in await store.claim(batch):
+                    log.info("session %s: taken over (owner %s)", sid, store.owner)
+                    await engine.take_over(sid)
+        except (StoreError, TimeoutError) as exc:
+            log.warning("lease round skipped: %s", exc)

@@ -1,0 +1,86 @@
+"""Session leases and fencing on PostgreSQL: which supervisor owns which session.
+
+A lease row per session (``leases``: sid, owner, epoch, expires_at). The **epoch** is
+the fencing token: it grows by one every time the lease is acquired (a change of
+owner, or the same owner coming back after it lapsed). Expiry is on the database
+server's clock (``clock_timestamp()``): the one clock every supervisor on every host
+shares, so no host's clock skew moves a deadline.
+
+Invariants:
+- ``acquire`` takes a lease only when it is free, expired or already under the same
+  owner id, and always with a new epoch (``epoch + 1``), in one statement (the row
+  lock makes two acquirers serialize: one wins, the other sees a live lease).
+- ``check`` is the first statement of every write a supervisor makes for a session in
+  lease mode. It holds the lease row ``FOR SHARE`` until the write's transaction ends,
+  so a takeover (an UPDATE of that row) waits for the write to commit or roll back:
+  a write is either committed before the new owner's epoch exists, or refused. It
+  refuses (``LeaseLost``) unless owner, epoch AND expiry match: a supervisor paused
+  past its lease has every later write refused even before anyone took over.
+- ``renew`` extends only live leases of this owner; a lapsed one must be acquired again
+  (new epoch), so a paused supervisor can never silently continue.
+"""
+
+from __future__ import annotations
+
+from supervisor.store.errors import LeaseLost
+from supervisor.store.pg.reader import all_rows, one
+from supervisor.store.pg.schema import Conn
+
+NOW = "extract(epoch from clock_timestamp())"
+
+
+async def check(conn: Conn, sid: int, session_id: str, owner: str, epoch: int) -> None:
+    row = await one(conn, f"SELECT owner, epoch, expires_at > {NOW} FROM leases"
+                          " WHERE sid = %s FOR SHARE", (sid,))
+    if row is None or row[0] != owner or row[1] != epoch or not row[2]:
+        found = "no lease" if row is None else (
+            f"owner {row[0]!r} epoch {row[1]}{'' if row[2] else ' (expired)'}")
+        raise LeaseLost(f"session {session_id!r}: this supervisor ({owner}) held epoch "
+                        f"{epoch}; the lease now says {found}; the write was refused")
+
+
+async def acquire(conn: Conn, sid: int, owner: str, lease_s: float) -> int | None:
+    """Take the lease of session ``sid`` if it is free, expired, or recorded under this
+    same owner id (a restarted supervisor taking its sessions back at once: the new
+    epoch fences whatever the previous process of that id still had in flight). Its new
+    epoch, or None (another supervisor holds it)."""
+    row = await one(
+        conn, f"INSERT INTO leases (sid, owner, epoch, expires_at) VALUES (%s, %s, 1, {NOW} + %s)"
+        " ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = leases.epoch + 1,"
+        " expires_at = excluded.expires_at WHERE leases.owner IS NULL"
+        f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner RETURNING epoch",
+        (sid, owner, lease_s))
+    return int(row[0]) if row is not None else None
+
+
+async def renew(conn: Conn, owner: str, lease_s: float) -> dict[int, int]:
+    """Extend every live lease of ``owner``: {sid: epoch} of those still held."""
+    rows = await all_rows(
+        conn, f"UPDATE leases SET expires_at = {NOW} + %s WHERE owner = %s"
+        f" AND expires_at > {NOW} RETURNING sid, epoch", (lease_s, owner))
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+async def release(conn: Conn, sid: int, owner: str, epoch: int) -> None:
+    """Give the lease up at once (the next acquirer bumps the epoch)."""
+    await conn.execute("UPDATE leases SET owner = NULL, expires_at = 0 WHERE sid = %s"
+                       " AND owner = %s AND epoch = %s", (sid, owner, epoch))
+
+
+async def claimable(conn: Conn, limit: int, own: str | None = None) -> list[tuple[int, str]]:
+    """Active sessions nobody holds a live lease on (and, with ``own``, those leased to
+    that owner id: a restart taking its sessions back): (sid, session_id), oldest first."""
+    return [(int(r[0]), str(r[1])) for r in await all_rows(
+        conn, "SELECT s.sid, s.session_id FROM sessions s LEFT JOIN leases l ON l.sid = s.sid"
+        " WHERE s.status = 'active' AND (l.sid IS NULL OR l.owner IS NULL"
+        f" OR l.expires_at <= {NOW} OR l.owner = %s) ORDER BY s.sid LIMIT %s",
+        (own, limit))]
+
+
+async def owners(conn: Conn) -> list[tuple[str, int, float]]:
+    """(owner, sessions held, seconds since the oldest lease was renewed...) per owner:
+    each live owner with its session count and the smallest time left on its leases."""
+    rows = await all_rows(
+        conn, f"SELECT owner, count(*), min(expires_at - {NOW}) FROM leases"
+        f" WHERE owner IS NOT NULL AND expires_at > {NOW} GROUP BY owner ORDER BY owner")
+    return [(str(r[0]), int(r[1]), float(r[2])) for r in rows]

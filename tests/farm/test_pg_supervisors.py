@@ -1,0 +1,126 @@
+"""Two real supervisors on one PostgreSQL store: the one running a turn is SIGSTOPped
+past its lease; the other takes the session over within lease + margin and finishes
+the turn as after a restart (the tool call in flight is reported, never re-run); the
+stopped one, woken by SIGCONT, has its writes refused and gives the session up
+without publishing anything."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.client import SupervisorClient
+from tests.farm.conftest import write_home
+from tests.farm.test_farm_e2e import _has
+from tests.helpers import Procs, eventually, read_ready
+
+pytestmark = pytest.mark.timeout(180)
+LEASE_S = 2.0
+MARGIN_S = 3.0
+
+
+async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
+        start_farm: Callable[..., Any], workspace_root: Path, pg_server: Any,
+        procs: Procs, tmp_path: Path) -> None:
+    url = pg_server.new_database()
+    ws = workspace_root / "ws"
+    ws.mkdir()
+    script = {"responses": [
+        {"tool_calls": [{"name": "shell",
+                         "arguments": {"command": "echo run >> runs.txt; sleep 4; echo slow"}}]},
+        {"text": "finished", "usage": {"input": 10, "output": 3}},
+    ]}
+    extra = f'[store]\nurl = "{url}"\nlease_s = {LEASE_S}\n'
+    stopped: int | None = None
+    try:
+        farm = await start_farm(script, extra=extra)
+        ready = farm.farm.tree.ready_lines()
+        llm = ready["fakellm-s"]["url"]
+        home_b = tmp_path / "home-b"
+        write_home(home_b, script, extra=extra)
+        b_proc = procs.python(
+            "supervisor", "--home", str(home_b), "--broker", farm.farm.paths.broker_frontend,
+            "--listen", f"ipc://{tmp_path}/b.sock", "--route-url", f"s={llm}",
+            "--supervisor-id", "sv-b", "--log-level", "DEBUG", name="supervisor-b",
+            stdout=subprocess.PIPE)
+        await asyncio.to_thread(read_ready, b_proc, 90.0)
+
+        async with SupervisorClient(farm.endpoint) as a, \
+                SupervisorClient(f"ipc://{tmp_path}/b.sock") as b:
+            sid = await a.create_session(workspace=str(ws))
+            seen_a: list[dict[str, Any]] = []
+            sub = await a.submit(sid, {"type": "user_input", "text": "go"})
+
+            async def collect(client: SupervisorClient, into: list[dict[str, Any]]) -> None:
+                async for e in client.events(sid):
+                    into.append(e)
+
+            ta = asyncio.create_task(collect(a, seen_a))
+            try:
+                await eventually(lambda: _has(seen_a, "tool_call_begin"), timeout_s=30,
+                                 what="the tool call to start on supervisor A")
+                stopped = farm.pid("supervisor")
+                os.kill(stopped, signal.SIGSTOP)
+                paused_at = time.monotonic()
+                seen_a_at_stop = len(seen_a)
+
+                before = len((await b.history(sid))["events"])
+
+                async def progressed() -> bool:  # B's first write after the pause
+                    return len((await b.history(sid))["events"]) > before
+
+                await eventually(progressed, timeout_s=LEASE_S + MARGIN_S + 5,
+                                 what="supervisor B to take the session over")
+                takeover_s = time.monotonic() - paused_at
+                status = (await b.status())["supervisors"]
+                assert status["self"] == "sv-b"
+                owners = {o["id"]: o for o in status["owners"]}
+                assert owners["sv-b"]["sessions"] == 1, status
+                assert 0 <= owners["sv-b"]["renewed_s_ago"] <= LEASE_S, status
+
+                async def ended() -> bool:
+                    return await _has_end((await b.history(sid))["events"], sub)
+
+                await eventually(ended, timeout_s=60, what="the turn to end on supervisor B")
+                os.kill(stopped, signal.SIGCONT)
+                stopped = None
+                log_a = farm.home / "logs" / "supervisor.log"
+                await eventually(lambda: _says(log_a, "lease lost; given up"), timeout_s=30,
+                                 what="supervisor A to give the session up")
+                history = await b.history(sid)
+            finally:
+                ta.cancel()
+        assert takeover_s <= LEASE_S + MARGIN_S + 1.0, takeover_s
+        events = history["events"]
+        assert [e["sequence"] for e in events] == list(range(1, len(events) + 1))
+        ends = [e for e in events if e["type"] == "tool_call_end"]
+        assert len(ends) == 1
+        assert ends[0]["payload"]["outcome"] == "unknown", ends[0]
+        assert (ws / "runs.txt").read_text() == "run\n"  # never re-run
+        turn_end = [e for e in events if e["type"] in ("turn_complete", "turn_aborted")]
+        assert [e["type"] for e in turn_end] == ["turn_complete"]
+        # Supervisor A published nothing after it was stopped (and woken).
+        assert len(seen_a) == seen_a_at_stop
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        pg_server.drop_database(url)
+
+
+async def _has_end(seen: list[dict[str, Any]], sub: str) -> bool:
+    return any(e.get("submission_id") == sub and e["type"] in ("turn_complete", "turn_aborted")
+               for e in seen)
+
+
+async def _says(path: Path, text: str) -> bool:
+    def read() -> str:
+        return path.read_text(errors="replace") if path.exists() else ""
+    return text in await asyncio.to_thread(read)

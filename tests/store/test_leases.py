@@ -1,0 +1,151 @@
+"""Leases and fencing on PostgreSQL: a session has one owner at a time; every write is
+fenced by the owner's epoch; a writer paused past its lease (a real process, SIGSTOP
+then SIGCONT) has every later write refused and gives the session up, while another
+takes it over within the lease plus a margin."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.store import CheckpointState, LeaseLost, SessionId
+from supervisor.store.pg.store import PgStore
+from tests.store.backends import empty_pg
+from tests.store.steps import Session, new_record, tool_round
+
+pytestmark = pytest.mark.timeout(90)
+LEASE_S = 1.0
+MARGIN_S = 2.0
+
+
+async def _claim_within(store: PgStore, deadline_s: float) -> tuple[list[SessionId], float]:
+    started = time.monotonic()
+    while time.monotonic() - started < deadline_s:
+        got = await store.claim(10)
+        if got:
+            return got, time.monotonic() - started
+        await asyncio.sleep(0.05)
+    return [], time.monotonic() - started
+
+
+async def test_one_owner_at_a_time_and_a_stale_owner_is_refused(pg_database: str) -> None:
+    empty_pg(pg_database)
+    a = await PgStore.open(pg_database, owner="a", lease_s=LEASE_S)
+    b = await PgStore.open(pg_database, owner="b", lease_s=LEASE_S)
+    try:
+        s = Session("s1")
+        await a.create_session(new_record("s1"))
+        assert a.held() == {"s1": 1}
+        await a.commit(s.step(tool_round(1), events=[("step", {"by": "a"})]))
+        with pytest.raises(LeaseLost, match="holds no lease"):
+            await b.commit(s.step(tool_round(2)))
+        assert await b.claim(10) == []  # a's lease is live
+        await a.renew()
+        # a stops renewing (paused): b takes the session once the lease lapsed.
+        got, _ = await _claim_within(b, LEASE_S + MARGIN_S)
+        assert got == ["s1"]
+        assert b.held() == {"s1": 2}
+        # a's write after the takeover is refused: nothing of it is committed.
+        late = s.step(tool_round(2), events=[("step", {"by": "a"})])
+        with pytest.raises(LeaseLost, match="epoch 1; the lease now says owner 'b' epoch 2"):
+            await a.commit(late)
+        assert await a.renew() == ["s1"]  # a gives it up
+        loaded = await b.load(SessionId("s1"))
+        assert loaded is not None
+        assert loaded.last_event_sequence == 1
+        # b resumes from what is committed and writes on.
+        t = Session("s1")
+        t.state = CheckpointState.from_json(loaded.state.to_json())
+        await b.commit(t.step(tool_round(2), events=[("step", {"by": "b"})]))
+        events = await b.replay_events(SessionId("s1"))
+        assert [e.payload["by"] for e in events] == ["a", "b"]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_an_expired_lease_refuses_writes_even_before_a_takeover(pg_database: str) -> None:
+    empty_pg(pg_database)
+    a = await PgStore.open(pg_database, owner="a", lease_s=0.3)
+    try:
+        s = Session("s1")
+        await a.create_session(new_record("s1"))
+        await asyncio.sleep(0.5)  # past the lease (nobody else is there to take it)
+        with pytest.raises(LeaseLost, match="expired"):
+            await a.commit(s.step(tool_round(1)))
+        assert await a.renew() == ["s1"]
+        assert await a.acquire(SessionId("s1")) == 2  # back, under a new epoch
+    finally:
+        await a.close()
+
+
+def _read_json_line(proc: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            return dict(json.loads(line))
+        if proc.poll() is not None:
+            break
+    raise AssertionError(f"no output from the child (exit {proc.poll()})")
+
+
+async def test_a_writer_paused_past_its_lease_is_fenced_off(pg_database: str,
+                                                           tmp_path: Path) -> None:
+    """SIGSTOP a real writer process past its lease: another store takes the session
+    over within lease + margin; after SIGCONT every write of the paused one is refused,
+    it gives the session up, and the journal holds no write of it after the takeover."""
+    empty_pg(pg_database)
+    with (tmp_path / "child.err").open("w") as err:
+        child = subprocess.Popen(  # noqa: ASYNC220 - read from a thread below
+            [sys.executable, "-m", "tests.store.lease_child", pg_database, "x", str(LEASE_S)],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    b = await PgStore.open(pg_database, owner="b", lease_s=LEASE_S)
+    try:
+        deadline = time.monotonic() + 30
+        seen = [await asyncio.to_thread(_read_json_line, child, deadline) for _ in range(3)]
+        assert all("committed" in m for m in seen), seen
+        os.kill(child.pid, signal.SIGSTOP)
+        got, took_s = await _claim_within(b, LEASE_S + MARGIN_S)
+        assert got == ["x"], f"not taken over within {LEASE_S + MARGIN_S}s"
+        assert took_s <= LEASE_S + MARGIN_S
+        loaded = await b.load(SessionId("x"))
+        assert loaded is not None
+        t = Session("x")
+        t.state = CheckpointState.from_json(loaded.state.to_json())
+        takeover_seq = t.state.next_event_sequence
+        await b.commit(t.step(tool_round(takeover_seq),
+                              events=[("step", {"by": "b", "n": takeover_seq})]))
+        os.kill(child.pid, signal.SIGCONT)
+        said: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 30
+        while child.poll() is None or (child.stdout and child.stdout.readable()):
+            try:
+                said.append(await asyncio.to_thread(_read_json_line, child, deadline))
+            except AssertionError:
+                break
+            if "refused" in said[-1]:
+                break
+        assert any("refused" in m for m in said), said
+        assert await asyncio.to_thread(child.wait, 30) == 0
+        events = await b.replay_events(SessionId("x"))
+        assert [e.sequence for e in events] == list(range(1, len(events) + 1))
+        after = [e.payload["by"] for e in events if e.sequence >= takeover_seq]
+        assert after == ["b"], after  # nothing of the paused writer after the takeover
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
+        await b.close()

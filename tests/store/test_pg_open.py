@@ -1,0 +1,114 @@
+"""Choosing and opening the PostgreSQL store: ``[store] url`` is checked with typed
+errors, an unreachable server is a clear error naming the URL without its password
+(in the store and in a real ``python -m supervisor``), and the schema is created in an
+empty database."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor import config as config_mod
+from supervisor.store import SessionId, StoreUnavailable
+from supervisor.store.opening import open_for_home
+from supervisor.store.pg.store import PgStore
+from supervisor.store.url import redact
+from tests.store.steps import Session, new_record, tool_round
+
+SECRET = "s3cr3t-pw"
+# Port 1 on loopback: nothing listens there, the connection is refused at once.
+DEAD_URL = f"postgresql://corral:{SECRET}@127.0.0.1:1/corral"
+
+
+def _write_config(home: Path, text: str) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "corral.toml").write_text(text)
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ('"sqlite:///x.db"', "must start with postgresql://"),
+    ('"postgresql://corral@/corral"', "names no host"),
+    ('"postgresql://corral@db:5432/"', "names no database"),
+    ("5432", "must be a string"),
+    (f'"postgresql://corral:{SECRET}@db:99999/x"', "not a valid URL"),
+])
+def test_a_bad_store_url_is_a_config_error_without_the_password(
+    tmp_path: Path, value: str, why: str
+) -> None:
+    _write_config(tmp_path, f"[store]\nurl = {value}\n")
+    with pytest.raises(config_mod.ConfigError, match=why) as info:
+        config_mod.load(tmp_path)
+    assert SECRET not in str(info.value)
+    assert "[store.url]" in str(info.value)
+
+
+def test_unknown_store_keys_and_the_default(tmp_path: Path) -> None:
+    _write_config(tmp_path, '[store]\npath = "x"\n')
+    with pytest.raises(config_mod.ConfigError, match=r"unknown key\(s\) \['path'\]"):
+        config_mod.load(tmp_path)
+    _write_config(tmp_path, "")
+    assert config_mod.load(tmp_path).store_url is None
+    _write_config(tmp_path, f'[store]\nurl = "{DEAD_URL}"\n')
+    assert config_mod.load(tmp_path).store_url == DEAD_URL
+
+
+def test_redact_hides_every_password_form() -> None:
+    assert redact(DEAD_URL) == "postgresql://corral:***@127.0.0.1:1/corral"
+    assert SECRET not in redact(f"postgresql://u@h/d?password={SECRET}&sslmode=require")
+    assert redact("postgresql://u@h:5/d") == "postgresql://u@h:5/d"
+
+
+@pytest.mark.timeout(30)
+async def test_unreachable_postgresql_names_the_url_without_the_password() -> None:
+    with pytest.raises(StoreUnavailable) as info:
+        await PgStore.open(DEAD_URL, connect_timeout_s=5.0)
+    message = str(info.value)
+    assert "postgresql://corral:***@127.0.0.1:1/corral" in message
+    assert SECRET not in message
+    assert info.value.retryable
+
+
+@pytest.mark.timeout(60)
+def test_a_supervisor_with_an_unreachable_store_exits_with_that_error(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    _write_config(home, f'[store]\nurl = "{DEAD_URL}"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "--home", str(home), "--broker",
+         f"ipc://{tmp_path}/nobroker.sock", "--listen", f"ipc://{tmp_path}/sv.sock"],
+        capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "cannot connect to PostgreSQL at postgresql://corral:***@127.0.0.1:1/corral" \
+        in out.stderr
+    assert SECRET not in out.stderr + out.stdout
+
+
+@pytest.mark.timeout(60)
+async def test_an_empty_database_gets_the_schema_and_the_home_config_picks_it(
+    pg_server: Any, tmp_path: Path
+) -> None:
+    url = pg_server.new_database()
+    try:
+        _write_config(tmp_path, f'[store]\nurl = "{url}"\n')
+        store = await open_for_home(tmp_path)
+        try:
+            assert isinstance(store, PgStore)
+            assert pg_server.password not in store.where
+            s = Session("s1")
+            await store.create_session(new_record("s1"))
+            await store.commit(s.step(tool_round(1), events=[("a", {})]))
+        finally:
+            await store.close()
+        assert not (tmp_path / "corral.db").exists()  # nothing went to SQLite
+        again = await open_for_home(tmp_path)
+        try:
+            loaded = await again.load(SessionId("s1"))
+            assert loaded is not None
+            assert loaded.context == tool_round(1)
+        finally:
+            await again.close()
+    finally:
+        pg_server.drop_database(url)
