@@ -194,10 +194,13 @@ class McpHost:
             return profile.isolation(limits, network=False, uid=profile.user.uid,
                                      read_only=read_only, git_writable=git_writable,
                                      image=image)
-        return profile.isolation(limits, network=held.network, uid=held.lease.uid,
-                                 shape=held.shape, read_only=read_only,
-                                 git_writable=git_writable,
-                                 gid=held.pinned.gid if held.pinned else None, image=image)
+        record = profile.isolation(limits, network=held.network, uid=held.lease.uid,
+                                   shape=held.shape, read_only=read_only,
+                                   git_writable=git_writable,
+                                   gid=held.pinned.gid if held.pinned else None, image=image)
+        if "image" in record:  # the server's layer, kept across its calls
+            record["image"]["writable_layer"] = "per-server"
+        return record
 
     # -- servers ------------------------------------------------------------
     def _sweep(self) -> None:

@@ -287,6 +287,7 @@ async def test_an_mcp_stdio_server_runs_in_the_image_with_a_layer_of_its_own(
     assert f"cwd=/src uid={iso['uid']} PATH=/usr/bin:/bin host-visible=[]" in r["output"]
     assert iso["uid"] > 0
     assert iso["image"]["digest"] == images.digests["py"]
+    assert iso["image"]["writable_layer"] == "per-server"
     assert iso["filesystem"] == "image-root+call-layer+rw-workspace+tmpfs"
     assert iso["network"] == "none"
     assert iso["seccomp"] is True
