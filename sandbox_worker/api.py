@@ -229,7 +229,9 @@ class ImageRecord(TypedDict):
     rootfs_sha256: str
     workdir: str  # where the workspace was bound
     user: str  # the image's User (its name or uid), "" when none
-    writable_layer: Literal["per-call"]
+    # "per-call": a call's own layer; "per-server": an MCP stdio server's,
+    # which lasts as long as that server's process.
+    writable_layer: Literal["per-call", "per-server"]
 
 
 class ToolCallRequest(TypedDict):

@@ -5,7 +5,12 @@ A stdio server runs like a shell call that lasts: the same argv chain
 (``Profile.build``) with the session's workspace (pinned for the server's
 life), its own uid leased from the pool for the server's life, the session's
 limits, the same verification of the chain's shape by the kernel before
-anything runs, and the same tree kill. An HTTP server is called from the
+anything runs, and the same tree kill. In an image session (``image``) the
+server runs over the image's root like the session's shell calls
+(docs/images.md), with a writable layer of its own (``overlay.py``) that
+lasts as long as the server's process: it is detached once the server's tree
+is gone (when it exits, is killed or is stopped), and a dead worker's are
+swept at the next worker's start. An HTTP server is called from the
 worker (never the sandbox) with headers from the worker's environment.
 
 Servers are keyed by (session, server name, spec digest): a session's server
@@ -48,6 +53,8 @@ from sandbox_worker.api import (
     json_text,
 )
 from sandbox_worker.sandbox.errors import BadArguments, ToolError
+from sandbox_worker.sandbox.images import ImageRoot
+from sandbox_worker.sandbox.overlay import Layer
 from sandbox_worker.sandbox.profile import Profile, Shape
 from sandbox_worker.tools.fsops import check_relative
 from sandbox_worker.tools.mcpconn import Connection, McpFailure, env_headers, load_sdk
@@ -82,6 +89,7 @@ class Held:
     tmpdir: str | None = None
     shape: Shape | None = None
     network: bool = False
+    layer: Layer | None = None  # the server's writable layer over its image's root
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -113,7 +121,9 @@ class McpHost:
     # -- the handler --------------------------------------------------------
     async def handle(self, ctx: RequestContext, req: dict[str, Any], profile: Profile,
                      limits: ToolLimits, network: bool, start: float, *, read_only: bool,
-                     git_writable: bool) -> ToolCallResult:
+                     git_writable: bool, image: ImageRoot | None = None) -> ToolCallResult:
+        """One MCP request; ``image`` is the session's image, verified on disk
+        for this call (a stdio server then runs over its root)."""
         call = req["mcp"]
         if not isinstance(call, dict) or not isinstance(call.get("server"), str) \
                 or not isinstance(call.get("spec"), dict) \
@@ -122,18 +132,20 @@ class McpHost:
         spec: McpServerSpec = call["spec"]
         name = call["server"]
         digest = hashlib.sha256(json_text([spec, req["workspace"], read_only, git_writable,
-                                           limits], sort_keys=True)[0].encode()).hexdigest()
+                                           limits, image.digest if image else None],
+                                          sort_keys=True)[0].encode()).hexdigest()
         key: Key = (req["session_id"], name, digest[:16])
         self._sweep()
         held: Held | None = None
         try:
             held = await self._server(key, req, spec, profile, limits, ctx.budget_s(),
-                                      read_only=read_only, git_writable=git_writable)
+                                      read_only=read_only, git_writable=git_writable,
+                                      image=image)
             held.last_used = time.monotonic()
             if call["op"] == "list":
                 output = f"{len(held.conn.tools)} tools"
                 result = self._result(req, "ok", output, held, profile, limits, start,
-                                      read_only, git_writable)
+                                      read_only, git_writable, image)
                 result["mcp_tools"] = held.conn.tools
                 return result
             arguments = req["arguments"]
@@ -144,32 +156,33 @@ class McpHost:
             held.last_used = time.monotonic()
             output, is_error = render(answer)
             result = self._result(req, "error" if is_error else "ok", output, held, profile,
-                                  limits, start, read_only, git_writable)
+                                  limits, start, read_only, git_writable, image)
             if is_error:
                 result["error_kind"] = "tool_error"
             return result
         except ToolError as exc:
             out = self._result(req, "timeout" if exc.kind == "timeout" else "error", str(exc),
-                               held, profile, limits, start, read_only, git_writable)
+                               held, profile, limits, start, read_only, git_writable, image)
             out["error_kind"] = exc.kind
             return out
 
     def _result(self, req: dict[str, Any], outcome: str, output: str, held: Held | None,
                 profile: Profile, limits: ToolLimits, start: float, read_only: bool,
-                git_writable: bool) -> ToolCallResult:
+                git_writable: bool, image: ImageRoot | None = None) -> ToolCallResult:
         result = ToolCallResult(
             call_id=req["call_id"], tool=req["tool"], outcome=outcome,  # type: ignore[typeddict-item]
             is_error=outcome != "ok", output=output, exit_code=None, signal=None,
             duration_s=time.monotonic() - start, stdout_bytes=len(output.encode("utf-8",
                                                                                 "replace")),
             stderr_bytes=0, truncated=False,
-            isolation=self._isolation(held, profile, limits, read_only, git_writable))
+            isolation=self._isolation(held, profile, limits, read_only, git_writable, image))
         if self.pin:
             result["pin"] = self.pin
         return result
 
     def _isolation(self, held: Held | None, profile: Profile, limits: ToolLimits,
-                   read_only: bool, git_writable: bool) -> IsolationRecord:
+                   read_only: bool, git_writable: bool,
+                   image: ImageRoot | None = None) -> IsolationRecord:
         if held is not None and held.http:
             # Nothing of it ran here: the worker called a remote server.
             return IsolationRecord(
@@ -179,11 +192,15 @@ class McpHost:
                           "network: it runs elsewhere, in no sandbox of ours"], kernel=None)
         if held is None or held.lease is None:
             return profile.isolation(limits, network=False, uid=profile.user.uid,
-                                     read_only=read_only, git_writable=git_writable)
-        return profile.isolation(limits, network=held.network, uid=held.lease.uid,
-                                 shape=held.shape, read_only=read_only,
-                                 git_writable=git_writable,
-                                 gid=held.pinned.gid if held.pinned else None)
+                                     read_only=read_only, git_writable=git_writable,
+                                     image=image)
+        record = profile.isolation(limits, network=held.network, uid=held.lease.uid,
+                                   shape=held.shape, read_only=read_only,
+                                   git_writable=git_writable,
+                                   gid=held.pinned.gid if held.pinned else None, image=image)
+        if "image" in record:  # the server's layer, kept across its calls
+            record["image"]["writable_layer"] = "per-server"
+        return record
 
     # -- servers ------------------------------------------------------------
     def _sweep(self) -> None:
@@ -204,7 +221,8 @@ class McpHost:
 
     async def _server(self, key: Key, req: dict[str, Any], spec: McpServerSpec,
                       profile: Profile, limits: ToolLimits, budget_s: float, *,
-                      read_only: bool, git_writable: bool) -> Held:
+                      read_only: bool, git_writable: bool,
+                      image: ImageRoot | None) -> Held:
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             held = self._servers.get(key)
@@ -230,13 +248,14 @@ class McpHost:
             room = budget_s - REPLY_MARGIN_S - self.service.config.grace_s - 0.5
             held = await self._start(key, req, spec, profile, limits,
                                      max(0.05, min(START_TIMEOUT_S, room)),
-                                     read_only=read_only, git_writable=git_writable)
+                                     read_only=read_only, git_writable=git_writable,
+                                     image=image)
             self._servers[key] = held
             return held
 
     async def _start(self, key: Key, req: dict[str, Any], spec: McpServerSpec,
                      profile: Profile, limits: ToolLimits, timeout_s: float, *,
-                     read_only: bool, git_writable: bool) -> Held:
+                     read_only: bool, git_writable: bool, image: ImageRoot | None) -> Held:
         name = key[1]
         deadline = time.monotonic() + timeout_s
         await load_sdk()  # seconds the first time on a loaded machine: not on the loop
@@ -250,7 +269,8 @@ class McpHost:
             held = Held(conn, http=True)
         else:
             held = await self._start_stdio(conn, req, spec, profile, limits, timeout_s,
-                                           read_only=read_only, git_writable=git_writable)
+                                           read_only=read_only, git_writable=git_writable,
+                                           image=image)
         try:
             await conn.wait_ready(max(0.05, deadline - time.monotonic()))
         except McpFailure as exc:
@@ -266,7 +286,8 @@ class McpHost:
 
     async def _start_stdio(self, conn: Connection, req: dict[str, Any], spec: McpServerSpec,
                            profile: Profile, limits: ToolLimits, timeout_s: float, *,
-                           read_only: bool, git_writable: bool) -> Held:
+                           read_only: bool, git_writable: bool,
+                           image: ImageRoot | None) -> Held:
         svc = self.service
         pool, pins = svc.pool, svc.pins
         if pool is None or pins is None:
@@ -290,17 +311,24 @@ class McpHost:
             if profile.tier in ("T1", "T0"):
                 held.tmpdir = await asyncio.to_thread(_make_tmp, profile, uid)
             ro_fds = tuple(pinned.git_fds)
+            if image is not None:  # the server's own layer over the image (overlay.py)
+                try:
+                    held.layer = await profile.image_layer(image, limits, uid, pinned.gid)
+                except OSError as exc:
+                    raise ToolError(f"the image's root could not be mounted for MCP server "
+                                    f"{conn.name!r}: {exc}", kind="sandbox_unavailable") from None
             chain = profile.build(argv, pinned.path, limits, network=network, uid=uid,
                                   tmpdir=held.tmpdir, call_id=f"mcp-{conn.name}",
                                   workdir=workdir, workspace_fd=pinned.fd, gid=pinned.gid,
-                                  read_only=read_only, ro_fds=ro_fds)
+                                  read_only=read_only, ro_fds=ro_fds, image=image,
+                                  layer=held.layer)
             try:
                 verified = profile.verified.get(chain.shape)
                 if verified is None:
                     shape, verified = await profile.verify_chain(
                         pinned.path, network=network, uid=uid, tmpdir=held.tmpdir,
                         workdir=workdir, workspace_fd=pinned.fd, gid=pinned.gid,
-                        read_only=read_only, ro_fds=ro_fds)
+                        read_only=read_only, ro_fds=ro_fds, image=image)
                     if shape != chain.shape:
                         raise ToolError("the server's sandbox chain differs from the one "
                                         "probed for it", kind="sandbox_unavailable")
@@ -314,6 +342,8 @@ class McpHost:
             finally:
                 for fd in chain.pass_fds:
                     os.close(fd)
+            if held.layer is not None:
+                self._spawn(self._drop_layer_when_dead(held))
         except OSError as exc:
             await asyncio.shield(self._stop(held))
             raise McpFailure(f"MCP server {conn.name!r} could not be started: {exc}",
@@ -342,6 +372,20 @@ class McpHost:
         if held.tmpdir is not None:
             await asyncio.to_thread(shutil.rmtree, held.tmpdir, True)
             held.tmpdir = None
+        await self._drop_layer(held)
+
+    async def _drop_layer_when_dead(self, held: Held) -> None:
+        """A server over an image that exits or is killed between calls gives
+        its layer back then, not at its next call (its tree is gone once
+        ``dead`` is set: ``Connection._run_stdio`` kills it first)."""
+        await held.conn.dead.wait()
+        await self._drop_layer(held)
+
+    @staticmethod
+    async def _drop_layer(held: Held) -> None:
+        layer, held.layer = held.layer, None
+        if layer is not None:
+            await asyncio.shield(asyncio.to_thread(layer.close))
 
 
 def render(result: types.CallToolResult) -> tuple[str, bool]:

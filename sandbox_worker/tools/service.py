@@ -343,17 +343,9 @@ class ToolService:
                 # Verified on disk for every call; never the host's root instead.
                 image = await asyncio.to_thread(self.images.open, digest)
             if req.get("mcp") is not None:
-                mcp_call: Any = req.get("mcp")
-                mcp_spec = mcp_call.get("spec") if isinstance(mcp_call, dict) else None
-                if policy.get("image") is not None and isinstance(mcp_spec, dict) \
-                        and "command" in mcp_spec:
-                    # Its server would run over the host's root: refused, not run there.
-                    raise ToolError("MCP stdio servers do not run in an image session yet "
-                                    "(docs/images.md); use a command tool, or a session "
-                                    "without --image", kind="image_unsupported")
                 return await self.mcp.handle(ctx, cast("dict[str, Any]", req), profile, limits,
-                                             network, start,
-                                             read_only=read_only, git_writable=git_writable)
+                                             network, start, read_only=read_only,
+                                             git_writable=git_writable, image=image)
             if command_tool is not None:
                 argv, stdin = command_call(command_tool, req["arguments"])
                 args = {"command": argv}

@@ -8,6 +8,7 @@ touches is under the module's tmp directory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -21,7 +22,7 @@ from broker.client import BrokerClient
 from broker.protocol import pack, unpack
 from sandbox_worker.api import rootfs_digest
 from supervisor.images.store import ImageStore
-from tests.helpers import Procs, searchable_dir
+from tests.helpers import Procs, eventually, searchable_dir
 from tests.images.real import MARKER, build, busybox_image, need_tools, python_image
 from tests.sandbox.conftest import HB_S, Stack, call_tool, start_stack, stop_all
 
@@ -205,15 +206,92 @@ async def test_a_home_through_a_symlink_is_never_followed(
     assert os.listdir(images.trap) == []  # nothing made (or chowned) on the host
 
 
-async def test_an_mcp_stdio_server_is_refused_in_an_image_session(
+# A stdio MCP server by hand (the image has python3.11-minimal: no json, no
+# mcp SDK); the worker's client is the official SDK.
+HOST_FILE = str(Path(__file__).resolve())  # a host file the server must not see
+MCP_SERVER = r"""
+import ast, os, re, sys
+TOK = re.compile(r'"(?:\\.|[^"\\])*"|true|false|null|[^"tfn]+|.', re.S)
+LIT = {"true": "True", "false": "False", "null": "None"}
+def loads(text):
+    return ast.literal_eval("".join(LIT.get(t, t) for t in TOK.findall(text)))
+def dumps(v):
+    if v is None or isinstance(v, bool):
+        return {None: "null", True: "true", False: "false"}[v]
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return '"' + "".join(c if 32 <= ord(c) < 127 and c not in '"\\' else
+                             "\\u%04x" % ord(c) for c in v) + '"'
+    if isinstance(v, dict):
+        return "{" + ",".join(dumps(k) + ":" + dumps(x) for k, x in v.items()) + "}"
+    return "[" + ",".join(dumps(x) for x in v) + "]"
+def look(paths):
+    seen = [p for p in paths if os.path.exists(p)]
+    return (open("/etc/corral-marker").read() + "cwd=" + os.getcwd() + " uid=" + str(os.getuid())
+            + " PATH=" + os.environ.get("PATH", "") + " host-visible=" + repr(seen))
+SCHEMA = {"type": "object", "properties": {"paths": {"type": "array"}}}
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    msg = loads(line)
+    method, params = msg.get("method"), msg.get("params") or {}
+    if "id" not in msg or method is None:
+        continue
+    if method == "initialize":
+        res = {"protocolVersion": params["protocolVersion"], "capabilities": {"tools": {}},
+               "serverInfo": {"name": "in-image", "version": "1"}}
+    elif method == "tools/list":
+        res = {"tools": [{"name": n, "inputSchema": SCHEMA} for n in ("look", "exit")]}
+    elif method == "tools/call" and params["name"] == "exit":
+        os._exit(3)
+    elif method == "tools/call":
+        text = look((params.get("arguments") or {}).get("paths", []))
+        res = {"content": [{"type": "text", "text": text}], "isError": False}
+    else:
+        res = {}
+    sys.stdout.write(dumps({"jsonrpc": "2.0", "id": msg["id"], "result": res}) + "\n")
+    sys.stdout.flush()
+"""
+
+
+async def test_an_mcp_stdio_server_runs_in_the_image_with_a_layer_of_its_own(
         images: Images, client: BrokerClient, ws: Path) -> None:
-    r = await call_tool(client, "mcp__s__t", {}, ws, {"image": images.digests["bb"]})
-    assert r.result["error_kind"] != "image_unsupported"  # not an MCP request: unknown tool
-    req = {"mcp": {"server": "s", "spec": {"command": ["/bin/sh", "-c", "echo RAN > ran"]},
-                   "op": "list", "tool": ""}}
-    body = {"call_id": "c-mcp", "tool": "mcp__s__list", "arguments": {}, "session_id": "s-m",
-            "workspace": str(ws), "policy": {"image": images.digests["bb"]}, **req}
-    answer = unpack(await client.request("tool", pack(body), budget_s=60))
-    assert answer["error_kind"] == "image_unsupported"
-    assert answer["isolation"]["image"]["digest"] == images.digests["bb"]
-    assert not (ws / "ran").exists()
+    (ws / "server.py").write_text(MCP_SERVER)
+    layers = Path(f"/run/corral/overlay/{images.stack.worker.pid}")
+
+    def held() -> int:
+        return len(os.listdir(layers)) if layers.exists() else 0
+
+    async def mcp(digest: str, op: str, tool: str = "", args: Any = None) -> Any:
+        spec = {"command": ["/usr/bin/python3", "-u", "server.py"]}
+        body = {"call_id": f"c-mcp-{op}-{tool}", "tool": f"mcp__s__{tool or op}",
+                "arguments": args or {}, "session_id": "s-mcp", "workspace": str(ws),
+                "policy": {"image": digest},
+                "mcp": {"server": "s", "spec": spec, "op": op, "tool": tool}}
+        return unpack(await client.request("tool", pack(body), budget_s=60))
+
+    missing = await mcp("sha256:" + "ab" * 32, "list")
+    assert missing["error_kind"] == "image_unavailable", missing["output"]
+    before = held()
+    listed = await mcp(images.digests["py"], "list")
+    assert listed["outcome"] == "ok", listed["output"]
+    assert [t["name"] for t in listed["mcp_tools"]] == ["look", "exit"]
+    assert held() == before + 1  # the server's layer, while it runs
+    host_only = [HOST_FILE, "/usr/bin/env", str(ws / "server.py")]
+    r = await mcp(images.digests["py"], "call", "look", {"paths": host_only})
+    assert r["outcome"] == "ok", r["output"]
+    assert MARKER in r["output"]
+    iso = r["isolation"]
+    assert f"cwd=/src uid={iso['uid']} PATH=/usr/bin:/bin host-visible=[]" in r["output"]
+    assert iso["uid"] > 0
+    assert iso["image"]["digest"] == images.digests["py"]
+    assert iso["image"]["writable_layer"] == "per-server"
+    assert iso["filesystem"] == "image-root+call-layer+rw-workspace+tmpfs"
+    assert iso["network"] == "none"
+    assert iso["seccomp"] is True
+    gone = await mcp(images.digests["py"], "call", "exit")
+    assert gone["error_kind"] == "mcp_server_died", gone
+    await eventually(lambda: asyncio.sleep(0, held() == before), timeout_s=20,
+                     what="the exited server's layer to be removed")

@@ -1,11 +1,15 @@
 """The worker's image pieces alone (no process): where the workspace goes, which
 of an image's variables a call gets, how file-tool paths map onto the shell's
 view, and that an image chain's shape leaves out per-call values and the
-probe's additions (so one probe stands for every call over that image)."""
+probe's additions (so one probe stands for every call over that image); and
+that the layers a dead worker left mounted (a call's or an MCP server's) are
+swept by the next worker (one real child process mounts and dies)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,7 @@ from sandbox_worker.sandbox.images import (
     plain_path,
 )
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS
-from sandbox_worker.sandbox.overlay import Layer
+from sandbox_worker.sandbox.overlay import Layer, sweep
 from sandbox_worker.sandbox.profile import PROBE_USR, Profile
 from sandbox_worker.sandbox.user import SandboxUser
 from sandbox_worker.tools.service import IN_IMAGE, image_view
@@ -100,3 +104,25 @@ def test_an_image_chains_shape_leaves_out_per_call_values_and_the_probe(tmp_path
         "/run/corral/overlay/1/c1/m", "/"]
     assert "--remount-ro" in argv
     assert argv[argv.index("--remount-ro") + 1] == "/dev"
+
+
+def _mount_points() -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {line.split()[4] for line in f}
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_workers_layers_are_swept_at_the_next_start(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a layer needs root, as the worker has")
+    (tmp_path / "lower").mkdir()
+    dies = ("import os, sys\nfrom sandbox_worker.sandbox.overlay import mount_layer\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+            "print(mount_layer(fd, 1 << 20, ['/tmp'], '', 0, 0).root, flush=True)\n"
+            "os._exit(0)  # a worker gone without detaching its layer\n")
+    root = subprocess.run([sys.executable, "-c", dies, str(tmp_path / "lower")],
+                          capture_output=True, text=True, timeout=50, check=True).stdout.strip()
+    assert root in _mount_points()
+    assert sweep() >= 1
+    assert root not in _mount_points()
+    assert not Path(root).parent.exists()
