@@ -12,18 +12,25 @@ command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
 [ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] || [ -e /usr/lib/aarch64-linux-gnu/libseccomp.so.2 ] \
   || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_apt+=(libseccomp2)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
-# PostgreSQL's server binaries: the PostgreSQL store's tests start a throwaway
-# cluster with initdb + pg_ctl (supervisor/devtools/pgserver.py); the package is not a runtime need.
-ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
-command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)  # the CLI's terminal tests (tests/cli/test_terminal.py)
-# Image tests and the image benchmark build OCI images offline (docs/images.md).
-command -v umoci >/dev/null 2>&1 || need_apt+=(umoci)
-command -v skopeo >/dev/null 2>&1 || need_apt+=(skopeo)
-[ -x /bin/busybox ] || need_apt+=(busybox-static)
+# Development tools, not runtime needs (scripts/test sets CORRAL_BOOTSTRAP_EXTRA=test,
+# scripts/bench sets bench; scripts/demo needs none of them):
+# - PostgreSQL's server binaries: the PostgreSQL store's tests and `scripts/bench
+#   sessions --pg` start a throwaway cluster with initdb + pg_ctl
+#   (supervisor/devtools/pgserver.py);
+# - the image tests and the image benchmark build OCI images offline with umoci
+#   and skopeo from busybox-static (docs/images.md).
+if [ "${CORRAL_BOOTSTRAP_EXTRA:-}" = test ] || [ "${CORRAL_BOOTSTRAP_EXTRA:-}" = bench ]; then
+  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
+  command -v umoci >/dev/null 2>&1 || need_apt+=(umoci)
+  command -v skopeo >/dev/null 2>&1 || need_apt+=(skopeo)
+  [ -x /bin/busybox ] || need_apt+=(busybox-static)
+fi
 # The web view's browser test (tests/telemetry/test_web.py) drives Debian's
-# chromium with playwright (browsers cannot be downloaded): test extra only.
+# chromium with playwright (browsers cannot be downloaded), and the CLI's
+# terminal tests drive tmux (tests/cli/test_terminal.py): test extra only.
 if [ "${CORRAL_BOOTSTRAP_EXTRA:-}" = test ]; then
   command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+  command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
