@@ -37,6 +37,19 @@ request whose host is not bypassed goes through the transport of its proxy:
 one per proxy URL, with the whole configured limits (a proxied worker talks
 to one or two proxies).
 
+TLS: the one client context is httpx's default (``create_ssl_context``: the CA
+bundle of ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` with ``trust_env``, else
+certifi's), but its CA bundle is loaded the first time it wraps a connection
+(``LazyCAContext``), not at start: loading it was a third of the pool's start
+(0.05 of 0.16 CPU-s, more on a loaded machine), and a worker that only ever talks
+plain http (every test farm, a provider behind a local gateway) never needs it.
+Every TLS connection the transports make goes through ``wrap_bio`` or
+``wrap_socket`` of that context, so none can be made before the CAs are there.
+
+Closing: only transports ever leased are closed; one never leased holds no
+connection, and closing it made httpcore set up its anyio cancel scope machinery
+at stop (0.05 CPU-s for the 13 idle shards of a worker that made no model call).
+
 Invariants:
 - ``in_flight[i]`` counts the leases of shard ``i`` not yet ended; ``lease``
   always gives its count back, on any exit.
@@ -52,8 +65,11 @@ import contextlib
 import ipaddress
 import math
 import os
+import ssl
+import sys
+import threading
 from collections.abc import AsyncIterator, Mapping
-from typing import Final
+from typing import Any, Final
 
 import httpx
 
@@ -78,10 +94,12 @@ class ClientShards:
         # (0.44 s each on a loaded 2-core machine), and a context per transport
         # made a worker's start load it 13 times. An SSLContext is meant to be
         # shared; httpcore sets ALPN on it per connection from the same http2 flag.
-        self._ssl = httpx.create_ssl_context(trust_env=trust_env)
+        # It loads the bundle at its first TLS connection (LazyCAContext).
+        self._ssl = lazy_tls_context(trust_env=trust_env)
         self.transports = [self._transport(connections, keepalive)
                            for connections, keepalive in self.limits]
         self.in_flight = [0] * count
+        self._leased: set[int] = set()  # id() of every transport ever leased
         self.proxies: dict[str, str] = env_proxies(os.environ) if trust_env else {}
         self._via_proxy: dict[str, httpx.AsyncHTTPTransport] = {
             url: self._transport(max_connections, max_keepalive, proxy=url)
@@ -100,21 +118,81 @@ class ClientShards:
             raise RuntimeError("the model service's HTTP transports are closed")
         proxy = proxy_for(url, self.proxies) if self.proxies else None
         if proxy is not None:
-            yield self._via_proxy[proxy]
+            transport = self._via_proxy[proxy]
+            self._leased.add(id(transport))
+            yield transport
             return
         counts = self.in_flight
         i = counts.index(min(counts))
         counts[i] += 1
         try:
-            yield self.transports[i]
+            transport = self.transports[i]
+            self._leased.add(id(transport))
+            yield transport
         finally:
             counts[i] -= 1
 
     async def aclose(self) -> None:
-        transports = [*self.transports, *self._via_proxy.values()]
+        transports = [t for t in (*self.transports, *self._via_proxy.values())
+                      if id(t) in self._leased]
         self.transports, self.in_flight, self._via_proxy = [], [], {}
+        self._leased = set()
         for transport in transports:
             await transport.aclose()
+
+
+class LazyCAContext(ssl.SSLContext):
+    """A TLS client context that loads its CA locations (``cafile``/``capath``,
+    set by ``lazy_tls_context``) once, just before it wraps its first connection.
+    ``ca_loaded`` says whether it has."""
+
+    ca_loaded: bool
+    _ca: tuple[str | None, str | None]
+    _ca_lock: threading.Lock
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
+        self._load_ca()
+        return super().wrap_socket(*args, **kwargs)
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        self._load_ca()
+        return super().wrap_bio(*args, **kwargs)
+
+    def _load_ca(self) -> None:
+        if self.ca_loaded:
+            return
+        with self._ca_lock:
+            if not self.ca_loaded:
+                cafile, capath = self._ca
+                self.load_verify_locations(cafile=cafile, capath=capath)
+                self.ca_loaded = True
+
+
+def lazy_tls_context(*, trust_env: bool) -> LazyCAContext:
+    """The context ``httpx.create_ssl_context(trust_env=trust_env)`` makes (which is
+    ``ssl.create_default_context(cafile=...)``: certificates and host names
+    verified; ``SSLKEYLOGFILE`` honoured), with its CA locations loaded at the
+    first wrap. tests/model/test_tls_lazy.py pins that the two agree."""
+    import certifi  # httpx's own dependency, the bundle it defaults to
+
+    cafile: str | None = None
+    capath: str | None = None
+    if trust_env and os.environ.get("SSL_CERT_FILE"):
+        cafile = os.environ["SSL_CERT_FILE"]
+    elif trust_env and os.environ.get("SSL_CERT_DIR"):
+        capath = os.environ["SSL_CERT_DIR"]
+    else:
+        cafile = certifi.where()
+    ctx = LazyCAContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.check_hostname = True
+    keylog = os.environ.get("SSLKEYLOGFILE")
+    if keylog and not sys.flags.ignore_environment:
+        ctx.keylog_filename = keylog
+    ctx.ca_loaded = False
+    ctx._ca = (cafile, capath)
+    ctx._ca_lock = threading.Lock()
+    return ctx
 
 
 def env_proxies(environ: Mapping[str, str]) -> dict[str, str]:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.cli.common import EXIT_OK, EXIT_USAGE, Subparsers, add_home, add_json
-from supervisor.keys import KeyFileError, allow, ensure_farm_keys, new_key
 
 
 def add_parsers(sub: Subparsers) -> None:
@@ -88,6 +87,8 @@ def _keys_failed(exc: Exception) -> int:
 
 
 def cmd_keys_new(ns: Namespace) -> int:
+    from supervisor.keys import KeyFileError, new_key  # zmq: with the handler, not --help
+
     try:
         pub, sec = new_key(ns.name, ns.dir)
     except (KeyFileError, OSError) as exc:
@@ -98,6 +99,8 @@ def cmd_keys_new(ns: Namespace) -> int:
 
 
 def cmd_keys_allow(ns: Namespace) -> int:
+    from supervisor.keys import KeyFileError, allow
+
     role = ns.role or ("client" if ns.tenant else "worker")
     try:
         path = allow(ns.file, ns.home, role=role, tenant=ns.tenant, name=ns.name)
@@ -110,6 +113,8 @@ def cmd_keys_allow(ns: Namespace) -> int:
 
 
 def cmd_keys_init(ns: Namespace) -> int:
+    from supervisor.keys import KeyFileError, ensure_farm_keys
+
     try:
         fk = ensure_farm_keys(ns.home)
     except (KeyFileError, OSError) as exc:

@@ -31,9 +31,8 @@ from argparse import Namespace
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sandbox_worker.api import parse_route
 from supervisor.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -48,8 +47,9 @@ from supervisor.cli.common import (
 )
 from supervisor.cli.lifecycle import ensure_config
 from supervisor.cli.render import Renderer, clean
-from supervisor.client import SupervisorClient, SupervisorError
-from supervisor.farm.tree import ChildSpec, FarmError, SupervisionTree
+
+if TYPE_CHECKING:
+    from supervisor.client import SupervisorClient
 
 TERMINAL = ("turn_complete", "turn_aborted")
 
@@ -145,6 +145,7 @@ async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[F
 async def scripted_provider(script: Path, home: Path) -> AsyncIterator[str]:
     """Run a scripted provider for the duration; yields its URL."""
     from supervisor.farm.layout import FarmPaths
+    from supervisor.farm.tree import ChildSpec, SupervisionTree
 
     spec = ChildSpec("fakellm-run", [sys.executable, "-m", "sandbox_worker.fakellm",
                                      "--script", str(script), "--port", "0"],
@@ -166,8 +167,11 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def run_turn(ns: Namespace) -> int:
-    """``corral run``: the handler."""
+    """``corral run``: the handler (it, not the parser, imports the client and the
+    farm: ``corral --help`` stays light)."""
+    from supervisor.client import SupervisorError
     from supervisor.config import ConfigError
+    from supervisor.farm.tree import FarmError
 
     if ns.prompt is None and ns.session is None:
         print("corral: give a PROMPT (or --session ID to attach to a session's running "
@@ -206,6 +210,8 @@ async def _script_route(model: str, ns: Namespace, stack: contextlib.AsyncExitSt
                         ) -> dict[str, Any]:
     """``--model PROVIDER:MODEL`` or ``script:PATH`` as an inline route (a script gets
     its provider started for the run; a bad script fails here, in one line)."""
+    from sandbox_worker.api import parse_route
+
     try:
         route = parse_route(model, ns.base_url, name=model)
     except ValueError as exc:
@@ -220,6 +226,9 @@ async def _script_route(model: str, ns: Namespace, stack: contextlib.AsyncExitSt
 
 
 async def _run(ns: Namespace) -> int:
+    from sandbox_worker.api import parse_route
+    from supervisor.client import SupervisorClient
+
     def say(msg: str) -> None:
         if not ns.json:
             print(f"corral: {clean(msg)}", file=sys.stderr)
@@ -323,6 +332,8 @@ class TurnRun:
     async def _follow(self, after: int, live_from: int, pending_id: str | None) -> int:
         """Render events after ``after``; approval requests after ``live_from`` (or the
         one pending at attach) are asked for, older ones were answered already."""
+        from supervisor.client import SupervisorError
+
         ns = self.ns
         renderer = None if ns.json else Renderer(sys.stdout)
         interactive = sys.stdin.isatty() and not ns.json
@@ -414,6 +425,8 @@ class TurnRun:
 
     async def _interrupt(self) -> None:
         """Ctrl-C: interrupt the turn we follow (or say why not)."""
+        from supervisor.client import SupervisorError
+
         self.say("interrupting the turn (Ctrl-C again leaves at once)")
         try:
             described = await self.sv.describe(self.session)
@@ -434,6 +447,8 @@ class TurnRun:
             self.say(f"could not interrupt: {exc.message}")
 
     async def _ask(self, approval_id: str, renderer: Renderer) -> None:
+        from supervisor.client import SupervisorError
+
         decision = await ask_line(renderer)
         if decision is None:
             return

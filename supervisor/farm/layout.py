@@ -29,11 +29,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from supervisor.config import FarmConfig
 from supervisor.farm.tree import ChildSpec
+
+if TYPE_CHECKING:  # the config (and the engine's, with it) loads with Farm, not here
+    from supervisor.config import FarmConfig
 
 MAX_IPC_PATH = 90  # sun_path is 108 bytes; leave room for the socket names
 

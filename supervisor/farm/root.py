@@ -31,7 +31,6 @@ import psutil
 
 from broker import plants
 from supervisor import __version__
-from supervisor import config as config_mod
 from supervisor.farm.layout import FarmPaths, child_specs, read_farm_json, write_farm_json
 from supervisor.farm.tree import SupervisionTree, last_error_line
 
@@ -49,6 +48,11 @@ class Farm:
         if os.environ.get(plants.ENV):  # planted bugs never run in a normal farm
             raise RuntimeError(f"{plants.ENV} is set: planted bugs are only for the "
                                "processes `corral chaos --plant` starts; unset it")
+        # The config module (and the engine's config with it) loads here, not
+        # with this module: corral status and down need only running_farm and
+        # stop_detached (0.2 CPU-s of imports per call).
+        from supervisor import config as config_mod
+
         self.paths = FarmPaths.of(home)
         self.paths.prepare()
         config_mod.write_default(self.paths.home)
