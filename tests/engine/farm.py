@@ -202,3 +202,38 @@ async def engine(farm: Farm, *, routes: dict[str, ModelRoute] | None = None,
 
 def types(events: list[EventRecord]) -> list[str]:
     return [e.type for e in events]
+
+
+@dataclass
+class FarmPool:
+    """Brokers and workers shared by the tests of a module, one set per
+    ``(services, workers)``, started at first use (a worker start is ~1.2
+    CPU-s, a broker's ~0.3). ``farm(...)`` gives a test a ``Farm`` over them
+    with its own scripted provider, tmp directory (its store) and workspace.
+
+    Only for tests that neither kill, add nor reconfigure a worker or the
+    broker: the workers and the broker outlive the test, and are killed by
+    pid with the pool's ``Procs`` when the module ends."""
+
+    procs: Procs
+    tmp: Path
+    shared: dict[tuple[str, int], Farm] = field(default_factory=dict)
+
+    def farm(self, procs: Procs, tmp: Path, script: dict[str, Any], *, workers: int = 1,
+             services: str = "tool,model") -> Farm:
+        base = self.shared.get((services, workers))
+        if base is None:
+            where = self.tmp / f"pool-{len(self.shared)}"
+            where.mkdir()
+            base = start_farm(self.procs, where, {"responses": []}, workers=workers,
+                              services=services)
+            self.shared[(services, workers)] = base
+        dead = [p.pid for p in [base.broker, *base.workers] if p.poll() is not None]
+        if dead:
+            raise AssertionError(f"a shared farm process died: {dead}")
+        script_path = write_script(tmp, script)
+        llm = procs.spawn([PYTHON, "-m", "sandbox_worker.fakellm", "--script", str(script_path),
+                           "--port", "0", "--max-recorded", "256"],
+                          name="fakellm", stdout=subprocess.PIPE)
+        return Farm(procs, tmp, base.frontend, base.backend, _ready(llm)["url"], script_path,
+                    base.broker, llm, new_workspace(), list(base.workers))

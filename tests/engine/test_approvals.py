@@ -17,8 +17,12 @@ from supervisor.engine import HookInput, HookResult, Middleware
 from supervisor.engine.approvals import Decision, call_key, parse_policy, parse_rule
 from supervisor.engine.session import PendingApproval
 from supervisor.store.records import EventRecord
-from tests.engine.farm import Engine, Farm, engine, start_farm, types
+from tests.engine.farm import Engine, Farm, FarmPool, engine, types
 from tests.helpers import Procs
+
+# The farms' brokers and workers are shared by the module (conftest.py's
+# ``farm_pool``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine-approvals")
 
 # ------------------------------------------------------------------- pure
 
@@ -103,8 +107,8 @@ async def finish(eng: Engine, sid: str, sub: str, op: dict[str, Any] | None,
 
 @pytest.mark.sandbox
 async def test_one_request_covers_the_batch_and_approved_for_session_is_remembered(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, TWO_CALLS)
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS)
     async with engine(farm) as eng:
         sid = await eng.session(approval="ask")
         request, sub = await until_approval(eng, sid, "run both")
@@ -129,9 +133,9 @@ async def test_one_request_covers_the_batch_and_approved_for_session_is_remember
 
 @pytest.mark.sandbox
 @pytest.mark.parametrize("decision", ["denied", "abort"])
-async def test_denied_and_aborted_approvals(procs: Procs, tmp_path: Path,
+async def test_denied_and_aborted_approvals(procs: Procs, farm_pool: FarmPool, tmp_path: Path,
                                             decision: str) -> None:
-    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS)
     async with engine(farm) as eng:
         sid = await eng.session(approval="ask")
         request, sub = await until_approval(eng, sid, "run both")
@@ -155,12 +159,12 @@ async def test_denied_and_aborted_approvals(procs: Procs, tmp_path: Path,
 
 
 @pytest.mark.sandbox
-async def test_an_answer_is_durable_when_its_submit_returns(procs: Procs,
+async def test_an_answer_is_durable_when_its_submit_returns(procs: Procs, farm_pool: FarmPool,
                                                            tmp_path: Path) -> None:
     # Found by corral chaos: a supervisor killed right after acknowledging an
     # answer lost it (the resumed turn denied the calls as unanswered). The
     # submit now returns only once the verdicts are committed.
-    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS)
     async with engine(farm) as eng:
         sid = await eng.session(approval="ask")
         request, sub = await until_approval(eng, sid, "run both")
@@ -176,8 +180,9 @@ async def test_an_answer_is_durable_when_its_submit_returns(procs: Procs,
         assert events[-1].type == "turn_complete"
 
 
-async def test_stale_approval_is_a_warning(procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "hi"}]}, services="model")
+async def test_stale_approval_is_a_warning(procs: Procs, farm_pool: FarmPool,
+                                           tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "hi"}]}, services="model")
     async with engine(farm) as eng:
         sid = await eng.session()
         events = await eng.run_until(sid, {"type": "exec_approval", "id": "approval_old",
@@ -203,8 +208,8 @@ class AllowAllPermissions(Middleware):
 
 
 async def test_permission_hook_deny_cannot_be_weakened_by_a_later_allow(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, TWO_CALLS, services="model")
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS, services="model")
     mws = [DenyAllPermissions(), AllowAllPermissions()]
     async with engine(farm, middleware=lambda spec: mws) as eng:
         sid = await eng.session(approval="ask")
@@ -217,9 +222,9 @@ async def test_permission_hook_deny_cannot_be_weakened_by_a_later_allow(
 
 
 @pytest.mark.sandbox
-async def test_pending_approval_survives_a_supervisor_restart(procs: Procs,
+async def test_pending_approval_survives_a_supervisor_restart(procs: Procs, farm_pool: FarmPool,
                                                               tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS)
     db = tmp_path / "restart.sqlite3"
     async with engine(farm, db=db) as eng:
         sid = await eng.session(approval="ask")
@@ -240,9 +245,9 @@ async def test_pending_approval_survives_a_supervisor_restart(procs: Procs,
 
 
 @pytest.mark.sandbox
-async def test_an_unanswered_approval_times_out_as_a_denial(procs: Procs,
+async def test_an_unanswered_approval_times_out_as_a_denial(procs: Procs, farm_pool: FarmPool,
                                                            tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS)
     async with engine(farm, approval_timeout_s=1.0) as eng:
         sid = await eng.session(approval="ask")
         request, sub = await until_approval(eng, sid, "run both")
@@ -282,9 +287,9 @@ async def approval_across_downtime(farm: Farm, db: Path, down_s: float, **config
 @pytest.mark.parametrize("down_s", [3.0, 5.0], ids=["restart_before_deadline",
                                                     "restart_after_deadline"])
 async def test_the_approval_timeout_counts_from_the_request_across_a_restart(
-        procs: Procs, tmp_path: Path, down_s: float) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path, down_s: float) -> None:
     timeout_s = 4.0
-    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS)
     db = tmp_path / "deadline.sqlite3"
     sid, request, sub, restarted = await approval_across_downtime(
         farm, db, down_s, approval_timeout_s=timeout_s)
@@ -312,12 +317,12 @@ async def test_the_approval_timeout_counts_from_the_request_across_a_restart(
 @pytest.mark.sandbox
 @pytest.mark.timeout(60)
 async def test_the_turn_limit_counts_from_the_turn_start_across_a_restart(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     """max_turn_s counts from the turn's stored start: a turn left waiting for an
     approval across a restart ends at its original limit, not a whole limit
     after the restart (so periodic restarts cannot keep a turn alive forever)."""
     limit_s = 5.0
-    farm = start_farm(procs, tmp_path, TWO_CALLS)
+    farm = farm_pool.farm(procs, tmp_path, TWO_CALLS)
     db = tmp_path / "limit.sqlite3"
     sid, request, sub, restarted = await approval_across_downtime(
         farm, db, 3.0, max_turn_s=limit_s)

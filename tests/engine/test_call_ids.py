@@ -15,8 +15,12 @@ import pytest
 
 from supervisor.engine import HookInput, HookResult, Middleware
 from supervisor.store.records import EventRecord
-from tests.engine.farm import Engine, engine, start_farm, types
+from tests.engine.farm import Engine, FarmPool, engine, types
 from tests.helpers import Procs
+
+# The farms' brokers and workers are shared by the module (conftest.py's
+# ``farm_pool``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine-call-ids")
 
 
 def echo(word: str) -> dict[str, Any]:
@@ -58,11 +62,11 @@ def renames(events: list[EventRecord]) -> list[tuple[str, str]]:
 
 @pytest.mark.sandbox
 async def test_a_call_id_reused_by_later_steps_turns_and_after_a_restart_is_renamed(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [echo("one"), echo("two"), {"text": "turn one done"},
                             echo("three"), {"text": "turn two done"},
                             echo("four"), {"text": "turn three done"}]}
-    farm = start_farm(procs, tmp_path, script)
+    farm = farm_pool.farm(procs, tmp_path, script)
     db = tmp_path / "ids.sqlite3"
     async with engine(farm, db=db) as eng:
         sid = await eng.session(approval="allow")
@@ -104,10 +108,10 @@ async def test_a_call_id_reused_by_later_steps_turns_and_after_a_restart_is_rena
 
 @pytest.mark.sandbox
 async def test_a_call_id_is_free_again_once_compaction_dropped_its_call(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [echo("one"), {"text": "turn one done"},
                             echo("two"), {"text": "turn two done"}]}
-    farm = start_farm(procs, tmp_path, script)
+    farm = farm_pool.farm(procs, tmp_path, script)
     async with engine(farm) as eng:
         sid = await eng.session(approval="allow")
         first = await turn(eng, sid, "one", 0)
@@ -141,7 +145,7 @@ class InjectCall(Middleware):
 
 @pytest.mark.sandbox
 async def test_a_call_id_a_hook_added_during_a_provisional_compaction_is_taken(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     """A compaction is provisional while the step's pre_model hooks run
     (threshold 1: every step compacts first), so a call a hook adds goes into
     the provisional context only. The compaction settles before the model's
@@ -150,7 +154,7 @@ async def test_a_call_id_a_hook_added_during_a_provisional_compaction_is_taken(
     fresh one."""
     script = {"responses": [echo("one")] * 2 + [{"text": "done"}] * 4,
               "compact": {"usage": {"input": 5, "output": 3}}}
-    farm = start_farm(procs, tmp_path, script)
+    farm = farm_pool.farm(procs, tmp_path, script)
     hook = InjectCall()
     async with engine(farm, middleware=lambda spec: [hook],
                       compaction_threshold_tokens=1) as eng:

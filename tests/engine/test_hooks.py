@@ -11,8 +11,12 @@ import pytest
 
 from supervisor.engine import HookInput, HookResult, Middleware
 from supervisor.engine.hooks import HookEvent, HookRunner
-from tests.engine.farm import engine, start_farm, types
+from tests.engine.farm import FarmPool, engine, types
 from tests.helpers import Procs
+
+# The farms' brokers and workers are shared by the module (conftest.py's
+# ``farm_pool``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine-hooks")
 
 ONE_CALL = {"responses": [
     {"tool_calls": [{"name": "shell", "call_id": "c1", "arguments": {"command": "echo real"}}]},
@@ -33,8 +37,8 @@ class Explodes(Middleware):
 
 
 async def test_a_hook_error_fails_the_turn_cleanly_and_the_session_lives_on(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "fine"}]}, services="model")
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "fine"}]}, services="model")
     async with engine(farm, middleware=lambda spec: [Explodes()]) as eng:
         sid = await eng.session()
         events = await eng.run_until(sid, {"type": "user_input", "text": "one"})
@@ -74,8 +78,8 @@ class Decorate(Middleware):
 
 
 async def test_enrich_durable_context_request_only_decoration_and_bounded_stop(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "a"}, {"text": "b"},
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "a"}, {"text": "b"},
                                                       {"text": "c"}]}, services="model")
     async with engine(farm, middleware=lambda spec: [Decorate()]) as eng:
         sid = await eng.session()
@@ -125,15 +129,15 @@ def test_runner_folds_in_declared_order() -> None:
 # ----------------------------------------------------------- command hooks
 
 @pytest.mark.sandbox
-async def test_command_hooks_deny_replace_output_and_fail_closed(procs: Procs,
-                                                                 tmp_path: Path) -> None:
+async def test_command_hooks_deny_replace_output_and_fail_closed(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [
         {"tool_calls": [{"name": "shell", "call_id": "c1",
                          "arguments": {"command": "echo real"}},
                         {"name": "shell", "call_id": "c2",
                          "arguments": {"command": "echo forbidden"}}]},
         {"text": "done"}]}
-    farm = start_farm(procs, tmp_path, script, workers=2)
+    farm = farm_pool.farm(procs, tmp_path, script, workers=2)
     hooks = [
         # JSON arrives on stdin: deny exactly the call whose input mentions "forbidden"
         {"event": "pre_tool", "timeout_s": 20,
@@ -152,9 +156,9 @@ async def test_command_hooks_deny_replace_output_and_fail_closed(procs: Procs,
 
 
 @pytest.mark.sandbox
-async def test_command_hook_timeout_denies_and_crash_fails_the_turn(procs: Procs,
-                                                                    tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, ONE_CALL, workers=2)
+async def test_command_hook_timeout_denies_and_crash_fails_the_turn(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, ONE_CALL, workers=2)
     async with engine(farm) as eng:
         slow = await eng.session(approval="allow", hooks=[
             {"event": "pre_tool", "command": "sleep 30", "timeout_s": 1}])
@@ -180,8 +184,9 @@ class PushOnStartup(Middleware):
         return None
 
 
-async def test_session_start_may_push_input(procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "answered"}]}, services="model")
+async def test_session_start_may_push_input(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "answered"}]}, services="model")
     async with engine(farm, middleware=lambda spec: [PushOnStartup()]) as eng:
         sid = await eng.session()
         events = await eng.run_until(sid, None, until=lambda e: e.type == "turn_complete")
@@ -193,8 +198,8 @@ async def test_session_start_may_push_input(procs: Procs, tmp_path: Path) -> Non
 
 @pytest.mark.sandbox
 async def test_command_hook_rejects_a_prompt_that_is_then_never_persisted(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=1)
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=1)
     hook = {"event": "user_prompt_submit", "timeout_s": 20,
             "command": "if grep -q secret; then echo '{\"reject\": \"no secrets\"}'; fi"}
     async with engine(farm) as eng:
@@ -222,13 +227,13 @@ class PostToolExplodes(Middleware):
 
 @pytest.mark.sandbox
 async def test_a_failing_post_tool_hook_in_a_parallel_round_fails_the_turn_cleanly(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [
         {"tool_calls": [{"name": "shell", "call_id": "fast", "arguments": {"command": "true"}},
                         {"name": "shell", "call_id": "slow",
                          "arguments": {"command": "sleep 20"}}]},
         {"text": "next turn works"}]}
-    farm = start_farm(procs, tmp_path, script, workers=2)
+    farm = farm_pool.farm(procs, tmp_path, script, workers=2)
     async with engine(farm, middleware=lambda spec: [PostToolExplodes()]) as eng:
         sid = await eng.session(approval="allow")
         events = await eng.run_until(sid, {"type": "user_input", "text": "go"}, timeout_s=15)

@@ -18,8 +18,12 @@ import pytest
 
 from supervisor.engine import SessionManager
 from supervisor.store.records import EventRecord, SessionId
-from tests.engine.farm import engine, start_farm, types
+from tests.engine.farm import FarmPool, engine, start_farm, types
 from tests.helpers import Procs, eventually
+
+# The farms' brokers and workers are shared by the module (conftest.py's
+# ``farm_pool``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine-interrupts")
 
 
 async def interrupt_when(manager: SessionManager, sid: SessionId, op: dict[str, object],
@@ -54,12 +58,12 @@ async def interrupt_when(manager: SessionManager, sid: SessionId, op: dict[str, 
 
 
 @pytest.mark.sandbox
-async def test_interrupt_during_hung_tool_aborts_within_one_second(procs: Procs,
-                                                                   tmp_path: Path) -> None:
+async def test_interrupt_during_hung_tool_aborts_within_one_second(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [{"tool_calls": [{"name": "shell", "call_id": "hang",
                                              "arguments": {"command": "echo started; sleep 600"}}]},
                             {"text": "after"}]}
-    farm = start_farm(procs, tmp_path, script)
+    farm = farm_pool.farm(procs, tmp_path, script)
     async with engine(farm) as eng:
         sid = await eng.session(approval="allow")
         events, elapsed = await interrupt_when(
@@ -98,8 +102,8 @@ async def test_interrupt_with_a_frozen_worker_does_not_wait_for_it(procs: Procs,
 
 
 async def test_interrupt_during_hung_model_call_aborts_within_one_second(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"hang": True, "times": 1},
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"hang": True, "times": 1},
                                                       {"text": "fine"}]}, services="model")
     async with engine(farm) as eng:
         sid = await eng.session()
@@ -118,8 +122,9 @@ async def test_interrupt_during_hung_model_call_aborts_within_one_second(
             what="the hung provider request to be cancelled")
 
 
-async def test_interrupt_keeps_partial_output(procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text_tokens": 400,
+async def test_interrupt_keeps_partial_output(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text_tokens": 400,
                                                        "chunk_delay_s": 0.02}]},
                       services="model")
     async with engine(farm) as eng:
@@ -139,8 +144,9 @@ async def test_interrupt_keeps_partial_output(procs: Procs, tmp_path: Path) -> N
         assert last["corral"]["partial"] is True
 
 
-async def test_stale_and_idle_interrupts_are_warnings(procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "slow", "delay_s": 1.0},
+async def test_stale_and_idle_interrupts_are_warnings(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "slow", "delay_s": 1.0},
                                                       {"text": "x"}]}, services="model")
     async with engine(farm) as eng:
         sid = await eng.session()

@@ -16,10 +16,12 @@ import pytest
 
 from supervisor.export import DirectorySink, load_loop_checkpoint
 from supervisor.export.checkpoint import find_run, verify
-from tests.engine.farm import Farm, engine, start_farm
+from tests.engine.farm import Farm, FarmPool, engine
 from tests.helpers import Procs
 
-pytestmark = pytest.mark.sandbox
+# The farms' brokers and workers are shared by the module (conftest.py's
+# ``farm_pool``), also under xdist (--dist loadgroup).
+pytestmark = [pytest.mark.sandbox, pytest.mark.xdist_group("engine-a3s")]
 
 
 class RecordingSink:
@@ -57,9 +59,9 @@ def read_call(call_id: str, path: str) -> dict[str, Any]:
 FINAL = {"text": "boundary export complete"}
 
 
-def farm_with(procs: Procs, tmp: Path, responses: list[dict[str, Any]],
+def farm_with(pool: FarmPool, procs: Procs, tmp: Path, responses: list[dict[str, Any]],
               files: dict[str, str]) -> Farm:
-    farm = start_farm(procs, tmp, {"responses": responses})
+    farm = pool.farm(procs, tmp, {"responses": responses})
     for name, text in files.items():
         (farm.ws / name).write_text(text)
     return farm
@@ -70,8 +72,9 @@ def tool_end_ids(run: dict[str, Any]) -> list[str]:
 
 
 async def test_live_tool_boundary_exports_one_self_consistent_portable_checkpoint(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = farm_with(procs, tmp_path, [read_call("read-boundary-1", "evidence.txt"), FINAL],
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_with(farm_pool, procs, tmp_path,
+                     [read_call("read-boundary-1", "evidence.txt"), FINAL],
                      {"evidence.txt": "same-boundary evidence\n"})
     sink = RecordingSink()
     async with engine(farm, export_sinks=[sink]) as eng:
@@ -94,8 +97,8 @@ async def test_live_tool_boundary_exports_one_self_consistent_portable_checkpoin
 
 
 async def test_successive_tool_boundaries_form_an_ordered_checkpoint_series(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = farm_with(procs, tmp_path, [read_call("read-boundary-1", "first.txt"),
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_with(farm_pool, procs, tmp_path, [read_call("read-boundary-1", "first.txt"),
                                        read_call("read-boundary-2", "second.txt"), FINAL],
                      {"first.txt": "first boundary\n", "second.txt": "second boundary\n"})
     sink = RecordingSink()
@@ -123,8 +126,8 @@ async def test_successive_tool_boundaries_form_an_ordered_checkpoint_series(
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non_streaming"])
 async def test_streaming_runs_use_the_same_acknowledged_export_boundary(
-        procs: Procs, tmp_path: Path, stream: bool) -> None:
-    farm = farm_with(procs, tmp_path, [read_call("stream-read-boundary", "evidence.txt"),
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path, stream: bool) -> None:
+    farm = farm_with(farm_pool, procs, tmp_path, [read_call("stream-read-boundary", "evidence.txt"),
                                        FINAL], {"evidence.txt": "stream boundary\n"})
     sink = RecordingSink()
     async with engine(farm, export_sinks=[sink]) as eng:
@@ -147,8 +150,9 @@ async def test_streaming_runs_use_the_same_acknowledged_export_boundary(
 
 
 async def test_session_store_and_host_export_observe_the_same_live_boundary(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = farm_with(procs, tmp_path, [read_call("dual-sink-read", "evidence.txt"), FINAL],
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_with(farm_pool, procs, tmp_path,
+                     [read_call("dual-sink-read", "evidence.txt"), FINAL],
                      {"evidence.txt": "dual sink boundary\n"})
     sink = BlockingSink()
     async with engine(farm, export_sinks=[sink]) as eng:
@@ -173,8 +177,9 @@ async def test_session_store_and_host_export_observe_the_same_live_boundary(
 
 
 async def test_checkpoint_export_failure_is_observable_but_does_not_halt_the_live_run(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = farm_with(procs, tmp_path, [read_call("read-boundary-1", "evidence.txt"), FINAL],
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_with(farm_pool, procs, tmp_path,
+                     [read_call("read-boundary-1", "evidence.txt"), FINAL],
                      {"evidence.txt": "evidence\n"})
     sink = RecordingSink(fail=True)
     async with engine(farm, export_sinks=[sink]) as eng:
@@ -191,9 +196,10 @@ async def test_checkpoint_export_failure_is_observable_but_does_not_halt_the_liv
         assert any(e.type == "warning" and "export" in e.payload for e in replay)
 
 
-async def test_directory_sink_gets_the_same_boundary_checkpoint(procs: Procs,
-                                                                tmp_path: Path) -> None:
-    farm = farm_with(procs, tmp_path, [read_call("read-boundary-1", "evidence.txt"), FINAL],
+async def test_directory_sink_gets_the_same_boundary_checkpoint(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_with(farm_pool, procs, tmp_path,
+                     [read_call("read-boundary-1", "evidence.txt"), FINAL],
                      {"evidence.txt": "evidence\n"})
     recording = RecordingSink()
     out = tmp_path / "exports"

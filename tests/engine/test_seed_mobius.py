@@ -17,8 +17,12 @@ import pytest
 
 from supervisor.engine import HookInput, HookResult, Middleware
 from supervisor.store.records import EventRecord
-from tests.engine.farm import Engine, engine, start_farm, types
+from tests.engine.farm import Engine, FarmPool, engine, types
 from tests.helpers import Procs
+
+# The farms' brokers and workers are shared by the module (conftest.py's
+# ``farm_pool``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine-mobius")
 
 USAGE = {"input": 5, "output": 3}
 
@@ -56,8 +60,8 @@ class StoppingSessionStart(Middleware):
 
 
 async def test_idle_session_start_stop_does_not_consume_the_next_prompt(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "one"}, {"text": "two"}]},
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "one"}, {"text": "two"}]},
                       services="model")
     async with engine(farm, middleware=mw(StoppingSessionStart())) as eng:
         sid = await eng.session()
@@ -84,8 +88,8 @@ class RejectFirstPrompt(Middleware):
 
 
 async def test_rejected_prompt_aborts_without_persisting_or_wedging_the_next_turn(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "fine"}]}, services="model")
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "fine"}]}, services="model")
     secret, attachment_id = "do not persist this secret", "da913625-36d8-4624-815f-5523eb93b95f"
     async with engine(farm, middleware=mw(RejectFirstPrompt())) as eng:
         sid = await eng.session()
@@ -138,11 +142,11 @@ def kind(item: dict[str, Any]) -> str | None:
 
 
 async def test_pre_tool_hook_context_is_durable_before_open_call_at_approval(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [{"tool_calls": [{"name": "shell", "call_id": "call-1",
                                              "arguments": {"command": "echo hi"}}]},
                             {"text": "done"}]}
-    farm = start_farm(procs, tmp_path, script, services="model")
+    farm = farm_pool.farm(procs, tmp_path, script, services="model")
     async with engine(farm, middleware=mw(ToolHookContext())) as eng:
         sid = await eng.session(approval="ask")
         await eng.run_until(sid, {"type": "user_input", "text": "run it"},
@@ -170,14 +174,14 @@ class RecordRequests(Middleware):
 
 @pytest.mark.sandbox
 async def test_post_tool_hook_context_follows_only_executed_tool_outputs(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [
         {"tool_calls": [
             {"name": "shell", "call_id": "call-1", "arguments": {"command": "echo one"}},
             {"name": "missing", "call_id": "call-2", "arguments": {}},
             {"name": "shell", "call_id": "call-3", "arguments": {"command": "echo three"}}]},
         {"text": "done"}]}
-    farm = start_farm(procs, tmp_path, script, workers=2)
+    farm = farm_pool.farm(procs, tmp_path, script, workers=2)
     recorder = RecordRequests()
     async with engine(farm, middleware=mw(ToolHookContext(), recorder)) as eng:
         sid = await eng.session(approval="allow")
@@ -236,9 +240,9 @@ class StoppingCompaction(Middleware):
     ("after", 1, "post-compact hook stopped the turn"),
     ("session_start", 1, "session-start hook stopped the turn"),
 ])
-async def test_compaction_stops(procs: Procs, tmp_path: Path, boundary: str,
+async def test_compaction_stops(procs: Procs, farm_pool: FarmPool, tmp_path: Path, boundary: str,
                                 compactions: int, reason: str) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done"}],
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "done"}],
                                         "compact": {"usage": USAGE}}, services="model")
     async with engine(farm, middleware=mw(StoppingCompaction(boundary)),
                       compaction_threshold_tokens=1) as eng:
@@ -269,11 +273,11 @@ TITLES = {"success": "Context compacted", "failure": "Context compaction failed"
 
 @pytest.mark.parametrize("outcome", ["success", "failure", "interrupt"])
 async def test_compaction_notice_is_live_and_closes_on_success_failure_and_interrupt(
-        procs: Procs, tmp_path: Path, outcome: str) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path, outcome: str) -> None:
     compact: dict[str, Any] = {"success": {"usage": USAGE, "delay_s": 0.2},
                                "failure": {"status": 400, "error_message": "compaction failed"},
                                "interrupt": {"hang": True}}[outcome]
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done"}], "compact": compact},
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "done"}], "compact": compact},
                       services="model")
     async with engine(farm, compaction_threshold_tokens=1) as eng:
         sid = await eng.session()
@@ -345,8 +349,9 @@ class LaterHook(Middleware):
 @pytest.mark.parametrize("request_hook", [False, True], ids=["pre_model", "model_request"])
 @pytest.mark.parametrize("outcome", ["failure", "interrupt", "success"])
 async def test_compaction_notice_waits_for_later_preparation_hooks_to_settle(
-        procs: Procs, tmp_path: Path, request_hook: bool, outcome: str) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done"}],
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path, request_hook: bool,
+        outcome: str) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "done"}],
                                         "compact": {"usage": USAGE}}, services="model")
     later = LaterHook(request_hook, outcome == "failure")
     async with engine(farm, middleware=mw(later), compaction_threshold_tokens=1) as eng:
@@ -402,9 +407,9 @@ async def test_compaction_notice_waits_for_later_preparation_hooks_to_settle(
 
 # 8 ---------------------------------------------------------------------------
 
-async def test_compaction_marker_survives_transcript_replay(procs: Procs,
+async def test_compaction_marker_survives_transcript_replay(procs: Procs, farm_pool: FarmPool,
                                                             tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done"}],
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "done"}],
                                         "compact": {"usage": USAGE}}, services="model")
     recorder = RecordRequests()
     async with engine(farm, middleware=mw(recorder), compaction_threshold_tokens=1) as eng:
@@ -436,9 +441,9 @@ async def test_compaction_marker_survives_transcript_replay(procs: Procs,
 
 # 9 ---------------------------------------------------------------------------
 
-async def test_provider_failure_records_one_failed_execution(procs: Procs,
+async def test_provider_failure_records_one_failed_execution(procs: Procs, farm_pool: FarmPool,
                                                              tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"status": 400,
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"status": 400,
                                                        "error_message": "bad request"}]},
                       services="model")
     async with engine(farm) as eng:
@@ -454,9 +459,9 @@ async def test_provider_failure_records_one_failed_execution(procs: Procs,
 
 # 10 --------------------------------------------------------------------------
 
-async def test_child_session_route_and_route_aware_usage_observer(procs: Procs,
+async def test_child_session_route_and_route_aware_usage_observer(procs: Procs, farm_pool: FarmPool,
                                                                   tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done",
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "done",
                                                        "usage": {"input": 1}}]},
                       services="model")
     observed: list[tuple[str, int]] = []
@@ -481,8 +486,8 @@ async def test_child_session_route_and_route_aware_usage_observer(procs: Procs,
 # 11 --------------------------------------------------------------------------
 
 async def test_failing_usage_observer_aborts_before_checkpoint_usage_is_committed(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "done"}]}, services="model")
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "done"}]}, services="model")
 
     def observer(route: str, usage: Any) -> None:
         raise RuntimeError("usage sink failed")

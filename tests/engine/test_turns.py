@@ -11,8 +11,12 @@ import pytest
 
 from supervisor.engine import SubscriberDropped
 from supervisor.store.records import EventRecord
-from tests.engine.farm import engine, start_farm, types
+from tests.engine.farm import FarmPool, engine, start_farm, types
 from tests.helpers import Procs, eventually
+
+# The farms' brokers and workers are shared by the module (conftest.py's
+# ``farm_pool``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine-turns")
 
 
 @pytest.mark.sandbox
@@ -44,13 +48,13 @@ async def test_parallel_calls_of_one_step_run_concurrently_on_several_workers(
 
 @pytest.mark.sandbox
 async def test_a_call_id_given_twice_in_one_step_runs_both_calls_apart(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     script = {"responses": [
         {"tool_calls": [
             {"name": "shell", "call_id": "dup", "arguments": {"command": "echo first"}},
             {"name": "shell", "call_id": "dup", "arguments": {"command": "echo second"}}]},
         {"text": "done"}]}
-    farm = start_farm(procs, tmp_path, script)
+    farm = farm_pool.farm(procs, tmp_path, script)
     async with engine(farm) as eng:
         sid = await eng.session(approval="allow")
         events = await eng.run_until(sid, {"type": "user_input", "text": "go"})
@@ -70,9 +74,10 @@ async def test_a_call_id_given_twice_in_one_step_runs_both_calls_apart(
                          ("function_call", fresh), ("function_call_output", fresh)}
 
 
-async def test_model_step_limit_fails_the_turn(procs: Procs, tmp_path: Path) -> None:
+async def test_model_step_limit_fails_the_turn(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     call = {"tool_calls": [{"name": "teleport", "arguments": {}}]}
-    farm = start_farm(procs, tmp_path, {"responses": [call] * 10}, services="model")
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [call] * 10}, services="model")
     async with engine(farm, max_model_steps=3) as eng:
         sid = await eng.session(approval="allow")
         events = await eng.run_until(sid, {"type": "user_input", "text": "loop"})
@@ -83,9 +88,9 @@ async def test_model_step_limit_fails_the_turn(procs: Procs, tmp_path: Path) -> 
         assert error.payload["kind"] == "turn_limit"
 
 
-async def test_compact_op_with_summary_compaction_and_set_model(procs: Procs,
-                                                                tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "first answer"},
+async def test_compact_op_with_summary_compaction_and_set_model(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "first answer"},
                                                       {"text": "THE SUMMARY"}]},
                       services="model")
     routes = {"main": farm.route("main", native_compaction=False),
@@ -113,9 +118,9 @@ async def test_compact_op_with_summary_compaction_and_set_model(procs: Procs,
         assert diag.payload["diagnostics"]["prompt_cache"]["outcome"] == "context_rewrite"
 
 
-async def test_input_during_a_turn_is_queued_durably_and_runs_next(procs: Procs,
-                                                                   tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "slow", "delay_s": 0.5},
+async def test_input_during_a_turn_is_queued_durably_and_runs_next(
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "slow", "delay_s": 0.5},
                                                       {"text": "second"}]}, services="model")
     async with engine(farm) as eng:
         sid = await eng.session()
@@ -140,8 +145,8 @@ async def test_input_during_a_turn_is_queued_durably_and_runs_next(procs: Procs,
 
 
 async def test_a_slow_subscriber_is_dropped_and_resumes_without_a_gap(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "x"}] * 20}, services="model")
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "x"}] * 20}, services="model")
     async with engine(farm, subscriber_queue=4) as eng:
         sid = await eng.session()
         session = eng.manager.sessions[sid]
@@ -179,8 +184,8 @@ async def test_a_slow_subscriber_is_dropped_and_resumes_without_a_gap(
 
 
 async def test_an_idle_session_drops_its_context_and_reloads_it_from_the_store(
-        procs: Procs, tmp_path: Path) -> None:
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "first"}, {"text": "second"}]},
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "first"}, {"text": "second"}]},
                       services="model")
     async with engine(farm, idle_context_items=0) as eng:
         sid = await eng.session()
@@ -202,13 +207,13 @@ async def test_an_idle_session_drops_its_context_and_reloads_it_from_the_store(
 
 
 async def test_an_input_too_large_for_the_queue_is_a_typed_refusal(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, farm_pool: FarmPool, tmp_path: Path) -> None:
     # Queued input lives in the bounded state row: 1,000,000 quote characters are
     # 2 MB as stored (each one escaped). Before, the store refused the state row
     # (RecordTooLarge from submit); now it is BadOp and the session goes on.
     from supervisor.engine import BadOp
 
-    farm = start_farm(procs, tmp_path, {"responses": [{"text": "fine"}]})
+    farm = farm_pool.farm(procs, tmp_path, {"responses": [{"text": "fine"}]})
     async with engine(farm) as eng:
         sid = await eng.session()
         with pytest.raises(BadOp, match="queues at most 262144 bytes"):

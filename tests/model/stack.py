@@ -1,6 +1,14 @@
 """Test helpers for model calls: a real scripted provider, broker and workers
 as child processes (through the ``procs`` fixture), and a client that
-collects a call's partials and outcome."""
+collects a call's partials and outcome.
+
+``Stacks`` (the module-scoped ``stacks`` fixture of conftest.py) shares a
+broker and one model worker between the tests of a module, one such stack per
+set of worker options: a worker start is ~1.2 CPU-s, most of a test here.
+Only for tests that neither kill nor watch a worker; each test still starts
+its own scripted provider, so what a test asserts on (the provider's stats and
+recorded requests, the call's partials) is its own.
+"""
 
 from __future__ import annotations
 
@@ -63,6 +71,29 @@ def start_stack(procs: Procs, tmp_path: Path, *worker_args: str, workers: int = 
     for _ in range(workers):
         stack.add_worker(*worker_args, env=env)
     return stack
+
+
+class Stacks:
+    """Broker + one model worker per set of worker options, started at first use
+    and stopped (by pid) with the ``Procs`` they were started through."""
+
+    def __init__(self, procs: Procs, tmp: Path) -> None:
+        self.procs = procs
+        self.tmp = tmp
+        self._by_args: dict[tuple[str, ...], Stack] = {}
+
+    def get(self, *worker_args: str) -> Stack:
+        stack = self._by_args.get(worker_args)
+        if stack is None:
+            where = self.tmp / f"stack-{len(self._by_args)}"
+            where.mkdir()
+            stack = start_stack(self.procs, where, *worker_args)
+            self._by_args[worker_args] = stack
+        for worker in stack.workers:
+            if worker.poll() is not None:
+                raise AssertionError(f"a shared model worker died (exit {worker.returncode}): "
+                                     f"{self.procs.log(worker)}")
+        return stack
 
 
 def route(provider: str, url: str, **extra: Any) -> dict[str, Any]:

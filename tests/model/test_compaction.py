@@ -13,7 +13,7 @@ from sandbox_worker.fakellm.launch import start_fake_llm
 from sandbox_worker.fakellm.script import parse_script
 from sandbox_worker.fakellm.server import FakeLLM
 from tests.helpers import Procs
-from tests.model.stack import recorded, request, run_call, start_fake, start_stack, stats
+from tests.model.stack import Stacks, recorded, request, run_call, start_fake, stats
 
 HISTORY = [
     {"type": "message", "role": "user", "content": "fix the bug"},
@@ -25,11 +25,12 @@ HISTORY = [
 ]
 
 
-async def test_native_compaction_then_continue(procs: Procs, tmp_path: Path) -> None:
+async def test_native_compaction_then_continue(
+        procs: Procs, stacks: Stacks, tmp_path: Path) -> None:
     url = start_fake(procs, tmp_path, {
         "responses": [{"text": "r0"}, {"text": "r1"}, {"text": "r2"}, {"text": "after"}],
         "compact": {"usage": {"input": 900, "output": 60}}})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request("openai-responses", url, items=HISTORY,
                                              op="compact", native_compaction=True))

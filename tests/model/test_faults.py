@@ -19,6 +19,7 @@ from sandbox_worker.api import SERVICE_MODEL
 from tests.helpers import Procs, eventually
 from tests.model.stack import (
     PROVIDERS,
+    Stacks,
     astats,
     request,
     run_call,
@@ -27,15 +28,19 @@ from tests.model.stack import (
     stats,
 )
 
+# One shared broker+worker stack per worker-option set (conftest.py's
+# ``stacks``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("model-faults")
+
 LONG = " ".join(f"word{i}" for i in range(120))
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_rate_limit_honours_retry_after_then_succeeds(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"status": 429, "retry_after_s": 1, "times": 1, "text": "after the wait"}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         started = time.monotonic()
         out = await run_call(client, request(provider, url))
@@ -56,9 +61,9 @@ async def test_rate_limit_honours_retry_after_then_succeeds(
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_server_error_retried_until_the_budget_runs_out(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [{"status": 500}]})
-    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.1",
+    stack = stacks.get("--model-backoff-base-s", "0.1",
                         "--model-backoff-max-s", "0.4")
     async with BrokerClient(stack.frontend) as client:
         started = time.monotonic()
@@ -81,9 +86,9 @@ async def test_server_error_retried_until_the_budget_runs_out(
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_cancel_closes_a_hanging_stream_within_a_second(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [{"hang": True}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         call = client.start(SERVICE_MODEL, pack(request(provider, url)), budget_s=30)
 
@@ -106,10 +111,10 @@ async def test_cancel_closes_a_hanging_stream_within_a_second(
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_broken_stream_is_retried_and_partial_output_discarded(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": LONG, "cut_after_bytes": 1200, "times": 1, "chunk_delay_s": 0.002}]})
-    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+    stack = stacks.get("--model-backoff-base-s", "0.05")
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request(provider, url))
     assert out.error is None, out.error
@@ -126,10 +131,10 @@ async def test_broken_stream_is_retried_and_partial_output_discarded(
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_broken_stream_final_failure_says_discard(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": LONG, "cut_after_bytes": 1200, "chunk_delay_s": 0.002}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request(provider, url, max_retries=0))
     assert out.error is not None
@@ -143,10 +148,10 @@ async def test_broken_stream_final_failure_says_discard(
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_malformed_stream_is_a_retryable_stream_error(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": LONG, "malformed": True, "times": 1}]})
-    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+    stack = stacks.get("--model-backoff-base-s", "0.05")
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request(provider, url))
     assert out.error is None, out.error
@@ -156,10 +161,11 @@ async def test_malformed_stream_is_a_retryable_stream_error(
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-async def test_auth_error_is_not_retried(procs: Procs, tmp_path: Path, provider: str) -> None:
+async def test_auth_error_is_not_retried(
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"status": 401, "error_message": "invalid x-api-key"}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request(provider, url))
     assert out.error is not None
@@ -172,8 +178,9 @@ async def test_auth_error_is_not_retried(procs: Procs, tmp_path: Path, provider:
     assert stats(url)["requests"] == 1
 
 
-async def test_bad_request_payload_is_rejected(procs: Procs, tmp_path: Path) -> None:
-    stack = start_stack(procs, tmp_path)
+async def test_bad_request_payload_is_rejected(
+        procs: Procs, stacks: Stacks, tmp_path: Path) -> None:
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, {"op": "respond", "route": {"provider": "nope"}})
     assert out.error is not None
@@ -181,9 +188,10 @@ async def test_bad_request_payload_is_rejected(procs: Procs, tmp_path: Path) -> 
     assert out.error.failure.retryable is False
 
 
-async def test_script_exhausted_is_a_clear_bad_request(procs: Procs, tmp_path: Path) -> None:
+async def test_script_exhausted_is_a_clear_bad_request(
+        procs: Procs, stacks: Stacks, tmp_path: Path) -> None:
     url = start_fake(procs, tmp_path, {"responses": []})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request("openai-responses", url))
     assert out.error is not None
@@ -229,13 +237,13 @@ async def test_worker_killed_mid_stream_then_retry_gets_same_answer(
 
 
 async def test_connection_refused_is_a_retryable_connect_error(
-        procs: Procs, tmp_path: Path) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path) -> None:
     # A bound socket that never listens: connections to it are refused, and no
     # other test can take its port while it is held.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed:
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
-        stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+        stack = stacks.get("--model-backoff-base-s", "0.05")
         async with BrokerClient(stack.frontend) as client:
             out = await run_call(client, request("openai-chat", url, max_retries=2))
     assert out.error is not None
@@ -244,10 +252,11 @@ async def test_connection_refused_is_a_retryable_connect_error(
     assert [p["kind"] for p in out.partials] == ["connect_error", "connect_error"]
 
 
-async def test_read_timeout_is_a_retryable_timeout(procs: Procs, tmp_path: Path) -> None:
+async def test_read_timeout_is_a_retryable_timeout(
+        procs: Procs, stacks: Stacks, tmp_path: Path) -> None:
     url = start_fake(procs, tmp_path, {"responses": [{"hang": True, "times": 1,
                                                       "text": "second try"}]})
-    stack = start_stack(procs, tmp_path, "--model-backoff-base-s", "0.05")
+    stack = stacks.get("--model-backoff-base-s", "0.05")
     async with BrokerClient(stack.frontend) as client:
         started = time.monotonic()
         out = await run_call(client, request("anthropic", url, read_timeout_s=0.5))
@@ -257,12 +266,13 @@ async def test_read_timeout_is_a_retryable_timeout(procs: Procs, tmp_path: Path)
     assert time.monotonic() - started < 10
 
 
-async def test_a_reissued_call_counts_its_broker_attempt(procs: Procs, tmp_path: Path) -> None:
+async def test_a_reissued_call_counts_its_broker_attempt(
+        procs: Procs, stacks: Stacks, tmp_path: Path) -> None:
     """The supervisor re-issues a lost call with attempt + 1; the provider sees that
     attempt, so a fault limited to the first attempt does not strike again."""
     url = start_fake(procs, tmp_path, {"responses": [
         {"status": 500, "times": 1, "text": "second attempt"}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request("openai-responses", url), attempt=2)
     assert out.error is None, out.error

@@ -14,7 +14,11 @@ from broker.client import BrokerClient
 from sandbox_worker.model.http import body_for, headers_for, url_for
 from tests.helpers import Procs
 from tests.model.golden_request import golden_request
-from tests.model.stack import PROVIDERS, recorded, run_call, start_fake, start_stack, stats
+from tests.model.stack import PROVIDERS, Stacks, recorded, run_call, start_fake, stats
+
+# One shared broker+worker stack per worker-option set (conftest.py's
+# ``stacks``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("model-golden")
 
 GOLDEN = Path(__file__).parent / "golden"
 FILES = {"openai-responses": "responses.json", "openai-chat": "chat.json",
@@ -68,10 +72,10 @@ def test_anthropic_keeps_at_most_four_cache_breakpoints() -> None:
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_provider_receives_golden_body_through_worker(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": "unused 0"}, {"text": "unused 1"}, {"text": "listed"}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, golden_request(provider, url))
     assert out.error is None, out.error

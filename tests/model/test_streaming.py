@@ -10,19 +10,23 @@ import pytest
 
 from broker.client import BrokerClient
 from tests.helpers import Procs
-from tests.model.stack import PROVIDERS, request, run_call, start_fake, start_stack, stats
+from tests.model.stack import PROVIDERS, Stacks, request, run_call, start_fake, stats
+
+# One shared broker+worker stack per worker-option set (conftest.py's
+# ``stacks``), also under xdist (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("model-streaming")
 
 TEXT = "The quick brown fox jumps over the lazy dog, then streams home word by word."
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_text_streams_in_order_with_cached_usage(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": TEXT, "reasoning": "Let me think.", "chunk_delay_s": 0.01,
          "usage": {"input": 1200, "cached_input": 1000, "output": 20,
                    "reasoning_output": 4}}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request(provider, url))
     assert out.error is None, out.error
@@ -54,12 +58,12 @@ async def test_text_streams_in_order_with_cached_usage(
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_parallel_tool_calls_stream_their_arguments(
-        procs: Procs, tmp_path: Path, provider: str) -> None:
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     calls = [{"name": "shell", "arguments": {"command": "ls -la /workspace && echo done"}},
              {"name": "read_file", "arguments": {"path": "src/main.py", "limit": 200}}]
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": "Running two tools.", "tool_calls": calls}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request(provider, url))
     assert out.error is None, out.error
@@ -80,11 +84,12 @@ async def test_parallel_tool_calls_stream_their_arguments(
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-async def test_non_streaming_reply(procs: Procs, tmp_path: Path, provider: str) -> None:
+async def test_non_streaming_reply(
+        procs: Procs, stacks: Stacks, tmp_path: Path, provider: str) -> None:
     url = start_fake(procs, tmp_path, {"responses": [
         {"text": "plain", "tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}],
          "usage": {"input": 50, "cached_input": 20, "output": 5}}]})
-    stack = start_stack(procs, tmp_path)
+    stack = stacks.get()
     async with BrokerClient(stack.frontend) as client:
         out = await run_call(client, request(provider, url, stream=False))
     assert out.error is None, out.error
