@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import logging
 import socket
+from collections.abc import Container
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -109,3 +110,32 @@ async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH
                     await engine.take_over(sid)
         except (StoreError, TimeoutError) as exc:
             log.warning("lease round skipped: %s", exc)
+
+
+async def advertise(store: SessionStore, address: str) -> None:
+    """In lease mode: record where this supervisor serves clients (the redirect target
+    of clients that ask another supervisor for one of its sessions)."""
+    fn = getattr(store, "advertise", None)
+    if getattr(store, "owner", None) is None or fn is None:
+        return
+    await fn(address)
+
+
+async def redirect(store: SessionStore, local: Container[str], session_id: str,
+                   tenant: str | None) -> tuple[str, str] | None:
+    """(owner, address) of the live supervisor owning ``session_id`` if it is another
+    one (a session in ``local``, this supervisor's memory, is answered here without
+    asking the store) and ``tenant`` may see the session; None otherwise (the caller then answers
+    ``unknown_session``, as for a session that does not exist: another tenant's
+    sessions are never confirmed). A store error is a None too: no redirect."""
+    locate = getattr(store, "locate", None)
+    if getattr(store, "owner", None) is None or locate is None or session_id in local:
+        return None
+    try:
+        found: tuple[str, str, str | None] | None = await locate(SessionId(session_id))
+    except StoreError as exc:
+        log.warning("could not locate session %s's owner: %s", session_id, exc)
+        return None
+    if found is None or found[2] != tenant:
+        return None
+    return found[0], found[1]
