@@ -160,6 +160,8 @@ class SupervisorClient:
                     or exc.address is None:
                 raise
             peer = await self._peer(exc.address)
+            if name == "create_session":
+                args["placed"] = True  # placed by load: the peer creates it
             return await peer.call(name, timeout_s, **args)
 
     async def _peer(self, address: str) -> SupervisorClient:

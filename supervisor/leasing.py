@@ -103,6 +103,9 @@ async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH
         await asyncio.sleep(period_s)
         try:
             async with asyncio.timeout(store.lease_s):
+                beat = getattr(store, "beat", None)
+                if beat is not None:
+                    await beat()
                 for sid in await store.renew():
                     engine.give_up(sid)
                 for sid in await store.claim(batch):
@@ -139,3 +142,24 @@ async def redirect(store: SessionStore, local: Container[str], session_id: str,
     if found is None or found[2] != tenant:
         return None
     return found[0], found[1]
+
+
+async def place(store: SessionStore) -> tuple[str, str] | None:
+    """Where a new session goes: (owner, address) of the live supervisor with the fewest
+    owned sessions when that is not this one; None (create it here) when this one is
+    among the least loaded, outside lease mode, or when the loads cannot be read."""
+    owner = getattr(store, "owner", None)
+    loads = getattr(store, "loads", None)
+    if owner is None or loads is None:
+        return None
+    try:
+        rows: list[tuple[str, str, int]] = await loads()
+    except StoreError as exc:
+        log.warning("placing a new session here: the loads could not be read: %s", exc)
+        return None
+    if not rows:
+        return None
+    least = rows[0][2]
+    if any(who == owner and n <= least for who, _, n in rows):
+        return None
+    return rows[0][0], rows[0][1]

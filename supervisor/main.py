@@ -200,7 +200,8 @@ async def serve(ns: argparse.Namespace) -> int:
                 wanted, manager=manager, snapshot=facade.status, home=home))
             server = ClientServer(facade, ns.listen, guard=guard, client_host=client_host,
                                   locate=functools.partial(leasing.redirect, store,
-                                                           manager.sessions))
+                                                           manager.sessions),
+                                  place=functools.partial(leasing.place, store))
             bound = server.bind()
             if bound.startswith("ipc://"):
                 with contextlib.suppress(OSError):

@@ -102,11 +102,14 @@ class ClientServer:
         guard: Guard | None = None,
         client_host: ClientToolHost | None = None,
         locate: Callable[[str, str | None], Awaitable[tuple[str, str] | None]] | None = None,
+        place: Callable[[], Awaitable[tuple[str, str] | None]] | None = None,
     ) -> None:
         self.backend = backend
         # Several supervisors on one store: (owner, address) of a session another
         # supervisor owns, for a redirect (supervisor.leasing.redirect).
         self._locate = locate
+        # ... and where a new session goes: the least loaded supervisor (leasing.place).
+        self._place = place
         # Client tools and hooks (supervisor/clienttools.py) answer over this endpoint.
         self.client_host = client_host
         if client_host is not None:
@@ -347,7 +350,16 @@ class ClientServer:
         if call == "hello":
             return {"instance_id": self.instance_id, "tenant": tenant}
         if call == "create_session":
-            return await b.create_session(self._arg(args, "spec", dict), tenant)
+            spec = self._arg(args, "spec", dict)
+            # "placed": the client followed a placement already; never bounce it again.
+            if self._place is not None and args.get("placed") is not True:
+                target = await self._place()
+                if target is not None:
+                    raise Moved({"kind": ErrorKind.MOVED, "owner": target[0],
+                                 "address": target[1], "message": "new sessions go to the "
+                                 f"least loaded supervisor, {target[0]}: ask it at "
+                                 f"{target[1]}"})
+            return await b.create_session(spec, tenant)
         if call == "submit":
             return await b.submit(self._arg(args, "session_id", str),
                                   self._arg(args, "op", dict), tenant)

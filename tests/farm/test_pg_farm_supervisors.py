@@ -53,9 +53,13 @@ def _pid(home: Path, name: str) -> int:
     return next(int(c["pid"]) for c in _info(home)["children"] if c["name"] == name)
 
 
-async def _turn(endpoint: str, ws: Path) -> tuple[str, list[dict[str, Any]]]:
+async def _turn(endpoint: str, ws: Path, *,
+                placed: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """A turn on a new session created at ``endpoint`` (``placed``: kept there, not
+    placed by load)."""
     async with SupervisorClient(endpoint) as sv:
-        sid = await sv.create_session(workspace=str(ws))
+        sid = str(await sv.call("create_session", spec={"workspace": str(ws)},
+                                placed=placed or None))
         sub = await sv.submit(sid, {"type": "user_input", "text": "go"})
 
         async def ended() -> list[dict[str, Any]] | None:
@@ -109,7 +113,7 @@ async def test_the_cli_reaches_a_session_owned_by_the_other_supervisor(
     """The CLI talks to supervisor 1; the session is owned by supervisor 2: supervisor 1
     answers ``moved`` with supervisor 2's address and the client follows it."""
     endpoints = _info(farm2)["endpoints"]["supervisors"]
-    sid, first = await _turn(endpoints[1], make_ws(workspace_root, "c"))
+    sid, first = await _turn(endpoints[1], make_ws(workspace_root, "c"), placed=True)
     async with SupervisorClient(endpoints[0], follow_redirects=False) as raw:
         with pytest.raises(SupervisorError) as moved:
             await raw.describe(sid)
@@ -127,6 +131,38 @@ async def test_the_cli_reaches_a_session_owned_by_the_other_supervisor(
     assert shown == list(range(1, durable[-1] + 1))
     async with SupervisorClient(endpoints[1], follow_redirects=False) as owner:
         await owner.describe(sid)  # still owned by supervisor 2: no redirect there
+
+
+async def test_new_sessions_go_to_the_least_loaded_supervisor(
+        farm2: Path, workspace_root: Path) -> None:
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    ws = iter(make_ws(workspace_root, f"p{i}") for i in range(8))
+    async with SupervisorClient(endpoints[0]) as one, \
+            SupervisorClient(endpoints[1], follow_redirects=False) as raw2:
+        ids = [(await one.status())["supervisors"]["self"],
+               (await raw2.status())["supervisors"]["self"]]
+
+        async def loads() -> list[int]:
+            owners = {o["id"]: o["sessions"] for o in
+                      (await one.status())["supervisors"]["owners"]}
+            return [owners.get(i, 0) for i in ids]
+
+        while (now := await loads())[1] - now[0] < 2:  # tilt the load towards 2
+            await raw2.call("create_session", spec={"workspace": str(next(ws))}, placed=True)
+        with pytest.raises(SupervisorError) as moved:  # 2 is busier: sent to 1
+            await raw2.create_session(workspace=str(next(ws)))
+        assert (moved.value.kind, moved.value.address) == ("moved", endpoints[0])
+        before = await loads()
+        async with SupervisorClient(endpoints[1]) as two:  # follows the placement
+            sid = await two.create_session(workspace=str(next(ws)))
+        assert await loads() == [before[0] + 1, before[1]]
+        await one.describe(sid)
+        while (now := await loads())[1] - now[0] > 0:  # 1 takes new sessions until even
+            async with SupervisorClient(endpoints[1]) as two:
+                await two.create_session(workspace=str(next(ws)))
+        async with SupervisorClient(endpoints[0], follow_redirects=False) as raw1:
+            await raw1.create_session(workspace=str(next(ws)))  # tie: stays where asked
+        assert await loads() == [now[0] + 1, now[1]]
 
 
 def test_several_supervisors_without_a_store_url_are_a_config_error(tmp_path: Path) -> None:

@@ -107,3 +107,20 @@ async def locate(conn: Conn, session_id: str) -> tuple[str, str, str | None] | N
     if row is None:
         return None
     return str(row[0]), str(row[1]), None if row[2] is None else str(row[2])
+
+
+async def beat(conn: Conn, owner: str) -> None:
+    """This supervisor is alive (placement counts only supervisors heard within a lease)."""
+    await conn.execute(f"UPDATE supervisors SET heartbeat_at = {NOW}"
+                       " WHERE supervisor_id = %s".encode(), (owner,))
+
+
+async def loads(conn: Conn, lease_s: float) -> list[tuple[str, str, int]]:
+    """(supervisor id, address, sessions under its live leases) of every supervisor
+    heard within ``lease_s``, least loaded first (ties by id)."""
+    rows = await all_rows(
+        conn, "SELECT v.supervisor_id, v.address, count(l.sid) FROM supervisors v"
+        f" LEFT JOIN leases l ON l.owner = v.supervisor_id AND l.expires_at > {NOW}"
+        f" WHERE v.heartbeat_at > {NOW} - %s GROUP BY v.supervisor_id, v.address"
+        " ORDER BY count(l.sid), v.supervisor_id", (lease_s,))
+    return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]

@@ -373,6 +373,15 @@ class PgStore:
                                  host=socket.gethostname(), pid=os.getpid()),
                          "recording this supervisor's address")
 
+    async def beat(self) -> None:
+        await self._read(partial(leases.beat, owner=self._require_owner()),
+                         "recording this supervisor's heartbeat")
+
+    async def loads(self) -> list[tuple[str, str, int]]:
+        """(supervisor id, address, sessions owned) of the live supervisors, least first."""
+        return await self._read(partial(leases.loads, lease_s=self.lease_s),
+                                "reading the supervisors' loads")
+
     async def locate(self, session_id: SessionId) -> tuple[str, str, str | None] | None:
         """(owner, address, tenant) of a session leased live to *another* supervisor."""
         found = await self._read(partial(leases.locate, session_id=session_id),
