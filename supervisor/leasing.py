@@ -2,13 +2,19 @@
 
 At start-up ``claim_at_start`` takes the sessions still leased to this supervisor's id
 (a restart takes its own back at once, under new epochs) and free or expired ones; the
-engine then resumes them as after a restart. ``run`` then, every third of the lease:
+engine then resumes them as after a restart. ``run`` then:
 
-- renews the leases; each one lost (lapsed while this process was paused or cut off
-  from the database, or taken by another supervisor) is given up (``give_up``):
-  nothing more is published for it and it leaves memory;
-- claims sessions nobody holds a live lease on (a dead supervisor's, after its lease
-  lapsed), at most ``claim_batch`` per round, and resumes them (``take_over``).
+- every third of the lease, stamps this supervisor's heartbeat (placement counts only
+  supervisors heard within a lease) and renews the leases; each one lost (lapsed
+  while this process was paused or cut off from the database, or taken by another
+  supervisor) is given up (``give_up``): nothing more is published for it and it
+  leaves memory;
+- every 0.5 s (at most every third of the lease), claims sessions nobody holds a live
+  lease on (a dead supervisor's, after its lease lapsed), at most ``claim_batch`` per
+  round, and resumes them (``take_over``).
+
+It also answers, for the client endpoint, where a session lives (``redirect``: its live
+owner's advertised address) and where a new one goes (``place``: the least loaded).
 
 Invariants: a failure to reach the store skips the round (the process stays up; the
 store's fencing refuses writes of leases that lapsed meanwhile); every wait is bounded
