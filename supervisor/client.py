@@ -44,13 +44,15 @@ log = logging.getLogger(__name__)
 
 _EVENT_QUEUE_BOUND = 10_000
 _DRAIN_BATCH = 256  # messages handled per wake-up before yielding
+_MAX_PEERS = 16  # other supervisors one client follows redirects to
 
 
 class SupervisorError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, address: str | None = None) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message
+        self.address = address  # kind "moved": the owning supervisor's client endpoint
 
 
 class SupervisorUnavailable(SupervisorError):
@@ -74,8 +76,14 @@ class SupervisorClient:
         timeout_s: float = 10.0,
         liveness_s: float = 3.0,
         curve: CurveClient | None = None,
+        follow_redirects: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        # A session owned by another supervisor of the farm is answered "moved" with
+        # its owner's address; calls and subscriptions for it go there (one hop).
+        self.follow_redirects = follow_redirects
+        self._peers: dict[str, SupervisorClient] = {}
+        self._peer_stack = contextlib.AsyncExitStack()
         self.curve = curve  # CURVE keys towards a tcp:// supervisor (docs/multihost.md)
         self.timeout_s = timeout_s
         self.liveness_s = liveness_s
@@ -108,6 +116,7 @@ class SupervisorClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self._peer_stack.aclose()
         if self._reader is not None:
             self._reader.cancel()
         if self._beater is not None:
@@ -142,7 +151,35 @@ class SupervisorClient:
                                         "reachable right now")
 
     async def call(self, name: str, timeout_s: float | None = None, **args: Any) -> Any:
-        """Make one call; raises ``SupervisorError`` or ``SupervisorUnavailable``."""
+        """Make one call; raises ``SupervisorError`` or ``SupervisorUnavailable``. A
+        ``moved`` answer is followed once, to the owning supervisor."""
+        try:
+            return await self._call_here(name, timeout_s, **args)
+        except SupervisorError as exc:
+            if exc.kind != wire.ErrorKind.MOVED or not self.follow_redirects \
+                    or exc.address is None:
+                raise
+            peer = await self._peer(exc.address)
+            if name == "create_session":
+                args["placed"] = True  # placed by load: the peer creates it
+            return await peer.call(name, timeout_s, **args)
+
+    async def _peer(self, address: str) -> SupervisorClient:
+        """A client of another supervisor of the farm (same keys, no further redirects),
+        kept for this client's lifetime; at most ``_MAX_PEERS``."""
+        peer = self._peers.get(address)
+        if peer is None:
+            if len(self._peers) >= _MAX_PEERS:
+                raise SupervisorError(wire.ErrorKind.UNAVAILABLE, f"redirected to {address}, "
+                                      f"but {_MAX_PEERS} other supervisors are already open")
+            peer = SupervisorClient(address, timeout_s=self.timeout_s,
+                                    liveness_s=self.liveness_s, curve=self.curve,
+                                    follow_redirects=False)
+            await self._peer_stack.enter_async_context(peer)
+            self._peers[address] = peer
+        return peer
+
+    async def _call_here(self, name: str, timeout_s: float | None = None, **args: Any) -> Any:
         call_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = fut
@@ -231,8 +268,10 @@ class SupervisorClient:
             fut.set_result(msg.get("result"))
         else:
             err = msg.get("error") or {}
+            address = err.get("address")
             fut.set_exception(SupervisorError(str(err.get("kind", "internal")),
-                                              str(err.get("message", ""))))
+                                              str(err.get("message", "")),
+                                              address if isinstance(address, str) else None))
 
     async def _on_supervisor_lost(self, why: str) -> None:
         log.info("supervisor %s; resubscribing %d subscription(s)", why, len(self._subs))
@@ -281,6 +320,24 @@ class SupervisorClient:
         return await self.call("history", session_id=session_id,
                                after_sequence=after_sequence, limit=limit)
 
+    async def _events_at(self, address: str, sub: _Subscription,
+                         reconnect_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+        """The session's events from the supervisor that owns it, from ``sub``'s last
+        sequence, until it no longer owns it (``moved`` or ``unknown_session`` there):
+        then the caller resubscribes here, which redirects to the new owner."""
+        peer = await self._peer(address)
+        try:
+            async for event in peer.events(sub.session_id, after_sequence=sub.last_sequence,
+                                           reconnect_timeout_s=reconnect_timeout_s):
+                seq = event.get("sequence")
+                if isinstance(seq, int) and seq > 0:
+                    sub.last_sequence = seq
+                yield event
+        except SupervisorError as exc:
+            if exc.kind not in (wire.ErrorKind.MOVED, wire.ErrorKind.UNKNOWN_SESSION):
+                raise
+            await asyncio.sleep(0.1)  # the lease is changing hands: do not spin
+
     async def _subscribe(self, sub: _Subscription, reconnect_timeout_s: float) -> int:
         """(Re)subscribe ``sub``; its id is registered before the call is sent so no
         event that follows the answer can arrive for an unknown subscription."""
@@ -290,7 +347,8 @@ class SupervisorClient:
             sub_id = next(self._ids)
             self._subs[sub_id] = sub
             try:
-                await self.call("subscribe", timeout_s=min(self.timeout_s, 2.0),
+                # Here, never redirected: the events come on this connection.
+                await self._call_here("subscribe", timeout_s=min(self.timeout_s, 2.0),
                                 session_id=sub.session_id, after_sequence=sub.last_sequence,
                                 sub=sub_id)
                 return sub_id
@@ -321,12 +379,29 @@ class SupervisorClient:
         try:
             while True:
                 if sub.sub_id is None:
-                    sub.sub_id = await self._subscribe(sub, reconnect_timeout_s)
+                    try:
+                        sub.sub_id = await self._subscribe(sub, reconnect_timeout_s)
+                    except SupervisorError as exc:
+                        if exc.kind != wire.ErrorKind.MOVED or exc.address is None \
+                                or not self.follow_redirects:
+                            raise
+                        async for moved in self._events_at(exc.address, sub,
+                                                           reconnect_timeout_s):
+                            yield moved
+                        continue
                 event = await sub.queue.get()
                 if event.get("type") == "__end__":
                     kind = event.get("kind")
                     if kind in ("resubscribe", wire.ErrorKind.SLOW_CONSUMER):
                         sub.sub_id = None
+                        continue
+                    address = event.get("address")
+                    if kind == wire.ErrorKind.MOVED and self.follow_redirects \
+                            and isinstance(address, str):
+                        self._subs.pop(sub.sub_id, None)
+                        sub.sub_id = None
+                        async for moved in self._events_at(address, sub, reconnect_timeout_s):
+                            yield moved
                         continue
                     raise SupervisorError(str(kind), str(event.get("message", "")))
                 yield event

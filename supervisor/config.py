@@ -49,6 +49,8 @@ liveness = 4                 # missed heartbeats before a peer counts as dead
 # Brokers (1..4): with 2, workers serve both and the supervisor moves off a
 # lost one; backend_tcp then gives broker N the port + N - 1 (docs/multihost.md).
 # brokers = 1
+# Supervisors (1..8) sharing the sessions; more than 1 needs [store] url (PostgreSQL).
+# supervisors = 1
 
 [sandbox]
 tier_min = "T2"              # refuse to run tools below this tier (T0 < T1 < T2- < T2)
@@ -159,6 +161,7 @@ class FarmConfig:
     liveness: int = 4
     backend_tcp: str | None = None  # HOST:PORT for remote workers (docs/multihost.md)
     brokers: int = 1  # broker processes of the farm (docs/multihost.md, "Several brokers")
+    supervisors: int = 1  # supervisor processes on the shared store (docs/multihost.md)
     tier_min: str = "T2"
     allow_unsandboxed: bool = False
     network: bool = False
@@ -331,7 +334,7 @@ def load(home: Path) -> FarmConfig:
             _table(path, section, raw[section])
     farm = raw.get("farm", {})
     _check_keys(path, "farm", farm, {"workers", "heartbeat_interval_s", "liveness",
-                                     "backend_tcp", "brokers"})
+                                     "backend_tcp", "brokers", "supervisors"})
     backend_tcp = _typed(path, "farm", farm, "backend_tcp", str, None)
     if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
         raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
@@ -408,6 +411,8 @@ def load(home: Path) -> FarmConfig:
         liveness=_typed(path, "farm", farm, "liveness", int, 4),
         backend_tcp=backend_tcp,
         brokers=farm_brokers(path, farm),
+        supervisors=farm_supervisors(path, _typed(path, "farm", farm, "supervisors", int, 1),
+                                     store_url),
         tier_min=tier_min,
         allow_unsandboxed=_typed(path, "sandbox", sandbox, "allow_unsandboxed", bool, False),
         network=_typed(path, "sandbox", sandbox, "network", bool, False),
@@ -508,4 +513,21 @@ def farm_brokers(path: Path, farm: dict[str, Any]) -> int:
     n = _typed(path, "farm", farm, "brokers", int, 1)
     if not 1 <= n <= MAX_FARM_BROKERS:
         raise _fail(path, "farm.brokers", f"must be between 1 and {MAX_FARM_BROKERS}")
+    return int(n)
+
+
+MAX_FARM_SUPERVISORS = 8
+
+
+def farm_supervisors(path: Path, n: int, store_url: str | None) -> int:
+    """``[farm] supervisors`` / ``corral up --supervisors N``: how many supervisor
+    processes the farm runs (1..8). More than one share the sessions through leases,
+    which only the PostgreSQL store has: SQLite (one writer per file) refuses it."""
+    if not 1 <= n <= MAX_FARM_SUPERVISORS:
+        raise _fail(path, "farm.supervisors", f"must be between 1 and {MAX_FARM_SUPERVISORS}")
+    if n > 1 and store_url is None:
+        raise _fail(path, "farm.supervisors",
+                    f"{n} supervisors need a shared PostgreSQL store; add to {path}:\n"
+                    '  [store]\n  url = "postgresql://USER@HOST:PORT/DATABASE"\n'
+                    "then run: corral store migrate (docs/multihost.md)")
     return int(n)

@@ -2,13 +2,19 @@
 
 At start-up ``claim_at_start`` takes the sessions still leased to this supervisor's id
 (a restart takes its own back at once, under new epochs) and free or expired ones; the
-engine then resumes them as after a restart. ``run`` then, every third of the lease:
+engine then resumes them as after a restart. ``run`` then:
 
-- renews the leases; each one lost (lapsed while this process was paused or cut off
-  from the database, or taken by another supervisor) is given up (``give_up``):
-  nothing more is published for it and it leaves memory;
-- claims sessions nobody holds a live lease on (a dead supervisor's, after its lease
-  lapsed), at most ``claim_batch`` per round, and resumes them (``take_over``).
+- every third of the lease, stamps this supervisor's heartbeat (placement counts only
+  supervisors heard within a lease) and renews the leases; each one lost (lapsed
+  while this process was paused or cut off from the database, or taken by another
+  supervisor) is given up (``give_up``): nothing more is published for it and it
+  leaves memory;
+- every 0.5 s (at most every third of the lease), claims sessions nobody holds a live
+  lease on (a dead supervisor's, after its lease lapsed), at most ``claim_batch`` per
+  round, and resumes them (``take_over``).
+
+It also answers, for the client endpoint, where a session lives (``redirect``: its live
+owner's advertised address) and where a new one goes (``place``: the least loaded).
 
 Invariants: a failure to reach the store skips the round (the process stays up; the
 store's fencing refuses writes of leases that lapsed meanwhile); every wait is bounded
@@ -21,6 +27,7 @@ import asyncio
 import hashlib
 import logging
 import socket
+from collections.abc import Container
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -28,6 +35,7 @@ from supervisor.store import SessionId, SessionStore, StoreError
 
 log = logging.getLogger(__name__)
 DEFAULT_CLAIM_BATCH = 64
+CLAIM_PERIOD_S = 0.5  # how often to look for sessions whose owner's lease lapsed
 
 
 class Engine(Protocol):
@@ -96,16 +104,79 @@ async def claim_at_start(store: Leased, batch: int = DEFAULT_CLAIM_BATCH) -> lis
     return got
 
 
-async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH) -> None:
-    period_s = store.lease_s / 3
+async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH,
+              claim_period_s: float = CLAIM_PERIOD_S) -> None:
+    """Renew (and stamp this supervisor's heartbeat) every third of the lease; look for
+    sessions to take over every ``claim_period_s`` (at most a third of the lease), so a
+    dead supervisor's sessions are taken within lease + ``claim_period_s`` + the resume
+    rather than lease + lease / 3 (measured: ``takeover_s`` in docs/multihost.md)."""
+    renew_s = store.lease_s / 3
+    tick_s = min(renew_s, claim_period_s)
+    next_renew = 0.0
+    loop = asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(period_s)
+        await asyncio.sleep(tick_s)
         try:
             async with asyncio.timeout(store.lease_s):
-                for sid in await store.renew():
-                    engine.give_up(sid)
+                if loop.time() >= next_renew:
+                    next_renew = loop.time() + renew_s - tick_s / 2
+                    beat = getattr(store, "beat", None)
+                    if beat is not None:
+                        await beat()
+                    for sid in await store.renew():
+                        engine.give_up(sid)
                 for sid in await store.claim(batch):
                     log.info("session %s: taken over (owner %s)", sid, store.owner)
                     await engine.take_over(sid)
         except (StoreError, TimeoutError) as exc:
             log.warning("lease round skipped: %s", exc)
+
+
+async def advertise(store: SessionStore, address: str) -> None:
+    """In lease mode: record where this supervisor serves clients (the redirect target
+    of clients that ask another supervisor for one of its sessions)."""
+    fn = getattr(store, "advertise", None)
+    if getattr(store, "owner", None) is None or fn is None:
+        return
+    await fn(address)
+
+
+async def redirect(store: SessionStore, local: Container[str], session_id: str,
+                   tenant: str | None) -> tuple[str, str] | None:
+    """(owner, address) of the live supervisor owning ``session_id`` if it is another
+    one (a session in ``local``, this supervisor's memory, is answered here without
+    asking the store) and ``tenant`` may see the session; None otherwise (the caller then answers
+    ``unknown_session``, as for a session that does not exist: another tenant's
+    sessions are never confirmed). A store error is a None too: no redirect."""
+    locate = getattr(store, "locate", None)
+    if getattr(store, "owner", None) is None or locate is None or session_id in local:
+        return None
+    try:
+        found: tuple[str, str, str | None] | None = await locate(SessionId(session_id))
+    except StoreError as exc:
+        log.warning("could not locate session %s's owner: %s", session_id, exc)
+        return None
+    if found is None or found[2] != tenant:
+        return None
+    return found[0], found[1]
+
+
+async def place(store: SessionStore) -> tuple[str, str] | None:
+    """Where a new session goes: (owner, address) of the live supervisor with the fewest
+    owned sessions when that is not this one; None (create it here) when this one is
+    among the least loaded, outside lease mode, or when the loads cannot be read."""
+    owner = getattr(store, "owner", None)
+    loads = getattr(store, "loads", None)
+    if owner is None or loads is None:
+        return None
+    try:
+        rows: list[tuple[str, str, int]] = await loads()
+    except StoreError as exc:
+        log.warning("placing a new session here: the loads could not be read: %s", exc)
+        return None
+    if not rows:
+        return None
+    least = rows[0][2]
+    if any(who == owner and n <= least for who, _, n in rows):
+        return None
+    return rows[0][0], rows[0][1]

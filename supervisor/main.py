@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--supervisor-id", default=None,
                    help="this supervisor's id in the leases of a shared PostgreSQL store "
                    "(default: HOSTNAME-HASH_OF_HOME, stable across restarts)")
+    p.add_argument("--advertise", default=None, metavar="ENDPOINT",
+                   help="the client endpoint other supervisors of a shared store send this "
+                   "one's clients to (default: the bound --listen endpoint, with a wildcard "
+                   "host replaced by this host's name)")
     p.add_argument("--route-url", action="append", default=[], metavar="NAME=URL",
                    help="base URL of a scripted route's provider (given by the farm)")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
@@ -133,15 +138,21 @@ def export_sinks(cfg: config_mod.FarmConfig) -> list[Any]:
     return sinks
 
 
-def broker_identity(db: Path) -> bytes:
-    """The supervisor's broker identity: the same for every process on one store.
+def broker_identity(db: Path, supervisor_id: str | None = None) -> bytes:
+    """The supervisor's broker identity: the same for every process of one supervisor.
 
     A restarted supervisor then says HEARTBEAT under its predecessor's identity
     with a new instance id, and the broker drops the dead process's requests at
     once (``client_restarts``: queued ones forgotten, running ones cancelled)
     instead of keeping them for the 10 s client window, where a queued tool
-    call could still start after the new process had resumed its session."""
-    digest = hashlib.sha256(str(db.resolve()).encode()).hexdigest()[:24]
+    call could still start after the new process had resumed its session.
+
+    On SQLite one store file has one supervisor, so the file names it. On a shared
+    PostgreSQL store several supervisors of one home are live at once: each is named
+    by its lease owner id (``supervisor_id``, stable across its restarts), so two of
+    them never share an identity (the broker would route one's replies to the other)."""
+    key = f"pg:{supervisor_id}" if supervisor_id else str(db.resolve())
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return f"c-supervisor-{socket.gethostname()[:32]}-{digest}".encode()
 
 
@@ -160,10 +171,11 @@ async def serve(ns: argparse.Namespace) -> int:
     except KeyFileError as exc:
         print(f"error: {exc} (create the farm's keys with: corral keys init)", file=sys.stderr)
         return 2
+    lease_opts = leasing.lease_options(cfg.store_url, home, cfg.store_lease_s,
+                                       ns.supervisor_id)
     try:
         store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url, home=home,
-                                 **leasing.lease_options(cfg.store_url, home,
-                                                         cfg.store_lease_s, ns.supervisor_id))
+                                 **lease_opts)
     except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
@@ -171,7 +183,8 @@ async def serve(ns: argparse.Namespace) -> int:
     add_router(client_host)
     try:
         async with broker_link(ns, curve=broker_curve,
-                               identity=broker_identity(ns.db or home / "corral.db"),
+                               identity=broker_identity(ns.db or home / "corral.db",
+                                                        lease_opts.get("owner")),
                                ) as broker, contextlib.AsyncExitStack() as stack:
             manager = SessionManager(store=store, broker=broker, config=econf,
                                      export_sinks=export_sinks(cfg),
@@ -185,7 +198,10 @@ async def serve(ns: argparse.Namespace) -> int:
                 otlp_endpoint=cfg.otlp_endpoint, record_content=cfg.record_content)
             seen = await stack.enter_async_context(telemetry.started(
                 wanted, manager=manager, snapshot=facade.status, home=home))
-            server = ClientServer(facade, ns.listen, guard=guard, client_host=client_host)
+            server = ClientServer(facade, ns.listen, guard=guard, client_host=client_host,
+                                  locate=functools.partial(leasing.redirect, store,
+                                                           manager.sessions),
+                                  place=functools.partial(leasing.place, store))
             bound = server.bind()
             if bound.startswith("ipc://"):
                 with contextlib.suppress(OSError):
@@ -199,6 +215,7 @@ async def serve(ns: argparse.Namespace) -> int:
             install_task_dump(loop)
             async with asyncio.TaskGroup() as tg:
                 await leasing.start(store, manager, tg)  # PostgreSQL: take the leases
+                await leasing.advertise(store, advertised(ns.advertise, bound))
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
                 # Ready means serving: the stored sessions are resumed first, so a
@@ -225,6 +242,17 @@ async def serve(ns: argparse.Namespace) -> int:
         if guard is not None:
             guard.close()
     return 0
+
+
+def advertised(given: str | None, bound: str) -> str:
+    """Where clients reach this supervisor: ``given``, else the bound endpoint with a
+    wildcard host (``0.0.0.0``, ``*``, ``[::]``) replaced by this host's name."""
+    if given:
+        return given
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if bound.startswith(wildcard):
+            return f"tcp://{socket.getfqdn()}:{bound[len(wildcard):]}"
+    return bound
 
 
 def _security(ns: argparse.Namespace, home: Path) -> tuple[Guard | None, CurveClient | None]:

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
@@ -47,6 +47,20 @@ class CallError(Failed):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message, kind=kind)
+
+
+class Moved(CallError):
+    """The session is owned by another supervisor of the farm: the answer names it."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(ErrorKind.MOVED, str(error["message"]))
+        self.error = error
+
+
+# Calls that need the session's owner (its live state); the others (history, export,
+# list_sessions) read the shared store and are answered by any supervisor.
+OWNER_CALLS = frozenset({"describe", "submit", "subscribe", "delete_session",
+                         "register_client"})
 
 
 class Backend(Protocol):
@@ -87,8 +101,15 @@ class ClientServer:
         configure_socket: Callable[[zmq.Socket[Any]], None] | None = None,
         guard: Guard | None = None,
         client_host: ClientToolHost | None = None,
+        locate: Callable[[str, str | None], Awaitable[tuple[str, str] | None]] | None = None,
+        place: Callable[[], Awaitable[tuple[str, str] | None]] | None = None,
     ) -> None:
         self.backend = backend
+        # Several supervisors on one store: (owner, address) of a session another
+        # supervisor owns, for a redirect (supervisor.leasing.redirect).
+        self._locate = locate
+        # ... and where a new session goes: the least loaded supervisor (leasing.place).
+        self._place = place
         # Client tools and hooks (supervisor/clienttools.py) answer over this endpoint.
         self.client_host = client_host
         if client_host is not None:
@@ -290,7 +311,14 @@ class ClientServer:
             result = await self._dispatch(client, call, args)
         except asyncio.CancelledError:
             raise
+        except Moved as exc:
+            self._send(client.identity, {"id": call_id, "ok": False, "error": exc.error})
+            return
         except CallError as exc:
+            moved = await self._moved(exc.kind, args.get("session_id"), client.tenant)
+            if moved is not None:
+                self._send(client.identity, {"id": call_id, "ok": False, "error": moved})
+                return
             self._answer_error(client.identity, call_id, exc.kind, exc.message)
             return
         except Failed as exc:  # engine, store, export and broker failures: data already
@@ -314,10 +342,24 @@ class ClientServer:
 
     async def _dispatch(self, client: _Client, call: str, args: dict[str, Any]) -> Any:
         b, tenant = self.backend, client.tenant
+        if call in OWNER_CALLS:
+            moved = await self._moved(ErrorKind.UNKNOWN_SESSION, args.get("session_id"),
+                                      tenant)
+            if moved is not None:
+                raise Moved(moved)
         if call == "hello":
             return {"instance_id": self.instance_id, "tenant": tenant}
         if call == "create_session":
-            return await b.create_session(self._arg(args, "spec", dict), tenant)
+            spec = self._arg(args, "spec", dict)
+            # "placed": the client followed a placement already; never bounce it again.
+            if self._place is not None and args.get("placed") is not True:
+                target = await self._place()
+                if target is not None:
+                    raise Moved({"kind": ErrorKind.MOVED, "owner": target[0],
+                                 "address": target[1], "message": "new sessions go to the "
+                                 f"least loaded supervisor, {target[0]}: ask it at "
+                                 f"{target[1]}"})
+            return await b.create_session(spec, tenant)
         if call == "submit":
             return await b.submit(self._arg(args, "session_id", str),
                                   self._arg(args, "op", dict), tenant)
@@ -385,10 +427,29 @@ class ClientServer:
                             "out of range")
         iterator = self.backend.subscribe(session_id, after_sequence, client.tenant)
         assert self._tg is not None
-        client.subs[sub_id] = self._tg.create_task(self._pump(client, sub_id, iterator))
+        client.subs[sub_id] = self._tg.create_task(self._pump(client, sub_id, iterator,
+                                                              session_id))
         return sub_id
 
-    async def _pump(self, client: _Client, sub_id: int, iterator: Any) -> None:
+    async def _moved(self, kind: str, session_id: Any,
+                     tenant: str | None) -> dict[str, Any] | None:
+        """The ``moved`` error that replaces ``unknown_session`` (or comes before an
+        owner call) when another supervisor of the farm owns the session and the
+        caller's tenant may see it: its owner and client address, for the client to
+        ask there (docs/multihost.md)."""
+        if kind != ErrorKind.UNKNOWN_SESSION or self._locate is None \
+                or not isinstance(session_id, str):
+            return None
+        found = await self._locate(session_id, tenant)
+        if found is None:
+            return None
+        owner, address = found
+        return {"kind": ErrorKind.MOVED, "address": address, "owner": owner,
+                "message": f"session {session_id} is owned by supervisor {owner}; "
+                           f"ask it at {address}"}
+
+    async def _pump(self, client: _Client, sub_id: int, iterator: Any,
+                    session_id: str) -> None:
         end: dict[str, Any] | None = None
         try:
             async for event in iterator:
@@ -402,7 +463,8 @@ class ClientServer:
         except asyncio.CancelledError:
             raise
         except Failed as exc:  # boundary: report to this subscriber only
-            end = {"kind": exc.kind, "message": exc.message}
+            end = await self._moved(exc.kind, session_id, client.tenant) or {
+                "kind": exc.kind, "message": exc.message}
         except Exception:  # boundary: report to this subscriber only
             log.exception("subscription %s failed", sub_id)
             end = {"kind": ErrorKind.INTERNAL,

@@ -62,6 +62,8 @@ CALLS: Final = frozenset({
 class ErrorKind:
     BAD_REQUEST = "bad_request"  # malformed call or arguments
     UNKNOWN_SESSION = "unknown_session"
+    # Another supervisor of the farm owns the session: ask it at the error's "address".
+    MOVED = "moved"
     BAD_OP = "bad_op"  # an op the session cannot take
     SLOW_CONSUMER = "slow_consumer"  # subscription dropped; resubscribe from last sequence
     UNAVAILABLE = "unavailable"  # supervisor shutting down or not ready

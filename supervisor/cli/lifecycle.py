@@ -54,6 +54,10 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--brokers", type=int, default=None, choices=range(1, 5), metavar="N",
                    help="broker processes, 1..4 (default: [farm] brokers in corral.toml, 1); "
                    "with 2 the workers serve both and the supervisor moves off a lost one")
+    p.add_argument("--supervisors", type=int, default=None, choices=range(1, 9), metavar="N",
+                   help="supervisor processes, 1..8 (default: [farm] supervisors, 1), each "
+                   "with its own client endpoint, sharing the sessions through leases; more "
+                   "than 1 needs [store] url (PostgreSQL) in corral.toml")
     p.add_argument("--detach", action="store_true", help="run in the background")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT", type=host_port_arg,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: "
@@ -140,12 +144,15 @@ def cmd_up(ns: Namespace) -> int:
         return EXIT_USAGE
     try:
         ensure_config(ns.home, _stderr if not ns.json else lambda _m: None)
-        config_mod.load(ns.home)  # a bad config is said here, before detaching
+        cfg = config_mod.load(ns.home)  # a bad config is said here, before detaching
+        if ns.supervisors is not None:
+            config_mod.farm_supervisors(ns.home / "corral.toml", ns.supervisors, cfg.store_url)
         if ns.detach:
             if not ns.json:
                 print(f"starting a farm at {ns.home} ...", file=sys.stderr)
             info = start_detached(ns.home, workers=ns.workers, metrics=ns.metrics,
-                                  web=ns.web, brokers=ns.brokers)
+                                  web=ns.web, brokers=ns.brokers,
+                                  supervisors=ns.supervisors)
             if ns.json:
                 print_json(info)
             else:
@@ -163,7 +170,8 @@ def cmd_up(ns: Namespace) -> int:
                 print(f"corral: {line}", file=sys.stderr)
 
         farm = Farm(ns.home, workers=ns.workers, metrics=ns.metrics, web=ns.web,
-                    on_change=say_telemetry, brokers=ns.brokers)
+                    on_change=say_telemetry, brokers=ns.brokers,
+                    supervisors=ns.supervisors)
     except config_mod.ConfigError as exc:
         return say_error(ns, "config", str(exc), EXIT_USAGE)
     except OSError as exc:
@@ -229,6 +237,9 @@ def _print_farm(info: dict[str, Any]) -> None:
     for child in info.get("children", []):
         print(f"  {child['name']:<16} pid {child['pid']!s:<8} {child['state']:<10} "
               f"restarts {child['restarts']}")
+    sups = info.get("endpoints", {}).get("supervisors", [])
+    for n, endpoint in enumerate(sups, start=1):  # a farm with several supervisors
+        print(clean(f"  supervisor {n} endpoint {endpoint}"))
 
 
 def _supervisor_lines(leases: Any) -> list[str]:

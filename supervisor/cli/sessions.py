@@ -318,11 +318,38 @@ def session_exists(home: Path, session_id: str) -> bool:
         return False
 
 
+def farm_pages(home: Path, session_id: str) -> Iterator[list[dict[str, Any]]]:
+    """A session's recorded events asked of the running farm (a PostgreSQL store, which
+    this process does not open), a page per call; ``LookupError`` if there is none."""
+    from supervisor.cli.reach import supervisor_call
+    from supervisor.client import SupervisorError
+
+    after = 0
+    while True:
+        try:
+            page = asyncio.run(supervisor_call(home, "history", session_id=session_id,
+                                               after_sequence=after, limit=5000))
+        except SupervisorError as exc:
+            if exc.kind == "unknown_session":
+                raise LookupError(session_id) from None
+            raise StoreUnreadable(f"the farm could not answer: {exc}") from None
+        yield list(page["events"])
+        if page.get("next") is None or not page["events"]:
+            return
+        after = int(page["events"][-1]["sequence"])
+
+
 def cmd_show(ns: Namespace) -> int:
+    from supervisor import config as config_mod
     from supervisor.farm.root import running_farm
 
     farm = running_farm(ns.home) is not None
-    pages = session_pages(ns.home, ns.session, farm_running=farm)
+    try:
+        on_pg = config_mod.load(ns.home).store_url is not None
+    except config_mod.ConfigError:
+        on_pg = False
+    pages = farm_pages(ns.home, ns.session) if farm and on_pg else \
+        session_pages(ns.home, ns.session, farm_running=farm)
     try:
         first = next(pages)
     except (LookupError, NoStore):

@@ -642,19 +642,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg", action="store_true", help=(
         "also run the 100-session level on a PostgreSQL store (a throwaway durable cluster "
         "from Debian's postgresql package) against SQLite: pg_vs_sqlite"))
+    parser.add_argument("--takeover", action="store_true", help=(
+        "also measure takeover_s (supervisor/devtools/takeover_bench.py): p50/p99 from a "
+        "supervisor's SIGKILL to its sessions' next progress on another supervisor of a "
+        "PostgreSQL store; target p99 <= lease + 1 s"))
+    parser.add_argument("--takeover-only", action="store_true",
+                        help="measure takeover_s only (no levels)")
+    parser.add_argument("--lease-s", type=float, default=2.0,
+                        help="[store] lease_s of the takeover run (default 2)")
     parser.add_argument("--levels", type=_levels, default=None,
                         help="N:M[,N:M...] instead of the default levels (for profiling)")
     args = parser.parse_args(argv)
     idle = args.idle or (300 if args.quick else 1000)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
-        levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
-        results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle,
-                                    max(1, args.telemetry_rounds) if args.telemetry else 0,
-                                    args.pg))
-    results["seconds"] = round(time.monotonic() - started, 1)
-    headline, ratios = summarize(results)
+    results: dict[str, Any] = {}
+    if not args.takeover_only:
+        with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
+            levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
+            results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle,
+                                        max(1, args.telemetry_rounds) if args.telemetry
+                                        else 0, args.pg))
+    headline, ratios = summarize(results) if results else ({}, {})
     results.update(headline)
+    if args.takeover or args.takeover_only:
+        from supervisor.devtools import takeover_bench
+
+        took = takeover_bench.run(10 if args.quick else 50, args.lease_s, args.workers)
+        results["takeover_s"] = took
+        ratios["takeover_p99_vs_target"] = round(took["p99"] / took["target_p99"], 3)
+    results["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
         doc = {"name": "sessions", "machine": machine(), "results": results, "ratios": ratios}
         out = REPO / "bench-results"
@@ -662,7 +678,12 @@ def main(argv: list[str] | None = None) -> int:
         (out / "sessions.json").write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc))
     else:
-        print_table(results, ratios)
+        if not args.takeover_only:
+            print_table(results, ratios)
+        if shown := results.get("takeover_s"):
+            print(f"takeover_s ({shown['sessions']} sessions, lease {shown['lease_s']}s): "
+                  f"p50 {shown['p50']}s, p99 {shown['p99']}s, max {shown['max']}s "
+                  f"(target p99 <= {shown['target_p99']}s)")
         print(f"({results['seconds']} s)")
     return 0
 

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sandbox worker processes (default: config, else one per core)")
     parser.add_argument("--brokers", type=int, default=None, choices=range(1, 5),
                         metavar="N", help="broker processes, 1..4 (default: [farm] brokers, 1)")
+    parser.add_argument("--supervisors", type=int, default=None, choices=range(1, 9),
+                        metavar="N", help="supervisor processes, 1..8, sharing the sessions "
+                        "(default: [farm] supervisors, 1); more than 1 needs [store] url")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics (default: [telemetry] metrics_listen)")
     parser.add_argument("--web", default=None, metavar="HOST:PORT",
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     try:
-        farm = Farm(ns.home, workers=ns.workers, brokers=ns.brokers, log_level=ns.log_level,
+        farm = Farm(ns.home, workers=ns.workers, brokers=ns.brokers, supervisors=ns.supervisors,
+                    log_level=ns.log_level,
                     broker_faults=ns.broker_faults, metrics=ns.metrics, web=ns.web)
     except ConfigError as exc:
         print(f"corral: {exc}", file=sys.stderr)

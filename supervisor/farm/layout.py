@@ -93,6 +93,10 @@ class FarmPaths:
     def supervisor_endpoint(self) -> str:
         return f"ipc://{self.run}/supervisor.sock"
 
+    def supervisor_endpoint_of(self, n: int) -> str:
+        """Supervisor ``n``'s client endpoint (1-based; 1 is ``supervisor_endpoint``)."""
+        return self.supervisor_endpoint if n == 1 else f"ipc://{self.run}/supervisor{n}.sock"
+
     def prepare(self) -> None:
         secure_home(self.home)
         for d in (self.home, self.run, self.logs, self.exports):
@@ -129,6 +133,59 @@ def broker_name(n: int) -> str:
     return "broker" if n == 1 else f"broker-{n}"
 
 
+def supervisor_name(n: int) -> str:
+    """The child name of supervisor ``n``: ``supervisor``, then ``supervisor-2``..."""
+    return "supervisor" if n == 1 else f"supervisor-{n}"
+
+
+def supervisor_id_of(home: Path, n: int) -> str | None:
+    """Supervisor ``n``'s lease owner id: supervisor 1 keeps the home's default id (the
+    one a farm of one supervisor has), the others add ``-N``; all stable across
+    restarts, so a restarted supervisor takes its own sessions back at once."""
+    from supervisor.leasing import supervisor_id
+
+    return None if n == 1 else f"{supervisor_id(home)}-{n}"
+
+
+def supervisor_specs(paths: FarmPaths, sup_argv: list[str], n_supervisors: int,
+                     route_args: Callable[[dict[str, dict[str, Any]]], list[str]],
+                     env: dict[str, str] | None) -> list[ChildSpec]:
+    """The farm's supervisors (``[farm] supervisors``, ``corral up --supervisors``): each
+    its own child, restarted alone by the tree, with its own client endpoint, lease
+    owner id and so broker identity (supervisor/main.py). ``--metrics`` / ``--web``
+    (in ``sup_argv``) go to supervisor 1 only: one port cannot be bound twice."""
+    specs = []
+    for n in range(1, n_supervisors + 1):
+        argv = list(sup_argv)
+        argv[argv.index("--listen") + 1] = paths.supervisor_endpoint_of(n)
+        if n > 1:
+            argv = _without_options(argv, ("--metrics", "--web"))
+            argv += ["--supervisor-id", str(supervisor_id_of(paths.home, n))]
+
+        def argv_fn(ready: dict[str, dict[str, Any]], argv: list[str] = argv) -> list[str]:
+            return [*argv, *route_args(ready)]
+
+        # Its ready line waits until every stored session is resumed (supervisor/main.py):
+        # a large store on a loaded machine needs more than the default 30 s.
+        specs.append(ChildSpec(supervisor_name(n), argv, shutdown_timeout_s=10.0,
+                               ready_timeout_s=180.0, stage=1, env=env,
+                               dynamic_argv=argv_fn))
+    return specs
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
 def broker_specs(cfg: FarmConfig, paths: FarmPaths, argv_of: Callable[[int], list[str]],
                  brokers: int) -> list[ChildSpec]:
     """The farm's brokers (``[farm] brokers``, ``corral up --brokers``): each its own
@@ -150,7 +207,7 @@ def broker_specs(cfg: FarmConfig, paths: FarmPaths, argv_of: Callable[[int], lis
 
 
 def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None,
-                brokers: int | None = None,
+                brokers: int | None = None, supervisors: int | None = None,
                 log_level: str = "INFO", broker_faults: str | None = None,
                 broker_faults_seed: int = 0,
                 supervisor_env: dict[str, str] | None = None) -> list[ChildSpec]:
@@ -218,19 +275,21 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
         specs = [replace(spec, env={**otel, **(spec.env or {})}) for spec in specs]
         supervisor_env = {**otel, **(supervisor_env or {})}
 
-    def supervisor_argv(ready: dict[str, dict[str, Any]]) -> list[str]:
+    def route_args(ready: dict[str, dict[str, Any]]) -> list[str]:
         urls = []
         for name in route_urls:
             url = ready.get(f"fakellm-{name}", {}).get("url")
             if isinstance(url, str):
                 urls += ["--route-url", f"{name}={url}"]
-        return [*sup_argv, *urls]
+        return urls
 
-    # Its ready line waits until every stored session is resumed (supervisor/main.py):
-    # a large store on a loaded machine needs more than the default 30 s.
-    specs.append(ChildSpec("supervisor", sup_argv, shutdown_timeout_s=10.0,
-                           ready_timeout_s=180.0, stage=1,
-                           env=supervisor_env, dynamic_argv=supervisor_argv))
+    if supervisors is not None:
+        from supervisor.config import farm_supervisors  # with Farm, not this module
+
+        n_sup = farm_supervisors(cfg.home / "corral.toml", supervisors, cfg.store_url)
+    else:
+        n_sup = cfg.supervisors
+    specs += supervisor_specs(paths, sup_argv, n_sup, route_args, supervisor_env)
     return specs
 
 

@@ -44,7 +44,8 @@ class Farm:
                  supervisor_env: dict[str, str] | None = None, max_restarts: int = 20,
                  within_s: float = 60.0, on_change: Callable[[], None] | None = None,
                  temporary: bool = False, metrics: str | None = None,
-                 web: str | None = None, brokers: int | None = None) -> None:
+                 web: str | None = None, brokers: int | None = None,
+                 supervisors: int | None = None) -> None:
         if os.environ.get(plants.ENV):  # planted bugs never run in a normal farm
             raise RuntimeError(f"{plants.ENV} is set: planted bugs are only for the "
                                "processes `corral chaos --plant` starts; unset it")
@@ -62,7 +63,7 @@ class Farm:
                 self.config, metrics_listen=metrics or self.config.metrics_listen,
                 web_listen=web or self.config.web_listen)
         self.specs = child_specs(self.config, self.paths, workers=workers, brokers=brokers,
-                                 log_level=log_level,
+                                 supervisors=supervisors, log_level=log_level,
                                  broker_faults=broker_faults,
                                  broker_faults_seed=broker_faults_seed,
                                  supervisor_env=supervisor_env)
@@ -88,6 +89,7 @@ class Farm:
                 "broker_backend": self.paths.broker_backend,
                 "supervisor": self.paths.supervisor_endpoint,
                 **self._broker_endpoints(),
+                **self._supervisor_endpoints(),
             },
             "children": self.tree.status(),
             "restarts": list(self.tree.restart_log),
@@ -102,6 +104,13 @@ class Farm:
         n = range(1, len(names) + 1)
         return {"broker_frontends": [self.paths.broker_frontend_of(i) for i in n],
                 "broker_backends": [self.paths.broker_backend_of(i) for i in n]}
+
+    def _supervisor_endpoints(self) -> dict[str, list[str]]:
+        """With several supervisors: every supervisor's client endpoint, 1 first."""
+        n = sum(1 for s in self.specs if s.name.startswith("supervisor"))
+        if n < 2:
+            return {}
+        return {"supervisors": [self.paths.supervisor_endpoint_of(i) for i in range(1, n + 1)]}
 
     def _write_state(self) -> None:
         if self._extra_on_change is not None:
@@ -183,7 +192,8 @@ def running_farm(home: Path) -> dict[str, Any] | None:
 
 def start_detached(home: Path, *, workers: int | None, timeout_s: float = 90.0,
                    log_level: str = "INFO", metrics: str | None = None,
-                   web: str | None = None, brokers: int | None = None) -> dict[str, Any]:
+                   web: str | None = None, brokers: int | None = None,
+                   supervisors: int | None = None) -> dict[str, Any]:
     """Start the root process in the background; return once the farm serves."""
     paths = FarmPaths.of(home)
     paths.prepare()
@@ -193,6 +203,8 @@ def start_detached(home: Path, *, workers: int | None, timeout_s: float = 90.0,
         argv += ["--workers", str(workers)]
     if brokers is not None:
         argv += ["--brokers", str(brokers)]
+    if supervisors is not None:
+        argv += ["--supervisors", str(supervisors)]
     if metrics:
         argv += ["--metrics", metrics]
     if web:

@@ -84,3 +84,43 @@ async def owners(conn: Conn) -> list[tuple[str, int, float]]:
         conn, f"SELECT owner, count(*), min(expires_at - {NOW}) FROM leases"
         f" WHERE owner IS NOT NULL AND expires_at > {NOW} GROUP BY owner ORDER BY owner")
     return [(str(r[0]), int(r[1]), float(r[2])) for r in rows]
+
+
+async def advertise(conn: Conn, owner: str, address: str, host: str, pid: int) -> None:
+    """Record (or update, after a restart) where ``owner`` serves clients."""
+    await conn.execute((
+        "INSERT INTO supervisors (supervisor_id, address, host, pid, started_at, heartbeat_at)"
+        f" VALUES (%s, %s, %s, %s, {NOW}, {NOW}) ON CONFLICT (supervisor_id) DO UPDATE"
+        " SET address = EXCLUDED.address, host = EXCLUDED.host, pid = EXCLUDED.pid,"
+        " started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at").encode(),
+        (owner, address, host, pid))
+
+
+async def locate(conn: Conn, session_id: str) -> tuple[str, str, str | None] | None:
+    """(owner, its client address, the session's tenant) of an active session under a
+    live lease whose owner advertised an address; None otherwise."""
+    row = await one(
+        conn, "SELECT l.owner, v.address, s.tenant FROM sessions s"
+        " JOIN leases l ON l.sid = s.sid JOIN supervisors v ON v.supervisor_id = l.owner"
+        f" WHERE s.session_id = %s AND s.status = 'active' AND l.expires_at > {NOW}",
+        (session_id,))
+    if row is None:
+        return None
+    return str(row[0]), str(row[1]), None if row[2] is None else str(row[2])
+
+
+async def beat(conn: Conn, owner: str) -> None:
+    """This supervisor is alive (placement counts only supervisors heard within a lease)."""
+    await conn.execute(f"UPDATE supervisors SET heartbeat_at = {NOW}"
+                       " WHERE supervisor_id = %s".encode(), (owner,))
+
+
+async def loads(conn: Conn, lease_s: float) -> list[tuple[str, str, int]]:
+    """(supervisor id, address, sessions under its live leases) of every supervisor
+    heard within ``lease_s``, least loaded first (ties by id)."""
+    rows = await all_rows(
+        conn, "SELECT v.supervisor_id, v.address, count(l.sid) FROM supervisors v"
+        f" LEFT JOIN leases l ON l.owner = v.supervisor_id AND l.expires_at > {NOW}"
+        f" WHERE v.heartbeat_at > {NOW} - %s GROUP BY v.supervisor_id, v.address"
+        " ORDER BY count(l.sid), v.supervisor_id", (lease_s,))
+    return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]

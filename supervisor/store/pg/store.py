@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -363,6 +365,28 @@ class PgStore:
     async def lease_owners(self) -> list[tuple[str, int, float]]:
         """(owner, sessions, seconds left on its soonest-expiring lease) per live owner."""
         return await self._read(leases.owners, "reading the leases")
+
+    async def advertise(self, address: str) -> None:
+        """Record this supervisor's client address, where others redirect its clients."""
+        owner = self._require_owner()
+        await self._read(partial(leases.advertise, owner=owner, address=address,
+                                 host=socket.gethostname(), pid=os.getpid()),
+                         "recording this supervisor's address")
+
+    async def beat(self) -> None:
+        await self._read(partial(leases.beat, owner=self._require_owner()),
+                         "recording this supervisor's heartbeat")
+
+    async def loads(self) -> list[tuple[str, str, int]]:
+        """(supervisor id, address, sessions owned) of the live supervisors, least first."""
+        return await self._read(partial(leases.loads, lease_s=self.lease_s),
+                                "reading the supervisors' loads")
+
+    async def locate(self, session_id: SessionId) -> tuple[str, str, str | None] | None:
+        """(owner, address, tenant) of a session leased live to *another* supervisor."""
+        found = await self._read(partial(leases.locate, session_id=session_id),
+                                 "locating a session's owner")
+        return None if found is None or found[0] == self.owner else found
 
     # ------------------------------------------------------------------ reads
 

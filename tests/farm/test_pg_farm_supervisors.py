@@ -1,0 +1,179 @@
+"""``corral up --supervisors 2`` on a real PostgreSQL (one farm for the module, started
+and stopped by the CLI): each supervisor is its own child with its own client endpoint,
+lease owner id and broker identity, so turns run on both at once; farm.json and
+``corral status`` list both endpoints; a SIGKILLed supervisor is restarted alone. And
+more than one supervisor without ``[store] url`` is a typed config error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.client import SupervisorClient, SupervisorError
+from tests.cli.test_cli_e2e import corral, events_of, make_ws
+from tests.farm.conftest import write_home
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.timeout(240)
+SCRIPT = {"responses": [
+    {"tool_calls": [{"name": "shell", "arguments": {"command": "echo hi"}}]},
+    *[{"text": "done", "usage": {"input": 10, "output": 3}}] * 4,
+]}
+
+
+@pytest.fixture(scope="module")
+def farm2(tmp_path_factory: pytest.TempPathFactory, pg_server: Any) -> Iterator[Path]:
+    """A detached farm of 2 supervisors (and 1 worker) on a fresh database; its home."""
+    url = pg_server.new_database()
+    home = tmp_path_factory.mktemp("farm2")
+    write_home(home, SCRIPT, extra=f'[store]\nurl = "{url}"\nlease_s = 2\n')
+    try:
+        up = corral(home, "up", "--detach", "--supervisors", "2", "--workers", "1", "--json",
+                    timeout_s=180)
+        assert up.returncode == 0, up.stderr
+        yield home
+    finally:
+        corral(home, "down")
+        pg_server.drop_database(url)
+
+
+def _info(home: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((home / "farm.json").read_text())
+    return data
+
+
+def _pid(home: Path, name: str) -> int:
+    return next(int(c["pid"]) for c in _info(home)["children"] if c["name"] == name)
+
+
+async def _turn(endpoint: str, ws: Path, *,
+                placed: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """A turn on a new session created at ``endpoint`` (``placed``: kept there, not
+    placed by load)."""
+    async with SupervisorClient(endpoint) as sv:
+        sid = str(await sv.call("create_session", spec={"workspace": str(ws)},
+                                placed=placed or None))
+        sub = await sv.submit(sid, {"type": "user_input", "text": "go"})
+
+        async def ended() -> list[dict[str, Any]] | None:
+            events: list[dict[str, Any]] = (await sv.history(sid))["events"]
+            done = any(e["type"] in ("turn_complete", "turn_aborted")
+                       and e.get("submission_id") == sub for e in events)
+            return events if done else None
+
+        return sid, await eventually(ended, timeout_s=60, interval_s=0.1,
+                                     what=f"the turn on {endpoint} to end")
+
+
+async def test_two_supervisors_each_serve_turns_and_are_listed_and_restarted_alone(
+        farm2: Path, workspace_root: Path) -> None:
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    assert len(set(endpoints)) == 2, endpoints
+    status = corral(farm2, "status")
+    assert status.returncode == 0, status.stderr
+    for n, ep in enumerate(endpoints, start=1):
+        assert f"supervisor {n} endpoint {ep}" in status.stdout, status.stdout
+    # A turn with a sandboxed tool call on each supervisor at once: with one broker
+    # identity between them the broker treats each as the other's restart and drops
+    # its calls, and the turns do not complete.
+    (_, ev1), (_, ev2) = await asyncio.gather(
+        _turn(endpoints[0], make_ws(workspace_root, "a")),
+        _turn(endpoints[1], make_ws(workspace_root, "b")))
+    for events in (ev1, ev2):
+        assert [e["type"] for e in events if e["type"].startswith("turn_")][-1] \
+            == "turn_complete", events
+        ends = [e for e in events if e["type"] == "tool_call_end"]
+        assert ends, events
+        assert all(e["payload"]["outcome"] == "ok" for e in ends), ends
+    async with SupervisorClient(endpoints[0]) as sv:
+        owners = (await sv.status())["supervisors"]["owners"]
+    assert len({o["id"] for o in owners}) == 2, owners
+    assert all(o["sessions"] >= 1 for o in owners), owners
+    # Each supervisor is its own child of the tree: a SIGKILL restarts that one alone.
+    one, two = _pid(farm2, "supervisor"), _pid(farm2, "supervisor-2")
+    os.kill(two, signal.SIGKILL)
+
+    async def restarted() -> bool:
+        child = next(c for c in _info(farm2)["children"] if c["name"] == "supervisor-2")
+        return child["pid"] != two and child["state"] == "running"
+
+    await eventually(restarted, timeout_s=60, interval_s=0.1, what="supervisor-2 restarted")
+    assert _pid(farm2, "supervisor") == one
+
+
+async def test_the_cli_reaches_a_session_owned_by_the_other_supervisor(
+        farm2: Path, workspace_root: Path) -> None:
+    """The CLI talks to supervisor 1; the session is owned by supervisor 2: supervisor 1
+    answers ``moved`` with supervisor 2's address and the client follows it."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    sid, first = await _turn(endpoints[1], make_ws(workspace_root, "c"), placed=True)
+    async with SupervisorClient(endpoints[0], follow_redirects=False) as raw:
+        with pytest.raises(SupervisorError) as moved:
+            await raw.describe(sid)
+    assert (moved.value.kind, moved.value.address) == ("moved", endpoints[1]), moved.value
+    run = await asyncio.to_thread(corral, farm2, "run", "--json", "--session", sid, "again")
+    assert run.returncode == 0, run.stderr + run.stdout
+    later = events_of(run.stdout)
+    assert later[-1]["type"] == "turn_complete", later
+    last = max(e["sequence"] for e in first)
+    durable = [e["sequence"] for e in later if e["sequence"] > 0]
+    assert durable == list(range(last + 1, last + 1 + len(durable))), durable
+    show = await asyncio.to_thread(corral, farm2, "show", "--json", sid)
+    assert show.returncode == 0, show.stderr
+    shown = [e["sequence"] for e in json.loads(show.stdout)["events"]]
+    assert shown == list(range(1, durable[-1] + 1))
+    async with SupervisorClient(endpoints[1], follow_redirects=False) as owner:
+        await owner.describe(sid)  # still owned by supervisor 2: no redirect there
+
+
+async def test_new_sessions_go_to_the_least_loaded_supervisor(
+        farm2: Path, workspace_root: Path) -> None:
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    ws = iter(make_ws(workspace_root, f"p{i}") for i in range(8))
+    async with SupervisorClient(endpoints[0]) as one, \
+            SupervisorClient(endpoints[1], follow_redirects=False) as raw2:
+        ids = [(await one.status())["supervisors"]["self"],
+               (await raw2.status())["supervisors"]["self"]]
+
+        async def loads() -> list[int]:
+            owners = {o["id"]: o["sessions"] for o in
+                      (await one.status())["supervisors"]["owners"]}
+            return [owners.get(i, 0) for i in ids]
+
+        while (now := await loads())[1] - now[0] < 2:  # tilt the load towards 2
+            await raw2.call("create_session", spec={"workspace": str(next(ws))}, placed=True)
+        with pytest.raises(SupervisorError) as moved:  # 2 is busier: sent to 1
+            await raw2.create_session(workspace=str(next(ws)))
+        assert (moved.value.kind, moved.value.address) == ("moved", endpoints[0])
+        before = await loads()
+        async with SupervisorClient(endpoints[1]) as two:  # follows the placement
+            sid = await two.create_session(workspace=str(next(ws)))
+        assert await loads() == [before[0] + 1, before[1]]
+        await one.describe(sid)
+        while (now := await loads())[1] - now[0] > 0:  # 1 takes new sessions until even
+            async with SupervisorClient(endpoints[1]) as two:
+                await two.create_session(workspace=str(next(ws)))
+        async with SupervisorClient(endpoints[0], follow_redirects=False) as raw1:
+            await raw1.create_session(workspace=str(next(ws)))  # tie: stays where asked
+        assert await loads() == [now[0] + 1, now[1]]
+
+
+def test_several_supervisors_without_a_store_url_are_a_config_error(tmp_path: Path) -> None:
+    write_home(tmp_path, SCRIPT)
+    up = corral(tmp_path, "up", "--detach", "--supervisors", "2")
+    assert up.returncode == 2, (up.stdout, up.stderr)
+    assert "[farm.supervisors]" in up.stderr, up.stderr
+    assert "[store]" in up.stderr, up.stderr
+    assert not (tmp_path / "farm.json").exists()
+    (tmp_path / "corral.toml").write_text((tmp_path / "corral.toml").read_text()
+                                          + "[farm]\nsupervisors = 3\n")
+    up = corral(tmp_path, "up", "--detach")
+    assert up.returncode == 2, up.stderr
+    assert "postgresql://" in up.stderr, up.stderr
