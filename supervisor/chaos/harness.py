@@ -258,6 +258,9 @@ RETRIES = 10  # a skipped fault is retried in the next slots (targets come and g
 ORPHAN_GRACE_S = LONG_S + 4.0  # after a call ends: the rest of a long call may still run
 KILL_BOUND_S = 2.0 + 2.0  # after a cancel or a worker kill: the sandbox's TERM grace + margin
 WATCH_EVERY_S = 0.5
+# The faults that end calls whose processes must then be gone within KILL_BOUND_S.
+KILL_KINDS = frozenset({"interrupt_tool", "worker_kill_tool", "worker_kill_model",
+                        "worker_kill_idle"})
 STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
 APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
 ANSWER_TIMEOUT_S = 8.0  # an answer's submit (acknowledged once its verdicts are durable)
@@ -486,8 +489,11 @@ class Harness:
                     await asyncio.sleep(0.5)  # let collectors see the last durable events
                     for c in collectors + answerers:
                         c.cancel()
-                # Calls still winding down (a worker's last long call) get their grace.
-                await asyncio.sleep(1.0)
+                # Calls still winding down (a worker's last long call) get their grace,
+                # and the last kill its evidence window: its call's processes are
+                # watched past KILL_BOUND_S (no_orphans) before the farm stops, or
+                # stopping the farm would kill an orphan before it could be seen.
+                await asyncio.sleep(self._evidence_wait_s())
             watcher.cancel()
             keeper.cancel()
             if frames is not None:
@@ -508,6 +514,17 @@ class Harness:
                         1))
         self.report.elapsed_s = time.monotonic() - started
         return self.report
+
+    def _evidence_wait_s(self) -> float:
+        """Seconds to keep the farm up after the last turn: at least 1, and until
+        the last call-killing fault's bound plus two samples of the process table
+        have passed (never more than that window)."""
+        last = max((self.at[i] for i, rec in enumerate(self.report.injected)
+                    if i in self.at and rec["kind"] in KILL_KINDS), default=None)
+        if last is None:
+            return 1.0
+        window = KILL_BOUND_S + 2 * WATCH_EVERY_S
+        return max(1.0, min(window, last + window - time.monotonic()))
 
     async def _count_frames(self) -> None:
         """Frame faults across broker restarts: the broker counts since its start, so
@@ -913,8 +930,7 @@ class Harness:
                        [tuple(rec["call"])] if rec["kind"] == "interrupt_tool"
                        else (tuple(c) for c in rec.get("calls", []))))
                    for i, rec in enumerate(self.report.injected)
-                   if i in self.at and rec["kind"] in ("interrupt_tool", "worker_kill_tool",
-                                                       "worker_kill_model", "worker_kill_idle")
+                   if i in self.at and rec["kind"] in KILL_KINDS
                    and (rec.get("calls") or rec.get("call")) and "error" not in rec]
             frozen: dict[tuple[int, int], list[tuple[float, float]]] = {}
             for j, rec in enumerate(self.report.injected):
