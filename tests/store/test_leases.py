@@ -19,6 +19,7 @@ import pytest
 
 from supervisor.store import CheckpointState, LeaseLost, SessionId
 from supervisor.store.pg.store import PgStore
+from tests.helpers import eventually
 from tests.store.backends import empty_pg
 from tests.store.steps import Session, new_record, tool_round
 
@@ -79,7 +80,11 @@ async def test_an_expired_lease_refuses_writes_even_before_a_takeover(pg_databas
     try:
         s = Session("s1")
         await a.create_session(new_record("s1"))
-        await asyncio.sleep(0.5)  # past the lease (nobody else is there to take it)
+        # Past the lease on the database's clock (nobody else is there to take it):
+        # an expired lease is no longer among the live owners.
+        async def expired() -> bool:
+            return all(owner != "a" for owner, _, _ in await a.lease_owners())
+        await eventually(expired, timeout_s=10, what="the lease to expire")
         with pytest.raises(LeaseLost, match="expired"):
             await a.commit(s.step(tool_round(1)))
         assert await a.renew() == ["s1"]
