@@ -290,6 +290,7 @@ class McpServerSpec(TypedDict, total=False):
     network: bool  # stdio: the server's sandbox gets the network
     url: str
     headers_env: dict[str, str]  # HTTP header -> env var on the worker holding its value
+    start_timeout_s: float  # initialize + tools/list must answer within it (default 30 s)
 
 
 class McpCall(TypedDict):
