@@ -37,6 +37,8 @@ Invariants:
   is deleted, as before.)
 - Mounts are detached lazily (``MNT_DETACH``): an fd still open through one
   (the ending call's own) does not keep it in the mount table.
+- ``users`` files are never removed (an unlinked lock file would let two
+  calls lock different files): one per gid, bounded like the gids.
 """
 
 from __future__ import annotations
