@@ -7,8 +7,8 @@ figures as a two-column table. The broker package is the one both the supervisor
 and the worker's dev tools may import (docs/architecture.md), so this lives here.
 
 Invariants:
-- ``ready_line`` never waits past its deadline and never reads past the first line's
-  newline (one byte at a time: what a child writes after it stays in the pipe).
+- ``read_line`` (``ready_line``) never waits past its deadline and never reads past the
+  line's newline (one byte at a time: what a child writes after it stays in the pipe).
 - ``stop`` ends every child it is given: SIGTERM (last started first), a 10 s grace
   each, then SIGKILL, and always a wait, so none is left a zombie or running.
 """
@@ -36,7 +36,15 @@ def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
 
 def ready_line(proc: subprocess.Popen[bytes], timeout_s: float,
                what: str | None = None) -> dict[str, Any]:
-    """The child's first stdout line, a JSON object, read under ``timeout_s``.
+    """The child's first stdout line, a JSON object, read under ``timeout_s``
+    (``read_line``)."""
+    ready: dict[str, Any] = json.loads(read_line(proc, timeout_s, what))
+    return ready
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout_s: float,
+              what: str | None = None) -> bytes:
+    """The child's next stdout line (with its newline), read under ``timeout_s``.
     Raises ``RuntimeError`` naming ``what`` (default: the pid) when the child
     exits first or the deadline passes."""
     name = what or f"pid {proc.pid}"
@@ -55,8 +63,7 @@ def ready_line(proc: subprocess.Popen[bytes], timeout_s: float,
             if not chunk:
                 raise RuntimeError(f"{name} exited before it was ready")
             buf += chunk
-    ready: dict[str, Any] = json.loads(buf)
-    return ready
+    return buf
 
 
 def stop(procs: Iterable[subprocess.Popen[bytes]]) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import os
 import shutil
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,6 @@ from broker.errors import RequestFailed
 from sandbox_worker.sandbox import wsalias
 from tests.helpers import Procs, eventually, searchable_dir
 from tests.sandbox.conftest import (
-    HB_S,
     CallResult,
     Stack,
     shell,
@@ -40,21 +39,16 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def stack2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A broker and two T2 tool workers of capacity 1."""
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A broker and two T2 tool workers of capacity 1 (the conftest's ``client``
+    talks to it)."""
     procs = Procs(tmp_path_factory.mktemp("alias-stack"))
     try:
-        stack = start_stack(procs, "T2", "--capacity", "1")
-        start_worker(procs, stack.backend, "T2", "--capacity", "1", name="worker-b")
-        yield stack
+        first = start_stack(procs, "T2", "--capacity", "1")
+        start_worker(procs, first.backend, "T2", "--capacity", "1", name="worker-b")
+        yield first
     finally:
         stop_all(procs)
-
-
-@pytest.fixture
-async def client2(stack2: Stack) -> AsyncIterator[BrokerClient]:
-    async with BrokerClient(stack2.frontend, heartbeat_interval_s=HB_S) as c:
-        yield c
 
 
 @contextlib.contextmanager
@@ -108,9 +102,9 @@ async def finish(call: asyncio.Task[CallResult], ws: Path, name: str) -> None:
 
 
 async def test_the_alias_goes_with_the_call_and_the_workspace_can_be_removed(
-        client2: BrokerClient) -> None:
+        client: BrokerClient) -> None:
     with private_workspace() as ws:
-        call = held(client2, ws, "a")
+        call = held(client, ws, "a")
         try:
             await started(ws, "a")
             assert len(aliases_of(ws)) == 1  # the call goes through an alias
@@ -122,9 +116,9 @@ async def test_the_alias_goes_with_the_call_and_the_workspace_can_be_removed(
 
 
 async def test_two_calls_on_two_workers_keep_the_alias_until_both_end(
-        client2: BrokerClient) -> None:
+        client: BrokerClient) -> None:
     with private_workspace() as ws:
-        first, second = held(client2, ws, "a"), held(client2, ws, "b")
+        first, second = held(client, ws, "a"), held(client, ws, "b")
         try:
             # Both in flight at once: with capacity 1 each, on both workers.
             await started(ws, "a")
@@ -132,7 +126,7 @@ async def test_two_calls_on_two_workers_keep_the_alias_until_both_end(
             assert len(aliases_of(ws)) == 1
             await finish(first, ws, "a")
             assert len(aliases_of(ws)) == 1, "detached while a call still runs through it"
-            r = await shell(client2, "cat started-a && ls", ws)  # a third call meanwhile
+            r = await shell(client, "cat started-a && ls", ws)  # a third call meanwhile
             assert r.result["outcome"] == "ok", r.result["output"]
             assert len(aliases_of(ws)) == 1
         finally:
@@ -143,21 +137,21 @@ async def test_two_calls_on_two_workers_keep_the_alias_until_both_end(
 
 
 async def test_a_killed_workers_alias_goes_at_the_next_start_a_stopped_ones_at_its_stop(
-        stack2: Stack, client2: BrokerClient) -> None:
+        stack: Stack, client: BrokerClient) -> None:
     """A worker SIGKILLed mid-call holds nothing any more but releases nothing
     either: the next worker to start detaches the alias it left. A worker
     stopped gracefully mid-call (SIGTERM) ends the call and detaches it."""
-    procs = stack2.procs
-    victim, _ = start_worker(procs, stack2.backend, "T2", "--capacity", "1",
+    procs = stack.procs
+    victim, _ = start_worker(procs, stack.backend, "T2", "--capacity", "1",
                              name="worker-victim")
     with private_workspace() as ws, searchable_dir("corral-busy-", "/tmp") as busy:
         # The stack's two workers busy elsewhere: the calls on ws land on the
         # victim, then on the next worker.
-        blockers = [held(client2, busy, n) for n in ("x", "y")]
+        blockers = [held(client, busy, n) for n in ("x", "y")]
         try:
             await started(busy, "x")
             await started(busy, "y")
-            call = held(client2, ws, "v")
+            call = held(client, ws, "v")
             await started(ws, "v")
             assert len(aliases_of(ws)) == 1
             os.kill(victim.pid, signal.SIGKILL)  # its sandbox dies with it
@@ -166,11 +160,11 @@ async def test_a_killed_workers_alias_goes_at_the_next_start_a_stopped_ones_at_i
             with pytest.raises(RequestFailed, match="worker_lost"):
                 await call
             assert len(aliases_of(ws)) == 1, "nothing released the killed call's alias"
-            following, _ = start_worker(procs, stack2.backend, "T2", "--capacity", "1",
+            following, _ = start_worker(procs, stack.backend, "T2", "--capacity", "1",
                                         name="worker-next")
             assert aliases_of(ws) == [], "the next worker's start left the dead one's alias"
 
-            call = held(client2, ws, "s")
+            call = held(client, ws, "s")
             await started(ws, "s")
             assert len(aliases_of(ws)) == 1
             following.send_signal(signal.SIGTERM)
