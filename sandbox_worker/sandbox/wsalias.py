@@ -115,7 +115,7 @@ def _detach(target: str) -> bool:
 def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> Alias:
     """The alias of the pinned workspace ``fd`` for calls of group ``gid``
     (mounted on first use), held shared until ``release``. Blocking (waits
-    while the last call of another group of calls detaches it); raises
+    while the last call of an earlier use, or a sweep, detaches it); raises
     ``WorkspaceUnusable``."""
     try:
         os.makedirs(os.path.dirname(ALIAS_ROOT), mode=0o755, exist_ok=True)
