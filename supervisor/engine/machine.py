@@ -171,6 +171,9 @@ class ActiveTurn:
     started_at: float = 0.0  # wall clock: max_turn_s counts across restarts
     first_sequence: int = 1
     tool_rounds: tuple[tuple[str, ...], ...] = ()
+    # the open compaction notice (block id): shown pending from ``CompactionDue`` until
+    # its compaction settles (``Settle``) or the turn ends (``Finish.notice``)
+    notice: str | None = None
 
     def moved(self, target: TurnPhase, **changes: Any) -> ActiveTurn:
         return replace(self, phase=advance_phase(self.phase, target), **changes)
@@ -182,7 +185,7 @@ class ActiveTurn:
                 "tool_calls": self.tool_calls, "failed_tool_calls": self.failed_tool_calls,
                 "continuations": self.continuations, "started_at": self.started_at,
                 "first_sequence": self.first_sequence,
-                "tool_rounds": [list(r) for r in self.tool_rounds]}
+                "tool_rounds": [list(r) for r in self.tool_rounds], "notice": self.notice}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ActiveTurn:
@@ -192,7 +195,8 @@ class ActiveTurn:
                    int(d.get("tool_calls", 0)), int(d.get("failed_tool_calls", 0)),
                    int(d.get("continuations", 0)), float(d.get("started_at", 0.0)),
                    int(d.get("first_sequence", 1)),
-                   tuple(tuple(str(c) for c in r) for r in d.get("tool_rounds", [])))
+                   tuple(tuple(str(c) for c in r) for r in d.get("tool_rounds", [])),
+                   None if d.get("notice") is None else str(d["notice"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,25 +265,58 @@ Item: TypeAlias = Mapping[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class Begin:
-    """The admitted input (or a compact op) starts the turn."""
+    """The admitted input (or a compact op) starts the turn. The driver built
+    what goes with ``turn_started`` in the turn's first commit: ``events`` (the
+    ``user_message``), ``items`` (the user's message, the prompt hooks'
+    contexts) and ``write`` (the input taken off ``queued_input``)."""
+
+    events: tuple[EventSpec, ...] = ()
+    items: tuple[Item, ...] = ()
+    write: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """A provisional compaction made durable, as the driver built it once the
+    usage observer accepted its usage: ``events`` (token_count,
+    context_compacted, the notice completed), the new ``context`` (a rewrite)
+    and ``write`` (the compaction count, usage, rewrite note, cache breakpoint).
+    Carried by ``Prepared``, ``Done`` and a stopped ``CompactionDone``; the
+    machine commits it, closing the notice, only while a notice is open."""
+
+    events: tuple[EventSpec, ...] = ()
+    context: tuple[Item, ...] = ()
+    write: Any = None
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """pre_model / model_request hooks ran: the model step may be sent."""
+    """pre_model / model_request hooks ran: the model step may be sent (after
+    ``settle``, a provisional compaction the request was built on)."""
 
     route: str | None = None  # named in ``model_step_started``
+    settle: Settle | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CompactionDue:
-    pass
+    """Compaction is due (the threshold or a compact op) and the pre_compact
+    hooks let it run: its notice ``block_id`` is shown pending, the call made."""
+
+    block_id: str = "block"
 
 
 @dataclass(frozen=True, slots=True)
 class CompactionDone:
+    """The compaction call answered (``ok``: the new context is provisional, held
+    by the driver; the post_compact and session_start hooks ran) or failed
+    (``failure``). ``stop``: a hook stopped the turn after it (the compaction is
+    kept: ``settle``)."""
+
     ok: bool = True
     failure: Failure | None = None
+    stop: str | None = None
+    settle: Settle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,10 +408,12 @@ class StopDone:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The turn's work is done without stop hooks: a compact op's turn, or a hook
-    stopped it (``warning``: its reason, committed first)."""
+    """The turn's work is done without stop hooks: a compact op's turn (``settle``:
+    its compaction), or a hook stopped it (``warning``: its reason, committed
+    first)."""
 
     warning: str | None = None
+    settle: Settle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +465,7 @@ class Commit:
     approve: tuple[str, ...] = ()
     execution: bool = False
     point: str | None = None
+    rewrite: tuple[Item, ...] | None = None  # a settled compaction's new context
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +499,11 @@ class CallModel:
 
 @dataclass(frozen=True, slots=True)
 class Compact:
+    """Make the compaction call for notice ``block_id`` (then its hooks):
+    ``CompactionDone``."""
+
+    block_id: str
+    attempt: int
     budget_s: float
 
 
@@ -506,7 +551,9 @@ class Finish:
     (interrupted | rejected | failed) and ``message``; ``failure``: an ``error``
     event first; ``warning``: a warning committed before it; ``open_step``: a
     model step started and not completed (closed as interrupted or failed);
-    ``outputs``: a ``function_call_output`` for each call left open."""
+    ``outputs``: a ``function_call_output`` for each call left open;
+    ``notice``: a compaction notice left open (completed as cancelled or
+    failed; the provisional compaction is dropped)."""
 
     ending: Ending
     message: str = ""
@@ -514,6 +561,7 @@ class Finish:
     warning: str | None = None
     open_step: int | None = None
     outputs: tuple[Item, ...] = ()
+    notice: str | None = None
 
     @property
     def reason(self) -> str:
@@ -571,9 +619,9 @@ class _Out:
 
     def commit(self, state: TurnState, *events: EventSpec, items: tuple[Item, ...] = (),
                write: Any = None, approve: tuple[str, ...] = (), execution: bool = False,
-               point: str | None = None) -> None:
+               point: str | None = None, rewrite: tuple[Item, ...] | None = None) -> None:
         self.actions.append(Commit(state, tuple(events), items, write, approve, execution,
-                                   point))
+                                   point, rewrite))
         if events:
             self.actions.append(Publish(tuple(events)))
 
@@ -595,9 +643,11 @@ def resume(state: TurnState, limits: Limits, now: float) -> tuple[TurnState, tup
     """Restart the work that was in flight when the process holding ``state``
     died: the model step is re-issued (a new step), the approval is asked again,
     undecided calls are decided, in-flight tool calls are re-dispatched if
-    idempotent and attempts are left, else they end ``unknown``. (The driver
-    closes the events a crash left open, ``model_step_started`` and compaction
-    notices, from the journal before it resumes.)"""
+    idempotent and attempts are left, else they end ``unknown``; a compaction
+    (in flight or provisional: it died with the process) is redone, its notice
+    dropped from the state. (The driver closes the events a crash left open,
+    ``model_step_started`` and compaction notices, from the journal before it
+    resumes.)"""
     if state.ended:
         return state, ()
     out = _Out()
@@ -606,8 +656,8 @@ def resume(state: TurnState, limits: Limits, now: float) -> tuple[TurnState, tup
         return _end(state, Ending.FAILED, out, _time_limit(limits)), tuple(out.actions)
     if t.phase in (TurnPhase.STARTING, TurnPhase.PREPARING, TurnPhase.MODEL_CALL,
                    TurnPhase.COMPACTING):
-        if t.phase is not TurnPhase.PREPARING:
-            state = replace(state, turn=t.moved(TurnPhase.PREPARING, attempt=0))
+        if t.phase is not TurnPhase.PREPARING or t.notice is not None:
+            state = replace(state, turn=t.moved(TurnPhase.PREPARING, attempt=0, notice=None))
             out.commit(state)
         out.add(RunHook("pre_model"))
     elif t.phase is TurnPhase.STOPPING:
@@ -633,42 +683,33 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
             return _end(s, Ending.FAILED, out, failure, message)
         case Rejected(message):
             return _end(s, Ending.REJECTED, out, None, message)
-        case Done(warning):
-            return _end(s, Ending.COMPLETED, out, None, warning=warning)
-        case Begin():
+        case Done(warning, settle):
+            return _end(_settle(s, settle, out), Ending.COMPLETED, out, None, warning=warning)
+        case Begin(events, items, write):
             if t.phase is not TurnPhase.STARTING:
                 return s
             s = replace(s, turn=t.moved(TurnPhase.PREPARING))
-            out.commit(s, ("turn_started", {"turn_id": tid}), execution=True)
+            started = {"turn_id": tid, "kind": "compact"} if t.kind == "compact" \
+                else {"turn_id": tid}
+            out.commit(s, ("turn_started", started), *events, items=items, write=write,
+                       execution=True)
             out.add(RunHook("pre_model"))
             return s
-        case CompactionDue():
-            if t.phase is not TurnPhase.PREPARING:
-                return s
-            s = replace(s, turn=t.moved(TurnPhase.COMPACTING, attempt=1))
-            out.commit(s, ("frontend_render", {"turn_id": tid, "state": "pending"}))
-            out.add(Compact(budget_s(s, limits.model_call_budget_s, limits, now)))
+        case CompactionDue(block_id):
+            if t.phase is not TurnPhase.PREPARING or t.notice is not None:
+                return s  # one compaction at a time: a provisional one settles first
+            s = replace(s, turn=t.moved(TurnPhase.COMPACTING, attempt=1, notice=block_id))
+            out.commit(s, ("frontend_render", ev.render_block(block_id, ev.COMPACTING_TITLE,
+                                                              complete=False)))
+            out.add(Compact(block_id, 1, budget_s(s, limits.model_call_budget_s, limits, now)))
             return s
-        case CompactionDone(ok, failure):
-            if t.phase is not TurnPhase.COMPACTING:
-                return s
-            if not ok:
-                failure = failure or Failure("model_failed", "compaction failed")
-                if retries(failure, t.attempt, limits.model_attempts):
-                    # the same rule and budget as a model call; the notice stays open
-                    s = replace(s, turn=replace(t, attempt=t.attempt + 1))
-                    out.commit(s, ("warning", {"turn_id": tid, "compaction_retry": {
-                        "attempt": t.attempt, "error": failure.as_data()}}))
-                    out.add(Compact(budget_s(s, limits.model_call_budget_s, limits, now)))
-                    return s
-                return _end(s, Ending.FAILED, out, failure)
-            s = replace(s, turn=t.moved(TurnPhase.PREPARING, attempt=0))
-            out.commit(s, ("context_compacted", {"turn_id": tid}))
-            out.add(RunHook("pre_model"))
-            return s
-        case Prepared(route):
+        case CompactionDone():
+            return _compaction_done(s, e, limits, now, out)
+        case Prepared(route, settle):
             if t.phase is not TurnPhase.PREPARING:
                 return s  # a stale hook result: nothing to prepare
+            s = _settle(s, settle, out)
+            t = s.turn
             if t.model_steps >= limits.max_model_steps:
                 return _end(s, Ending.FAILED, out, Failure(
                     "turn_limit",
@@ -695,6 +736,55 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
                 return s
             return _end(s, Ending.COMPLETED, out, None)
     raise TypeError(f"not a turn event: {e!r}")  # pragma: no cover (the union is closed)
+
+
+def _compaction_done(s: TurnState, e: CompactionDone, limits: Limits, now: float,
+                     out: _Out) -> TurnState:
+    """The compaction call's answer: retried under the model call's rule
+    (``retries``, the notice staying open), a final failure ends the turn, an
+    answer makes the new context provisional (back to preparing, the notice
+    open until ``Settle``) or, stopped by a hook, settles it and completes."""
+    t = s.turn
+    if t.phase is not TurnPhase.COMPACTING or t.notice is None:
+        return s
+    if not e.ok:
+        failure = e.failure or Failure(FailureKind.INTERNAL, "the compaction call failed")
+        if retries(failure, t.attempt, limits.model_attempts):
+            s = replace(s, turn=replace(t, attempt=t.attempt + 1))
+            out.commit(s, ("warning", ev.warning(
+                f"the compaction call failed ({failure.kind}: {ev.clip(failure.message, 500)}); "
+                f"trying again (attempt {t.attempt + 1} of {limits.model_attempts})",
+                compaction_retry={"attempt": t.attempt, "error": ev.error(failure)})))
+            out.add(Wait(limits.model_retry_delay_s * (t.attempt + 1)))
+            out.add(Compact(t.notice, t.attempt + 1,
+                            budget_s(s, limits.model_call_budget_s, limits, now)))
+            return s
+        return _end(s, Ending.FAILED, out, Failure(
+            failure.kind, f"compaction failed: {failure.kind}: {failure.message}",
+            failure.retryable))
+    s = replace(s, turn=t.moved(TurnPhase.PREPARING, attempt=0))
+    if e.stop is not None:
+        return _end(_settle(s, e.settle, out, always=True), Ending.COMPLETED, out, None,
+                    warning=e.stop)
+    out.commit(s)
+    out.add(RunHook("pre_model"))
+    return s
+
+
+def _settle(s: TurnState, settle: Settle | None, out: _Out, *,
+            always: bool = False) -> TurnState:
+    """Commit a provisional compaction (the notice closes with it); a settlement
+    with no notice open (or none) changes nothing. ``always``: commit the state
+    even without a settlement."""
+    t = s.turn
+    if settle is None or t.notice is None or t.phase is not TurnPhase.PREPARING:
+        if always:
+            out.commit(s)
+        return s
+    s = replace(s, turn=replace(t, notice=None))
+    out.commit(s, *settle.events, write=settle.write, execution=True,
+               rewrite=settle.context)
+    return s
 
 
 def _on_model(s: TurnState, e: ModelReplied | ModelFailed, limits: Limits, now: float,
@@ -966,5 +1056,5 @@ def _end(s: TurnState, how: Ending, out: _Out, failure: Failure | None, message:
                         "output": text, "is_error": True})
     step_open = open_step and t.phase is TurnPhase.MODEL_CALL
     out.add(Finish(how, message or (failure.message if failure else ""), failure, warning,
-                   t.model_steps if step_open else None, tuple(outputs)))
-    return TurnState(t.moved(_ENDING_PHASE[how], attempt=0))
+                   t.model_steps if step_open else None, tuple(outputs), t.notice))
+    return TurnState(t.moved(_ENDING_PHASE[how], attempt=0, notice=None))
