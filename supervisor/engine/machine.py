@@ -28,6 +28,10 @@ States (``TurnState.turn.phase``)::
                        (all calls ended: Export, next step: PREPARING)
     STOPPING -StopDone(continue)-> PREPARING;  STOPPING -StopDone-> COMPLETED
     COMPACTING -CompactionDone(failed; ``retries``: the model call's rule)-> COMPACTING
+    COMPACTING -CompactionDone(ok)-> PREPARING with ``ActiveTurn.notice`` open (the new
+               context provisional, held by the driver, never stored) until a
+               ``Settle`` carried by Prepared / Done / a stopped CompactionDone
+               commits it, or ``Finish.notice`` closes it, or a crash drops it
     any live phase -Interrupt / TurnTimedOut / ModelFailed(final) / Abort / Rejected
                    / Done-> ABORTED | FAILED | COMPLETED  (one ``Finish``)
 
@@ -53,9 +57,9 @@ Invariants (``tests/engine/test_machine.py`` checks each with a Hypothesis
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import supervisor.engine.events as ev
 from broker.protocol import Failure, FailureKind
@@ -63,6 +67,23 @@ from supervisor.engine.approvals import call_key
 from supervisor.engine.phases import CallState, TurnPhase, advance_call, advance_phase
 
 MIN_REQUEST_BUDGET_S = 0.05  # a request with less left is not sent: the turn's limit ends it
+
+
+_set = object.__setattr__
+_R = TypeVar("_R")
+
+
+def _replace(record: _R, **changes: Any) -> _R:
+    """``dataclasses.replace`` for the machine's frozen slotted records, without
+    its per-call field introspection (a fifth of the machine's CPU per turn in
+    the sessions benchmark). Records have no ``__post_init__``; an unknown name
+    raises ``AttributeError`` (slots)."""
+    new = object.__new__(type(record))
+    for name in record.__slots__:  # type: ignore[attr-defined]
+        _set(new, name, getattr(record, name))
+    for name, value in changes.items():
+        _set(new, name, value)
+    return new
 
 
 class Verdict(StrEnum):
@@ -120,7 +141,7 @@ class PendingCall:
     outcome: str | None = None
 
     def moved(self, target: CallState, **changes: Any) -> PendingCall:
-        return replace(self, state=advance_call(self.state, target), **changes)
+        return _replace(self, state=advance_call(self.state, target), **changes)
 
     @property
     def in_flight(self) -> bool:
@@ -176,7 +197,7 @@ class ActiveTurn:
     notice: str | None = None
 
     def moved(self, target: TurnPhase, **changes: Any) -> ActiveTurn:
-        return replace(self, phase=advance_phase(self.phase, target), **changes)
+        return _replace(self, phase=advance_phase(self.phase, target), **changes)
 
     def to_json(self) -> dict[str, Any]:
         return {"turn_id": self.turn_id, "submission_id": self.submission_id,
@@ -215,7 +236,7 @@ class TurnState:
         return next((c for c in self.calls if c.call_id == call_id), None)
 
     def with_call(self, new: PendingCall) -> TurnState:
-        return replace(self, calls=tuple(new if c.call_id == new.call_id else c
+        return _replace(self, calls=tuple(new if c.call_id == new.call_id else c
                                          for c in self.calls))
 
     def to_checkpoint(self) -> dict[str, Any]:
@@ -657,7 +678,7 @@ def resume(state: TurnState, limits: Limits, now: float) -> tuple[TurnState, tup
     if t.phase in (TurnPhase.STARTING, TurnPhase.PREPARING, TurnPhase.MODEL_CALL,
                    TurnPhase.COMPACTING):
         if t.phase is not TurnPhase.PREPARING or t.notice is not None:
-            state = replace(state, turn=t.moved(TurnPhase.PREPARING, attempt=0, notice=None))
+            state = _replace(state, turn=t.moved(TurnPhase.PREPARING, attempt=0, notice=None))
             out.commit(state)
         out.add(RunHook("pre_model"))
     elif t.phase is TurnPhase.STOPPING:
@@ -688,7 +709,7 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
         case Begin(events, items, write):
             if t.phase is not TurnPhase.STARTING:
                 return s
-            s = replace(s, turn=t.moved(TurnPhase.PREPARING))
+            s = _replace(s, turn=t.moved(TurnPhase.PREPARING))
             started = {"turn_id": tid, "kind": "compact"} if t.kind == "compact" \
                 else {"turn_id": tid}
             out.commit(s, ("turn_started", started), *events, items=items, write=write,
@@ -698,7 +719,7 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
         case CompactionDue(block_id):
             if t.phase is not TurnPhase.PREPARING or t.notice is not None:
                 return s  # one compaction at a time: a provisional one settles first
-            s = replace(s, turn=t.moved(TurnPhase.COMPACTING, attempt=1, notice=block_id))
+            s = _replace(s, turn=t.moved(TurnPhase.COMPACTING, attempt=1, notice=block_id))
             out.commit(s, ("frontend_render", ev.render_block(block_id, ev.COMPACTING_TITLE,
                                                               complete=False)))
             out.add(Compact(block_id, 1, budget_s(s, limits.model_call_budget_s, limits, now)))
@@ -729,7 +750,7 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
             if t.phase is not TurnPhase.STOPPING:
                 return s
             if continue_with is not None and t.continuations < limits.stop_continuations:
-                s = replace(s, turn=t.moved(TurnPhase.PREPARING,
+                s = _replace(s, turn=t.moved(TurnPhase.PREPARING,
                                             continuations=t.continuations + 1))
                 out.commit(s, items=(continue_with,))
                 out.add(RunHook("pre_model"))
@@ -750,7 +771,7 @@ def _compaction_done(s: TurnState, e: CompactionDone, limits: Limits, now: float
     if not e.ok:
         failure = e.failure or Failure(FailureKind.INTERNAL, "the compaction call failed")
         if retries(failure, t.attempt, limits.model_attempts):
-            s = replace(s, turn=replace(t, attempt=t.attempt + 1))
+            s = _replace(s, turn=_replace(t, attempt=t.attempt + 1))
             out.commit(s, ("warning", ev.warning(
                 f"the compaction call failed ({failure.kind}: {ev.clip(failure.message, 500)}); "
                 f"trying again (attempt {t.attempt + 1} of {limits.model_attempts})",
@@ -762,7 +783,7 @@ def _compaction_done(s: TurnState, e: CompactionDone, limits: Limits, now: float
         return _end(s, Ending.FAILED, out, Failure(
             failure.kind, f"compaction failed: {failure.kind}: {failure.message}",
             failure.retryable))
-    s = replace(s, turn=t.moved(TurnPhase.PREPARING, attempt=0))
+    s = _replace(s, turn=t.moved(TurnPhase.PREPARING, attempt=0))
     if e.stop is not None:
         return _end(_settle(s, e.settle, out, always=True), Ending.COMPLETED, out, None,
                     warning=e.stop)
@@ -781,7 +802,7 @@ def _settle(s: TurnState, settle: Settle | None, out: _Out, *,
         if always:
             out.commit(s)
         return s
-    s = replace(s, turn=replace(t, notice=None))
+    s = _replace(s, turn=_replace(t, notice=None))
     out.commit(s, *settle.events, write=settle.write, execution=True,
                rewrite=settle.context)
     return s
@@ -847,7 +868,7 @@ def _on_tool(s: TurnState, e: ToolStarted | ToolReplied | ToolFailed, limits: Li
 def _call_model(s: TurnState, step_no: int, attempt: int, route: str | None, limits: Limits,
                 now: float, out: _Out) -> TurnState:
     t = s.turn
-    s = replace(s, turn=t.moved(TurnPhase.MODEL_CALL, model_steps=step_no, attempt=attempt,
+    s = _replace(s, turn=t.moved(TurnPhase.MODEL_CALL, model_steps=step_no, attempt=attempt,
                                 model_calls=t.model_calls + (attempt == 1)))
     out.commit(s, ("model_step_started", {"turn_id": t.turn_id, "step": step_no,
                                           "attempt": attempt, "route": route}),
@@ -866,7 +887,7 @@ def _model_replied(s: TurnState, e: ModelReplied, limits: Limits, now: float,
         ("model_step_completed", {"turn_id": t.turn_id, "step": t.model_steps,
                                   "outcome": "completed"}),)
     if not e.calls:
-        s = replace(s, turn=t.moved(TurnPhase.STOPPING, attempt=0))
+        s = _replace(s, turn=t.moved(TurnPhase.STOPPING, attempt=0))
         out.commit(s, *events, items=e.items, write=e.write, execution=True,
                    point=None if e.notices else "final_answer")
         _notices(s, e.notices, out, "final_answer")
@@ -874,7 +895,7 @@ def _model_replied(s: TurnState, e: ModelReplied, limits: Limits, now: float,
         return s
     pcs = tuple(PendingCall(c.call_id, c.name, dict(c.arguments), CallState.REQUESTED, 0,
                             c.verdict, c.reason, c.idempotent) for c in e.calls)
-    s = replace(s, turn=t.moved(TurnPhase.TOOLS, attempt=0), calls=pcs)
+    s = _replace(s, turn=t.moved(TurnPhase.TOOLS, attempt=0), calls=pcs)
     out.commit(s, *events, items=e.items, write=e.write, execution=True,
                point=None if e.notices else "model_reply")
     _notices(s, e.notices, out, "model_reply")
@@ -905,12 +926,12 @@ def _decided(s: TurnState, verdicts: tuple[tuple[str, Verdict, str | None], ...]
              approval_id: str, reason: str, limits: Limits, now: float,
              out: _Out) -> TurnState:
     given = {cid: (v, r) for cid, v, r in verdicts}
-    calls = tuple(replace(c, verdict=given[c.call_id][0], reason=given[c.call_id][1])
+    calls = tuple(_replace(c, verdict=given[c.call_id][0], reason=given[c.call_id][1])
                   if c.call_id in given and c.verdict is None else c for c in s.calls)
     ask = tuple(c.call_id for c in calls if c.verdict is Verdict.ASK
                 and c.state is CallState.REQUESTED)
     if not ask:
-        s = replace(s, calls=calls)
+        s = _replace(s, calls=calls)
         out.commit(s)
         return _run_decided(s, limits, now, out)
     s = TurnState(s.turn.moved(TurnPhase.AWAITING_APPROVAL), calls,
@@ -972,8 +993,8 @@ def _tool_ended(s: TurnState, c: PendingCall, target: CallState, outcome: str, o
                 error: Failure | None = None, details: Mapping[str, Any] | None = None,
                 items: tuple[Item, ...] | None = None, round_done: bool = True) -> TurnState:
     t = s.turn
-    s = replace(s.with_call(c.moved(target, outcome=outcome)),
-                turn=replace(t, tool_calls=t.tool_calls + 1,
+    s = _replace(s.with_call(c.moved(target, outcome=outcome)),
+                turn=_replace(t, tool_calls=t.tool_calls + 1,
                              failed_tool_calls=t.failed_tool_calls + (target is not CallState.OK)))
     payload: dict[str, Any] = {"turn_id": t.turn_id, "call_id": c.call_id, "name": c.name,
                                "output": ev.clip(output), "is_error": is_error,
@@ -1023,7 +1044,7 @@ def _answered(s: TurnState, approval_id: str, decision: str, limits: Limits, now
     else:
         verdict, reason = Verdict.DENY, "denied by the user"
     asked = set(s.approval.call_ids)
-    calls = tuple(replace(c, verdict=verdict, reason=reason) if c.call_id in asked else c
+    calls = tuple(_replace(c, verdict=verdict, reason=reason) if c.call_id in asked else c
                   for c in s.calls)
     approve = tuple(call_key(c.name, dict(c.arguments)) for c in calls
                     if c.call_id in asked and decision == "approved_for_session")
