@@ -68,7 +68,6 @@ from supervisor.engine.errors import CallFailed, HookFailed, TurnError
 from supervisor.engine.exporting import export_boundary
 from supervisor.engine.hooks import HookEvent, context_item
 from supervisor.engine.machine import (
-    MIN_REQUEST_BUDGET_S,
     Abort,
     Action,
     ActiveTurn,
@@ -104,6 +103,7 @@ from supervisor.engine.machine import (
     resume,
     step,
 )
+from supervisor.engine.machine import budget_s as request_budget_s
 from supervisor.engine.phases import TurnPhase
 from supervisor.engine.ports import Mutate, Provisional, TurnRejected, TurnStopped
 from supervisor.engine.session import PendingApproval, Session, Work
@@ -456,14 +456,11 @@ class Turn:
         return self._limits
 
     def budget_s(self, cap_s: float) -> float:
-        """The budget of a request the turn makes: what is left of the turn's own
-        (``max_turn_s``, counted from its start), at most ``cap_s`` (the per-call
-        cap of ``EngineConfig``), and never below ``MIN_REQUEST_BUDGET_S`` (a turn
-        with less left ends at its own limit, which expires first)."""
-        if self._limit is None or (when := self._limit.when()) is None:
-            return cap_s
-        left = when - asyncio.get_running_loop().time()
-        return max(MIN_REQUEST_BUDGET_S, min(cap_s, left))
+        """The budget of a request the turn makes outside the machine's actions (an
+        MCP server's listing), by the machine's one rule (``machine.budget_s``):
+        what is left of the turn's ``max_turn_s`` counted from its stored start,
+        at most ``cap_s``, never below ``MIN_REQUEST_BUDGET_S``."""
+        return request_budget_s(TurnState(self.record), cap_s, self.limits, time.time())
 
     def _limit_from_start(self) -> None:
         """A resumed turn's ``max_turn_s`` counts from the turn's stored start (wall

@@ -227,7 +227,8 @@ class TurnMachine(RuleBasedStateMachine):
                    "retryable": Failure("rate_limited", "later", True)}[answer]
         if answer == "stopped":  # a post_compact hook stopped the turn: kept, settled
             self.feed(CompactionDone(stop="a hook stopped", settle=self.settlement()))
-            assert self.state.ended and not self.notices
+            assert self.state.ended
+            assert not self.notices
             return
         self.feed(CompactionDone(failure is None, failure))
 
@@ -488,6 +489,26 @@ def test_the_model_budget_is_what_is_left_of_the_turn() -> None:
     _, actions = step(s, Prepared(), LIMITS, 10.0)
     (call,) = [a for a in actions if isinstance(a, CallModel)]
     assert call.budget_s == LIMITS.model_call_budget_s
+
+
+def test_every_request_carries_what_is_left_of_the_turn() -> None:
+    """The one budget rule (docs/architecture.md, "The life of a request"): a model,
+    compaction or tool request gets min(what is left of ``max_turn_s`` counted
+    from the turn's start, its per-call cap), never below the floor."""
+    limits = Limits(max_turn_s=500.0, model_call_budget_s=300.0, tool_call_budget_s=600.0)
+    s = start("t", None, 100.0)
+    s, _ = step(s, Begin(), limits, 100.0)
+    _, actions = step(s, CompactionDue("b"), limits, 450.0)
+    (compact,) = [a for a in actions if isinstance(a, Compact)]
+    assert compact.budget_s == 150.0  # 500 - (450 - 100)
+    s, _ = step(s, Prepared(), limits, 100.0)
+    s, actions = step(s, ModelReplied((CallSpec("a", "shell"),)), limits, 200.0)
+    (tool,) = [a for a in actions if isinstance(a, CallTool)]
+    assert tool.budget_s == 400.0  # 500 - 100, below the 600 s cap
+    s2, _ = step(start("u", None, 0.0), Begin(), limits, 0.0)
+    _, actions = step(s2, Prepared(), limits, 499.99)
+    (call,) = [a for a in actions if isinstance(a, CallModel)]
+    assert call.budget_s == 0.05  # the floor: the turn's own limit ends it first
 
 
 def _to_model_call(limits: Limits = LIMITS) -> TurnState:
