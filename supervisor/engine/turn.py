@@ -137,6 +137,8 @@ class Turn:
                                  first_sequence=session.state.next_event_sequence)
         self.started_mono = time.monotonic()
         self.usage: Usage = empty_usage()
+        self._usage_of: Usage | None = None  # the usage ``_usage_json`` was made from
+        self._usage_json: dict[str, int] = {}
         self.sandbox_tier: str | None = None
         self.partial_text = ""
         self.force_compact = kind == "compact"
@@ -216,6 +218,15 @@ class Turn:
         """Call ids per completed tool round (a copy)."""
         return [list(r) for r in self.record.tool_rounds]
 
+    def usage_json(self) -> dict[str, int]:
+        """The turn's usage as stored: the active turn's and the execution record's
+        (converted once per change of ``usage``, not at each of the turn's
+        commits; read-only)."""
+        if self._usage_of is not self.usage:
+            self._usage_of = self.usage
+            self._usage_json = _usage_dict(self.usage)
+        return self._usage_json
+
     def note_tier(self, tier: str | None) -> None:
         """The weakest sandbox tier a tool call of the turn ran at (the execution
         record's)."""
@@ -227,7 +238,7 @@ class Turn:
         ended = outcome != "running"
         return ExecutionRecord(
             self.session.sid, self.turn_id, outcome, self.model_calls, self.tool_calls,
-            self.failed_tool_calls, _usage_dict(self.usage), self.started_at,
+            self.failed_tool_calls, self.usage_json(), self.started_at,
             time.time() if ended else None,
             time.monotonic() - self.started_mono if ended else None,
             self.sandbox_tier, reason)
@@ -410,7 +421,7 @@ class Turn:
         s = self.session
         self.record = a.state.turn
         cp = a.state.to_checkpoint()
-        turn = {**cp["active_turn"], "usage": _usage_dict(self.usage)}
+        turn = {**cp["active_turn"], "usage": self.usage_json()}
 
         def mutate(st: Any) -> None:
             if a.write is not None:
