@@ -152,6 +152,9 @@ class Turn:
         # approval id -> created_at of its stored exec_approval_request (resumed turns)
         self.approval_requested_at: dict[str, float] = {}
         self._limit: asyncio.Timeout | None = None  # max_turn_s, set by _run
+        # the state of the last Commit and the checkpoint objects it wrote
+        # (``machine_state``): active_turn, pending_tool_calls, pending_approval
+        self._committed: tuple[TurnState, Any, Any, Any] | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -311,8 +314,15 @@ class Turn:
 
     def machine_state(self) -> TurnState:
         """The machine's state: exactly the checkpoint's (a turn whose first commit
-        has not happened yet: its starting record)."""
+        has not happened yet: its starting record). While the checkpoint still
+        holds the very objects this driver's last ``Commit`` wrote (nothing
+        replaces them in between, and nothing edits them in place), that
+        commit's state is returned without reading it back."""
         st = self.session.state
+        known = self._committed
+        if known is not None and known[1] is st.active_turn \
+                and known[2] is st.pending_tool_calls and known[3] is st.pending_approval:
+            return known[0]
         state = TurnState.from_checkpoint({"active_turn": st.active_turn,
                                            "pending_tool_calls": st.pending_tool_calls,
                                            "pending_approval": st.pending_approval})
@@ -432,6 +442,7 @@ class Turn:
             for key in a.approve:
                 if key not in st.approved_for_session:
                     st.approved_for_session.append(key)
+        self._committed = None
         records = await s.commit(
             [(name, dict(payload), self.submission_id) for name, payload in a.events],
             items=[dict(i) for i in a.items] or None,
@@ -440,6 +451,8 @@ class Turn:
             execution=self.execution("running") if a.execution else None, mutate=mutate)
         if a.state.turn.notice is None:
             self.provisional = None  # settled (or never made): nothing is provisional
+        if not a.state.ended:
+            self._committed = (a.state, turn, cp["pending_tool_calls"], cp["pending_approval"])
         for r in records:
             if r.type == ev.EXEC_APPROVAL_REQUEST:
                 self.approval_requested_at[str(r.payload.get("id"))] = r.created_at
