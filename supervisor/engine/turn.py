@@ -750,6 +750,8 @@ class Turn:
         """``Finish``: the turn's one ending, as the machine decided it."""
         self.provisional = None
         if a.ending is Ending.COMPLETED:
+            if a.notice is not None:  # a compaction left unsettled: the notice closes
+                await compaction.close_notice(self, a.notice, "cancelled")
             if a.warning is not None:
                 await self.session.warn(a.warning, self.submission_id)
             await self._finish_completed()
