@@ -77,6 +77,14 @@ async def claimable(conn: Conn, limit: int, own: str | None = None) -> list[tupl
         (own, limit))]
 
 
+async def next_lapse(conn: Conn, owner: str) -> float | None:
+    """Seconds until the soonest live lease of another owner lapses (None: there is
+    none): when a dead supervisor's sessions become claimable, at the earliest."""
+    row = await one(conn, f"SELECT min(expires_at) - {NOW} FROM leases WHERE owner <> %s"
+                          f" AND expires_at > {NOW}", (owner,))
+    return None if row is None or row[0] is None else max(0.0, float(row[0]))
+
+
 async def owners(conn: Conn) -> list[tuple[str, int, float]]:
     """(owner, sessions held, seconds since the oldest lease was renewed...) per owner:
     each live owner with its session count and the smallest time left on its leases."""

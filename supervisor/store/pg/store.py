@@ -2,7 +2,9 @@
 
 Same surface and guarantees as the SQLite ``Store`` (``supervisor.store.port``): one
 writer connection that group-commits (``GroupCommitter``: concurrent sessions' steps in
-one transaction, so one WAL flush), one reader connection for snapshot reads.
+one transaction, so one WAL flush), up to ``READERS`` reader connections (the first opened
+at start, the others at the first read that finds every open one busy: a takeover loads
+many sessions at once).
 
 Invariants:
 - Commit before visible: a ``commit`` returns after the COMMIT of its group returned.
@@ -63,6 +65,7 @@ R = TypeVar("R")
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_LEASE_S = 10.0
+READERS = 4  # reader connections at most (concurrent loads of a takeover's resume)
 MIGRATE_COMMAND = "corral store migrate"
 
 
@@ -112,7 +115,7 @@ def _scrub(text: str, url: str) -> str:
 class _Link:
     """One connection that is replaced when it breaks (never two at once)."""
 
-    def __init__(self, url: str, conn: Conn, timeout_s: float, name: str,
+    def __init__(self, url: str, conn: Conn | None, timeout_s: float, name: str,
                  idle_in_transaction_s: float | None = None) -> None:
         self.url = url
         self.conn: Conn | None = conn
@@ -153,7 +156,10 @@ class PgStore:
         self._held: dict[str, tuple[int, int]] = {}  # session_id -> (sid, epoch)
         self._shown = redact(url)
         self._writer = writer_link
-        self._reader = reader_link
+        self._readers = [reader_link] + [  # connected at their first use
+            _Link(url, None, reader_link._timeout_s, f"reader {n}")
+            for n in range(2, READERS + 1)]
+        self._turn = 0
         self._busy_deadline_s = busy_deadline_s
         self._group: GroupCommitter[writer.PgOp] = GroupCommitter(
             self._apply, max_group_ops=max_group_ops, max_pending_ops=max_pending_ops,
@@ -222,7 +228,8 @@ class PgStore:
             try:
                 await self._writer.close()
             finally:
-                await self._reader.close()
+                for link in self._readers:
+                    await link.close()
 
     async def __aenter__(self) -> PgStore:
         return self
@@ -253,7 +260,16 @@ class PgStore:
     async def _read(self, fn: Callable[[Conn], Awaitable[R]], what: str) -> R:
         if self._group.closing:
             raise StoreClosed("the store is closed")
-        return await self._on(self._reader, fn, what)
+        return await self._on(self._reader_link(), fn, what)
+
+    def _reader_link(self) -> _Link:
+        """A reader that is free, preferring one already connected; if all are busy, the
+        next in turn (each lock queues its waiters in order)."""
+        free = [link for link in self._readers if not link.lock.locked()]
+        if free:
+            return min(free, key=lambda link: link.conn is None)
+        self._turn = (self._turn + 1) % len(self._readers)
+        return self._readers[self._turn]
 
     # ------------------------------------------------------------------ writes
 
@@ -361,6 +377,11 @@ class PgStore:
         held = self._held.pop(session_id, None)
         if held is not None:
             await self._group.submit(partial(_release, held, owner))
+
+    async def next_lapse(self) -> float | None:
+        """Seconds until the soonest live lease of another supervisor lapses, or None."""
+        return await self._read(partial(leases.next_lapse, owner=self._require_owner()),
+                                "reading the next lease expiry")
 
     async def lease_owners(self) -> list[tuple[str, int, float]]:
         """(owner, sessions, seconds left on its soonest-expiring lease) per live owner."""
