@@ -45,6 +45,7 @@ from supervisor.store.errors import (
 from supervisor.store.group import GroupCommitter
 from supervisor.store.pg import leases, reader, schema, writer
 from supervisor.store.pg.errors import translate
+from supervisor.store.pg.onestep import StepOp
 from supervisor.store.pg.schema import Conn
 from supervisor.store.records import (
     EventRecord,
@@ -303,11 +304,11 @@ class PgStore:
     async def commit(self, step: StepWrite) -> None:
         """Commit one step in one transaction (shared with concurrent sessions' steps)."""
         prepared = prepare_step(step, self.limits)
-        await self._group.submit(partial(_step, prepared, self._fence(step.session_id)))
+        await self._group.submit(StepOp(prepared, self._fence(step.session_id)))
 
     async def commit_many(self, steps: list[StepWrite]) -> None:
         prepared = [prepare_step(s, self.limits) for s in steps]
-        futures = [self._group.enqueue(partial(_step, p, self._fence(p.session_id)))
+        futures = [self._group.enqueue(StepOp(p, self._fence(p.session_id)))
                    for p in prepared]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
@@ -478,11 +479,6 @@ async def _create(record: SessionRecord, config: str, first: Any, owner: str | N
                   lease_s: float, conn: Conn) -> tuple[int, int] | None:
     await writer.create_session(conn, record, config, first)
     return await _take(conn, record.session_id, owner, lease_s)
-
-
-async def _step(prepared: Any, fence: tuple[str, int] | None, conn: Conn) -> None:
-    await _fenced(conn, prepared.session_id, fence)
-    await writer.apply_step(conn, prepared)
 
 
 async def _status(session_id: str, status: str, fence: tuple[str, int] | None,

@@ -36,7 +36,7 @@ from supervisor.store.errors import (
     SessionNotFound,
     StoreError,
 )
-from supervisor.store.pg import reader
+from supervisor.store.pg import onestep, reader
 from supervisor.store.pg.reader import check_n, one
 from supervisor.store.pg.schema import Conn
 from supervisor.store.reader import to_session
@@ -307,11 +307,40 @@ async def _run_op(conn: Conn, op: PgOp) -> tuple[bool, Any]:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+class _SlowPath(Exception):
+    """A one-statement step failed on the server: the group's transaction is aborted."""
+
+
 async def apply_group(conn: Conn, ops: Sequence[PgOp]) -> list[tuple[bool, Any]]:
     """Run ``ops`` in ONE transaction; each gets (True, result) or (False, StoreError).
-    psycopg errors other than an operation's own propagate (the caller translates)."""
+    psycopg errors other than an operation's own propagate (the caller translates).
+
+    Steps with a one-statement form (``onestep.StepOp``) run first that way, without a
+    savepoint (one round trip); if one of those statements fails on the server (a
+    concurrent writer's key, a value refused) the whole group is rolled back and run
+    again with a savepoint per operation, so each error is its operation's alone."""
+    if any(hasattr(op, "fast") for op in ops):
+        try:
+            return await _apply(conn, ops, fast=True)
+        except _SlowPath:
+            pass
+    return await _apply(conn, ops, fast=False)
+
+
+async def _apply(conn: Conn, ops: Sequence[PgOp], *, fast: bool) -> list[tuple[bool, Any]]:
     results: list[tuple[bool, Any]] = []
+    now = time.time()
     async with conn.transaction():
         for op in ops:
+            one_statement = getattr(op, "fast", None) if fast else None
+            if one_statement is not None:
+                try:
+                    if await one_statement(conn, now):
+                        results.append((True, None))
+                        onestep.COUNTS["one_statement"] += 1
+                        continue
+                    onestep.COUNTS["slow"] += 1
+                except (pgerr.UniqueViolation, psycopg.DataError) as exc:
+                    raise _SlowPath from exc
             results.append(await _run_op(conn, op))
     return results
