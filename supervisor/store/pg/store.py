@@ -508,12 +508,8 @@ async def _acquire(session_id: str, owner: str, lease_s: float,
 
 async def _claim(owner: str, lease_s: float, limit: int, own: bool,
                  conn: Conn) -> list[tuple[str, tuple[int, int]]]:
-    got = []
-    for sid, session_id in await leases.claimable(conn, limit, owner if own else None):
-        epoch = await leases.acquire(conn, sid, owner, lease_s)
-        if epoch is not None:
-            got.append((session_id, (sid, epoch)))
-    return got
+    return [(session_id, (sid, epoch))
+            for sid, session_id, epoch in await leases.claim(conn, owner, lease_s, limit, own)]
 
 
 async def _renew(owner: str, lease_s: float, conn: Conn) -> dict[int, int]:
