@@ -94,3 +94,66 @@ async def test_the_one_statement_checks_the_fence_itself(pg_database: str) -> No
             assert await cur.fetchone() == (2,)
     finally:
         await a.close()
+
+
+async def test_a_group_pipelines_distinct_sessions_and_orders_one_sessions_steps(
+        pg_database: str) -> None:
+    empty_pg(pg_database)
+    store = await PgStore.open(pg_database)
+    try:
+        sessions = [Session(f"s{i}") for i in range(3)]
+        for s in sessions:
+            await store.create_session(new_record(str(s.id)))
+        a, b, c = sessions
+        steps = [a.step(tool_round(1), events=[("e", {"n": 1})]),
+                 b.step(tool_round(1), events=[("e", {"n": 1})]),
+                 a.step(tool_round(2), events=[("e", {"n": 2})]),  # a new run: sees a's first
+                 c.step(tool_round(1), events=[("e", {"n": 1})]),
+                 b.step(tool_round(2), events=[("e", {"n": 2})])]
+        groups = store.groups_committed
+        before = onestep.COUNTS["one_statement"]
+        await store.commit_many(steps)
+        assert store.groups_committed == groups + 1
+        assert onestep.COUNTS["one_statement"] == before + 5
+        for s, n in ((a, 2), (b, 2), (c, 1)):
+            events = await store.replay_events(s.id)
+            assert [e.payload["n"] for e in events] == list(range(1, n + 1))
+    finally:
+        await store.close()
+
+
+async def test_a_concurrent_writers_row_reruns_the_group_the_slow_way(
+        pg_database: str) -> None:
+    """Another connection inserts the step's event first: the one statement fails on the
+    key, the group is run again with savepoints, and the step's answer is the slow
+    path's (here: the identical event is a no-op, the rest of the step is written)."""
+    empty_pg(pg_database)
+    store = await PgStore.open(pg_database)
+    try:
+        s = Session("s1")
+        await store.create_session(new_record("s1"))
+        step = s.step(tool_round(1), events=[("e", {"n": 1})])
+        ev = step.events[0]
+        async with await psycopg.AsyncConnection.connect(pg_database) as db:
+            await db.execute(
+                "INSERT INTO events (sid, sequence, type, submission_id, created_at, payload)"
+                " SELECT sid, %s, %s, NULL, 0, %s FROM sessions WHERE session_id = 's1'",
+                (ev.sequence, ev.type, '{"n":1}'))
+            reruns = onestep.COUNTS["groups_rerun"]
+            commit = asyncio.create_task(store.commit(step))
+
+            async def waiting() -> bool:
+                cur = await db.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
+                    " 'Lock' AND application_name = 'corral-supervisor'")
+                row = await cur.fetchone()
+                return row is not None and row[0] == 1
+            await eventually(waiting, timeout_s=10, what="the step to wait on the key")
+            await db.commit()
+        await asyncio.wait_for(commit, 10)
+        assert onestep.COUNTS["groups_rerun"] == reruns + 1
+        loaded = await store.load(SessionId("s1"))
+        assert loaded is not None
+        assert (loaded.last_event_sequence, loaded.last_batch_sequence) == (1, 1)
+    finally:
+        await store.close()

@@ -3,7 +3,7 @@ its fence in that statement; the full rules of ``pg/writer.apply_step`` otherwis
 
 Why: the writer runs a group's statements one round trip at a time on one connection,
 and a step used to cost about seven (savepoint, checks, events, batch, state,
-execution, release; two more in lease mode). ``StepOp.fast`` sends one statement whose
+execution, release; two more in lease mode). ``StepOp.send`` sends one statement whose
 CTEs read what the checks need (the session, its last event and batch, the stored
 state's counters; in lease mode the lease row ``FOR SHARE``), decide whether the step
 is the ordinary next step (``ok``), and only then insert the events, the batch, the
@@ -17,7 +17,11 @@ Invariants:
   caller then runs the step the slow way (``StepOp.__call__``: ``leases.check`` and
   ``writer.apply_step`` under a savepoint), which raises the right error
   (``LeaseLost``, ``SequenceConflict``, ``SessionNotFound``) or does the idempotent
-  re-write. So ``fast`` never changes an answer, only the round trips.
+  re-write. So the one statement never changes an answer, only the round trips.
+- ``writer.apply_group`` sends the statements of consecutive steps of DISTINCT
+  sessions in one pipeline (one round trip for all of them): their rows and lease
+  rows are disjoint, so their order inside that run does not matter; a second step of
+  a session starts a new run, so it sees the first one's rows.
 - Fencing is the same rule as ``leases.check``: the lease row is read ``FOR SHARE`` in
   the statement (a takeover's UPDATE of the row waits for this transaction; under
   READ COMMITTED the locked row is re-read at its newest version), and owner, epoch
@@ -168,24 +172,29 @@ def params(p: PreparedStep, fence: tuple[str, int] | None,
 
 @dataclass(frozen=True, slots=True)
 class StepOp:
-    """One step of a group: ``fast`` (one statement) first, ``__call__`` (the full
-    rules, under the caller's savepoint) when ``fast`` wrote nothing."""
+    """One step of a group: ``send`` (one statement) first, ``__call__`` (the full
+    rules, under the caller's savepoint) when that statement wrote nothing."""
 
     prepared: PreparedStep
     fence: tuple[str, int] | None  # (owner, epoch) in lease mode
 
-    async def fast(self, conn: Conn, now: float) -> bool:
-        """True: the step is written. False: nothing was written (not the ordinary next
-        step, or the fence refused): run it the slow way for the exact answer."""
+    @property
+    def key(self) -> str:
+        """The session written: steps of distinct sessions are independent."""
+        return self.prepared.session_id
+
+    async def send(self, conn: Conn, now: float) -> Any | None:
+        """Send the one statement (in pipeline mode: queue it). Its cursor, whose one row
+        is 1 when the step is written and 0 when nothing was (not the ordinary next step,
+        or the fence refused: run it the slow way for the exact answer); None when the
+        step has no one-statement form."""
         p = self.prepared
         values = params(p, self.fence, now)
         if values is None:
-            return False
+            return None
         query = _query(self.fence is not None, bool(p.events), p.batch is not None,
                        p.state is not None, p.execution is not None)
-        cur = await conn.execute(query, values)
-        row = await cur.fetchone()
-        return row is not None and int(row[0]) == 1
+        return await conn.execute(query, values)
 
     async def __call__(self, conn: Conn) -> None:
         from supervisor.store.pg.writer import apply_step, require_sid

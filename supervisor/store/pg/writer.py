@@ -315,32 +315,51 @@ async def apply_group(conn: Conn, ops: Sequence[PgOp]) -> list[tuple[bool, Any]]
     """Run ``ops`` in ONE transaction; each gets (True, result) or (False, StoreError).
     psycopg errors other than an operation's own propagate (the caller translates).
 
-    Steps with a one-statement form (``onestep.StepOp``) run first that way, without a
-    savepoint (one round trip); if one of those statements fails on the server (a
-    concurrent writer's key, a value refused) the whole group is rolled back and run
-    again with a savepoint per operation, so each error is its operation's alone."""
-    if any(hasattr(op, "fast") for op in ops):
+    Steps with a one-statement form (``onestep.StepOp``) go that way, without a
+    savepoint, the statements of consecutive steps of distinct sessions in one
+    pipeline (one round trip); if one of them fails on the server (a concurrent
+    writer's key, a value refused) the whole group is rolled back and run again with a
+    savepoint per operation, so each error is its operation's alone."""
+    if any(hasattr(op, "send") for op in ops):
         try:
             return await _apply(conn, ops, fast=True)
         except _SlowPath:
-            pass
+            onestep.COUNTS["groups_rerun"] += 1
     return await _apply(conn, ops, fast=False)
+
+
+def _run_of(ops: Sequence[PgOp], start: int) -> list[Any]:
+    """The one-statement steps from ``start`` on, up to a second step of one session
+    or an operation of another kind."""
+    run: list[Any] = []
+    seen: set[str] = set()
+    for op in ops[start:]:
+        key = getattr(op, "key", None) if hasattr(op, "send") else None
+        if key is None or key in seen:
+            break
+        seen.add(key)
+        run.append(op)
+    return run
 
 
 async def _apply(conn: Conn, ops: Sequence[PgOp], *, fast: bool) -> list[tuple[bool, Any]]:
     results: list[tuple[bool, Any]] = []
     now = time.time()
     async with conn.transaction():
-        for op in ops:
-            one_statement = getattr(op, "fast", None) if fast else None
-            if one_statement is not None:
-                try:
-                    if await one_statement(conn, now):
-                        results.append((True, None))
-                        onestep.COUNTS["one_statement"] += 1
-                        continue
-                    onestep.COUNTS["slow"] += 1
-                except (pgerr.UniqueViolation, psycopg.DataError) as exc:
-                    raise _SlowPath from exc
-            results.append(await _run_op(conn, op))
+        while len(results) < len(ops):
+            run = _run_of(ops, len(results)) if fast else []
+            if not run:
+                results.append(await _run_op(conn, ops[len(results)]))
+                continue
+            try:
+                async with conn.pipeline():
+                    cursors = [await op.send(conn, now) for op in run]
+                written = [c is not None and (await c.fetchone() or (0,))[0] == 1
+                           for c in cursors]
+            except (pgerr.UniqueViolation, psycopg.DataError) as exc:
+                raise _SlowPath from exc
+            onestep.COUNTS["one_statement"] += sum(written)
+            onestep.COUNTS["slow"] += len(run) - sum(written)
+            for op, done in zip(run, written, strict=True):
+                results.append((True, None) if done else await _run_op(conn, op))
     return results
