@@ -401,6 +401,7 @@ async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
     """The same level on the SQLite store (again, now) and on a PostgreSQL store (a
     throwaway durable cluster on loopback: fsync on), one supervisor each, same farm."""
     from supervisor.devtools.pgserver import PgServer
+    from supervisor.store.pg import onestep
     from supervisor.store.pg.store import PgStore
 
     sqlite = await _supervisor_level(sqlite_manager, ws, meter, StepCounter(sqlite_manager),
@@ -418,8 +419,10 @@ async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
                         await manager.started()
                     counter = StepCounter(manager)
                     await _supervisor_level(manager, ws, meter, counter, 1, 1, on_stuck)
+                    groups0, counts0 = store.groups_committed, dict(onestep.COUNTS)
                     pg = await _supervisor_level(manager, ws, meter, counter, n, m, on_stuck)
-                    groups = store.groups_committed
+                    groups = store.groups_committed - groups0
+                    paths = {k: v - counts0.get(k, 0) for k, v in onestep.COUNTS.items()}
                 finally:
                     task.cancel()
         finally:
@@ -427,6 +430,7 @@ async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
     finally:
         await asyncio.to_thread(server.stop)
     return {"sqlite": sqlite, "postgresql": pg, "postgresql_transactions": groups,
+            "postgresql_step_paths": paths,
             "ratio": round(pg["turns_per_s"] / sqlite["turns_per_s"], 3)}
 
 

@@ -154,3 +154,38 @@ async def test_a_writer_paused_past_its_lease_is_fenced_off(pg_database: str,
         if child.stdout is not None:
             child.stdout.close()
         await b.close()
+
+
+async def test_renewals_and_claims_do_not_wait_behind_the_writer(pg_database: str) -> None:
+    """The writer is stuck (a step waits on a table lock another connection holds): renewing
+    and claiming still answer at once, on the lease keeper's own connection, so an
+    overloaded supervisor does not let its leases lapse behind its own queue."""
+    import psycopg
+
+    empty_pg(pg_database)
+    a = await PgStore.open(pg_database, owner="a", lease_s=5.0)
+    try:
+        s = Session("s1")
+        await a.create_session(new_record("s1"))
+        await a.create_session(new_record("s2"))
+        async with await psycopg.AsyncConnection.connect(pg_database) as db:
+            # the step's statement waits before it takes any lease row (a renewal waits,
+            # by design, for a write in flight that holds its session's lease FOR SHARE)
+            await db.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+            stuck = asyncio.create_task(a.commit(s.step(tool_round(1))))
+
+            async def waiting() -> bool:
+                cur = await db.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
+                    " 'Lock' AND application_name = 'corral-supervisor'")
+                row = await cur.fetchone()
+                return row is not None and row[0] == 1
+            await eventually(waiting, timeout_s=10, what="the writer to wait on the lock")
+            async with asyncio.timeout(5):
+                assert await a.renew() == []
+                assert await a.claim(10) == []
+            assert not stuck.done()
+            await db.rollback()
+        await asyncio.wait_for(stuck, 10)
+    finally:
+        await a.close()

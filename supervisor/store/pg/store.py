@@ -161,6 +161,10 @@ class PgStore:
             _Link(url, None, reader_link._timeout_s, f"reader {n}")
             for n in range(2, READERS + 1)]
         self._turn = 0
+        # Claims, renewals and heartbeats: single statements on a connection of their
+        # own, so they never wait behind the writer's backlog of steps (an overloaded
+        # supervisor would otherwise let its leases lapse with its queue full).
+        self._leaser = _Link(url, None, reader_link._timeout_s, "lease keeper")
         self._busy_deadline_s = busy_deadline_s
         self._group: GroupCommitter[writer.PgOp] = GroupCommitter(
             self._apply, max_group_ops=max_group_ops, max_pending_ops=max_pending_ops,
@@ -229,7 +233,7 @@ class PgStore:
             try:
                 await self._writer.close()
             finally:
-                for link in self._readers:
+                for link in (*self._readers, self._leaser):
                     await link.close()
 
     async def __aenter__(self) -> PgStore:
@@ -356,8 +360,8 @@ class PgStore:
         ``own``, also those still leased to this owner id (at start-up: a restarted
         supervisor takes its sessions back without waiting for the leases to lapse)."""
         owner = self._require_owner()
-        got: list[tuple[str, tuple[int, int]]] = await self._group.submit(
-            partial(_claim, owner, self.lease_s, limit, own))
+        got: list[tuple[str, tuple[int, int]]] = await self._lease_op(
+            partial(_claim, owner, self.lease_s, limit, own), "claiming sessions")
         for session_id, held in got:
             self._hold(session_id, held)
         return [SessionId(sid) for sid, _ in got]
@@ -366,9 +370,13 @@ class PgStore:
         """Extend every lease still held; forget and return the sessions lost (lapsed or
         taken: the caller gives them up without publishing anything more)."""
         owner = self._require_owner()
-        live: dict[int, int] = await self._group.submit(
-            partial(_renew, owner, self.lease_s))
-        lost = [sid for sid, (n, epoch) in self._held.items() if live.get(n) != epoch]
+        # Only leases held before the statement started count: one taken meanwhile (a
+        # create or an acquire committing on the writer) is not in what it saw.
+        before = dict(self._held)
+        live: dict[int, int] = await self._lease_op(
+            partial(_renew, owner, self.lease_s), "renewing the leases")
+        lost = [sid for sid, (n, epoch) in before.items()
+                if live.get(n) != epoch and self._held.get(sid) == (n, epoch)]
         for sid in lost:
             del self._held[sid]
         return [SessionId(s) for s in lost]
@@ -396,8 +404,14 @@ class PgStore:
                          "recording this supervisor's address")
 
     async def beat(self) -> None:
-        await self._read(partial(leases.beat, owner=self._require_owner()),
-                         "recording this supervisor's heartbeat")
+        await self._lease_op(partial(leases.beat, owner=self._require_owner()),
+                             "recording this supervisor's heartbeat")
+
+    async def _lease_op(self, fn: Callable[[Conn], Awaitable[R]], what: str) -> R:
+        """One lease statement (autocommit) on the lease keeper's connection."""
+        if self._group.closing:
+            raise StoreClosed("the store is closed")
+        return await self._on(self._leaser, fn, what)
 
     async def loads(self) -> list[tuple[str, str, int]]:
         """(supervisor id, address, sessions owned) of the live supervisors, least first."""
