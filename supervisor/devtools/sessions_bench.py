@@ -37,7 +37,11 @@ a local sink) on in the supervisor process: ``telemetry_on_vs_off_N`` and
 ``--telemetry-rounds K`` alternates K on and off phases after the first off
 one and compares the means (``telemetry_on_vs_off_mean_N``).
 The broker and the workers are the same processes in both phases and do not
-trace.
+trace. Issue 19's figures: ``--pg`` runs the 100-session level again on a PostgreSQL
+store (``pg_vs_sqlite``, with how many steps took the one-statement path);
+``--takeover`` measures ``takeover_s`` (``takeover_bench``); ``--two-supervisors``
+measures ``two_supervisors_vs_one`` (``supervisors_bench``); ``--takeover-only`` and
+``--two-supervisors-only`` skip the levels.
 
 Invariants: every turn is checked (one tool call ended ``ok``, then
 ``turn_complete``), a failed turn fails the run; every child is started in

@@ -234,14 +234,12 @@ async def events_page(conn: Conn, session_id: str, after_sequence: int,
                       limit: int) -> Page[EventRecord]:
     check_limit(limit, MAX_PAGE_EVENTS, "limit")
     check_n(after_sequence)
-    async with snapshot(conn):
-        sid = await sid_of(conn, session_id)
-        if sid is None:
-            return Page([], None)
-        rows = await all_rows(
-            conn, "SELECT sequence, type, payload, submission_id, created_at FROM events"
-            " WHERE sid = %s AND sequence > %s ORDER BY sequence LIMIT %s",
-            (sid, after_sequence, limit + 1))
+    # One statement (one snapshot, one round trip): a resumed turn pages its journal.
+    rows = await all_rows(
+        conn, "SELECT e.sequence, e.type, e.payload, e.submission_id, e.created_at"
+        " FROM events e WHERE e.sid = (SELECT sid FROM sessions WHERE session_id = %s)"
+        " AND e.sequence > %s ORDER BY e.sequence LIMIT %s",
+        (session_id, after_sequence, limit + 1))
     more = len(rows) > limit
     events = [
         EventRecord(SessionId(session_id), seq, typ, decode(payload),
