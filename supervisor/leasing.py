@@ -128,12 +128,14 @@ async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH
         try:
             async with asyncio.timeout(store.lease_s):
                 if loop.time() >= next_renew:
-                    next_renew = loop.time() + renew_s - tick_s / 2
                     beat = getattr(store, "beat", None)
                     if beat is not None:
                         await beat()
                     for sid in await store.renew():
                         engine.give_up(sid)
+                    # only after it succeeded: a round that failed or timed out renews
+                    # again at the next tick, not a third of the lease later
+                    next_renew = loop.time() + renew_s - tick_s / 2
                 claimed = await store.claim(batch)
                 if len(claimed) == batch:
                     wake_at = loop.time()  # more may be waiting: the next round at once

@@ -122,49 +122,72 @@ async def _count(db: Any, kind: str) -> int:
 
 
 async def _drive(url: str, endpoints: list[str], ws: Path, sessions: int,
-                 turns: int) -> tuple[float, float]:
+                 turns: int, lags: dict[str, float]) -> tuple[float, float]:
     """Create the sessions (outside the clock), submit every turn's input, wait for
     every ``turn_complete``: (the creation's wall time, the wall time from the first
-    submit)."""
-    import psycopg
-
+    submit). ``lags``: each supervisor's largest event-loop lag seen (its ``status``,
+    asked every 2 s meanwhile)."""
     gate = asyncio.Semaphore(CLIENT_CONCURRENCY)
     clients = [SupervisorClient(e) for e in endpoints]
+
+    async def create(i: int) -> tuple[SupervisorClient, str]:
+        c = clients[i % len(clients)]
+        async with gate:
+            return c, str(await c.call("create_session", spec={"workspace": str(ws)},
+                                       placed=True, timeout_s=CALL_TIMEOUT_S))
+
+    async def submit(c: SupervisorClient, sid: str, t: int) -> None:
+        async with gate:
+            await c.call("submit", session_id=sid, timeout_s=CALL_TIMEOUT_S,
+                         op={"type": "user_input", "text": f"turn {t}"})
+
+    async def watch(name: str, c: SupervisorClient) -> None:
+        while True:
+            try:
+                st = await c.call("status", timeout_s=CALL_TIMEOUT_S)
+                lag = float(st["sessions"]["loop_lag_max_60s_s"])
+                lags[name] = max(lags.get(name, 0.0), lag)
+            except Exception:  # diagnostics only
+                pass
+            await asyncio.sleep(2.0)
+
+    watchers: list[asyncio.Task[None]] = []
     try:
         for c in clients:
             await c.__aenter__()
-
-        async def create(i: int) -> tuple[SupervisorClient, str]:
-            c = clients[i % len(clients)]
-            async with gate:
-                return c, str(await c.call("create_session", spec={"workspace": str(ws)},
-                                           placed=True, timeout_s=CALL_TIMEOUT_S))
+        watchers = [asyncio.create_task(watch(f"supervisor{i + 1}", c))
+                    for i, c in enumerate(clients)]
         t0 = time.monotonic()
         made = await asyncio.gather(*(create(i) for i in range(sessions)))
         created_s = time.monotonic() - t0
-
-        async def submit(c: SupervisorClient, sid: str, t: int) -> None:
-            async with gate:
-                await c.call("submit", session_id=sid, timeout_s=CALL_TIMEOUT_S,
-                             op={"type": "user_input", "text": f"turn {t}"})
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as db:
-            started = time.monotonic()
-            await asyncio.gather(*(submit(c, sid, t) for t in range(turns)
-                                   for c, sid in made))
-            want = sessions * turns
-            while True:
-                done = await _count(db, "turn_complete")
-                if done >= want:
-                    return created_s, time.monotonic() - started
-                if await _count(db, "turn_aborted"):
-                    raise BenchFailed("a turn aborted")
-                if time.monotonic() - started > PHASE_TIMEOUT_S:
-                    raise BenchFailed(f"{done} of {want} turns done after "
-                                      f"{PHASE_TIMEOUT_S:g} s")
-                await asyncio.sleep(0.25)
+        return created_s, await _timed(url, made, submit, sessions, turns)
     finally:
+        for w in watchers:
+            w.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
         for c in clients:
             await c.__aexit__(None, None, None)
+
+
+async def _timed(url: str, made: list[tuple[SupervisorClient, str]], submit: Any,
+                 sessions: int, turns: int) -> float:
+    """Submit every turn's input; the wall time until every turn completed."""
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as db:
+        started = time.monotonic()
+        await asyncio.gather(*(submit(c, sid, t) for t in range(turns) for c, sid in made))
+        want = sessions * turns
+        while True:
+            done = await _count(db, "turn_complete")
+            if done >= want:
+                return time.monotonic() - started
+            if await _count(db, "turn_aborted"):
+                raise BenchFailed("a turn aborted")
+            if time.monotonic() - started > PHASE_TIMEOUT_S:
+                raise BenchFailed(f"{done} of {want} turns done after "
+                                  f"{PHASE_TIMEOUT_S:g} s")
+            await asyncio.sleep(0.25)
 
 
 def _supervisor(procs: list[subprocess.Popen[bytes]], home: Path, broker: str, llm: str,
@@ -202,7 +225,9 @@ def _phase(pg: PgServer, tmp: Path, farm: dict[str, Any], roles: dict[str, list[
                       pg.pid)
         load_before = [round(x, 2) for x in os.getloadavg()]
         before = meter.sample()
-        created_s, wall = asyncio.run(_drive(url, endpoints, farm["ws"], sessions, turns))
+        lags: dict[str, float] = {}
+        created_s, wall = asyncio.run(_drive(url, endpoints, farm["ws"], sessions, turns,
+                                             lags))
         after = meter.sample()
         load_after = [round(x, 2) for x in os.getloadavg()]
         for p in sups:
@@ -213,7 +238,7 @@ def _phase(pg: PgServer, tmp: Path, farm: dict[str, Any], roles: dict[str, list[
             "create_s": round(created_s, 2), "wall_s": round(wall, 2),
             "turns_per_s": round(n / wall, 2),
             "cpu_s": cpu, "cpu_ms_per_turn": {r: round(v / n * 1000, 2) for r, v in cpu.items()},
-            "cores_busy": round(sum(cpu.values()) / wall, 2),
+            "cores_busy": round(sum(cpu.values()) / wall, 2), "loop_lag_max_s": lags,
             "loadavg_before": load_before, "loadavg_after": load_after}
 
 
@@ -258,8 +283,9 @@ def describe(r: dict[str, Any]) -> str:
         p = r[key]
         shares = ", ".join(f"{k} {v}" for k, v in p["cpu_ms_per_turn"].items())
         lines.append(f"  {p['supervisors']} supervisor(s): {p['turns_per_s']} turns/s, "
-                     f"{p['cores_busy']} cores busy; cpu ms/turn: {shares}; load "
-                     f"{p['loadavg_before']} -> {p['loadavg_after']}")
+                     f"{p['cores_busy']} cores busy; cpu ms/turn: {shares}; loop lag max "
+                     f"{p['loop_lag_max_s']}; load {p['loadavg_before']} -> "
+                     f"{p['loadavg_after']}")
     return "\n".join(lines)
 
 

@@ -389,8 +389,8 @@ class PgStore:
 
     async def next_lapse(self) -> float | None:
         """Seconds until the soonest live lease of another supervisor lapses, or None."""
-        return await self._read(partial(leases.next_lapse, owner=self._require_owner()),
-                                "reading the next lease expiry")
+        return await self._lease_op(partial(leases.next_lapse, owner=self._require_owner()),
+                                    "reading the next lease expiry")
 
     async def lease_owners(self) -> list[tuple[str, int, float]]:
         """(owner, sessions, seconds left on its soonest-expiring lease) per live owner."""
