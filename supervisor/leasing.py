@@ -121,7 +121,7 @@ async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH
     tick_s = min(renew_s, claim_period_s)
     next_renew = 0.0
     loop = asyncio.get_running_loop()
-    wake_at = loop.time() + tick_s
+    wake_at = loop.time()  # the first round at once: it learns the next lapse
     while True:
         await asyncio.sleep(max(0.0, wake_at - loop.time()))
         wake_at = loop.time() + tick_s

@@ -189,3 +189,38 @@ async def test_renewals_and_claims_do_not_wait_behind_the_writer(pg_database: st
         await asyncio.wait_for(stuck, 10)
     finally:
         await a.close()
+
+
+async def test_a_lapsed_lease_is_claimed_at_its_expiry_not_at_the_next_period(
+        pg_database: str) -> None:
+    """The lease keeper asks when the soonest foreign lease lapses and claims then: with
+    a claim period of 30 s (a third of a 30 s lease: 10 s between rounds), a session
+    whose owner stopped renewing a 1 s lease is taken within a few seconds."""
+    from supervisor import leasing
+
+    empty_pg(pg_database)
+    b = await PgStore.open(pg_database, owner="b", lease_s=1.0)
+    a = await PgStore.open(pg_database, owner="a", lease_s=30.0)
+    taken: list[SessionId] = []
+
+    class Engine:
+        def give_up(self, sid: SessionId) -> None:
+            raise AssertionError(f"a gave up {sid}")
+
+        async def take_over(self, sid: SessionId) -> None:
+            taken.append(sid)
+    try:
+        await b.create_session(new_record("s1"))  # b then stops renewing
+        async with asyncio.TaskGroup() as tg:
+            keeper = tg.create_task(leasing.run(a, Engine(), claim_period_s=30.0))
+
+            async def claimed() -> bool:
+                return taken == ["s1"]
+            try:
+                await eventually(claimed, timeout_s=6, what="a to take s1 at its lapse")
+            finally:
+                keeper.cancel()
+        assert a.held() == {"s1": 2}
+    finally:
+        await a.close()
+        await b.close()
