@@ -224,3 +224,30 @@ async def test_a_lapsed_lease_is_claimed_at_its_expiry_not_at_the_next_period(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_claimed_sessions_resume_several_at_a_time_within_the_bound() -> None:
+    from supervisor import leasing
+
+    running = peak = 0
+    gate = asyncio.Event()
+    done: list[SessionId] = []
+
+    class Engine:
+        def give_up(self, sid: SessionId) -> None:
+            raise AssertionError(sid)
+
+        async def take_over(self, sid: SessionId) -> None:
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            if running == 3:
+                gate.set()
+            await gate.wait()  # the first three are in flight together
+            running -= 1
+            done.append(sid)
+    sids = [SessionId(f"s{i}") for i in range(10)]
+    async with asyncio.timeout(10):
+        await leasing.resume(Engine(), sids, "a", 3)
+    assert peak == 3
+    assert sorted(done) == sorted(sids)
