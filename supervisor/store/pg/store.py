@@ -461,7 +461,7 @@ async def _create(record: SessionRecord, config: str, first: Any, owner: str | N
 
 async def _step(prepared: Any, fence: tuple[str, int] | None, conn: Conn) -> None:
     await _fenced(conn, prepared.session_id, fence)
-    await writer.apply_step(conn, prepared)
+    await writer.apply_step(conn, prepared, fence)
 
 
 async def _status(session_id: str, status: str, fence: tuple[str, int] | None,
