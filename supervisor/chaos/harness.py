@@ -1076,7 +1076,8 @@ class Harness:
                 v.extend(inv.turn_ends_once(r.session_id, r.submissions, replay))
                 if not r.final_ok:
                     v.append(inv.Violation("not_wedged", r.session_id, None,
-                                           "the turn after the faults did not complete"))
+                                           "the turn after the faults did not complete "
+                                           f"({_last_seen(r, replay)})"))
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
@@ -1176,6 +1177,15 @@ def recovery_group(kind: str) -> str | None:
     if kind in ("broker_kill", "broker_kill_one", "provider_kill"):
         return kind.split("_")[0]
     return None
+
+
+def _last_seen(run: SessionRun, replay: list[dict[str, Any]]) -> str:
+    """Where a wedged session stood: its last durable event seen live and the store's."""
+    seen = [e for _, e in run.live if e.get("sequence", 0) > 0]
+    live = f"{seen[-1]['type']} #{seen[-1]['sequence']}" if seen else "nothing"
+    stored = f"{replay[-1]['type']} #{replay[-1]['sequence']}" if replay else "nothing"
+    last = run.submissions[-1] if run.submissions else None
+    return f"last seen live: {live}; last stored: {stored}; last submission {last}"
 
 
 def _aborted_cleanly(live: recovery.LiveLog, sub: str) -> bool:
