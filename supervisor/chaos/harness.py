@@ -280,7 +280,7 @@ WATCH_EVERY_S = 0.5
 KILL_KINDS = frozenset({"interrupt_tool", "worker_kill_tool", "worker_kill_model",
                         "worker_kill_idle"})
 # Answers a client retries while a session changes hands (several supervisors).
-BETWEEN_OWNERS = frozenset({"unknown_session", "moved", "unavailable"})
+BETWEEN_OWNERS = frozenset({"unknown_session", "moved", "unavailable", "lease_lost"})
 STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
 APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
 ANSWER_TIMEOUT_S = 8.0  # an answer's submit (acknowledged once its verdicts are durable)
