@@ -279,8 +279,10 @@ WATCH_EVERY_S = 0.5
 # The faults that end calls whose processes must then be gone within KILL_BOUND_S.
 KILL_KINDS = frozenset({"interrupt_tool", "worker_kill_tool", "worker_kill_model",
                         "worker_kill_idle"})
-# Answers a client retries while a session changes hands (several supervisors).
-BETWEEN_OWNERS = frozenset({"unknown_session", "moved", "unavailable", "lease_lost"})
+# Answers a client retries while a session changes hands (several supervisors), or
+# while PostgreSQL is restarting (``store_unavailable``: retryable, docs/storage.md).
+BETWEEN_OWNERS = frozenset({"unknown_session", "moved", "unavailable", "lease_lost",
+                            "store_unavailable"})
 STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
 APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
 ANSWER_TIMEOUT_S = 8.0  # an answer's submit (acknowledged once its verdicts are durable)
@@ -669,8 +671,9 @@ class Harness:
                     return
                 except SupervisorError as exc:
                     # Between owners (the old owner's lease lapsed, no one has taken
-                    # the session yet) a subscription is answered unknown_session; a
-                    # client retries, from the last sequence it saw (docs/multihost.md).
+                    # the session yet) a subscription is answered unknown_session, and
+                    # store_unavailable while PostgreSQL restarts; a client retries, from
+                    # the last sequence it saw (docs/multihost.md).
                     if exc.kind not in BETWEEN_OWNERS or self.n_supervisors < 2:
                         raise
                     self.report.retries_between_owners += 1
