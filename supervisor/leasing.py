@@ -72,16 +72,14 @@ def lease_options(url: str | None, home: Path, lease_s: float,
     return {"owner": supervisor_id(home, given), "lease_s": lease_s}
 
 
-async def start(store: SessionStore, engine: Engine,
-                tg: asyncio.TaskGroup) -> asyncio.Task[None] | None:
+async def start(store: SessionStore, engine: Engine, tg: asyncio.TaskGroup) -> None:
     """In lease mode: take this supervisor's sessions (before the engine resumes what it
-    holds) and keep the leases in a task of ``tg``, returned (the caller cancels it to
-    stop). Otherwise nothing (None)."""
+    holds) and keep the leases in a task of ``tg``. Otherwise nothing."""
     if getattr(store, "owner", None) is None:
-        return None
+        return
     leased = cast(Leased, store)
     await claim_at_start(leased)
-    return tg.create_task(run(leased, engine), name="leases")
+    tg.create_task(run(leased, engine), name="leases")
 
 
 async def lease_status(store: SessionStore) -> dict[str, Any] | None:
