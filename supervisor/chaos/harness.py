@@ -283,6 +283,10 @@ KILL_KINDS = frozenset({"interrupt_tool", "worker_kill_tool", "worker_kill_model
 # while PostgreSQL is restarting (``store_unavailable``: retryable, docs/storage.md).
 BETWEEN_OWNERS = frozenset({"unknown_session", "moved", "unavailable", "lease_lost",
                             "store_unavailable"})
+# A subscription's end a client resubscribes after, with several supervisors: a session
+# given up ends its subscriptions "closed" while no other supervisor holds it yet (the
+# harness never closes its sessions).
+RESUBSCRIBE_ENDS = BETWEEN_OWNERS | {"closed"}
 STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
 APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
 ANSWER_TIMEOUT_S = 8.0  # an answer's submit (acknowledged once its verdicts are durable)
@@ -674,7 +678,7 @@ class Harness:
                     # the session yet) a subscription is answered unknown_session, and
                     # store_unavailable while PostgreSQL restarts; a client retries, from
                     # the last sequence it saw (docs/multihost.md).
-                    if exc.kind not in BETWEEN_OWNERS or self.n_supervisors < 2:
+                    if exc.kind not in RESUBSCRIBE_ENDS or self.n_supervisors < 2:
                         raise
                     self.report.retries_between_owners += 1
                     await asyncio.sleep(0.2)
