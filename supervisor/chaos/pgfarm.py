@@ -21,7 +21,6 @@ is stopped by pid (``PgServer.stop``) by whoever started it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -93,9 +92,3 @@ def is_empty(url: str) -> bool:
             return True
         row = conn.execute("SELECT count(*) FROM sessions").fetchone()
         return row is not None and int(row[0]) == 0
-
-
-def stop_quietly(server: object) -> None:
-    """Stop a throwaway cluster (``PgServer``), logging instead of raising."""
-    with contextlib.suppress(Exception):
-        server.stop()  # type: ignore[attr-defined]
