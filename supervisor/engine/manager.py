@@ -167,6 +167,11 @@ class SessionManager:
         session.closed = True
         for sub in list(session.subscribers):
             sub.dropped = True
+            # Wake a subscriber waiting on its empty queue (a live-only record it skips):
+            # it sees ``dropped`` and ends, so its client resubscribes and is redirected
+            # to the new owner; without this it waited forever (found by corral chaos).
+            if sub.queue.empty():
+                sub.queue.put_nowait(EventRecord(sid, 0, "given_up", {"after_sequence": -1}))
         session.subscribers.clear()
         if session.driver is not None and session.driver is not asyncio.current_task():
             session.driver.cancel()

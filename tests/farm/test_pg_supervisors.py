@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.client import SupervisorClient
+from supervisor.client import SupervisorClient, SupervisorError
 from tests.farm.conftest import write_home
 from tests.farm.test_farm_e2e import _has
 from tests.helpers import Procs, eventually, read_ready
@@ -53,17 +53,24 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
             stdout=subprocess.PIPE)
         await asyncio.to_thread(read_ready, b_proc, 90.0)
 
+        # a_only: A's own publications (not followed to B when A gives the session up)
         async with SupervisorClient(farm.endpoint) as a, \
+                SupervisorClient(farm.endpoint, follow_redirects=False) as a_only, \
                 SupervisorClient(f"ipc://{tmp_path}/b.sock") as b:
             sid = await a.create_session(workspace=str(ws))
             seen_a: list[dict[str, Any]] = []
             sub = await a.submit(sid, {"type": "user_input", "text": "go"})
 
-            async def collect(client: SupervisorClient, into: list[dict[str, Any]]) -> None:
-                async for e in client.events(sid):
-                    into.append(e)
+            a_ended: list[str] = []
 
-            ta = asyncio.create_task(collect(a, seen_a))
+            async def collect(client: SupervisorClient, into: list[dict[str, Any]]) -> None:
+                try:
+                    async for e in client.events(sid):
+                        into.append(e)
+                except SupervisorError as exc:  # A gave the session up: told, not left
+                    a_ended.append(exc.kind)
+
+            ta = asyncio.create_task(collect(a_only, seen_a))
             try:
                 await eventually(lambda: _has(seen_a, "tool_call_begin"), timeout_s=30,
                                  what="the tool call to start on supervisor A")
@@ -95,6 +102,13 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                 log_a = farm.home / "logs" / "supervisor.log"
                 await eventually(lambda: _says(log_a, "lease lost; given up"), timeout_s=30,
                                  what="supervisor A to give the session up")
+                # its subscriber is told (it once waited forever on an empty queue)
+                async def told() -> bool:
+                    return bool(a_ended)
+
+                await eventually(told, timeout_s=30,
+                                 what="A's subscription to end once A gave the session up")
+                assert a_ended[0] in ("moved", "unknown_session", "closed"), a_ended
                 history = await b.history(sid)
             finally:
                 ta.cancel()

@@ -69,6 +69,14 @@ async def test_one_owner_at_a_time_and_a_stale_owner_is_refused(pg_database: str
         await b.commit(t.step(tool_round(2), events=[("step", {"by": "b"})]))
         events = await b.replay_events(SessionId("s1"))
         assert [e.payload["by"] for e in events] == ["a", "b"]
+        # Each event records the lease it was written under (the chaos checker's
+        # ``fencing`` evidence), and a's refused write left no row.
+        import psycopg
+
+        with psycopg.connect(pg_database) as conn:
+            rows = conn.execute("SELECT sequence, lease_owner, lease_epoch FROM events"
+                                " ORDER BY sequence").fetchall()
+        assert rows == [(1, "a", 1), (2, "b", 2)]
     finally:
         await a.close()
         await b.close()

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+from broker import plants
 from supervisor.store.errors import LeaseLost
 from supervisor.store.pg.reader import all_rows, one
 from supervisor.store.pg.schema import Conn
@@ -44,9 +45,12 @@ async def acquire(conn: Conn, sid: int, owner: str, lease_s: float) -> int | Non
     same owner id (a restarted supervisor taking its sessions back at once: the new
     epoch fences whatever the previous process of that id still had in flight). Its new
     epoch, or None (another supervisor holds it)."""
+    bump = "leases.epoch + 1"
+    if plants.on("epoch_reused"):  # chaos plant: a new owner keeps the old token
+        bump = "leases.epoch + (leases.owner IS NOT DISTINCT FROM excluded.owner)::int"
     row = await one(
         conn, f"INSERT INTO leases (sid, owner, epoch, expires_at) VALUES (%s, %s, 1, {NOW} + %s)"
-        " ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = leases.epoch + 1,"
+        f" ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = {bump},"
         " expires_at = excluded.expires_at WHERE leases.owner IS NULL"
         f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner RETURNING epoch",
         (sid, owner, lease_s))

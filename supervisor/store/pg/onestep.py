@@ -66,6 +66,14 @@ _EVENTS = (
     " SELECT ok.sid, u.* FROM ok, unnest(%(e_seq)s::bigint[], %(e_type)s::text[],"
     " %(e_sub)s::text[], %(e_at)s::float8[], %(e_payload)s::text[]) u RETURNING 1)"
 )
+# In lease mode each event records the lease it was written under (schema v3), as
+# ``writer.apply_step`` does on the slow path.
+_EVENTS_LEASED = (
+    ", ev AS (INSERT INTO events (sid, sequence, type, submission_id, created_at, payload,"
+    " lease_owner, lease_epoch) SELECT ok.sid, u.*, %(owner)s::text, %(epoch)s::bigint"
+    " FROM ok, unnest(%(e_seq)s::bigint[], %(e_type)s::text[], %(e_sub)s::text[],"
+    " %(e_at)s::float8[], %(e_payload)s::text[]) u RETURNING 1)"
+)
 _BATCH = (
     ", bt AS (INSERT INTO transcript_batches (sid, sequence, epoch, created_at, items)"
     " SELECT ok.sid, %(b_seq)s::bigint, %(b_epoch)s::bigint, %(b_at)s::float8,"
@@ -120,7 +128,9 @@ def _query(fenced: bool, events: bool, batch: bool, state: bool, execution: bool
                      " AND %(s_nb)s::bigint >= h.nb))")
     text = "WITH " + _HEAD + (_FENCE if fenced else "")
     text += f", ok AS (SELECT h.sid FROM h WHERE {' AND '.join(conds)})"
-    text += (_EVENTS if events else "") + (_BATCH if batch else "")
+    if events:
+        text += _EVENTS_LEASED if fenced else _EVENTS
+    text += _BATCH if batch else ""
     text += (_STATE if state else "") + (_EXECUTION if execution else "")
     text += " SELECT count(*) FROM ok"
     query = text.encode()
@@ -202,4 +212,4 @@ class StepOp:
         if self.fence is not None:
             sid = await require_sid(conn, self.prepared.session_id)
             await leases.check(conn, sid, self.prepared.session_id, *self.fence)
-        await apply_step(conn, self.prepared)
+        await apply_step(conn, self.prepared, self.fence)

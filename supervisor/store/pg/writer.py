@@ -76,7 +76,16 @@ _PREFETCH = (
 )
 
 
-async def apply_step(conn: Conn, p: PreparedStep) -> None:
+_INSERT = ("INSERT INTO events (sid, sequence, type, submission_id, created_at, payload)"
+           " VALUES (%s,%s,%s,%s,%s,%s)")
+_INSERT_LEASED = ("INSERT INTO events (sid, sequence, type, submission_id, created_at, payload,"
+                  " lease_owner, lease_epoch) VALUES (%s,%s,%s,%s,%s,%s,%s,%s)")
+
+
+async def apply_step(conn: Conn, p: PreparedStep,
+                     fence: tuple[str, int] | None = None) -> None:
+    """Write one prepared step; its new events record ``fence``, the lease (owner,
+    epoch) the write was made under (None without leases)."""
     # One round trip for everything the checks need (sid, last event, last batch, the
     # stored state's counters): the writer's cost is its sequential round trips.
     head = await one(conn, _PREFETCH, (p.session_id,))
@@ -87,6 +96,7 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
     now = time.time()
     if p.events:
         new: list[tuple[Any, ...]] = []
+        lease = fence if fence is not None else ()
         for seq, typ, submission, created_at, payload in p.events:
             check_n(seq)
             if seq <= last_event:
@@ -97,7 +107,7 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
                         f"session {p.session_id!r} event {seq} already holds different content"
                     )
             elif seq == last_event + 1:
-                new.append((sid, seq, typ, submission, created_at, payload))
+                new.append((sid, seq, typ, submission, created_at, payload, *lease))
                 last_event = seq
             else:
                 raise SequenceConflict(
@@ -105,9 +115,7 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
                 )
         if new:
             async with conn.cursor() as cur:
-                await cur.executemany(
-                    "INSERT INTO events (sid, sequence, type, submission_id, created_at,"
-                    " payload) VALUES (%s,%s,%s,%s,%s,%s)", new)
+                await cur.executemany(_INSERT_LEASED if fence is not None else _INSERT, new)
     if p.batch is not None:
         seq, epoch, created_at, items = p.batch
         check_n(seq)
