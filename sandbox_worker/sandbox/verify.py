@@ -74,7 +74,10 @@ def chain_shape(head: Sequence[str], variable: Iterable[str],
     masked: tokens equal to one of ``variable`` (or ``--opt=`` one of them),
     the token after each option in ``mask_after`` (the working directory), and
     numeric ``--opt=N[:M]`` tokens (prlimit's). Two calls with equal shapes run
-    under the same layers."""
+    under the same layers. A numeric option is always ``<n>``, whatever it equals:
+    a busy worker's fd numbers reach the limits' values, and ``--nproc=64`` once
+    came out ``<v>`` in a call whose pass fd was 64 and ``<n>`` in its probe, so
+    the call was refused as unlike the chain probed for it."""
     after = set(mask_after)
     values = {v for v in variable if v}
     out: list[str] = []
@@ -84,10 +87,10 @@ def chain_shape(head: Sequence[str], variable: Iterable[str],
             append("<v>")
         elif token[:2] == "--" and "=" in token:
             opt, _, value = token.partition("=")
-            if value in values:
-                append(f"{opt}=<v>")
-            elif _PRLIMIT_VALUE.match(token):
+            if _PRLIMIT_VALUE.match(token):
                 append(f"{opt}=<n>")
+            elif value in values:
+                append(f"{opt}=<v>")
             else:
                 append(token)
         else:

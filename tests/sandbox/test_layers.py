@@ -301,3 +301,19 @@ def test_limit_merge_only_raises_bad_arguments(override: dict[str, object]) -> N
         return
     for key, value in merged.items():
         assert value <= CEILING_LIMITS[key]  # type: ignore[literal-required]
+
+
+def test_a_chains_shape_masks_limits_whatever_the_fds_are() -> None:
+    """A call's chain and the chain probed for it differ only in per-call values; a
+    pass fd whose number equals a limit's value (a busy worker's fds reach 64) must
+    not change the shape (it once made every such call sandbox_unavailable)."""
+    from sandbox_worker.sandbox.verify import chain_shape
+
+    head = ["prlimit", "--nproc=64", "--as=1073741824", "--", "bwrap", "--seccomp", "{fd}",
+            "--bind", "/ws", "/workspace", "--"]
+
+    def shape(fd: int) -> tuple[str, ...]:
+        return chain_shape([t.replace("{fd}", str(fd)) for t in head], ["/ws", str(fd)])
+
+    assert shape(64) == shape(5) == shape(1073741824)
+    assert "--nproc=<n>" in shape(64)
