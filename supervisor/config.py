@@ -131,6 +131,8 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # url = "postgresql://corral@db.example:5432/corral"  # sessions on PostgreSQL, shared by
 #                              # several supervisors (docs/storage.md); default: HOME/corral.db
 # lease_s = 10                 # a supervisor paused or dead this long loses its sessions
+# outage_wait_s = 300          # a turn waits this long for an unreachable store, then
+#                              # fails store_unavailable (reported when it is back)
 
 # Portable checkpoints are exported at every tool boundary to each sink.
 # [[export.sinks]]
@@ -188,6 +190,7 @@ class FarmConfig:
     web_listen: str | None = None  # [web] listen: HOST:PORT of the live page
     store_url: str | None = None  # [store] url: PostgreSQL; None: SQLite HOME/corral.db
     store_lease_s: float = 10.0  # [store] lease_s: a session's lease (PostgreSQL only)
+    store_outage_s: float = 300.0  # [store] outage_wait_s: a step waits for the store
     # [[hooks.EVENT]] tables as the session spec's command hooks:
     # ({"event", "command", "timeout_s"}, ...) in file order.
     hooks: tuple[dict[str, Any], ...] = ()
@@ -293,7 +296,7 @@ def parse_store(path: Path, table: dict[str, Any]) -> tuple[str | None, float]:
     ``lease_s``, the lease of a session between supervisors (docs/multihost.md)."""
     from supervisor.store.url import BadStoreUrl, check_url
 
-    _check_keys(path, "store", table, {"url", "lease_s"})
+    _check_keys(path, "store", table, {"url", "lease_s", "outage_wait_s"})
     lease_s = float(_typed(path, "store", table, "lease_s", (int, float), 10.0))
     if not 1.0 <= lease_s <= 600.0:
         raise _fail(path, "store.lease_s", "must be between 1 and 600 seconds")
@@ -304,6 +307,15 @@ def parse_store(path: Path, table: dict[str, Any]) -> tuple[str | None, float]:
         return check_url(url), lease_s
     except BadStoreUrl as exc:
         raise _fail(path, "store.url", str(exc)) from None
+
+
+def parse_store_outage(path: Path, table: dict[str, Any]) -> float:
+    """``[store] outage_wait_s``: how long a session's step waits for an unreachable
+    store before its turn fails ``store_unavailable`` (docs/storage.md)."""
+    wait_s = float(_typed(path, "store", table, "outage_wait_s", (int, float), 300.0))
+    if not 1.0 <= wait_s <= 86_400.0:
+        raise _fail(path, "store.outage_wait_s", "must be between 1 and 86400 seconds")
+    return wait_s
 
 
 def load(home: Path) -> FarmConfig:
@@ -446,6 +458,7 @@ def load(home: Path) -> FarmConfig:
         web_listen=web_listen,
         store_url=store_url,
         store_lease_s=store_lease_s,
+        store_outage_s=parse_store_outage(path, raw.get("store", {})),
         hooks=parse_hooks(path, raw.get("hooks", {})),
     )
 

@@ -308,7 +308,11 @@ class Facade:
     # -- tenancy ------------------------------------------------------------
 
     async def _check_tenant(self, session_id: str, tenant: str | None) -> None:
-        record = await self.store.get_session(SessionId(session_id))
+        # A session in memory answers from its record (no store read: describe shows a
+        # session paused by a store outage while the store is unreachable).
+        live = self.manager.sessions.get(SessionId(session_id))
+        record = live.record if live is not None else \
+            await self.store.get_session(SessionId(session_id))
         if record is None:
             raise CallError(ErrorKind.UNKNOWN_SESSION,
                             f"no session {session_id!r}; list them with: corral sessions")

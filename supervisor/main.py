@@ -98,6 +98,7 @@ def engine_config(cfg: config_mod.FarmConfig, route_urls: dict[str, str]) -> Eng
         model_call_budget_s=cfg.model_call_budget_s,
         tool_call_budget_s=cfg.tool_call_budget_s,
         compaction_threshold_tokens=cfg.compaction_threshold_tokens,
+        store_outage_s=cfg.store_outage_s,
     )
 
 

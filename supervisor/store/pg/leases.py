@@ -18,6 +18,10 @@ Invariants:
   past its lease has every later write refused even before anyone took over.
 - ``renew`` extends only live leases of this owner; a lapsed one must be acquired again
   (new epoch), so a paused supervisor can never silently continue.
+- ``reacquire`` takes a lapsed lease back only if the row still names this owner AND
+  the epoch it held: every acquisition by anyone bumps the epoch, so an unchanged epoch
+  proves nobody owned the session in between and this owner's memory of it is still
+  the truth (after a PostgreSQL outage longer than the lease). Anything else: lost.
 """
 
 from __future__ import annotations
@@ -58,6 +62,23 @@ async def renew(conn: Conn, owner: str, lease_s: float) -> dict[int, int]:
     rows = await all_rows(
         conn, f"UPDATE leases SET expires_at = {NOW} + %s WHERE owner = %s"
         f" AND expires_at > {NOW} RETURNING sid, epoch", (lease_s, owner))
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
+async def reacquire(conn: Conn, owner: str, lease_s: float,
+                    held: dict[int, int]) -> dict[int, int]:
+    """Take back, under a new epoch, the lapsed leases of ``held`` ({sid: epoch held})
+    whose row still says this owner and that epoch (nobody acquired them since):
+    {sid: new epoch} of those taken back. One statement; the row lock serializes it
+    with another supervisor's ``acquire``, so one of the two wins."""
+    if not held:
+        return {}
+    sids, epochs = list(held), [held[s] for s in held]
+    rows = await all_rows(
+        conn, f"UPDATE leases l SET epoch = l.epoch + 1, expires_at = {NOW} + %s"
+        " FROM unnest(%s::bigint[], %s::bigint[]) AS h(sid, epoch)"
+        " WHERE l.sid = h.sid AND l.epoch = h.epoch AND l.owner = %s"
+        " RETURNING l.sid, l.epoch", (lease_s, sids, epochs, owner))
     return {int(r[0]): int(r[1]) for r in rows}
 
 
