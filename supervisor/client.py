@@ -334,7 +334,8 @@ class SupervisorClient:
                     sub.last_sequence = seq
                 yield event
         except SupervisorError as exc:
-            if exc.kind not in (wire.ErrorKind.MOVED, wire.ErrorKind.UNKNOWN_SESSION):
+            if exc.kind not in (wire.ErrorKind.MOVED, wire.ErrorKind.UNKNOWN_SESSION,
+                                wire.ErrorKind.BETWEEN_OWNERS):
                 raise
             await asyncio.sleep(0.1)  # the lease is changing hands: do not spin
 
@@ -373,9 +374,12 @@ class SupervisorClient:
         """Durable history after ``after_sequence``, then live events, forever.
 
         Survives supervisor restarts and dropped subscriptions by resubscribing
-        from the last delivered sequence.
+        from the last delivered sequence; follows a session to its new owner
+        (``moved``), and resubscribes while it is ``between_owners`` for up to
+        ``reconnect_timeout_s``.
         """
         sub = _Subscription(session_id, after_sequence)
+        unowned_since: float | None = None  # the session between owners since then
         try:
             while True:
                 if sub.sub_id is None:
@@ -395,6 +399,15 @@ class SupervisorClient:
                     if kind in ("resubscribe", wire.ErrorKind.SLOW_CONSUMER):
                         sub.sub_id = None
                         continue
+                    if kind == wire.ErrorKind.BETWEEN_OWNERS:
+                        # Held by the supervisor, still no owner: again from the last
+                        # sequence, within the reconnect deadline.
+                        now = time.monotonic()
+                        unowned_since = unowned_since if unowned_since is not None else now
+                        if now - unowned_since < reconnect_timeout_s:
+                            sub.sub_id = None
+                            await asyncio.sleep(0.2)
+                            continue
                     address = event.get("address")
                     if kind == wire.ErrorKind.MOVED and self.follow_redirects \
                             and isinstance(address, str):
@@ -404,6 +417,7 @@ class SupervisorClient:
                             yield moved
                         continue
                     raise SupervisorError(str(kind), str(event.get("message", "")))
+                unowned_since = None
                 yield event
         finally:
             if sub.sub_id is not None:

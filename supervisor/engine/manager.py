@@ -53,7 +53,7 @@ from supervisor.engine.ops import (
     parse_op,
 )
 from supervisor.engine.outage import Outages, StoreFailed
-from supervisor.engine.session import PendingApproval, Session, Work
+from supervisor.engine.session import WAKE, PendingApproval, Session, Work
 from supervisor.engine.turn import Turn, run_session_start
 from supervisor.store import (
     LeaseLost,
@@ -175,6 +175,8 @@ class SessionManager:
         session.closed = True
         for sub in list(session.subscribers):
             sub.dropped = True
+            if not sub.queue.full():  # a full queue is drained first, then it ends
+                sub.queue.put_nowait(WAKE)  # ends its wait for the next event
         session.subscribers.clear()
         if session.driver is not None and session.driver is not asyncio.current_task():
             session.driver.cancel()

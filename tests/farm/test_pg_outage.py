@@ -4,7 +4,9 @@ the live ``store_status`` notice) while the server is down past the lease, and g
 when it is back on the same port: the call ends ``ok`` (not re-run, not ``unknown``: the
 supervisor kept its session under a new epoch), nothing uncommitted was shown, nothing
 committed is lost. Held down past ``[store] outage_wait_s``, the next turn ends with the
-typed failure ``store_unavailable``, recorded and shown once the server is back.
+typed failure ``store_unavailable``, recorded and shown once the server is back. Then
+the session goes between owners (its lease taken by a supervisor that vanished): the
+subscription is held, not ended, until this supervisor claims it, and goes on.
 
 The cluster is this module's own (the shared one serves other tests) and is stopped by
 its postmaster pid."""
@@ -40,6 +42,12 @@ def own_pg() -> Iterator[PgServer]:
         server.stop()
 
 
+async def _says(path: Path, text: str) -> bool:
+    def read() -> str:
+        return path.read_text(errors="replace") if path.exists() else ""
+    return text in await asyncio.to_thread(read)
+
+
 def _durable(seen: list[dict[str, Any]]) -> list[int]:
     return [e["sequence"] for e in seen if e["sequence"] > 0]
 
@@ -69,7 +77,7 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
         {"text": "finished", "usage": {"input": 10, "output": 3}},
         {"tool_calls": [{"name": "shell",
                          "arguments": {"command": "echo two >> runs.txt; sleep 1; echo quick"}}]},
-        {"text": "not reached", "usage": {"input": 10, "output": 3}},
+        {"text": "the third turn's answer", "usage": {"input": 10, "output": 3}},
     ]}
     farm = await start_farm(script, extra=f'[store]\nurl = "{url}"\nlease_s = {LEASE_S}\n'
                                           f'outage_wait_s = {OUTAGE_WAIT_S}\n')
@@ -141,6 +149,28 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
             await asyncio.to_thread(own_pg.restart)
             await eventually(lambda: _has_ended(seen, sub2), timeout_s=60,
                              what="the turn's failure to be recorded once PostgreSQL is back")
+
+            # 3. Between owners: another supervisor took the lease and vanished before
+            # advertising itself. This one gives the session up (its subscriber is
+            # dropped, and resubscribes here); the subscription is held, not ended,
+            # until this supervisor claims the session after that lease lapsed, then
+            # goes on with no gap and no duplicate.
+            shown_before = len(_durable(seen))
+            own_pg.psql("UPDATE leases SET owner = 'sv-gone', epoch = epoch + 1, expires_at ="
+                        " extract(epoch from clock_timestamp()) + 3", database=db)
+            log = farm.home / "logs" / "supervisor.log"
+            await eventually(lambda: _says(log, "its subscription is held"), timeout_s=30,
+                             what="the resubscription to be held between owners")
+
+            async def claimed_here() -> bool:
+                return "sv-gone" not in own_pg.psql("SELECT owner FROM leases", database=db)
+
+            await eventually(claimed_here, timeout_s=30, what="the session to be claimed")
+            assert not collector.done(), collector  # held, never ended
+            sub3 = await sv.submit(sid, {"type": "user_input", "text": "third"})
+            await eventually(lambda: _has_ended(seen, sub3), timeout_s=60,
+                             what="the third turn to end, seen through the held subscription")
+            assert len(_durable(seen)) > shown_before
         finally:
             collector.cancel()
         history = (await sv.history(sid))["events"]
@@ -158,5 +188,6 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
     durable = _durable(seen)
     assert durable == list(range(1, len(durable) + 1)), "gap or duplicate"
     assert [e["sequence"] for e in history] == durable
+    assert [e["type"] for e in _ended(seen, sub3)] == ["turn_complete"]
     assert farm.pid("supervisor") == supervisor_pid  # the process stayed up
     own_pg.drop_database(url)
