@@ -51,6 +51,10 @@ liveness = 4                 # missed heartbeats before a peer counts as dead
 # brokers = 1
 # Supervisors (1..8) sharing the sessions; more than 1 needs [store] url (PostgreSQL).
 # supervisors = 1
+# Joining a farm on other hosts: the brokers a supervisor (python -m supervisor)
+# or a worker (corral worker) started here uses when no --broker is given.
+# broker_frontends = ["tcp://broker1:5555", "tcp://broker2:5555"]
+# broker_backends = ["tcp://broker1:5556", "tcp://broker2:5556"]
 
 [sandbox]
 tier_min = "T2"              # refuse to run tools below this tier (T0 < T1 < T2- < T2)
@@ -164,6 +168,9 @@ class FarmConfig:
     backend_tcp: str | None = None  # HOST:PORT for remote workers (docs/multihost.md)
     brokers: int = 1  # broker processes of the farm (docs/multihost.md, "Several brokers")
     supervisors: int = 1  # supervisor processes on the shared store (docs/multihost.md)
+    # [farm] broker_frontends / broker_backends: another host's farm this one joins
+    # (supervisors / workers started here without --broker; docs/multihost.md).
+    broker_lists: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     tier_min: str = "T2"
     allow_unsandboxed: bool = False
     network: bool = False
@@ -346,7 +353,8 @@ def load(home: Path) -> FarmConfig:
             _table(path, section, raw[section])
     farm = raw.get("farm", {})
     _check_keys(path, "farm", farm, {"workers", "heartbeat_interval_s", "liveness",
-                                     "backend_tcp", "brokers", "supervisors"})
+                                     "backend_tcp", "brokers", "supervisors",
+                                     "broker_frontends", "broker_backends"})
     backend_tcp = _typed(path, "farm", farm, "backend_tcp", str, None)
     if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
         raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
@@ -425,6 +433,7 @@ def load(home: Path) -> FarmConfig:
         brokers=farm_brokers(path, farm),
         supervisors=farm_supervisors(path, _typed(path, "farm", farm, "supervisors", int, 1),
                                      store_url),
+        broker_lists=farm_broker_lists(path, farm),
         tier_min=tier_min,
         allow_unsandboxed=_typed(path, "sandbox", sandbox, "allow_unsandboxed", bool, False),
         network=_typed(path, "sandbox", sandbox, "network", bool, False),
@@ -527,6 +536,41 @@ def farm_brokers(path: Path, farm: dict[str, Any]) -> int:
     if not 1 <= n <= MAX_FARM_BROKERS:
         raise _fail(path, "farm.brokers", f"must be between 1 and {MAX_FARM_BROKERS}")
     return int(n)
+
+
+MAX_BROKER_ENDPOINTS = 8  # a worker serves at most 8 brokers (sandbox_worker.main)
+_ENDPOINT = re.compile(r"(tcp://[\w.\-\[\]:]+:\d{1,5}|ipc:///\S+)")
+
+
+def farm_broker_lists(path: Path, farm: dict[str, Any]) -> tuple[tuple[str, ...],
+                                                                 tuple[str, ...]]:
+    """``[farm] broker_frontends`` / ``broker_backends``: the brokers of a farm this host
+    joins (docs/multihost.md): the frontends a supervisor started here calls (``python -m
+    supervisor`` without ``--broker``), the backends a worker started here registers with
+    (``corral worker`` without ``--broker``). Each a list of 1..8 distinct endpoints,
+    ``tcp://HOST:PORT`` or ``ipc:///PATH``; absent: empty (give ``--broker``)."""
+    out = []
+    for key in ("broker_frontends", "broker_backends"):
+        value = _typed(path, "farm", farm, key, list, [])
+        where = f"farm.{key}"
+        if not value:
+            if key in farm:
+                raise _fail(path, where, "must list at least one endpoint, e.g. "
+                            '["tcp://broker1:5555", "tcp://broker2:5555"]')
+            out.append(())
+            continue
+        if len(value) > MAX_BROKER_ENDPOINTS:
+            raise _fail(path, where, f"lists {len(value)} endpoints; at most "
+                        f"{MAX_BROKER_ENDPOINTS}")
+        for ep in value:
+            if not isinstance(ep, str) or not _ENDPOINT.fullmatch(ep):
+                raise _fail(path, where, f"{ep!r} is not an endpoint: give "
+                            '"tcp://HOST:PORT" or "ipc:///PATH"')
+        if len(set(value)) != len(value):
+            dup = next(ep for ep in value if value.count(ep) > 1)
+            raise _fail(path, where, f"lists {dup!r} twice")
+        out.append(tuple(value))
+    return out[0], out[1]
 
 
 MAX_FARM_SUPERVISORS = 8

@@ -31,7 +31,7 @@ from broker.taskdump import install_task_dump
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
 from supervisor import leasing
-from supervisor.brokers import add_broker_option, broker_link, wants_curve
+from supervisor.brokers import add_broker_option, broker_link, resolve_brokers, wants_curve
 from supervisor.clienttools import ClientToolHost
 from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
@@ -164,6 +164,10 @@ async def serve(ns: argparse.Namespace) -> int:
         cfg = config_mod.load(home)
     except config_mod.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problem = resolve_brokers(ns, cfg.broker_lists[0], str(home / "corral.toml"))
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     urls = dict(item.split("=", 1) for item in ns.route_url)
     econf = engine_config(cfg, urls)
