@@ -72,14 +72,16 @@ def lease_options(url: str | None, home: Path, lease_s: float,
     return {"owner": supervisor_id(home, given), "lease_s": lease_s}
 
 
-async def start(store: SessionStore, engine: Engine, tg: asyncio.TaskGroup) -> None:
+async def start(store: SessionStore, engine: Engine,
+                tg: asyncio.TaskGroup) -> asyncio.Task[None] | None:
     """In lease mode: take this supervisor's sessions (before the engine resumes what it
-    holds) and keep the leases in a task of ``tg``. Otherwise nothing."""
+    holds) and keep the leases in a task of ``tg``, returned (the caller cancels it to
+    stop). Otherwise nothing."""
     if getattr(store, "owner", None) is None:
-        return
+        return None
     leased = cast(Leased, store)
     await claim_at_start(leased)
-    tg.create_task(run(leased, engine), name="leases")
+    return tg.create_task(run(leased, engine), name="leases")
 
 
 async def lease_status(store: SessionStore) -> dict[str, Any] | None:

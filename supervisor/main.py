@@ -219,7 +219,7 @@ async def serve(ns: argparse.Namespace) -> int:
                 loop.add_signal_handler(signal.SIGHUP, guard.request_reload)
             install_task_dump(loop)
             async with asyncio.TaskGroup() as tg:
-                await leasing.start(store, manager, tg)  # PostgreSQL: take the leases
+                leases = await leasing.start(store, manager, tg)  # PostgreSQL: the leases
                 await leasing.advertise(store, advertised(ns.advertise, bound))
                 manager_task = tg.create_task(manager.run())
                 server_task = tg.create_task(server.run())
@@ -241,6 +241,8 @@ async def serve(ns: argparse.Namespace) -> int:
                 log.info("stopping: no new calls; sessions are checkpointed at every step")
                 server_task.cancel()
                 manager_task.cancel()
+                if leases is not None:  # it loops forever: without this, no stop
+                    leases.cancel()
     finally:
         remove_router(client_host)
         await store.close()

@@ -6,7 +6,9 @@ supervisor kept its session under a new epoch), nothing uncommitted was shown, n
 committed is lost. Held down past ``[store] outage_wait_s``, the next turn ends with the
 typed failure ``store_unavailable``, recorded and shown once the server is back. Then
 the session goes between owners (its lease taken by a supervisor that vanished): the
-subscription is held, not ended, until this supervisor claims it, and goes on.
+subscription is held, not ended, until this supervisor claims it, and goes on. Last,
+the supervisor is stopped while a turn is paused: it exits by itself at once, and
+after PostgreSQL is back its restart resumes the turn from what was committed.
 
 The cluster is this module's own (the shared one serves other tests) and is stopped by
 its postmaster pid."""
@@ -14,6 +16,8 @@ its postmaster pid."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,9 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
         {"tool_calls": [{"name": "shell",
                          "arguments": {"command": "echo two >> runs.txt; sleep 1; echo quick"}}]},
         {"text": "the third turn's answer", "usage": {"input": 10, "output": 3}},
+        {"tool_calls": [{"name": "shell",
+                         "arguments": {"command": "echo four >> runs.txt; sleep 1"}}]},
+        {"text": "the fourth turn's answer", "usage": {"input": 10, "output": 3}},
     ]}
     farm = await start_farm(script, extra=f'[store]\nurl = "{url}"\nlease_s = {LEASE_S}\n'
                                           f'outage_wait_s = {OUTAGE_WAIT_S}\n')
@@ -171,6 +178,30 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
             await eventually(lambda: _has_ended(seen, sub3), timeout_s=60,
                              what="the third turn to end, seen through the held subscription")
             assert len(_durable(seen)) > shown_before
+
+            # 4. Stopped while paused: the waits are abandoned and the process exits by
+            # itself (status 0, not killed by the tree after its 10 s); restarted once
+            # PostgreSQL is back, it resumes the turn from what was committed.
+            sub4 = await sv.submit(sid, {"type": "user_input", "text": "fourth"})
+            await eventually(lambda: _began(seen, 3), timeout_s=30,
+                             what="the fourth tool call to start")
+            await asyncio.to_thread(own_pg.kill)
+
+            async def paused() -> bool:
+                return bool((await sv.describe(sid))["status"] == "paused")
+
+            await eventually(paused, timeout_s=30, what="the fourth turn to pause")
+            child = farm.farm.tree.children["supervisor"]
+            os.kill(supervisor_pid, signal.SIGTERM)
+
+            async def stopped_by_itself() -> bool:
+                return child.pid != supervisor_pid and child.last_exit is not None
+
+            await eventually(stopped_by_itself, timeout_s=30, what="the supervisor to stop")
+            assert child.last_exit == 0, child.last_exit
+            await asyncio.to_thread(own_pg.restart)
+            await eventually(lambda: _has_ended(seen, sub4), timeout_s=90,
+                             what="the fourth turn to end after the restart")
         finally:
             collector.cancel()
         history = (await sv.history(sid))["events"]
@@ -189,5 +220,8 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
     assert durable == list(range(1, len(durable) + 1)), "gap or duplicate"
     assert [e["sequence"] for e in history] == durable
     assert [e["type"] for e in _ended(seen, sub3)] == ["turn_complete"]
-    assert farm.pid("supervisor") == supervisor_pid  # the process stayed up
+    assert [e["type"] for e in _ended(seen, sub4)] == ["turn_complete"]
+    fourth = [e for e in seen if e["type"] == "tool_call_end"][-1]
+    assert fourth["payload"]["outcome"] == "unknown", fourth  # its end was not committed
+    assert (ws / "runs.txt").read_text() == "run\ntwo\nfour\n"  # nothing re-run
     own_pg.drop_database(url)
