@@ -23,8 +23,9 @@ says "this same write may succeed later"; ``SessionManager.store_commit`` hands 
   for the store with no deadline of its own (the session stays paused, ``reporting``),
   so the failure is committed and shown once the store is back, never dropped. Every
   attempt is bounded by the store's connect timeout; the wait ends when the store is
-  back, when the session is given up (another supervisor owns it), or when the
-  supervisor stops (``Outages.abandon``).
+  back, when the session is given up (another supervisor owns it; a session no longer
+  in the manager's memory never waits), or when the supervisor stops
+  (``Outages.abandon``).
 """
 
 from __future__ import annotations
@@ -107,19 +108,18 @@ class Outages:
         if self._abandoned.is_set():
             raise StoreFailed(f"the supervisor is stopping while the store is unreachable: "
                               f"{exc}", kind="store_unavailable", retryable=True) from exc
-        if session is not None and session.fenced:
-            raise StoreFailed("the session was given up to another supervisor",
-                              kind="lease_lost") from exc
-        outage = session.store_outage if session is not None else None
+        if session is None or session.fenced:  # given up (or gone): nobody to wait for
+            raise StoreFailed("the session is no longer on this supervisor (given up to "
+                              "another)", kind="lease_lost") from exc
+        outage = session.store_outage
         now = time.monotonic()
         if outage is None:
             outage = Outage(time.time(), now, now + self.wait_s, ev.clip(str(exc), 512))
             log.warning("session %s: the store is unreachable; its work is paused for up "
                         "to %.0fs: %s", sid, self.wait_s, exc)
-            if session is not None:
-                session.store_outage = outage
-                session.publish_live(ev.STORE_STATUS, {"state": "unavailable",
-                                                       **outage.view()}, None)
+            session.store_outage = outage
+            session.publish_live(ev.STORE_STATUS, {"state": "unavailable",
+                                                   **outage.view()}, None)
         outage.attempts += 1
         outage.error = ev.clip(str(exc), 512)
         if not outage.reporting and now >= outage.deadline_mono:
