@@ -7,8 +7,9 @@ committed is lost. Held down past ``[store] outage_wait_s``, the next turn ends 
 typed failure ``store_unavailable``, recorded and shown once the server is back. Then
 the session goes between owners (its lease taken by a supervisor that vanished): the
 subscription is held, not ended, until this supervisor claims it, and goes on. Last,
-the supervisor is stopped while a turn is paused: it exits by itself at once, and
-after PostgreSQL is back its restart resumes the turn from what was committed.
+the supervisor is stopped while a turn is paused: it exits by itself at once, its
+restart waits for PostgreSQL (no restart loop), and resumes the turn from what was
+committed.
 
 The cluster is this module's own (the shared one serves other tests) and is stopped by
 its postmaster pid."""
@@ -201,6 +202,11 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
 
             await eventually(stopped_by_itself, timeout_s=30, what="the supervisor to stop")
             assert child.last_exit == 0, child.last_exit
+            restarts = child.restarts
+            # Its restart waits for the store (it does not exit 2 into a restart loop
+            # that would make the tree give the farm up).
+            await eventually(lambda: _says(log, "waiting up to"), timeout_s=60,
+                             what="the restarted supervisor to wait for PostgreSQL")
             await asyncio.to_thread(own_pg.restart)
             await eventually(lambda: _has_ended(seen, sub4), timeout_s=90,
                              what="the fourth turn to end after the restart")
@@ -223,6 +229,7 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
     assert [e["sequence"] for e in history] == durable
     assert [e["type"] for e in _ended(seen, sub3)] == ["turn_complete"]
     assert [e["type"] for e in _ended(seen, sub4)] == ["turn_complete"]
+    assert child.restarts == restarts  # one start, which waited: no exit meanwhile
     fourth = [e for e in seen if e["type"] == "tool_call_end"][-1]
     assert fourth["payload"]["outcome"] == "unknown", fourth  # its end was not committed
     assert (ws / "runs.txt").read_text() == "run\ntwo\nfour\n"  # nothing re-run
