@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from supervisor.cli.sessions import StoreUnreadable, summarize
+from supervisor.cli.summary import StoreUnreadable, summarize
 
 CONNECT_TIMEOUT_S = 5
 STATEMENT_TIMEOUT_MS = 30_000

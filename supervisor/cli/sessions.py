@@ -54,6 +54,7 @@ from supervisor.cli.common import (
 )
 from supervisor.cli.output import print_json, say_error
 from supervisor.cli.render import Renderer, clean
+from supervisor.cli.summary import NoStore, StoreUnreadable, summarize
 
 MAX_SCANNED = 10_000
 SESSION_STATES = ("running", "waiting_for_approval", "idle", "failed", "terminated",
@@ -108,14 +109,6 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     add_json(p)
     p.set_defaults(handler=cmd_delete)
-
-
-class StoreUnreadable(Exception):
-    """The farm's store cannot be read (locked, corrupt); the message says why."""
-
-
-class NoStore(StoreUnreadable):
-    """The home has no store yet: no session was ever created there."""
 
 
 def parse_since(text: str, now: float) -> float:
@@ -199,49 +192,6 @@ def _summary(conn: sqlite3.Connection, row: tuple[Any, ...], farm_running: bool,
                          "ORDER BY k DESC LIMIT 1", (lo, hi)).fetchone()
     return summarize(row, state_row, turns, last_turn_at, last, event[0] if event else None,
                      running=farm_running, default_route=default_route)
-
-
-def summarize(row: tuple[Any, ...], state_row: tuple[Any, ...] | None, turns: int | None,
-              last_turn_at: float | None, last: tuple[Any, ...] | None,
-              last_event_at: float | None, *, running: bool, default_route: str,
-              owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One session's summary from what either store holds (``row``: the session's
-    columns, ``reader.SESSION_COLUMNS``). ``running``: a turn in progress is running (a
-    farm runs here; on PostgreSQL: a supervisor holds the session's live lease), else
-    suspended. ``owner``: the live lease (PostgreSQL), shown as is."""
-    from supervisor.store import reader
-    from supervisor.store.codec import decode
-    from supervisor.store.records import CheckpointState
-
-    record = reader.to_session(row)
-    state = CheckpointState.from_json(decode(state_row[1])) if state_row else CheckpointState()
-    times = [record.created_at, state_row[0] if state_row else None,
-             last_turn_at, last_event_at]
-    if record.status != "active":
-        status = "terminated"
-    elif state.pending_approval is not None:
-        status = "waiting_for_approval"
-    elif state.active_turn is not None:
-        status = "running" if running else "suspended"
-    elif last is not None and last[0] == "failed":
-        status = "failed"
-    else:
-        status = "idle"
-    config = record.config if isinstance(record.config, dict) else {}
-    return {
-        "session_id": record.session_id,
-        "state": status,
-        "created_at": record.created_at,
-        "last_active_at": max(t for t in times if isinstance(t, int | float)),
-        "turns": int(turns or 0),
-        "last_turn": {"outcome": last[0], "reason": last[1]} if last else None,
-        "route": state.route or config.get("route") or default_route,
-        "workspace": config.get("workspace"),
-        "tenant": config.get("tenant"),
-        "parent_session_id": record.parent_session_id,
-        "pending_approval": (state.pending_approval or {}).get("id"),
-        "owner": owner,
-    }
 
 
 def list_sessions(home: Path, *, farm_running: bool) -> tuple[list[dict[str, Any]], bool]:

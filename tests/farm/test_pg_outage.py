@@ -66,6 +66,10 @@ async def _has_ended(seen: list[dict[str, Any]], sub: str) -> bool:
     return _ended(seen, sub) != []
 
 
+async def _notices(seen: list[dict[str, Any]], n: int) -> bool:
+    return sum(e["type"] == "store_status" for e in seen) >= n
+
+
 async def _began(seen: list[dict[str, Any]], n: int) -> bool:
     return sum(e["type"] == "tool_call_begin" for e in seen) == n
 
@@ -105,6 +109,10 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
             await eventually(lambda: _has(seen, "tool_call_begin"), timeout_s=30,
                              what="the tool call to start")
             await asyncio.to_thread(own_pg.kill)
+            # The notice is published after everything committed before the outage, on
+            # the same ordered stream: once it is seen, so is all of that.
+            await eventually(lambda: _notices(seen, 1), timeout_s=30,
+                             what="the store_status notice")
             shown_at_kill = _durable(seen)
 
             async def paused_past_lease() -> bool:
@@ -144,6 +152,8 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
             await eventually(lambda: _began(seen, 2),
                              timeout_s=30, what="the second tool call to start")
             await asyncio.to_thread(own_pg.kill)
+            await eventually(lambda: _notices(seen, 3), timeout_s=30,
+                             what="the second store_status notice")
             shown_at_kill = _durable(seen)
 
             async def reporting() -> bool:
@@ -227,6 +237,8 @@ async def test_a_turn_pauses_while_postgresql_is_down_and_goes_on_when_it_is_bac
     durable = _durable(seen)
     assert durable == list(range(1, len(durable) + 1)), "gap or duplicate"
     assert [e["sequence"] for e in history] == durable
+    assert [(e["type"], e["payload"]) for e in history] == \
+        [(e["type"], e["payload"]) for e in seen if e["sequence"] > 0]
     assert [e["type"] for e in _ended(seen, sub3)] == ["turn_complete"]
     assert [e["type"] for e in _ended(seen, sub4)] == ["turn_complete"]
     assert child.restarts == restarts  # one start, which waited: no exit meanwhile
