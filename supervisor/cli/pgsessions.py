@@ -13,7 +13,7 @@ messages name the URL without its password.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -85,7 +85,8 @@ def list_pg_sessions(url: str, limit: int,
     return out, len(rows) > limit
 
 
-def pg_pages(url: str, session_id: str, page_size: int = 5000) -> Iterator[list[dict[str, Any]]]:
+def pg_pages(url: str, session_id: str,
+             page_size: int = 5000) -> Generator[list[dict[str, Any]], None, None]:
     """A session's recorded events read from PostgreSQL (no farm needs to run), a page at
     a time (bounded memory), in order; ``LookupError`` when there is no such session,
     ``StoreUnreadable`` when PostgreSQL cannot answer."""

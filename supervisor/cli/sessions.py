@@ -301,6 +301,17 @@ def session_exists(home: Path, session_id: str) -> bool:
     from supervisor.farm.root import running_farm
     from supervisor.store import reader
 
+    url = _store_url(home)
+    if url is not None:  # PostgreSQL: ask it (read-only), farm or not
+        from supervisor.cli.pgsessions import pg_pages
+
+        with contextlib.closing(pg_pages(url, session_id, page_size=1)) as pages:
+            try:
+                next(pages)
+            except LookupError:
+                return False
+        return True
+
     try:
         with read_only_store(home, farm_running=running_farm(home) is not None) as conn:
             return reader.session_row(conn, session_id) is not None

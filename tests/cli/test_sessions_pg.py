@@ -63,6 +63,12 @@ async def test_sessions_and_show_read_the_shared_store_with_owners(
         missing = corral(home, "show", "s-nope")
         assert missing.returncode != 0
         assert "no session 's-nope'" in missing.stderr
+        # delete without a farm works on the shared store too
+        gone = corral(home, "delete", "s-free", "--yes")
+        assert gone.returncode == 0, gone.stderr
+        left = json.loads(corral(home, "sessions", "--json").stdout)["sessions"]
+        assert [x["session_id"] for x in left] == ["s-owned"]
+        assert corral(home, "delete", "s-free", "--yes").returncode != 0  # no such session
     finally:
         await owned.close()
         pg_server.drop_database(url)
