@@ -37,6 +37,8 @@ PLANTS: Final[dict[str, str]] = {
     "no_tree_kill": "a cancel or a worker's death kills only the tool's direct child",
     "double_turn_end": "a turn resumed in its stopping phase ends twice",
     "export_digest_partial": "the export digest leaves out the run records",
+    "epoch_reused": "a session's lease taken by another supervisor keeps its epoch: "
+                    "the fencing token does not change with the owner",
 }
 
 

@@ -91,9 +91,20 @@ def json_size(value: Any) -> int:
     return json_text(value)[1]
 
 
+# Long texts are measured and cleaned in chunks of this many characters: each
+# chunk is one short C call, so a thread cutting a 50 MB tool result lets the
+# event loop's thread take the GIL between chunks (one call over the whole text
+# held it for the whole pass: a program's heartbeats stopped while it cut one).
+# Exact: a JSON escape and a lone surrogate are each one code point.
+_CHUNK: Final = 1 << 15
+
+
 def replace_surrogates(text: str) -> str:
     """``text`` with each lone surrogate replaced by U+FFFD (for model text)."""
-    return SURROGATES.sub("\ufffd", text)
+    if len(text) <= _CHUNK:
+        return SURROGATES.sub("\ufffd", text)
+    return "".join(SURROGATES.sub("\ufffd", text[at: at + _CHUNK])
+                   for at in range(0, len(text), _CHUNK))
 
 
 def _body_size(text: str) -> int:
@@ -104,8 +115,6 @@ def _body_size(text: str) -> int:
     except UnicodeEncodeError:  # a lone surrogate: 3 bytes in surrogatepass, 6 escaped
         return len(enc.encode("utf-8", "surrogatepass")) - 2 + 3 * len(SURROGATES.findall(enc))
 
-
-_CHUNK: Final = 1 << 15
 
 
 def _prefix_within(text: str, room: int) -> str:
@@ -137,7 +146,7 @@ def fit_text(text: str, max_bytes: int, marker: str) -> tuple[str, bool]:
     most ``max_bytes``. Returns (text, cut). ``marker`` may hold ``{shown}``
     and ``{total}`` (bytes of JSON text shown and in all); if even the marker
     does not fit, the result is the marker's longest prefix that does."""
-    total = _body_size(text)
+    total = sum(_body_size(text[at: at + _CHUNK]) for at in range(0, len(text), _CHUNK))
     if total + 2 <= max_bytes:
         return text, False
     # The marker at its longest (shown <= total): the room left for the head.
@@ -290,6 +299,7 @@ class McpServerSpec(TypedDict, total=False):
     network: bool  # stdio: the server's sandbox gets the network
     url: str
     headers_env: dict[str, str]  # HTTP header -> env var on the worker holding its value
+    start_timeout_s: float  # initialize + tools/list must answer within it (default 30 s)
 
 
 class McpCall(TypedDict):

@@ -293,9 +293,11 @@ class SupervisorClient:
 
     def subscribed(self, session_id: str) -> bool:
         """Whether an event subscription to ``session_id`` stands on the server
-        instance last heard (one dropped on a restart is not listed)."""
+        instance last heard (one dropped on a restart is not listed), or on the
+        supervisor it was redirected to (its owner)."""
         return any(s.session_id == session_id and s.sub_id is not None
-                   for s in self._subs.values())
+                   for s in self._subs.values()) or any(
+                       p.subscribed(session_id) for p in self._peers.values())
 
     # -- convenience calls -------------------------------------------------
 

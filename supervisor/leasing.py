@@ -9,9 +9,11 @@ engine then resumes them as after a restart. ``run`` then:
   while this process was paused or cut off from the database, or taken by another
   supervisor) is given up (``give_up``): nothing more is published for it and it
   leaves memory;
-- every 0.5 s (at most every third of the lease), claims sessions nobody holds a live
-  lease on (a dead supervisor's, after its lease lapsed), at most ``claim_batch`` per
-  round, and resumes them (``take_over``).
+- every 0.5 s (at most every third of the lease), and at the moment the soonest lease of
+  another supervisor lapses, claims sessions nobody holds a live lease on (a dead
+  supervisor's, after its lease lapsed), at most ``claim_batch`` per round (a full
+  round is followed by another at once), and resumes them (``take_over``), several at
+  a time.
 
 It also answers, for the client endpoint, where a session lives (``redirect``: its live
 owner's advertised address) and where a new one goes (``place``: the least loaded).
@@ -36,6 +38,8 @@ from supervisor.store import SessionId, SessionStore, StoreError
 log = logging.getLogger(__name__)
 DEFAULT_CLAIM_BATCH = 64
 CLAIM_PERIOD_S = 0.5  # how often to look for sessions whose owner's lease lapsed
+LAPSE_MARGIN_S = 0.005  # a claim goes this long after the soonest foreign lease lapses
+RESUME_CONCURRENCY = 8  # claimed sessions resumed at once (loads in flight)
 
 
 class Engine(Protocol):
@@ -72,16 +76,14 @@ def lease_options(url: str | None, home: Path, lease_s: float,
     return {"owner": supervisor_id(home, given), "lease_s": lease_s}
 
 
-async def start(store: SessionStore, engine: Engine,
-                tg: asyncio.TaskGroup) -> asyncio.Task[None] | None:
+async def start(store: SessionStore, engine: Engine, tg: asyncio.TaskGroup) -> None:
     """In lease mode: take this supervisor's sessions (before the engine resumes what it
-    holds) and keep the leases in a task of ``tg``, returned (the caller cancels it to
-    stop). Otherwise nothing."""
+    holds) and keep the leases in a task of ``tg``. Otherwise nothing."""
     if getattr(store, "owner", None) is None:
-        return None
+        return
     leased = cast(Leased, store)
     await claim_at_start(leased)
-    return tg.create_task(run(leased, engine), name="leases")
+    tg.create_task(run(leased, engine), name="leases")
 
 
 async def lease_status(store: SessionStore) -> dict[str, Any] | None:
@@ -107,31 +109,65 @@ async def claim_at_start(store: Leased, batch: int = DEFAULT_CLAIM_BATCH) -> lis
 
 
 async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH,
-              claim_period_s: float = CLAIM_PERIOD_S) -> None:
+              claim_period_s: float = CLAIM_PERIOD_S,
+              resume_concurrency: int = RESUME_CONCURRENCY) -> None:
     """Renew (and stamp this supervisor's heartbeat) every third of the lease; look for
-    sessions to take over every ``claim_period_s`` (at most a third of the lease), so a
-    dead supervisor's sessions are taken within lease + ``claim_period_s`` + the resume
-    rather than lease + lease / 3 (measured: ``takeover_s`` in docs/multihost.md)."""
+    sessions to take over every ``claim_period_s`` (at most a third of the lease) AND
+    at the moment the soonest lease of another supervisor lapses (``next_lapse``), so a
+    dead supervisor's sessions are claimed on their leases' expiry; resume the claimed
+    ones ``resume_concurrency`` at a time (measured: ``takeover_s`` in
+    docs/multihost.md)."""
     renew_s = store.lease_s / 3
     tick_s = min(renew_s, claim_period_s)
     next_renew = 0.0
     loop = asyncio.get_running_loop()
+    wake_at = loop.time()  # the first round at once: it learns the next lapse
     while True:
-        await asyncio.sleep(tick_s)
+        await asyncio.sleep(max(0.0, wake_at - loop.time()))
+        wake_at = loop.time() + tick_s
         try:
             async with asyncio.timeout(store.lease_s):
                 if loop.time() >= next_renew:
-                    next_renew = loop.time() + renew_s - tick_s / 2
                     beat = getattr(store, "beat", None)
                     if beat is not None:
                         await beat()
                     for sid in await store.renew():
                         engine.give_up(sid)
-                for sid in await store.claim(batch):
-                    log.info("session %s: taken over (owner %s)", sid, store.owner)
-                    await engine.take_over(sid)
+                    # only after it succeeded: a round that failed or timed out renews
+                    # again at the next tick, not a third of the lease later
+                    next_renew = loop.time() + renew_s - tick_s / 2
+                claimed = await store.claim(batch)
+                if len(claimed) == batch:
+                    wake_at = loop.time()  # more may be waiting: the next round at once
+                else:
+                    wake_at = min(wake_at, await _next_lapse_at(store, loop.time()))
+                await resume(engine, claimed, store.owner, resume_concurrency)
         except (StoreError, TimeoutError) as exc:
             log.warning("lease round skipped: %s", exc)
+
+
+async def _next_lapse_at(store: Leased, now: float) -> float:
+    """When (on this loop's clock) the soonest lease of another supervisor lapses, a
+    little after it (the database's clock decides; a claim found early finds nothing
+    and the next round comes at once); infinity when unknown."""
+    fn = getattr(store, "next_lapse", None)
+    left: float | None = await fn() if fn is not None else None
+    return now + left + LAPSE_MARGIN_S if left is not None else float("inf")
+
+
+async def resume(engine: Engine, sids: list[SessionId], owner: str | None,
+                 concurrency: int) -> None:
+    """Resume the sessions just taken, at most ``concurrency`` at a time (each resume
+    is a load from the store: several loads in flight on the store's readers)."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(sid: SessionId) -> None:
+        async with gate:
+            log.info("session %s: taken over (owner %s)", sid, owner)
+            await engine.take_over(sid)
+    async with asyncio.TaskGroup() as tg:
+        for sid in sids:
+            tg.create_task(one(sid), name=f"take-over:{sid}")
 
 
 async def advertise(store: SessionStore, address: str) -> None:

@@ -225,31 +225,7 @@ async def serve(ns: argparse.Namespace) -> int:
             if guard is not None:
                 loop.add_signal_handler(signal.SIGHUP, guard.request_reload)
             install_task_dump(loop)
-            async with asyncio.TaskGroup() as tg:
-                leases = await leasing.start(store, manager, tg)  # PostgreSQL: the leases
-                await leasing.advertise(store, advertised(ns.advertise, bound))
-                manager_task = tg.create_task(manager.run())
-                server_task = tg.create_task(server.run())
-                # Ready means serving: the stored sessions are resumed first, so a
-                # client's first describe or submit finds them (not a race). A stop
-                # asked meanwhile is not held up by the resume.
-                resumed = tg.create_task(manager.started())
-                stopping = tg.create_task(stop.wait())
-                await asyncio.wait({resumed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                resumed.cancel()
-                stopping.cancel()
-                if not stop.is_set():
-                    sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
-                                                 "listen": bound, "broker": ns.broker[0],
-                                                 "brokers": ns.broker,
-                                                 **seen}) + "\n")
-                    sys.stdout.flush()
-                await stop.wait()
-                log.info("stopping: no new calls; sessions are checkpointed at every step")
-                server_task.cancel()
-                manager_task.cancel()
-                if leases is not None:  # it loops forever: without this, no stop
-                    leases.cancel()
+            await _serve_until_stopped(ns, store, manager, server, bound, stop, seen)
     finally:
         remove_router(client_host)
         await store.close()
@@ -275,6 +251,43 @@ async def opening_waited(wait_s: float, open_fn: Callable[[], Awaitable[Any]]) -
                 told = True
                 log.warning("waiting up to %.0fs for the store: %s", wait_s, exc.message)
             await asyncio.sleep(1.0)
+
+
+class _Stopping(Exception):
+    """Raised inside the serving task group once a stop is asked: the group then
+    cancels every task it holds (the engine, the client server, the lease keeper,
+    and whatever is added later), not only the ones named here. Before, only the
+    engine and the server were cancelled: the lease keeper of a PostgreSQL
+    supervisor kept the group open until the farm's 10 s stop timeout killed it."""
+
+
+async def _serve_until_stopped(ns: argparse.Namespace, store: Any, manager: SessionManager,
+                               server: ClientServer, bound: str, stop: asyncio.Event,
+                               seen: dict[str, Any]) -> None:
+    try:
+        async with asyncio.TaskGroup() as tg:
+            await leasing.start(store, manager, tg)  # PostgreSQL: take the leases
+            await leasing.advertise(store, advertised(ns.advertise, bound))
+            tg.create_task(manager.run())
+            tg.create_task(server.run())
+            # Ready means serving: the stored sessions are resumed first, so a
+            # client's first describe or submit finds them (not a race). A stop
+            # asked meanwhile is not held up by the resume.
+            resumed = tg.create_task(manager.started())
+            stopping = tg.create_task(stop.wait())
+            await asyncio.wait({resumed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            resumed.cancel()
+            stopping.cancel()
+            if not stop.is_set():
+                sys.stdout.write(json.dumps({"event": "ready", "pid": os.getpid(),
+                                             "listen": bound, "broker": ns.broker[0],
+                                             "brokers": ns.broker, **seen}) + "\n")
+                sys.stdout.flush()
+            await stop.wait()
+            log.info("stopping: no new calls; sessions are checkpointed at every step")
+            raise _Stopping
+    except* _Stopping:
+        pass
 
 
 def advertised(given: str | None, bound: str) -> str:

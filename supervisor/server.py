@@ -459,7 +459,10 @@ class ClientServer:
                            "message": "client could not keep up; resubscribe from the last "
                                       "sequence you saw"}
                     return
-            end = {"kind": "closed", "message": "session closed"}
+            # Ended because the session left this supervisor (its lease was lost and it
+            # was given up): the new owner, if one holds it yet, is where to go.
+            end = await self._moved(ErrorKind.UNKNOWN_SESSION, session_id, client.tenant) \
+                or {"kind": "closed", "message": "session closed"}
         except asyncio.CancelledError:
             raise
         except Failed as exc:  # boundary: report to this subscriber only

@@ -84,10 +84,36 @@ HEAVY = ("tests/chaos/test_chaos_runs.py", "tests/demo/test_demo.py::test_demo_s
          "test_escape_resources.py::test_fork_bomb")
 
 
+# Module- or package-scoped fixtures that cost nothing worth sharing (no process).
+CHEAP_SHARED = frozenset({"user", "filters", "event_loop_policy"})
+
+
+def shared_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test that uses a module- or package-scoped fixture that
+    starts processes (a broker and workers, a farm): its module, or the fixture's
+    package. Without it, ``--dist loadgroup`` spreads a module's tests over the
+    workers and each worker starts the shared stack again (a sandbox module's two
+    tier stacks cost about 3 CPU-s per start)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    for name in info.names_closure:
+        if name in CHEAP_SHARED:
+            continue
+        for fixturedef in info.name2fixturedefs.get(name, ()):
+            if fixturedef.scope == "package":
+                return f"shared:{fixturedef.baseid or name}"
+            if fixturedef.scope == "module":
+                return f"shared:{item.nodeid.split('::')[0]}"
+    return None
+
+
 def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None:
     for item in items:
         if any(part in item.nodeid for part in HEAVY):
             item.add_marker(pytest.mark.xdist_group("heavy"))
+        elif item.get_closest_marker("xdist_group") is None and (group := shared_group(item)):
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import psutil
 
+from broker.devtools.children import read_line
+
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -149,25 +151,10 @@ def searchable_dir(prefix: str, parent: str) -> Iterator[Path]:
 
 def read_line_with_deadline(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     """Read one line of a child's stdout (a readiness handshake) under a deadline."""
-    import selectors
-
-    if proc.stdout is None:
-        raise ValueError("process was not started with stdout=PIPE")
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + timeout_s
-    fd = proc.stdout.fileno()
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not sel.select(left):
-            raise AssertionError(f"no readiness line from pid {proc.pid} within {timeout_s}s")
-        chunk = os.read(fd, 1)
-        if not chunk:
-            raise AssertionError(f"pid {proc.pid} exited before it was ready: {proc.poll()}")
-        buf += chunk
-    sel.close()
-    return buf.decode().strip()
+    try:
+        return read_line(proc, timeout_s).decode().strip()
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc} (exit status {proc.poll()})") from exc
 
 
 def read_ready(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> dict[str, Any]:

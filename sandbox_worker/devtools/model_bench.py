@@ -58,7 +58,6 @@ import json
 import os
 import platform
 import random
-import selectors
 import statistics
 import subprocess
 import sys
@@ -76,6 +75,7 @@ import zmq
 from broker import protocol
 from broker.client import BrokerClient
 from broker.devtools import bench as broker_bench
+from broker.devtools import children
 from broker.protocol import pack, unpack
 from sandbox_worker.api import SERVICE_MODEL, ModelCallRequest
 from sandbox_worker.model.http import body_for, build_request, headers_for, open_stream
@@ -88,25 +88,6 @@ ECHO_BODY = b"x" * 600  # about the size of a model REQUEST's metadata and first
 def _machine() -> dict[str, Any]:
     return {"python": platform.python_version(), "cpus": os.cpu_count(),
             "platform": platform.platform(), "load_1m": round(os.getloadavg()[0], 2)}
-
-
-def _ready_line(proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
-    if proc.stdout is None:
-        raise RuntimeError("no stdout")
-    deadline = time.monotonic() + READY_S
-    buf = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while not buf.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise RuntimeError(f"{what} not ready within {READY_S}s")
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"{what} exited before it was ready")
-            buf += chunk
-    ready: dict[str, Any] = json.loads(buf)
-    return ready
 
 
 def _autogroup_nice(pid: int, nice: int) -> bool:
@@ -138,10 +119,9 @@ def _children(tmp: Path, tokens: int, pace_s: float, nice: int
     procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(*args: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = children.spawn([*prefix, sys.executable, "-m", *args])
         procs.append(proc)
-        return _ready_line(proc, args[0])
+        return children.ready_line(proc, READY_S, args[0])
 
     try:
         # The scripted provider stands in for a remote service, whose CPU is not
@@ -159,17 +139,7 @@ def _children(tmp: Path, tokens: int, pace_s: float, nice: int
               str(proxy["backend"]))
         yield str(url), str(broker["frontend"]), str(proxy["frontend"]), grouped
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        children.stop(procs)
 
 
 def _request(url: str, *, paced: bool) -> ModelCallRequest:

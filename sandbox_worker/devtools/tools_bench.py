@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.client import BrokerClient
+from broker.devtools.children import print_table, ready_line, spawn, stop
 from broker.protocol import pack, unpack
 from sandbox_worker.devtools.outside_bench import bench_command_tool, bench_mcp
 from sandbox_worker.sandbox import wslease
@@ -198,28 +199,6 @@ def _reap_orphans() -> None:
                 os.waitpid(pid, os.WNOHANG)
 
 
-def _ready_line(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
-    import selectors
-
-    assert_stdout = proc.stdout
-    if assert_stdout is None:
-        raise RuntimeError("no stdout pipe")
-    sel = selectors.DefaultSelector()
-    sel.register(assert_stdout, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not sel.select(left):
-            raise RuntimeError(f"pid {proc.pid} not ready within {READY_TIMEOUT_S}s")
-        chunk = os.read(assert_stdout.fileno(), 4096)
-        if not chunk:
-            raise RuntimeError(f"pid {proc.pid} exited before it was ready")
-        buf += chunk
-    sel.close()
-    return dict(json.loads(buf.decode().splitlines()[0]))
-
-
 class Stack:
     """A broker and N tool workers as child processes (killed by pid on exit)."""
 
@@ -232,34 +211,21 @@ class Stack:
 
     def __enter__(self) -> Stack:
         py = sys.executable
-        broker = subprocess.Popen(
-            [py, "-m", "broker", "--frontend", f"ipc://{self.dir}/f", "--backend",
-             f"ipc://{self.dir}/b"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+        broker = spawn([py, "-m", "broker", "--frontend", f"ipc://{self.dir}/f",
+                        "--backend", f"ipc://{self.dir}/b"])
         self.procs.append(broker)
-        ready = _ready_line(broker)
+        ready = ready_line(broker, READY_TIMEOUT_S)
         self.frontend = ready["frontend"]
         for _ in range(self.workers):
-            self.procs.append(subprocess.Popen(
+            self.procs.append(spawn(
                 [py, "-m", "sandbox_worker", "--broker", ready["backend"], "--services", "tool",
-                 "--capacity", str(self.capacity), "--log-level", "WARNING"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True))
+                 "--capacity", str(self.capacity), "--log-level", "WARNING"]))
         for proc in self.procs[1:]:
-            _ready_line(proc)
+            ready_line(proc, READY_TIMEOUT_S)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for proc in reversed(self.procs):
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        stop(self.procs)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -390,11 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json:
         print(json.dumps(doc))
     else:
-        print(f"{'measure':<40} {'value':>12}")
-        for key, value in results.items():
-            print(f"{key:<40} {value:>12}")
-        for key, value in ratios.items():
-            print(f"{key:<40} {value:>12}")
+        print_table(results, ratios, header=True)
         print("(targets: e2e_vs_bwrap <= 1.5, mcp_call_vs_direct <= 2.0, "
               "command_tool_vs_shell <= 1.2, e2e_image_vs_host <= 1.2; written to "
               "bench-results/tools.json)")

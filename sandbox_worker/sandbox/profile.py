@@ -142,6 +142,40 @@ def system_binds() -> list[str]:
     return args
 
 
+def bwrap_start(head: list[str], network: bool) -> list[str]:
+    """``head`` then bwrap with the namespaces every T2/T2- chain (host or
+    image) separates: all of them, the network shared only with ``network``,
+    no user namespaces inside, no capabilities, an empty environment."""
+    argv = [*head, "bwrap", "--unshare-all"]
+    if network:
+        argv.append("--share-net")
+    return [*argv, "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--new-session", "--cap-drop", "ALL", "--clearenv"]
+
+
+def call_mounts(size: str, workspace: str, inside: str, *, workspace_fd: int | None,
+                read_only: bool, ro_fds: tuple[tuple[int, str], ...],
+                pass_fds: list[int]) -> list[str]:
+    """The mounts every T2/T2- chain (host or image) gives a call: a fresh
+    ``/dev``, private size-limited ``/tmp`` and ``/dev/shm`` tmpfs, the
+    workspace at ``inside`` (from the pinned fd when given; read-only with
+    ``read_only``) and each ``ro_fds`` entry (a ``.git``) bound read-only over
+    it. The fds handed to bwrap are dups appended to ``pass_fds``."""
+    argv = ["--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
+            "--size", size, "--tmpfs", "/dev/shm"]
+    if workspace_fd is not None:
+        wfd = os.dup(workspace_fd)
+        pass_fds.append(wfd)
+        argv += ["--ro-bind-fd" if read_only else "--bind-fd", str(wfd), inside]
+    else:
+        argv += ["--ro-bind" if read_only else "--bind", workspace, inside]
+    for fd, rel in ro_fds:
+        dup = os.dup(fd)
+        pass_fds.append(dup)
+        argv += ["--ro-bind-fd", str(dup), f"{inside}/{rel}"]
+    return argv
+
+
 Shape = tuple[str, ...]
 
 
@@ -218,11 +252,7 @@ class Profile:
                                      read_only=read_only, ro_fds=ro_fds, image=image,
                                      layer=layer, probe=probe)
         if self.tier in ("T2", "T2-"):
-            argv = [*head, "bwrap", "--unshare-all"]
-            if network:
-                argv.append("--share-net")
-            argv += ["--unshare-user", "--disable-userns", "--die-with-parent",
-                     "--new-session", "--cap-drop", "ALL", "--clearenv"]
+            argv = bwrap_start(head, network)
             if plants.on("no_tree_kill"):  # chaos plant: the sandbox outlives its parent
                 argv.remove("--die-with-parent")
             for key, value in {**env_inside, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
@@ -233,25 +263,11 @@ class Profile:
             inside = SANDBOX_WORKSPACE
             cwd = inside if workdir == "." else f"{inside}/{workdir}"
             size = str(limits["tmpfs_bytes"])
-            # /tmp and /dev/shm are private size-limited tmpfs; bwrap's own root
-            # tmpfs is remounted read-only so nothing else is writable.
-            argv += ["--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
-                     "--size", size, "--tmpfs", "/dev/shm"]
-            if workspace_fd is not None:
-                wfd = os.dup(workspace_fd)
-                pass_fds.append(wfd)
-                argv += ["--ro-bind-fd" if read_only else "--bind-fd", str(wfd), inside]
-            else:
-                argv += ["--ro-bind" if read_only else "--bind", workspace, inside]
-            for fd, rel in ro_fds:
-                dup = os.dup(fd)
-                pass_fds.append(dup)
-                argv += ["--ro-bind-fd", str(dup), f"{inside}/{rel}"]
+            argv += call_mounts(size, workspace, inside, workspace_fd=workspace_fd,
+                                read_only=read_only, ro_fds=ro_fds, pass_fds=pass_fds)
+            # bwrap's own root tmpfs is remounted read-only so nothing else is writable.
             argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd]
-            if self.filters is not None:
-                fd = self.filters.open_fd("bwrap")
-                pass_fds.append(fd)
-                argv += ["--seccomp", str(fd)]
+            argv += self._bwrap_seccomp(pass_fds)
             argv += ["--", *command]
             # The head's own environment: nothing of the worker's (bwrap clears it anyway).
             shape = chain_shape(argv[:len(argv) - len(command)],
@@ -308,11 +324,7 @@ class Profile:
         env = {"PATH": SANDBOX_PATH, **image.env, "HOME": image.home or "/tmp",
                "TMPDIR": "/tmp", "LANG": image.env.get("LANG", "C.UTF-8"), "TERM": "dumb",
                **{k: v for k, v in env_inside.items() if k not in ("PATH", "LANG", "TERM")}}
-        argv = [*head, "bwrap", "--unshare-all"]
-        if network:
-            argv.append("--share-net")
-        argv += ["--unshare-user", "--disable-userns", "--die-with-parent",
-                 "--new-session", "--cap-drop", "ALL", "--clearenv"]
+        argv = bwrap_start(head, network)
         for key, value in env.items():
             argv += ["--setenv", key, value]
         argv += ["--bind", layer.root, "/"]
@@ -321,23 +333,10 @@ class Profile:
             argv += ["--ro-bind", "/usr", PROBE_USR]
         if self.tier == "T2":
             argv += ["--proc", "/proc"]
-        argv += ["--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
-                 "--size", size, "--tmpfs", "/dev/shm"]
-        if workspace_fd is not None:
-            wfd = os.dup(workspace_fd)
-            pass_fds.append(wfd)
-            argv += ["--ro-bind-fd" if read_only else "--bind-fd", str(wfd), inside]
-        else:
-            argv += ["--ro-bind" if read_only else "--bind", workspace, inside]
-        for fd, rel in ro_fds:
-            dup = os.dup(fd)
-            pass_fds.append(dup)
-            argv += ["--ro-bind-fd", str(dup), f"{inside}/{rel}"]
+        argv += call_mounts(size, workspace, inside, workspace_fd=workspace_fd,
+                            read_only=read_only, ro_fds=ro_fds, pass_fds=pass_fds)
         argv += ["--remount-ro", "/dev", "--chdir", cwd]
-        if self.filters is not None:
-            fd = self.filters.open_fd("bwrap")
-            pass_fds.append(fd)
-            argv += ["--seccomp", str(fd)]
+        argv += self._bwrap_seccomp(pass_fds)
         argv += ["--", *command]
         # The shape: the probe's additions and the layer's path left out (a
         # probe of this shape stands for the calls without them); the image's
@@ -348,6 +347,14 @@ class Profile:
         shape = chain_shape(head_argv, [str(uid), str(group), call_id, workspace, cwd,
                                         size, layer.root, *map(str, pass_fds)])
         return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
+
+    def _bwrap_seccomp(self, pass_fds: list[int]) -> list[str]:
+        """bwrap's seccomp filter (an fd appended to ``pass_fds``), if there is one."""
+        if self.filters is None:
+            return []
+        fd = self.filters.open_fd("bwrap")
+        pass_fds.append(fd)
+        return ["--seccomp", str(fd)]
 
     async def image_layer(self, image: ImageRoot, limits: ToolLimits, uid: int,
                           gid: int | None, *, probe: bool = False) -> Layer:

@@ -11,15 +11,34 @@ root and ``ALIAS_ROOT/<gid>`` is 0710 ``root:<gid>``: only processes with
 the workspace's own group -- its calls -- can pass, and they reach exactly
 the directory they were granted anyway. The parent keeps its mode.
 
+Who uses an alias is counted by the kernel: every call that goes through it
+holds ``ALIAS_ROOT/<gid>/users`` (0600 root) with a shared ``flock`` from
+before it looks at the mount until its end (``Alias.lock_fd``), whichever
+worker of the host runs it. At its end a call tries to convert that lock to
+an exclusive one without waiting (as ``wslease.py`` does for the grant): only
+the last call gets it, and it detaches the alias (``release``). A worker
+killed mid-call holds nothing any more (its locks die with it), so the
+aliases it left are detached by the next ``sweep`` that finds them unused:
+at every worker's start and graceful stop.
+
 Invariants:
 - The alias is mounted from the pinned fd (``/proc/self/fd/N``: no path is
   resolved) and is used only when its ``(st_dev, st_ino)`` equals the pinned
   identity; a stale mount there (the gid's previous identity) is detached
   first.
 - Nothing but the workspace's group can traverse ``ALIAS_ROOT/<gid>``.
-- Mounts stay until the host reboots (``/run`` is a tmpfs), a later call
-  finds them stale, or a worker starting finds their workspace deleted
-  (``prune``): one per live workspace that needs one.
+- An alias is mounted and detached only under its ``users`` lock: mounted
+  (or found) under a shared hold, detached under the exclusive one, so a
+  call never finds its alias gone while it runs, on any worker of the host.
+- No alias outlives the last call through it (``release``), except those of
+  workers killed mid-call, until the next worker start or stop (``sweep``):
+  a removed workspace is not kept alive by a mount. (An alias an older
+  worker mounted, without a ``users`` file, is detached once its workspace
+  is deleted, as before.)
+- Mounts are detached lazily (``MNT_DETACH``): an fd still open through one
+  (the ending call's own) does not keep it in the mount table.
+- ``users`` files are never removed (an unlinked lock file would let two
+  calls lock different files): one per gid, bounded like the gids.
 """
 
 from __future__ import annotations
@@ -27,27 +46,34 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
+from dataclasses import dataclass
 from typing import Final
 
 from sandbox_worker.sandbox.errors import WorkspaceUnusable
 
 ALIAS_ROOT: Final = "/run/corral/workspaces"
+USERS: Final = "users"  # the lock file of an alias's calls, beside its mount point
 MS_BIND: Final = 4096
 MNT_DETACH: Final = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _is_mount(path: str) -> bool:
-    """Whether ``path`` is a mount point in this mount namespace (from
-    mountinfo: ``os.path.ismount`` looks up ``..``, which a deleted directory
-    mounted there no longer has)."""
+def _mount_points() -> set[str]:
+    """The mount points of this mount namespace (from mountinfo:
+    ``os.path.ismount`` looks up ``..``, which a deleted directory mounted
+    there no longer has)."""
     try:
         with open("/proc/self/mountinfo") as f:
-            return any(line.split()[4] == path for line in f)
+            return {line.split()[4] for line in f}
     except OSError:
-        return False
+        return set()
+
+
+def _is_mount(path: str) -> bool:
+    return path in _mount_points()
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -68,25 +94,59 @@ def _dir(path: str, mode: int, gid: int) -> None:
     os.chmod(path, mode)
 
 
-def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> str:
-    """The alias path of the pinned workspace ``fd`` for calls of group ``gid``
-    (mounted on first use). Blocking; raises ``WorkspaceUnusable``."""
+@dataclass
+class Alias:
+    """One call's way in: the mounted path and its shared hold on ``users``."""
+
+    path: str
+    identity: tuple[int, int]
+    lock_fd: int
+
+
+def _open_users(base: str) -> int:
+    return os.open(f"{base}/{USERS}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                   0o600)
+
+
+def _detach(target: str) -> bool:
+    return bool(_libc.umount2(target.encode(), MNT_DETACH) == 0)
+
+
+def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> Alias:
+    """The alias of the pinned workspace ``fd`` for calls of group ``gid``
+    (mounted on first use), held shared until ``release``. Blocking (waits
+    while the last call of an earlier use, or a sweep, detaches it); raises
+    ``WorkspaceUnusable``."""
     try:
         os.makedirs(os.path.dirname(ALIAS_ROOT), mode=0o755, exist_ok=True)
         _dir(ALIAS_ROOT, 0o711, 0)
         base = f"{ALIAS_ROOT}/{gid}"
         _dir(base, 0o710, gid)
-        target = f"{base}/ws"
+        lock_fd = _open_users(base)
+    except OSError as exc:
+        raise WorkspaceUnusable(f"cannot prepare {ALIAS_ROOT}: {exc.strerror}",
+                                hint="run the worker as root") from exc
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_SH)
+        return Alias(_mount(fd, base, identity), identity, lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _mount(fd: int, base: str, identity: tuple[int, int]) -> str:
+    target = f"{base}/ws"
+    try:
         if not _is_mount(target):
             _dir(target, 0o700, 0)  # the mount point (hidden by the mount)
     except OSError as exc:
-        raise WorkspaceUnusable(f"cannot prepare {ALIAS_ROOT}: {exc.strerror}",
+        raise WorkspaceUnusable(f"cannot prepare {target}: {exc.strerror}",
                                 hint="run the worker as root") from exc
     seen = _identity(target)
     if seen == identity:
         return target
     if seen is not None and _is_mount(target):
-        _libc.umount2(target.encode(), MNT_DETACH)  # stale: the gid's old workspace
+        _detach(target)  # stale: the gid's old workspace
     if _libc.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, MS_BIND,
                    None) != 0:
         err = ctypes.get_errno()
@@ -95,28 +155,68 @@ def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> str:
                                 hint="make its parent directories searchable (chmod o+x) or "
                                 "run the worker where it may mount")
     if _identity(target) != identity:
-        _libc.umount2(target.encode(), MNT_DETACH)
+        _detach(target)
         raise WorkspaceUnusable(f"the workspace mounted at {target} is not the pinned one")
     return target
 
 
-def prune() -> int:
-    """Detach the aliases of workspaces that were deleted (their mounted
-    directory has no links left), so a host does not keep a mount -- and the
-    deleted tree's disk space -- per workspace it ever served. Run at worker
-    start. Blocking; returns how many were detached."""
+def release(alias: Alias) -> bool:
+    """End one call's use of ``alias``: the last call through it (the one
+    that gets the exclusive lock) detaches it. Closes the hold; idempotent.
+    Blocking; returns whether it detached the alias."""
+    if alias.lock_fd < 0:
+        return False
+    try:
+        try:
+            fcntl.flock(alias.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # another call still goes through it: its end detaches
+        # Another workspace may hold the gid now (it detached ours as stale).
+        return _identity(alias.path) == alias.identity and _detach(alias.path)
+    finally:
+        os.close(alias.lock_fd)
+        alias.lock_fd = -1
+
+
+def sweep() -> int:
+    """Detach every alias no call holds: those workers killed mid-call left,
+    and those of deleted workspaces (a host then keeps no mount, nor a deleted
+    tree's disk space, per workspace it ever served). An alias without a
+    ``users`` file was mounted by a worker of an older version, which holds
+    no lock: it is detached only once its workspace is deleted. Run at
+    worker start and stop. Blocking; returns how many were detached."""
     detached = 0
     try:
         names = os.listdir(ALIAS_ROOT)
     except OSError:
         return 0
+    mounted = _mount_points()
     for name in names:
-        target = f"{ALIAS_ROOT}/{name}/ws"
+        base = f"{ALIAS_ROOT}/{name}"
+        target = f"{base}/ws"
+        if not name.isdigit() or target not in mounted:
+            continue
         try:
-            if not _is_mount(target) or os.stat(target).st_nlink > 0:
-                continue
+            lock_fd = os.open(f"{base}/{USERS}", os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if _deleted(target) and _detach(target):
+                detached += 1
+            continue
         except OSError:
             continue
-        if _libc.umount2(target.encode(), MNT_DETACH) == 0:
-            detached += 1
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _detach(target):
+                detached += 1
+        except BlockingIOError:
+            continue  # a live call holds it: its end detaches
+        finally:
+            os.close(lock_fd)
     return detached
+
+
+def _deleted(target: str) -> bool:
+    try:
+        return os.stat(target).st_nlink == 0
+    except OSError:
+        return False

@@ -131,8 +131,9 @@ class Connection:
     def start_http(self, url: str, headers: dict[str, str]) -> None:
         self.runner = asyncio.ensure_future(self._run_http(url, headers))
 
-    async def wait_ready(self, timeout_s: float) -> None:
-        """Initialize (the SDK's handshake) and list the tools, within ``timeout_s``."""
+    async def wait_ready(self, timeout_s: float, start_s: float | None = None) -> None:
+        """Initialize (the SDK's handshake) and list the tools, within ``timeout_s``
+        (what is left of the server's whole start, ``start_s``, which the error names)."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._race(self.ready.wait())
@@ -143,7 +144,8 @@ class Connection:
                 self.tools = await self._race(self._list_tools(session))
         except TimeoutError:
             self.fail("timeout", f"MCP server {self.name!r} did not answer initialize and "
-                      f"tools/list within {timeout_s:g} s", stderr=True)
+                      f"tools/list within {start_s or timeout_s:.3g} s (its start timeout; "
+                      "start_timeout_s in its spec sets it)", stderr=True)
             raise self._died() from None
         except McpFailure:
             raise

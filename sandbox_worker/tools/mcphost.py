@@ -73,9 +73,20 @@ RESTARTS_MAX: Final = 3
 RESTART_WINDOW_S: Final = 60.0
 MAX_SERVERS: Final = 32
 IDLE_S: Final = 600.0
-START_TIMEOUT_S: Final = 30.0
+START_TIMEOUT_S: Final = 30.0  # a server's start, unless its spec says start_timeout_s
+MAX_START_TIMEOUT_S: Final = 300.0
 
 Key = tuple[str, str, str]  # (session id, server name, spec digest)
+
+
+def start_timeout_s(spec: McpServerSpec) -> float:
+    """The spec's ``start_timeout_s`` (checked by the supervisor, bounded again here:
+    a request is input), else the default."""
+    given = spec.get("start_timeout_s")
+    if isinstance(given, int | float) and not isinstance(given, bool) \
+            and 0 < given <= MAX_START_TIMEOUT_S:
+        return float(given)
+    return START_TIMEOUT_S
 
 
 @dataclass
@@ -247,7 +258,7 @@ class McpHost:
             # within the call's budget.
             room = budget_s - REPLY_MARGIN_S - self.service.config.grace_s - 0.5
             held = await self._start(key, req, spec, profile, limits,
-                                     max(0.05, min(START_TIMEOUT_S, room)),
+                                     max(0.05, min(start_timeout_s(spec), room)),
                                      read_only=read_only, git_writable=git_writable,
                                      image=image)
             self._servers[key] = held
@@ -272,7 +283,7 @@ class McpHost:
                                            read_only=read_only, git_writable=git_writable,
                                            image=image)
         try:
-            await conn.wait_ready(max(0.05, deadline - time.monotonic()))
+            await conn.wait_ready(max(0.05, deadline - time.monotonic()), timeout_s)
         except McpFailure as exc:
             await asyncio.shield(self._stop(held))
             raise McpFailure(f"{exc} (the server did not start)",

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from sandbox_worker.sandbox import wslease
+from sandbox_worker.sandbox import wsalias, wslease
 from sandbox_worker.sandbox.errors import WorkspaceUnusable
 from sandbox_worker.sandbox.ownership import SweepReport, normalise, release
 from sandbox_worker.sandbox.resolve import openat2
@@ -58,7 +58,6 @@ from sandbox_worker.sandbox.workspace import (
     open_pinned,
     validate_workspace,
 )
-from sandbox_worker.sandbox.wsalias import alias_for
 from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
 
 log = logging.getLogger(__name__)
@@ -82,6 +81,7 @@ class Pinned:
     root_fd: int = -1  # the pinned workspace itself (``fd`` may be its alias)
     git_fds: list[tuple[int, str]] = field(default_factory=list)  # (fd, relative path)
     lease_fd: int = -1  # the workspace's use file, held shared (wslease.py)
+    alias: wsalias.Alias | None = None  # the way in for shell, held shared (wsalias.py)
     started_at: float = 0.0  # time.time() before the grant: compared with directory mtimes
 
     def close(self) -> None:
@@ -93,6 +93,9 @@ class Pinned:
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
+        if self.alias is not None and self.alias.lock_fd >= 0:
+            os.close(self.alias.lock_fd)  # not released: a sweep detaches it
+            self.alias.lock_fd = -1
 
 
 def _identity(value: Any) -> Identity | None:
@@ -198,10 +201,10 @@ class WorkspacePins:
                 try:
                     check_reachable(real)
                 except WorkspaceUnusable:
-                    alias = alias_for(fd, gid, identity)
-                    pinned.fd = open_pinned(alias, identity)
+                    pinned.alias = alias = wsalias.alias_for(fd, gid, identity)
+                    pinned.fd = open_pinned(alias.path, identity)
                     os.close(fd)
-                    pinned.path = alias
+                    pinned.path = alias.path
         except BaseException:
             if pinned is None:
                 os.close(fd)
@@ -234,6 +237,11 @@ class WorkspacePins:
 
     def _release(self, pinned: Pinned, *, full: bool) -> SweepReport | None:
         root = pinned.root_fd if pinned.root_fd >= 0 else pinned.fd
+        if pinned.alias is not None:
+            try:
+                wsalias.release(pinned.alias)  # the last call through it detaches it
+            except OSError as exc:
+                log.warning("release of the alias %s failed: %s", pinned.alias.path, exc)
         try:
             if wslease.try_exclusive(pinned.lease_fd):
                 report = release(root, self.is_tool_uid, self.is_ours)

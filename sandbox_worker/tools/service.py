@@ -23,6 +23,9 @@ Invariants:
   uid, which is outside the range. Each call runs with its workspace's own
   group (``wsgroups``), which holds ACL entries on that workspace only while
   calls on it run (``acl``, ``wslease``): none is left when the last ends.
+  Likewise a workspace's alias mount (``wsalias``) lasts as long as the
+  calls through it; those of dead workers' calls go at the next start or
+  stop of a worker.
 - ``aclose`` cancels the calls still running, which kills their trees.
 """
 
@@ -200,9 +203,7 @@ class ToolService:
         revoked = await asyncio.to_thread(pins.recover)
         if revoked:
             log.info("revoked the grants left on %d workspaces by dead workers", revoked)
-        pruned = await asyncio.to_thread(wsalias.prune)
-        if pruned:
-            log.info("detached %d workspace aliases of deleted workspaces", pruned)
+        await self._sweep_aliases()
         stale = await asyncio.to_thread(remove_stale_tmp, cfg.tmp_root)
         if stale:
             log.info("removed %d per-call tmp dirs left by dead workers", stale)
@@ -218,6 +219,14 @@ class ToolService:
                  "uid %d, gid %d, cgroup %s", tier, ", ".join(self.detection.working) or "none",
                  pool.start, pool.count, user.uid, user.gid,
                  "applied" if self._cgroup and self._cgroup.applied else "not applied")
+
+    @staticmethod
+    async def _sweep_aliases() -> None:
+        """Detach the workspace aliases no call holds (wsalias.py): at start
+        those dead workers left, at stop any this worker's calls left."""
+        detached = await asyncio.to_thread(wsalias.sweep)
+        if detached:
+            log.info("detached %d workspace aliases no call uses", detached)
 
     def _choose_tier(self, det: Detection) -> Tier:
         cfg = self.config
@@ -255,6 +264,7 @@ class ToolService:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.grace_s + 5):
                     await asyncio.gather(*calls, return_exceptions=True)
+        await self._sweep_aliases()
         await self.mcp.aclose()
         await self.images.aclose()
         if self._reaper is not None:

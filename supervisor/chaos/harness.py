@@ -61,15 +61,15 @@ from broker import plants
 from broker.client import BrokerClient
 from broker.errors import BrokerError
 from supervisor import crashpoints
-from supervisor.chaos import evidence, recovery
+from supervisor.chaos import evidence, pgfarm, recovery
 from supervisor.chaos import invariants as inv
 from supervisor.chaos.evidence import ProcWatch
 from supervisor.chaos.exportkeep import ExportKeeper
 from supervisor.chaos.schedule import (
-    BROKER_SET_FAULTS,
     FRAME_FAULTS,
     Fault,
     coverage_s,
+    farm_shape,
     make_schedule,
     parse_faults,
     timed_kinds,
@@ -115,6 +115,13 @@ class ChaosOptions:
     frame_rate: float = 0.02  # share of request-traffic frames the broker mangles
     provider_rate: float = 0.15  # share of script entries with a provider fault (1st attempt)
     metrics: str | None = None  # HOST:PORT: the farm serves Prometheus /metrics there
+    # The farm's shape: None = what the kinds need (a supervisor-set kind: 3 supervisors
+    # on PostgreSQL; broker_kill_one: 2 brokers). Several supervisors share a PostgreSQL
+    # store: ``store_url`` (an empty database) or a throwaway cluster of the run's own.
+    supervisors: int | None = None
+    brokers: int | None = None
+    store_url: str | None = None
+    lease_s: float = 2.0  # [store] lease_s of a PostgreSQL chaos farm (the minimum is 1)
 
 
 @dataclass
@@ -157,6 +164,9 @@ class Report:
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds per phase
     host: dict[str, Any] = field(default_factory=dict)  # cores, load, CPU the run used
     unfired: int = 0  # scheduled faults left when the fault phase ended
+    farm: dict[str, Any] = field(default_factory=dict)  # supervisors, brokers, store
+    owners: dict[str, list[str]] = field(default_factory=dict)  # session -> owners in turn
+    retries_between_owners: int = 0  # client calls retried while a session changed hands
 
     def as_dict(self) -> dict[str, Any]:
         rec = {}
@@ -203,6 +213,13 @@ class Report:
                     (role, sum(s.role == role for s in self.sessions))
                     for role in {s.role for s in self.sessions})),
             },
+            "farm": self.farm,
+            "owners": {
+                "sessions_with_several_owners": sum(len(set(o)) > 1
+                                                    for o in self.owners.values()),
+                "owner_changes": sum(max(0, len(o) - 1) for o in self.owners.values()),
+                "retries_between_owners": self.retries_between_owners,
+            } if self.owners else {},
             "faults_by_kind": by_kind,
             "provider_faults_in_script": self.provider_faults,
             "faults": self.injected,
@@ -242,13 +259,14 @@ tool_call_budget_s = {budget_s:g}
 [[export.sinks]]
 type = "directory"
 path = "exports"
-"""
+{store}"""
 
 
 LIVENESS_WINDOW_S = 0.25 * 4  # [farm] heartbeat_interval_s x liveness, above
 BUDGET_S = 10.0  # [session] model_call_budget_s and tool_call_budget_s, above
 LOSS_MARGIN_S = 2.0  # commit and delivery of the loss report, on a loaded 2-core host
 RESUME_S = 1.5  # a restarted supervisor resumes its sessions after it is up
+CLAIM_S = 0.5  # another supervisor looks for lapsed leases this often (leasing.CLAIM_PERIOD_S)
 EXPORTCHECK_S = 600  # the kept exports (measured: ~3 s per 80 on a loaded host)
 EXPORT_KEEP = 400  # checkpoints kept for the check, an even sample of the run's (exportkeep)
 LOAD_EVERY_S = 30.0  # the 1-minute load average is sampled this often while the farm runs
@@ -261,6 +279,14 @@ WATCH_EVERY_S = 0.5
 # The faults that end calls whose processes must then be gone within KILL_BOUND_S.
 KILL_KINDS = frozenset({"interrupt_tool", "worker_kill_tool", "worker_kill_model",
                         "worker_kill_idle"})
+# Answers a client retries while a session changes hands (several supervisors), or
+# while PostgreSQL is restarting (``store_unavailable``: retryable, docs/storage.md).
+BETWEEN_OWNERS = frozenset({"unknown_session", "moved", "unavailable", "lease_lost",
+                            "store_unavailable"})
+# A subscription's end a client resubscribes after, with several supervisors: a session
+# given up ends its subscriptions "closed" while no other supervisor holds it yet (the
+# harness never closes its sessions).
+RESUBSCRIBE_ENDS = BETWEEN_OWNERS | {"closed"}
 STEADY_WAIT_S = 10.0  # a crash point is armed only once every client is back (``_steady``)
 APPROVAL_TIMEOUT_S = 30  # the farm denies an unanswered approval's calls after this long
 ANSWER_TIMEOUT_S = 8.0  # an answer's submit (acknowledged once its verdicts are durable)
@@ -279,7 +305,22 @@ class Harness:
             raise ValueError(f"--provider-rate must be between 0 and 1, got {opts.provider_rate}")
         if opts.fault_gap_s <= 0:
             raise ValueError(f"--fault-gap must be positive, got {opts.fault_gap_s}")
-        self.kinds = parse_faults(opts.faults)
+        self.n_supervisors, self.n_brokers = farm_shape(opts.faults, opts.supervisors,
+                                                        opts.brokers)
+        self.kinds = parse_faults(opts.faults, supervisors=self.n_supervisors,
+                                  brokers=self.n_brokers)
+        if self.n_supervisors > 1 and not 1.0 <= opts.lease_s <= 600.0:
+            raise ValueError(f"the lease must be 1-600 s, got {opts.lease_s}")
+        if opts.store_url is not None and self.n_supervisors < 2:
+            raise ValueError("--store-url is for a farm of several supervisors "
+                             "(--supervisors 2 or more)")
+        self.store_url: str | None = opts.store_url  # set in run() for a throwaway cluster
+        self.pg_server: Any = None  # the throwaway cluster (PgServer), if the run made one
+        self.until: dict[int, float] = {}  # fault index -> when a stop or a restart ended
+        # calls a client retries: with several supervisors, also while a session is
+        # between owners
+        self.retry_kinds = BETWEEN_OWNERS if self.n_supervisors > 1 else frozenset(
+            {"unavailable"})
         self.plants = plants.parse(",".join(opts.plants))
         self.home = opts.home or Path(tempfile.mkdtemp(prefix="corral-chaos-"))
         self._metrics_url: str | None = None  # where the farm's /metrics were last said
@@ -335,9 +376,11 @@ class Harness:
             # provider's compaction endpoint (its compaction item carries the
             # number of outputs it replaced, so the script goes on where it was).
             compact_route = f"\n[routes.chaos-compact]\n{route}\nnative_compaction = true\n"
+        store = (f"\n[store]\nurl = {json.dumps(self.store_url)}\nlease_s = "
+                 f"{self.opts.lease_s:g}\n" if self.store_url else "")
         (self.home / "corral.toml").write_text(CONFIG.format(
             tier_min=tier_min, route=route, compact_route=compact_route,
-            approval_timeout_s=APPROVAL_TIMEOUT_S, budget_s=BUDGET_S))
+            approval_timeout_s=APPROVAL_TIMEOUT_S, budget_s=BUDGET_S, store=store))
 
     def role(self, i: int) -> str:
         """Session ``i``'s role: with the scripted workload, every third session from
@@ -367,8 +410,10 @@ class Harness:
                         self.pids[c.pid] = psutil.Process(c.pid).create_time()
                     except psutil.Error:
                         self.pids[c.pid] = None
-                # every broker of a two-broker farm counts as "broker"
-                group = "broker" if c.spec.name.startswith("broker") else c.spec.name
+                # every broker of a two-broker farm counts as "broker", every supervisor
+                # of several as "supervisor"
+                group = ("broker" if c.spec.name.startswith("broker") else "supervisor"
+                         if c.spec.name.startswith("supervisor") else c.spec.name)
                 if (group in ("supervisor", "broker") and c.state == "running"
                         and c.pid and (c.spec.name, c.pid) not in self._seen_up):
                     self._seen_up.add((c.spec.name, c.pid))
@@ -414,6 +459,34 @@ class Harness:
     # -- the run ------------------------------------------------------------
 
     async def run(self) -> Report:
+        """The run; with several supervisors, on the given PostgreSQL database or on a
+        throwaway cluster started (and stopped, by pid) around it."""
+        if self.n_supervisors > 1 and self.store_url is None:
+            from supervisor.devtools.pgserver import PgServer
+
+            self.pg_server = await asyncio.to_thread(PgServer.start)
+            self.store_url = await asyncio.to_thread(self.pg_server.new_database)
+        elif self.store_url is not None and not await asyncio.to_thread(
+                pgfarm.is_empty, self.store_url):
+            raise ValueError("--store-url: the database already holds sessions; give the "
+                             "run an empty one (a run's checks read every session)")
+        self.report.farm = {"supervisors": self.n_supervisors, "brokers": self.n_brokers,
+                            "store": "postgresql" if self.store_url else "sqlite",
+                            "lease_s": self.opts.lease_s if self.store_url else None}
+        try:
+            return await self._run()
+        finally:
+            if self.pg_server is not None:
+                await asyncio.to_thread(self.pg_server.stop)
+
+    async def _restart_pg(self) -> float:
+        """``pg_restart``: immediate shutdown of the run's cluster, then a start on the
+        same port; the seconds it was down."""
+        t = time.monotonic()
+        await asyncio.to_thread(self.pg_server.restart)
+        return time.monotonic() - t
+
+    async def _run(self) -> Report:
         started = time.monotonic()
         cpu0 = os.times()
         self.report.host = {"cpus": os.cpu_count(),
@@ -425,7 +498,8 @@ class Harness:
             env.update({slowdisk.DELAY_ENV: str(STORE_SLOW_DELAY_S),
                         slowdisk.FLAG_ENV: str(self.slow_flag)})
         self.farm = Farm(self.home, workers=self.opts.workers,
-                         brokers=2 if set(self.kinds) & set(BROKER_SET_FAULTS) else None,
+                         brokers=self.n_brokers if self.n_brokers > 1 else None,
+                         supervisors=self.n_supervisors if self.n_supervisors > 1 else None,
                          broker_faults=(",".join(frame) + f":rate={self.opts.frame_rate}"
                                         if frame else None),
                          broker_faults_seed=self.opts.seed, supervisor_env=env,
@@ -465,7 +539,9 @@ class Harness:
                         self.farm.info()["endpoints"].get("broker_frontends", [])[1:]]
                 injector = Injector(self.farm, broker, self.slow_flag, arm_path=self.arm_path,
                                     run_tag=self.run_tag, interrupter=self._interrupt,
-                                    steady=self._steady, more_brokers=more)
+                                    steady=self._steady, more_brokers=more,
+                                    store_url=self.store_url, lease_s=self.opts.lease_s,
+                                    pg_restart=self._restart_pg if self.pg_server else None)
                 runs = [await self._create(sv, i) for i in range(self.opts.sessions)]
                 self.report.sessions = runs
                 phase("startup")
@@ -577,7 +653,7 @@ class Harness:
                         compaction_threshold_tokens=COMPACT_THRESHOLD_TOKENS)
         elif role == "ask":
             spec["approval"] = "ask"
-        sid = await _retry(lambda: sv.create_session(**spec))
+        sid = await _retry(lambda: sv.create_session(**spec), kinds=self.retry_kinds)
         return SessionRun(str(sid), ws, role=role)
 
     async def _collect(self, endpoint: str, run: SessionRun) -> None:
@@ -588,8 +664,24 @@ class Harness:
         client hit that cap after 17 minutes)."""
         async with SupervisorClient(endpoint, timeout_s=15) as sv:
             run.client = sv
-            async for event in sv.events(run.session_id, reconnect_timeout_s=600):
-                run.live.append((time.monotonic(), event))
+            after = 0
+            while True:
+                try:
+                    async for event in sv.events(run.session_id, after_sequence=after,
+                                                 reconnect_timeout_s=600):
+                        run.live.append((time.monotonic(), event))
+                        if event.get("sequence", 0) > 0:
+                            after = int(event["sequence"])
+                    return
+                except SupervisorError as exc:
+                    # Between owners (the old owner's lease lapsed, no one has taken
+                    # the session yet) a subscription is answered unknown_session, and
+                    # store_unavailable while PostgreSQL restarts; a client retries, from
+                    # the last sequence it saw (docs/multihost.md).
+                    if exc.kind not in RESUBSCRIBE_ENDS or self.n_supervisors < 2:
+                        raise
+                    self.report.retries_between_owners += 1
+                    await asyncio.sleep(0.2)
 
     async def _steady(self) -> bool:
         """Wait (up to ``STEADY_WAIT_S``) until the supervisor answers and every
@@ -606,13 +698,24 @@ class Harness:
                     pass
                 else:
                     srv = self.sv.server_id
-                    if srv is not None and all(
+                    if self.n_supervisors > 1:  # each client at its session's owner
+                        if self._all_supervisors_up() and all(
+                                r.client is not None and r.client.subscribed(r.session_id)
+                                for r in self.report.sessions):
+                            return True
+                    elif srv is not None and all(
                             r.client is not None and r.client.server_id == srv
                             and r.client.subscribed(r.session_id)
                             for r in self.report.sessions):
                         return True
             await asyncio.sleep(0.1)
         return False
+
+    def _all_supervisors_up(self) -> bool:
+        return self.farm is not None and sum(
+            1 for c in self.farm.tree.children.values()
+            if c.spec.name.startswith("supervisor") and c.state == "running"
+            and c.pid) == self.n_supervisors
 
     async def _answer(self, sv: SupervisorClient, i: int, run: SessionRun) -> None:
         """Answer an ask session's approval requests as a user would: each one seen
@@ -650,7 +753,7 @@ class Harness:
                 sub = await _retry(lambda: sv.call(
                     "submit", timeout_s=ANSWER_TIMEOUT_S, session_id=run.session_id,
                     op={"type": "exec_approval", "id": approval_id,
-                        "decision": answer["decision"]}))
+                        "decision": answer["decision"]}), kinds=self.retry_kinds)
             except SupervisorError as exc:
                 answer.setdefault("errors", []).append(str(exc))
                 return
@@ -665,7 +768,8 @@ class Harness:
         run.busy = True
         try:
             sub = await _retry(lambda: sv.submit(run.session_id, {
-                "type": "user_input", "text": self.opts.prompt.format(n=len(run.submissions))}))
+                "type": "user_input", "text": self.opts.prompt.format(n=len(run.submissions))}),
+                kinds=self.retry_kinds)
             run.submissions.append(str(sub))
             log.debug("session %s: submitted %s", run.session_id, sub)
             deadline = time.monotonic() + self.opts.turn_deadline_s
@@ -776,16 +880,21 @@ class Harness:
         at_s = round(time.monotonic() - t0, 3)
 
         def mark(service: str | None, at: float | None = None, kind: str = fault.kind,
-                 index: int = index) -> None:
+                 index: int = index, sessions: list[str] | None = None) -> None:
             when = time.monotonic() if at is None else at
             self.at[index] = when
             group = recovery_group(kind)
             if group is None:
                 return
             marks = {r.session_id: _count_upto(r.live, when) for r in self.report.sessions}
-            self.marks.append((index, recovery.FaultMark(group, when, service, marks)))
+            only = frozenset(sessions) if sessions is not None else None
+            self.marks.append((index, recovery.FaultMark(group, when, service, marks, only)))
 
         record = await injector.fire(fault, mark)
+        if index in self.at and ("down_s" in record or record["kind"] == "supervisor_stop"):
+            # when the stop or the restart ended (the farm's "down" window, ``_downs``)
+            self.until[index] = self.at[index] + float(
+                record.get("down_s", record.get("duration_s")) or 0.0)
         record["at_s"] = at_s  # when the fire began (it may wait for its window)
         if index in self.at:  # the instant it hit (SIGSTOP, kill, interrupt, crash claim)
             record["hit_at_s"] = round(self.at[index] - t0, 3)
@@ -822,6 +931,8 @@ class Harness:
         if fm.group != "worker":
             record["explained"] = {
                 "supervisor": "no turn was running", "broker": "nothing was in flight",
+                "takeover": "the stopped supervisor owned no session with a turn running",
+                "store": "no turn was running",
                 "provider": "no model stream was cut (none open at the provider)",
             }.get(fm.group, "not measured")
             return
@@ -858,16 +969,35 @@ class Harness:
             f"fault #{index} ({record['kind']}) froze {record.get('target')} holding "
             f"{held} and no session saw a loss report within {bound:.1f}s"))
 
+    def _down_end(self, j: int) -> float | None:
+        """For fault ``j`` that took a supervisor, the broker or the store away: when
+        its sessions could report again (None: not such a fault). A kill: ``RESUME_S``
+        after the farm had the process running again (never: infinity). A supervisor
+        stopped past its lease: its sessions are resumed elsewhere once the lease
+        lapsed and a claim round ran, or by it at SIGCONT. PostgreSQL restarted: the
+        leases lapsed meanwhile, so the sessions are taken again after it is back."""
+        rec = self.report.injected[j]
+        group = recovery_group(rec["kind"])
+        if j not in self.at or "skipped" in rec:
+            return None
+        start = self.at[j]
+        if group in ("supervisor", "broker"):
+            up = next((t for name, t in self.ups if name == group and t > start), None)
+            return (up if up is not None else float("inf")) + RESUME_S
+        takeover = self.opts.lease_s + CLAIM_S + RESUME_S
+        if group == "takeover":
+            return max(self.until.get(j, float("inf")), start + takeover) + RESUME_S
+        if group == "store":
+            return self.until.get(j, float("inf")) + takeover
+        return None
+
     def _downs(self) -> list[tuple[float, float]]:
-        """When the supervisor or the broker was down: from each kill of it to
-        ``RESUME_S`` after the farm had it running again (to the end if never)."""
+        """When a supervisor, the broker or the store was down (``_down_end``)."""
         out = []
-        for j, rec in enumerate(self.report.injected):
-            group = recovery_group(rec["kind"])
-            if j in self.at and group in ("supervisor", "broker") and "skipped" not in rec:
-                start = self.at[j]
-                up = next((t for name, t in self.ups if name == group and t > start), None)
-                out.append((start, (up if up is not None else float("inf")) + RESUME_S))
+        for j in range(len(self.report.injected)):
+            end = self._down_end(j)
+            if end is not None:
+                out.append((self.at[j], end))
         return out
 
     def _overlap(self, index: int) -> tuple[bool, float]:
@@ -885,11 +1015,9 @@ class Harness:
             if j == index or "skipped" in rec or j not in self.at:
                 continue
             start = self.at[j]
-            group = recovery_group(rec["kind"])
-            if group in ("supervisor", "broker") and start <= hi:
-                up = next((t for name, t in self.ups if name == group and t > start), None)
-                if up is None or up + RESUME_S >= at:
-                    return True, 0.0
+            end = self._down_end(j)
+            if end is not None and start <= hi and end >= at:
+                return True, 0.0
             if rec["kind"].startswith("store_"):
                 end = start + float(rec.get("duration_s") or 0.0)
                 if start <= hi + extra and end >= at:
@@ -900,10 +1028,12 @@ class Harness:
 
     async def _check(self) -> None:
         from supervisor.store import Store
+        from supervisor.store.pg.store import PgStore
 
         v = self.report.violations
         self.report.checks = [c for c in inv.ALL_CHECKS
-                              if self.marker_checks or c not in inv.MARKER_CHECKS]
+                              if (self.marker_checks or c not in inv.MARKER_CHECKS)
+                              and (self.store_url or c not in inv.LEASE_CHECKS)]
         # off the loop: a process still listed in a cgroup gets seconds to die
         v.extend(await asyncio.to_thread(inv.no_orphans, dict(self.pids)))
         await asyncio.to_thread(self.watch.sample)
@@ -942,7 +1072,10 @@ class Harness:
             self.report.killed_calls = counts
             v.extend(bad)
         asked = requests_in(self.script)
-        store = await Store.open(self.home / "corral.db")
+        # The farm's store, opened after it stopped (on PostgreSQL: no owner, no leases,
+        # a reader of what the disk holds).
+        store: Any = (await PgStore.open(self.store_url) if self.store_url
+                      else await Store.open(self.home / "corral.db"))
         try:
             for r in self.report.sessions:
                 replay = [_wire(e) for e in await store.replay_events(SessionId(r.session_id))]
@@ -950,7 +1083,8 @@ class Harness:
                 v.extend(inv.turn_ends_once(r.session_id, r.submissions, replay))
                 if not r.final_ok:
                     v.append(inv.Violation("not_wedged", r.session_id, None,
-                                           "the turn after the faults did not complete"))
+                                           "the turn after the faults did not complete "
+                                           f"({_last_seen(r, replay)})"))
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
@@ -971,12 +1105,28 @@ class Harness:
                 self._provider_faults(live)
         finally:
             await store.close()
+        if self.store_url:
+            v.extend(await asyncio.to_thread(self._fencing))
         await asyncio.to_thread(self.keeper.finish)
         self.report.exports_seen = len(self.keeper.seen)
         results = await self._exports()
         self.report.exports = len(results)
         v.extend(inv.exports_verify(results))
         v.extend(self._reached())
+
+    def _fencing(self) -> list[inv.Violation]:
+        """``fencing`` from the events as the disk holds them, with their leases; and
+        the owners each session's events came from, in turn (the report's
+        ``owners``)."""
+        assert self.store_url is not None
+        sids = [r.session_id for r in self.report.sessions]
+        rows, leases = pgfarm.event_leases(self.store_url, sids)
+        out: list[inv.Violation] = []
+        for sid in sids:
+            bad, turns = inv.fencing(sid, rows.get(sid, []), leases.get(sid))
+            out.extend(bad)
+            self.report.owners[sid] = turns
+        return out
 
     def _provider_faults(self, live: list[dict[str, Any]]) -> None:
         """Provider faults served to one session (estimate: the script's faulty entries
@@ -1023,6 +1173,10 @@ class Harness:
 
 def recovery_group(kind: str) -> str | None:
     """The recovery group of a fault kind (None: not a process fault)."""
+    if kind == "supervisor_stop":
+        return "takeover"
+    if kind == "pg_restart":
+        return "store"
     if kind.startswith("worker_"):
         return "worker"
     if kind.startswith("crash_") or kind == "supervisor_kill":
@@ -1030,6 +1184,15 @@ def recovery_group(kind: str) -> str | None:
     if kind in ("broker_kill", "broker_kill_one", "provider_kill"):
         return kind.split("_")[0]
     return None
+
+
+def _last_seen(run: SessionRun, replay: list[dict[str, Any]]) -> str:
+    """Where a wedged session stood: its last durable event seen live and the store's."""
+    seen = [e for _, e in run.live if e.get("sequence", 0) > 0]
+    live = f"{seen[-1]['type']} #{seen[-1]['sequence']}" if seen else "nothing"
+    stored = f"{replay[-1]['type']} #{replay[-1]['sequence']}" if replay else "nothing"
+    last = run.submissions[-1] if run.submissions else None
+    return f"last seen live: {live}; last stored: {stored}; last submission {last}"
 
 
 def _aborted_cleanly(live: recovery.LiveLog, sub: str) -> bool:
@@ -1127,12 +1290,13 @@ async def _frame_counts(broker: BrokerClient) -> dict[str, Any] | None:
     return faults
 
 
-async def _retry(make: Any, *, attempts: int = 60) -> Any:
+async def _retry(make: Any, *, attempts: int = 60,
+                 kinds: frozenset[str] = frozenset({"unavailable"})) -> Any:
     for i in range(attempts):
         try:
             return await make()
         except SupervisorError as exc:
-            if exc.kind != "unavailable" or i == attempts - 1:
+            if exc.kind not in kinds or i == attempts - 1:
                 raise
             await asyncio.sleep(0.5)
     raise AssertionError("unreachable")
@@ -1168,7 +1332,10 @@ def main(ns: Any) -> int:
                         fault_gap_s=getattr(ns, "fault_gap", 2.5),
                         frame_rate=getattr(ns, "frame_rate", 0.02),
                         provider_rate=getattr(ns, "provider_rate", 0.15),
-                        metrics=getattr(ns, "metrics", None))
+                        metrics=getattr(ns, "metrics", None),
+                        supervisors=getattr(ns, "supervisors", None),
+                        brokers=getattr(ns, "brokers", None),
+                        store_url=getattr(ns, "store_url", None))
     try:
         report = asyncio.run(Harness(opts).run()).as_dict()
     except ValueError as exc:

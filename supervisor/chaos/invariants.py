@@ -42,6 +42,11 @@ The invariants (issue 7):
    epochs rise by one each, and the store's ``compaction_count`` equals the
    number of ``context_compacted`` events (a crash in a compaction, before it
    settles, leaves nothing; its redo is the only one).
+13. ``fencing`` (several supervisors on PostgreSQL): a session's events, read from
+   the disk with the lease (owner, epoch) each was written under, never go back to
+   an older epoch, each epoch has one owner, no event carries an epoch the lease
+   never reached, and none after the first leased one lacks a lease: a supervisor
+   that lost a session published nothing under its old lease after the new owner's.
 """
 
 from __future__ import annotations
@@ -63,7 +68,10 @@ LiveLog = list[tuple[float, dict[str, Any]]]
 
 ALL_CHECKS = ("turn_ends_once", "not_wedged", "one_output_per_call", "effect_at_most_once",
               "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans",
-              "recovery_accounted", "faults_reached", "approvals_kept", "compaction_once")
+              "recovery_accounted", "faults_reached", "approvals_kept", "compaction_once",
+              "fencing")
+# Only with several supervisors on PostgreSQL (the events record their lease there).
+LEASE_CHECKS = ("fencing",)
 # These count the scripted workload's markers on disk; a real model improvises.
 MARKER_CHECKS = ("effect_at_most_once", "unknown_reported")
 MARKER_ARG_RE = re.compile(r"echo m-(\d+) >> effects\.log")
@@ -591,3 +599,49 @@ def _still_in(procs_file: str, grace_s: float) -> list[int]:
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)  # bounded by grace_s; only when something is still listed
+
+
+def fencing(sid: str, rows: Sequence[tuple[int, str | None, int | None]],
+            lease: tuple[str | None, int] | None) -> tuple[list[Violation], list[str]]:
+    """Invariant 13 from the disk: ``rows`` are the session's events as (sequence,
+    lease owner, lease epoch) in sequence order, ``lease`` its lease row at the end
+    (owner, epoch). Returns the violations and the owners in turn (each change of
+    owner on disk starts a new entry: the evidence that turns crossed owners).
+
+    Epochs only grow (a new one at every acquisition) and a write commits only
+    while its epoch is the lease's, so by sequence the epochs never go back and
+    an epoch belongs to one owner; an epoch above the lease's, or an event
+    without a lease after a leased one, was not written under the lease."""
+    out: list[Violation] = []
+    turns: list[str] = []
+    best: tuple[int, str | None, int] | None = None  # (epoch, owner, sequence) highest so far
+    owner_of: dict[int, str | None] = {}
+    for seq, owner, epoch in rows:
+        if epoch is None:
+            if best is not None:
+                out.append(Violation("fencing", sid, seq,
+                                     f"event {seq} carries no lease after event {best[2]} "
+                                     f"was written under epoch {best[0]}"))
+                break
+            continue
+        if not turns or turns[-1] != owner:
+            turns.append(str(owner))
+        first = owner_of.setdefault(epoch, owner)
+        if first != owner:
+            out.append(Violation("fencing", sid, seq,
+                                 f"epoch {epoch} was written by two owners ({first} and "
+                                 f"{owner}): the fencing token did not change with the owner"))
+            break
+        if best is not None and epoch < best[0]:
+            out.append(Violation("fencing", sid, seq,
+                                 f"event {seq} was written by {owner} under epoch {epoch} "
+                                 f"after event {best[2]} under epoch {best[0]} ({best[1]}): a "
+                                 "write under a lost lease"))
+            break
+        if best is None or epoch > best[0]:
+            best = (epoch, owner, seq)
+    if best is not None and lease is not None and best[0] > lease[1]:
+        out.append(Violation("fencing", sid, best[2],
+                             f"event {best[2]} carries epoch {best[0]}, above the lease's "
+                             f"epoch {lease[1]}"))
+    return out, turns

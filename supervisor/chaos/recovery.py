@@ -17,7 +17,12 @@ Which sessions a fault *affected* (had work on the killed process):
   through the broker) at the fault;
 - the scripted provider: sessions with a model step open at the fault whose
   step then ended ``retrying`` (its stream or connection broke);
-- the supervisor: sessions with a turn running at the fault.
+- the supervisor: sessions with a turn running at the fault; on a farm of several
+  supervisors, only among the sessions the killed one owned (``only``, from the
+  leases table at the fault);
+- a supervisor stopped past its lease (``takeover``): the sessions it owned with a
+  turn running; their next progress comes from the supervisor that took them over;
+- PostgreSQL restarted (``store``): sessions with a turn running.
 
 Recovery time: from the fault to the affected session's next progress
 event, a durable event received after the fault that is not the report of
@@ -71,10 +76,11 @@ def open_work(live: LiveLog, upto: int) -> OpenWork:
 class FaultMark:
     """A fired fault: its recovery group, its instant, and each session's log length."""
 
-    group: str  # worker | broker | supervisor | provider
+    group: str  # worker | broker | supervisor | provider | takeover | store
     at: float
     service: str | None  # worker faults: the service the target had in flight
     marks: dict[str, int]  # session id -> len(live) at the fault
+    only: frozenset[str] | None = None  # the sessions it can hit (a supervisor's own)
 
 
 def _durable_after(live: LiveLog, start: int, at: float) -> list[tuple[float, dict[str, Any]]]:
@@ -110,6 +116,8 @@ def affected(fault: FaultMark, lives: dict[str, LiveLog]) -> dict[str, float | N
     """Affected session id -> recovery seconds (None: it never progressed)."""
     out: dict[str, float | None] = {}
     for sid, mark in fault.marks.items():
+        if fault.only is not None and sid not in fault.only:
+            continue
         live = lives.get(sid, [])
         work = open_work(live, mark)
         after = _durable_after(live, mark, fault.at)

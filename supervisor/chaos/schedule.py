@@ -67,9 +67,15 @@ STORE_FAULTS: Final = ("store_busy", "store_slow")
 BROKER_SET_FAULTS: Final = (
     "broker_kill_one",  # SIGKILL one of two brokers (new calls move to the other)
 )
+# Faults of a farm of several supervisors on one PostgreSQL store (docs/multihost.md);
+# naming one runs the farm with 3 supervisors on PostgreSQL (a throwaway cluster).
+SUPERVISOR_SET_FAULTS: Final = (
+    "supervisor_stop",  # SIGSTOP one supervisor past its lease, then SIGCONT (fencing)
+    "pg_restart",  # restart PostgreSQL under load (immediate shutdown, then start)
+)
 ONE_BROKER_FAULTS: Final = (PROCESS_FAULTS + WINDOW_FAULTS + CANCEL_FAULTS + FRAME_FAULTS
                             + PROVIDER_FAULTS + STORE_FAULTS)
-ALL_FAULTS: Final = ONE_BROKER_FAULTS + BROKER_SET_FAULTS
+ALL_FAULTS: Final = ONE_BROKER_FAULTS + BROKER_SET_FAULTS + SUPERVISOR_SET_FAULTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +86,22 @@ class Fault:
     duration_s: float = 0.0  # for hangs, delays and store faults
 
 
-def parse_faults(spec: str) -> tuple[str, ...]:
+def parse_faults(spec: str, *, supervisors: int = 1, brokers: int = 1) -> tuple[str, ...]:
     """``all`` or a comma list of kinds (or groups: process, frame, provider, store,
-    brokers); ``all`` is every kind of a one-broker farm."""
+    brokers, supervisors). ``all`` is every kind the farm's shape allows: on one
+    supervisor (SQLite) the one-broker kinds; on several (PostgreSQL) the same without
+    the SQLite store kinds, plus the supervisor-set kinds; with two brokers, plus
+    ``broker_kill_one``. The SQLite store kinds named on a PostgreSQL farm are refused."""
+    pg = supervisors > 1
+    all_kinds = tuple(k for k in ONE_BROKER_FAULTS if not (pg and k in STORE_FAULTS))
+    if pg:
+        all_kinds += SUPERVISOR_SET_FAULTS
+    if brokers > 1:
+        all_kinds += BROKER_SET_FAULTS
     groups = {"process": PROCESS_FAULTS, "window": WINDOW_FAULTS, "cancel": CANCEL_FAULTS,
               "frame": FRAME_FAULTS, "provider": PROVIDER_FAULTS, "store": STORE_FAULTS,
-              "brokers": BROKER_SET_FAULTS, "all": ONE_BROKER_FAULTS}
+              "brokers": BROKER_SET_FAULTS, "supervisors": SUPERVISOR_SET_FAULTS,
+              "all": all_kinds}
     kinds: list[str] = []
     for word in (w.strip() for w in spec.split(",") if w.strip()):
         if word in groups:
@@ -95,7 +111,31 @@ def parse_faults(spec: str) -> tuple[str, ...]:
         else:
             raise ValueError(f"unknown fault {word!r}; choose from {', '.join(ALL_FAULTS)} "
                              f"or a group: {', '.join(groups)}")
+    if pg and set(kinds) & set(STORE_FAULTS):
+        raise ValueError(f"{', '.join(k for k in STORE_FAULTS if k in kinds)}: SQLite store "
+                         "faults; a farm of several supervisors runs on PostgreSQL (its "
+                         "store fault is pg_restart)")
     return tuple(dict.fromkeys(kinds))
+
+
+def farm_shape(spec: str, supervisors: int | None,
+               brokers: int | None) -> tuple[int, int]:
+    """(supervisors, brokers) of the chaos farm: as given, else what the named kinds
+    need (a supervisor-set kind: 3 supervisors; a broker-set kind: 2 brokers)."""
+    named = set(parse_faults(spec, supervisors=supervisors or 1, brokers=brokers or 1)
+                if supervisors and supervisors > 1 else _named(spec))
+    n_sup = supervisors or (3 if named & set(SUPERVISOR_SET_FAULTS) else 1)
+    n_brk = brokers or (2 if named & set(BROKER_SET_FAULTS) else 1)
+    if n_sup < 2 and named & set(SUPERVISOR_SET_FAULTS):
+        raise ValueError("supervisor_stop and pg_restart need --supervisors 2 or more")
+    if n_brk < 2 and named & set(BROKER_SET_FAULTS):
+        raise ValueError("broker_kill_one needs --brokers 2 or more")
+    return n_sup, n_brk
+
+
+def _named(spec: str) -> tuple[str, ...]:
+    """The kinds ``spec`` names, SQLite store kinds allowed (the shape decides)."""
+    return parse_faults(spec)
 
 
 def timed_kinds(faults: tuple[str, ...]) -> list[str]:
@@ -123,7 +163,7 @@ def make_schedule(seed: int, duration_s: float, faults: tuple[str, ...], *,
         duration = 0.0
         if kind == "worker_hang":
             duration = rng.uniform(1.0, 3.0)
-        elif kind in STORE_FAULTS:
+        elif kind in STORE_FAULTS or kind == "supervisor_stop":  # stop: past the lease
             duration = rng.uniform(0.5, 2.0)
         out.append(Fault(round(t, 3), kind, rng.randrange(1 << 16), round(duration, 3)))
         t += min_gap_s + rng.uniform(0, min_gap_s)

@@ -24,9 +24,17 @@ resuming, a point would fire before any client is back and show nothing.
 a long tool call open.
 
 Other targets: the broker, the supervisor and the scripted provider are
-SIGKILLed (the farm restarts them); ``store_busy`` holds SQLite's write lock
-from a second connection; ``store_slow`` switches the store's slow-disk hook
-on (a flag file, see ``supervisor.store.slowdisk``) for the fault's duration.
+SIGKILLed (the farm restarts them). On a farm of several supervisors (PostgreSQL),
+``supervisor_kill`` and ``supervisor_stop`` pick, by the leases table read at that
+instant (``pgfarm.owners``), a supervisor that owns sessions, and record which
+(``owner``, ``sessions``: those are the sessions it hits); ``supervisor_stop``
+SIGSTOPs it for the lease plus the fault's 0.5-2 s, so its leases lapse and others
+take its sessions over, then SIGCONTs it (fencing: it must publish nothing more for
+them). ``pg_restart`` restarts the farm's PostgreSQL (immediate shutdown, then
+start on the same port: ``PgServer.restart``) while turns run. ``store_busy``
+holds SQLite's write lock from a second connection; ``store_slow`` switches the
+store's slow-disk hook on (a flag file, see ``supervisor.store.slowdisk``) for the
+fault's duration.
 
 Invariants:
 - Every record says what was hit: kind, target name, pid, and for worker
@@ -52,6 +60,7 @@ from typing import Any, Final
 
 from broker.client import BrokerClient
 from broker.errors import BrokerError
+from supervisor.chaos import pgfarm
 from supervisor.chaos.evidence import calls_in_cgroup
 from supervisor.chaos.schedule import WINDOW_POINTS, Fault
 from supervisor.farm.root import Farm
@@ -74,7 +83,9 @@ class Injector:
                  interrupter: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
                  arm_wait_s: float = 6.0,
                  steady: Callable[[], Awaitable[bool]] | None = None,
-                 more_brokers: Sequence[BrokerClient] = ()) -> None:
+                 more_brokers: Sequence[BrokerClient] = (), store_url: str | None = None,
+                 lease_s: float = 0.0,
+                 pg_restart: Callable[[], Awaitable[float]] | None = None) -> None:
         self.farm = farm
         self.broker = broker
         self.brokers = [broker, *more_brokers]  # a worker's calls may be on any of them
@@ -85,6 +96,9 @@ class Injector:
         self.interrupter = interrupter
         self.arm_wait_s = arm_wait_s
         self.steady = steady
+        self.store_url = store_url  # several supervisors: the shared PostgreSQL store
+        self.lease_s = lease_s
+        self.pg_restart = pg_restart  # restarts the farm's PostgreSQL; seconds it was down
 
     def _running(self, prefix: str) -> list[Any]:
         return sorted((c for c in self.farm.tree.children.values()
@@ -182,6 +196,8 @@ class Injector:
             finally:
                 _signal(pid, signal.SIGCONT)
             return rec
+        if kind == "supervisor_stop" or (kind == "supervisor_kill" and self.store_url):
+            return await self._supervisor(fault, rec, before_kill)
         if kind in SINGLE:
             targets = self._running(SINGLE[kind])
             if not targets:
@@ -193,6 +209,15 @@ class Injector:
             rec.update(target=child.spec.name, pid=child.pid, hit=landed)
             before_kill(None)
             _signal(child.pid, signal.SIGKILL)
+            return rec
+        if kind == "pg_restart":
+            if self.pg_restart is None:
+                rec["skipped"] = ("no PostgreSQL of this run to restart (a --store-url "
+                                  "server is not the harness's)")
+                return rec
+            before_kill(None)
+            rec.update(target="postgresql", hit=True,
+                       down_s=round(await self.pg_restart(), 3))
             return rec
         if kind in WINDOW_POINTS:
             return await self._arm(WINDOW_POINTS[kind], rec, before_kill)
@@ -223,6 +248,44 @@ class Injector:
         rec["skipped"] = "not a timed fault"
         return rec
 
+
+    async def _supervisor(self, fault: Fault, rec: dict[str, Any],
+                          before_kill: Any) -> dict[str, Any]:
+        """SIGKILL (``supervisor_kill``) or SIGSTOP past its lease, then SIGCONT
+        (``supervisor_stop``), one supervisor of several, preferring those that own
+        sessions (the leases table, read now). A hit: it owned sessions, and another
+        supervisor ran to take them."""
+        targets = self._running("supervisor")
+        if not targets:
+            rec["skipped"] = "no running supervisor process"
+            return rec
+        if self.store_url is None:
+            rec["skipped"] = "not a farm of several supervisors on PostgreSQL"
+            return rec
+        held = await asyncio.to_thread(pgfarm.owners, self.store_url)
+        by_pid = {o.pid: o for o in (held or {}).values()}
+        busy = [c for c in targets if c.pid in by_pid and by_pid[c.pid].sessions]
+        child = (busy or targets)[fault.pick % len(busy or targets)]
+        own = by_pid.get(child.pid)
+        sessions = list(own.sessions) if own is not None else None  # None: unknown
+        rec.update(target=child.spec.name, pid=child.pid,
+                   owner=own.owner if own is not None else None, sessions=sessions or [],
+                   hit=bool(sessions) and len(targets) >= 2)
+        if held is None:
+            rec["note"] = "the leases could not be read: its sessions are unknown"
+        if fault.kind == "supervisor_kill":
+            before_kill(None, sessions=sessions)
+            _signal(child.pid, signal.SIGKILL)
+            return rec
+        stop_s = self.lease_s + fault.duration_s
+        _signal(child.pid, signal.SIGSTOP)
+        before_kill(None, sessions=sessions)
+        try:
+            await asyncio.sleep(stop_s)
+        finally:
+            _signal(child.pid, signal.SIGCONT)
+        rec["duration_s"] = round(stop_s, 3)
+        return rec
 
     async def _arm(self, point: str, rec: dict[str, Any], before_kill: Any) -> dict[str, Any]:
         """Arm crash point ``point`` once; wait for the supervisor to reach it."""

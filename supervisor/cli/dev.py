@@ -47,9 +47,11 @@ def add_chaos_parser(sub: Subparsers) -> None:
     p.add_argument("--sessions", type=int, default=8, help="sessions to run (default 8)")
     p.add_argument("--faults", default="all",
                    help="comma list of fault kinds or groups (process, window, cancel, "
-                   "frame, provider, store, brokers), or 'all' (default: every kind of a "
-                   "one-broker farm); e.g. worker_kill_tool,crash_publish. Naming "
-                   "broker_kill_one (group brokers) runs the farm with two brokers")
+                   "frame, provider, store, brokers, supervisors), or 'all' (default: "
+                   "every kind the farm's shape allows); e.g. worker_kill_tool,crash_publish."
+                   " Naming broker_kill_one (group brokers) runs the farm with two brokers, "
+                   "supervisor_stop or pg_restart (group supervisors) with three supervisors "
+                   "on PostgreSQL")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
     p.add_argument("--fault-gap", type=float, default=2.5, metavar="S",
                    help="minimum seconds between timed faults (gaps are S to 2S; default "
@@ -69,6 +71,16 @@ def add_chaos_parser(sub: Subparsers) -> None:
                    help="serve the farm's Prometheus /metrics there during the run (port 0: "
                    "any; the URL is printed on stderr), with corral_chaos_faults_injected_"
                    "total by kind")
+    p.add_argument("--supervisors", type=int, default=None, metavar="N",
+                   help="supervisors sharing the sessions on PostgreSQL (default 1 on "
+                   "SQLite; 3 when a supervisor-set fault is named: supervisor_stop, "
+                   "pg_restart); 2 or more run on --store-url or a throwaway cluster")
+    p.add_argument("--brokers", type=int, default=None, metavar="N",
+                   help="brokers (default 1; 2 when broker_kill_one is named)")
+    p.add_argument("--store-url", default=None, metavar="URL",
+                   help="an empty PostgreSQL database for a farm of several supervisors "
+                   "(default: a throwaway cluster the run starts and stops; pg_restart "
+                   "needs that one)")
     add_json(p)
     p.set_defaults(handler=cmd_chaos)
 

@@ -7,12 +7,12 @@ are each SIGKILLed once. At the end the chaos harness's invariants are
 checked and a table is printed; every number in it is counted.
 
 ``--no-chaos`` runs the same work without faults; ``--faults`` chooses the
-processes to kill (one every 8 s, in order; ``provider_kill`` kills the
-scripted provider); ``--model PROVIDER:MODEL`` (with ``--base-url``) runs the
-same sessions against a real provider: the model then improvises, so the
-checks that count the script's markers on disk do not apply and the table
-says which checks ran; ``--echo`` runs the foundation demo (broker and echo
-workers only).
+processes to kill (in order, one every 8 s or every ``--fault-gap`` seconds;
+``provider_kill`` kills the scripted provider); ``--model PROVIDER:MODEL``
+(with ``--base-url``) runs the same sessions against a real provider: the
+model then improvises, so the checks that count the script's markers on disk
+do not apply and the table says which checks ran; ``--echo`` runs the
+foundation demo (broker and echo workers only).
 """
 
 from __future__ import annotations
@@ -96,8 +96,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=20, help="sessions to run (default 20)")
     p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
     p.add_argument("--no-chaos", action="store_true", help="run without killing anything")
+    p.add_argument("--fault-gap", type=float, default=FAULT_GAP_S, metavar="S",
+                   help=f"seconds between two kills (default {FAULT_GAP_S:.0f}; at least 2: "
+                        "each recovery is measured on its own)")
     p.add_argument("--faults", default=DEFAULT_FAULTS,
-                   help=f"processes to SIGKILL, one every {FAULT_GAP_S:.0f} s in this order "
+                   help="processes to SIGKILL, one every --fault-gap seconds in this order "
                    f"(default {DEFAULT_FAULTS}; kinds: {', '.join(PROCESS_FAULTS)})")
     p.add_argument("--model", default=None,
                    help="run against this route instead of the scripted provider, e.g. "
@@ -131,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                   "provider is the default)", file=sys.stderr)
             return 2
         route.pop("name", None)
+    if ns.fault_gap < 2.0:
+        print(f"scripts/demo: --fault-gap {ns.fault_gap:g} is too short; give 2 seconds or "
+              "more, so each recovery can be measured on its own", file=sys.stderr)
+        return 2
     kinds = [k.strip() for k in ns.faults.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in PROCESS_FAULTS]
     if unknown:
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     home = ns.home or Path(tempfile.mkdtemp(prefix="corral-demo-"))
     schedule = [] if ns.no_chaos else [
-        Fault(6.0 + FAULT_GAP_S * i, kind, 0, 2.0 if kind == "worker_hang" else 0.0)
+        Fault(6.0 + ns.fault_gap * i, kind, 0, 2.0 if kind == "worker_hang" else 0.0)
         for i, kind in enumerate(kinds)]
     # Enough scripted turns that every session keeps working through the faults.
     turns = 40

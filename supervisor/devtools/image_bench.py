@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import io
 import json
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.client import BrokerClient
+from broker.devtools.children import print_table, ready_line, spawn, stop
 from broker.protocol import pack, unpack
 from supervisor.images.store import ImageStore
 
@@ -128,28 +128,6 @@ def bench_import(tmp: Path, runs: int) -> dict[str, float]:
             "image_import_layer_mb": round(mb, 1), "image_import_runs": runs}
 
 
-def _ready(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
-    import selectors
-
-    out = proc.stdout
-    if out is None:
-        raise RuntimeError("no stdout pipe")
-    sel = selectors.DefaultSelector()
-    sel.register(out, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not sel.select(left):
-            raise RuntimeError(f"pid {proc.pid} not ready within {READY_TIMEOUT_S}s")
-        chunk = os.read(out.fileno(), 4096)
-        if not chunk:
-            raise RuntimeError(f"pid {proc.pid} exited before it was ready")
-        buf += chunk
-    sel.close()
-    return dict(json.loads(buf.decode().splitlines()[0]))
-
-
 async def _e2e(frontend: str, workspace: str, digest: str, n: int) -> tuple[list[float],
                                                                              list[float]]:
     image: list[float] = []
@@ -179,30 +157,18 @@ def bench_e2e(tmp: Path, n: int) -> dict[str, float]:
     py = sys.executable
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        broker = subprocess.Popen([py, "-m", "broker", "--frontend", f"ipc://{tmp}/f",
-                                   "--backend", f"ipc://{tmp}/b"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        broker = spawn([py, "-m", "broker", "--frontend", f"ipc://{tmp}/f",
+                        "--backend", f"ipc://{tmp}/b"])
         procs.append(broker)
-        ready = _ready(broker)
-        worker = subprocess.Popen(
+        ready = ready_line(broker, READY_TIMEOUT_S)
+        worker = spawn(
             [py, "-m", "sandbox_worker", "--broker", ready["backend"], "--services", "tool",
-             "--capacity", "1", "--log-level", "WARNING", "--images", str(home / "images")],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+             "--capacity", "1", "--log-level", "WARNING", "--images", str(home / "images")])
         procs.append(worker)
-        _ready(worker)
+        ready_line(worker, READY_TIMEOUT_S)
         image, host = asyncio.run(_e2e(ready["frontend"], workspace, digest, n))
     finally:
-        for proc in reversed(procs):
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        stop(procs)
         shutil.rmtree(workspace, ignore_errors=True)
     img, hst = statistics.median(image) * 1000, statistics.median(host) * 1000
     return {"e2e_image_true_p50_ms": round(img, 3), "e2e_host_true_p50_ms": round(hst, 3),
@@ -236,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json:
         print(json.dumps(results))
     else:
-        for key, value in results.items():
-            print(f"{key:<40} {value!s:>12}")
+        print_table(results)
         print("(target: e2e_image_vs_host <= 1.2)")
     return 0
 

@@ -37,7 +37,11 @@ a local sink) on in the supervisor process: ``telemetry_on_vs_off_N`` and
 ``--telemetry-rounds K`` alternates K on and off phases after the first off
 one and compares the means (``telemetry_on_vs_off_mean_N``).
 The broker and the workers are the same processes in both phases and do not
-trace.
+trace. Issue 19's figures: ``--pg`` runs the 100-session level again on a PostgreSQL
+store (``pg_vs_sqlite``, with how many steps took the one-statement path);
+``--takeover`` measures ``takeover_s`` (``takeover_bench``); ``--two-supervisors``
+measures ``two_supervisors_vs_one`` (``supervisors_bench``); ``--takeover-only`` and
+``--two-supervisors-only`` skip the levels.
 
 Invariants: every turn is checked (one tool call ended ``ok``, then
 ``turn_complete``), a failed turn fails the run; every child is started in
@@ -401,6 +405,7 @@ async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
     """The same level on the SQLite store (again, now) and on a PostgreSQL store (a
     throwaway durable cluster on loopback: fsync on), one supervisor each, same farm."""
     from supervisor.devtools.pgserver import PgServer
+    from supervisor.store.pg import onestep
     from supervisor.store.pg.store import PgStore
 
     sqlite = await _supervisor_level(sqlite_manager, ws, meter, StepCounter(sqlite_manager),
@@ -418,8 +423,10 @@ async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
                         await manager.started()
                     counter = StepCounter(manager)
                     await _supervisor_level(manager, ws, meter, counter, 1, 1, on_stuck)
+                    groups0, counts0 = store.groups_committed, dict(onestep.COUNTS)
                     pg = await _supervisor_level(manager, ws, meter, counter, n, m, on_stuck)
-                    groups = store.groups_committed
+                    groups = store.groups_committed - groups0
+                    paths = {k: v - counts0.get(k, 0) for k, v in onestep.COUNTS.items()}
                 finally:
                     task.cancel()
         finally:
@@ -427,6 +434,7 @@ async def _pg_vs_sqlite(sqlite_manager: SessionManager, client: BrokerClient,
     finally:
         await asyncio.to_thread(server.stop)
     return {"sqlite": sqlite, "postgresql": pg, "postgresql_transactions": groups,
+            "postgresql_step_paths": paths,
             "ratio": round(pg["turns_per_s"] / sqlite["turns_per_s"], 3)}
 
 
@@ -648,6 +656,12 @@ def main(argv: list[str] | None = None) -> int:
         "PostgreSQL store; target p99 <= lease + 1 s"))
     parser.add_argument("--takeover-only", action="store_true",
                         help="measure takeover_s only (no levels)")
+    parser.add_argument("--two-supervisors", action="store_true", help=(
+        "also measure two_supervisors_vs_one (supervisor/devtools/supervisors_bench.py): "
+        "turns/s of 1,000 sessions (--quick: 100) x 2 turns on two supervisor processes "
+        "pinned to separate cores over one, on one PostgreSQL store; target >= 1.4"))
+    parser.add_argument("--two-supervisors-only", action="store_true",
+                        help="measure two_supervisors_vs_one only (no levels)")
     parser.add_argument("--lease-s", type=float, default=2.0,
                         help="[store] lease_s of the takeover run (default 2)")
     parser.add_argument("--levels", type=_levels, default=None,
@@ -656,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     idle = args.idle or (300 if args.quick else 1000)
     started = time.monotonic()
     results: dict[str, Any] = {}
-    if not args.takeover_only:
+    only = args.takeover_only or args.two_supervisors_only
+    if not only:
         with tempfile.TemporaryDirectory(prefix="corral-bench-", dir="/tmp") as tmp:
             levels = args.levels or (QUICK_LEVELS if args.quick else FULL_LEVELS)
             results = asyncio.run(bench(Path(tmp), levels, args.workers, args.capacity, idle,
@@ -670,6 +685,13 @@ def main(argv: list[str] | None = None) -> int:
         took = takeover_bench.run(10 if args.quick else 50, args.lease_s, args.workers)
         results["takeover_s"] = took
         ratios["takeover_p99_vs_target"] = round(took["p99"] / took["target_p99"], 3)
+    if args.two_supervisors or args.two_supervisors_only:
+        from supervisor.devtools import supervisors_bench
+
+        two = supervisors_bench.run(100 if args.quick else 1000, 2, args.workers,
+                                    args.capacity)
+        results["two_supervisors_vs_one"] = two
+        ratios["two_supervisors_vs_one"] = two["ratio"]
     results["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
         doc = {"name": "sessions", "machine": machine(), "results": results, "ratios": ratios}
@@ -678,12 +700,16 @@ def main(argv: list[str] | None = None) -> int:
         (out / "sessions.json").write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc))
     else:
-        if not args.takeover_only:
+        if not only:
             print_table(results, ratios)
         if shown := results.get("takeover_s"):
             print(f"takeover_s ({shown['sessions']} sessions, lease {shown['lease_s']}s): "
                   f"p50 {shown['p50']}s, p99 {shown['p99']}s, max {shown['max']}s "
                   f"(target p99 <= {shown['target_p99']}s)")
+        if two_run := results.get("two_supervisors_vs_one"):
+            from supervisor.devtools import supervisors_bench
+
+            print(supervisors_bench.describe(two_run))
         print(f"({results['seconds']} s)")
     return 0
 

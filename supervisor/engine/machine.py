@@ -28,6 +28,10 @@ States (``TurnState.turn.phase``)::
                        (all calls ended: Export, next step: PREPARING)
     STOPPING -StopDone(continue)-> PREPARING;  STOPPING -StopDone-> COMPLETED
     COMPACTING -CompactionDone(failed; ``retries``: the model call's rule)-> COMPACTING
+    COMPACTING -CompactionDone(ok)-> PREPARING with ``ActiveTurn.notice`` open (the new
+               context provisional, held by the driver, never stored) until a
+               ``Settle`` carried by Prepared / Done / a stopped CompactionDone
+               commits it, or ``Finish.notice`` closes it, or a crash drops it
     any live phase -Interrupt / TurnTimedOut / ModelFailed(final) / Abort / Rejected
                    / Done-> ABORTED | FAILED | COMPLETED  (one ``Finish``)
 
@@ -53,9 +57,9 @@ Invariants (``tests/engine/test_machine.py`` checks each with a Hypothesis
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import supervisor.engine.events as ev
 from broker.protocol import Failure, FailureKind
@@ -63,6 +67,23 @@ from supervisor.engine.approvals import call_key
 from supervisor.engine.phases import CallState, TurnPhase, advance_call, advance_phase
 
 MIN_REQUEST_BUDGET_S = 0.05  # a request with less left is not sent: the turn's limit ends it
+
+
+_set = object.__setattr__
+_R = TypeVar("_R")
+
+
+def _replace(record: _R, **changes: Any) -> _R:
+    """``dataclasses.replace`` for the machine's frozen slotted records, without
+    its per-call field introspection (a fifth of the machine's CPU per turn in
+    the sessions benchmark). Records have no ``__post_init__``; an unknown name
+    raises ``AttributeError`` (slots)."""
+    new = object.__new__(type(record))
+    for name in record.__slots__:  # type: ignore[attr-defined]
+        _set(new, name, getattr(record, name))
+    for name, value in changes.items():
+        _set(new, name, value)
+    return new
 
 
 class Verdict(StrEnum):
@@ -120,7 +141,7 @@ class PendingCall:
     outcome: str | None = None
 
     def moved(self, target: CallState, **changes: Any) -> PendingCall:
-        return replace(self, state=advance_call(self.state, target), **changes)
+        return _replace(self, state=advance_call(self.state, target), **changes)
 
     @property
     def in_flight(self) -> bool:
@@ -171,9 +192,12 @@ class ActiveTurn:
     started_at: float = 0.0  # wall clock: max_turn_s counts across restarts
     first_sequence: int = 1
     tool_rounds: tuple[tuple[str, ...], ...] = ()
+    # the open compaction notice (block id): shown pending from ``CompactionDue`` until
+    # its compaction settles (``Settle``) or the turn ends (``Finish.notice``)
+    notice: str | None = None
 
     def moved(self, target: TurnPhase, **changes: Any) -> ActiveTurn:
-        return replace(self, phase=advance_phase(self.phase, target), **changes)
+        return _replace(self, phase=advance_phase(self.phase, target), **changes)
 
     def to_json(self) -> dict[str, Any]:
         return {"turn_id": self.turn_id, "submission_id": self.submission_id,
@@ -182,7 +206,7 @@ class ActiveTurn:
                 "tool_calls": self.tool_calls, "failed_tool_calls": self.failed_tool_calls,
                 "continuations": self.continuations, "started_at": self.started_at,
                 "first_sequence": self.first_sequence,
-                "tool_rounds": [list(r) for r in self.tool_rounds]}
+                "tool_rounds": [list(r) for r in self.tool_rounds], "notice": self.notice}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ActiveTurn:
@@ -192,7 +216,8 @@ class ActiveTurn:
                    int(d.get("tool_calls", 0)), int(d.get("failed_tool_calls", 0)),
                    int(d.get("continuations", 0)), float(d.get("started_at", 0.0)),
                    int(d.get("first_sequence", 1)),
-                   tuple(tuple(str(c) for c in r) for r in d.get("tool_rounds", [])))
+                   tuple(tuple(str(c) for c in r) for r in d.get("tool_rounds", [])),
+                   None if d.get("notice") is None else str(d["notice"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +236,7 @@ class TurnState:
         return next((c for c in self.calls if c.call_id == call_id), None)
 
     def with_call(self, new: PendingCall) -> TurnState:
-        return replace(self, calls=tuple(new if c.call_id == new.call_id else c
+        return _replace(self, calls=tuple(new if c.call_id == new.call_id else c
                                          for c in self.calls))
 
     def to_checkpoint(self) -> dict[str, Any]:
@@ -261,25 +286,58 @@ Item: TypeAlias = Mapping[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class Begin:
-    """The admitted input (or a compact op) starts the turn."""
+    """The admitted input (or a compact op) starts the turn. The driver built
+    what goes with ``turn_started`` in the turn's first commit: ``events`` (the
+    ``user_message``), ``items`` (the user's message, the prompt hooks'
+    contexts) and ``write`` (the input taken off ``queued_input``)."""
+
+    events: tuple[EventSpec, ...] = ()
+    items: tuple[Item, ...] = ()
+    write: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """A provisional compaction made durable, as the driver built it once the
+    usage observer accepted its usage: ``events`` (token_count,
+    context_compacted, the notice completed), the new ``context`` (a rewrite)
+    and ``write`` (the compaction count, usage, rewrite note, cache breakpoint).
+    Carried by ``Prepared``, ``Done`` and a stopped ``CompactionDone``; the
+    machine commits it, closing the notice, only while a notice is open."""
+
+    events: tuple[EventSpec, ...] = ()
+    context: tuple[Item, ...] = ()
+    write: Any = None
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """pre_model / model_request hooks ran: the model step may be sent."""
+    """pre_model / model_request hooks ran: the model step may be sent (after
+    ``settle``, a provisional compaction the request was built on)."""
 
     route: str | None = None  # named in ``model_step_started``
+    settle: Settle | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CompactionDue:
-    pass
+    """Compaction is due (the threshold or a compact op) and the pre_compact
+    hooks let it run: its notice ``block_id`` is shown pending, the call made."""
+
+    block_id: str = "block"
 
 
 @dataclass(frozen=True, slots=True)
 class CompactionDone:
+    """The compaction call answered (``ok``: the new context is provisional, held
+    by the driver; the post_compact and session_start hooks ran) or failed
+    (``failure``). ``stop``: a hook stopped the turn after it (the compaction is
+    kept: ``settle``)."""
+
     ok: bool = True
     failure: Failure | None = None
+    stop: str | None = None
+    settle: Settle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,10 +429,12 @@ class StopDone:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The turn's work is done without stop hooks: a compact op's turn, or a hook
-    stopped it (``warning``: its reason, committed first)."""
+    """The turn's work is done without stop hooks: a compact op's turn (``settle``:
+    its compaction), or a hook stopped it (``warning``: its reason, committed
+    first)."""
 
     warning: str | None = None
+    settle: Settle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +486,7 @@ class Commit:
     approve: tuple[str, ...] = ()
     execution: bool = False
     point: str | None = None
+    rewrite: tuple[Item, ...] | None = None  # a settled compaction's new context
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +520,11 @@ class CallModel:
 
 @dataclass(frozen=True, slots=True)
 class Compact:
+    """Make the compaction call for notice ``block_id`` (then its hooks):
+    ``CompactionDone``."""
+
+    block_id: str
+    attempt: int
     budget_s: float
 
 
@@ -506,7 +572,9 @@ class Finish:
     (interrupted | rejected | failed) and ``message``; ``failure``: an ``error``
     event first; ``warning``: a warning committed before it; ``open_step``: a
     model step started and not completed (closed as interrupted or failed);
-    ``outputs``: a ``function_call_output`` for each call left open."""
+    ``outputs``: a ``function_call_output`` for each call left open;
+    ``notice``: a compaction notice left open (completed as cancelled or
+    failed; the provisional compaction is dropped)."""
 
     ending: Ending
     message: str = ""
@@ -514,6 +582,7 @@ class Finish:
     warning: str | None = None
     open_step: int | None = None
     outputs: tuple[Item, ...] = ()
+    notice: str | None = None
 
     @property
     def reason(self) -> str:
@@ -571,9 +640,9 @@ class _Out:
 
     def commit(self, state: TurnState, *events: EventSpec, items: tuple[Item, ...] = (),
                write: Any = None, approve: tuple[str, ...] = (), execution: bool = False,
-               point: str | None = None) -> None:
+               point: str | None = None, rewrite: tuple[Item, ...] | None = None) -> None:
         self.actions.append(Commit(state, tuple(events), items, write, approve, execution,
-                                   point))
+                                   point, rewrite))
         if events:
             self.actions.append(Publish(tuple(events)))
 
@@ -595,9 +664,11 @@ def resume(state: TurnState, limits: Limits, now: float) -> tuple[TurnState, tup
     """Restart the work that was in flight when the process holding ``state``
     died: the model step is re-issued (a new step), the approval is asked again,
     undecided calls are decided, in-flight tool calls are re-dispatched if
-    idempotent and attempts are left, else they end ``unknown``. (The driver
-    closes the events a crash left open, ``model_step_started`` and compaction
-    notices, from the journal before it resumes.)"""
+    idempotent and attempts are left, else they end ``unknown``; a compaction
+    (in flight or provisional: it died with the process) is redone, its notice
+    dropped from the state. (The driver closes the events a crash left open,
+    ``model_step_started`` and compaction notices, from the journal before it
+    resumes.)"""
     if state.ended:
         return state, ()
     out = _Out()
@@ -606,8 +677,8 @@ def resume(state: TurnState, limits: Limits, now: float) -> tuple[TurnState, tup
         return _end(state, Ending.FAILED, out, _time_limit(limits)), tuple(out.actions)
     if t.phase in (TurnPhase.STARTING, TurnPhase.PREPARING, TurnPhase.MODEL_CALL,
                    TurnPhase.COMPACTING):
-        if t.phase is not TurnPhase.PREPARING:
-            state = replace(state, turn=t.moved(TurnPhase.PREPARING, attempt=0))
+        if t.phase is not TurnPhase.PREPARING or t.notice is not None:
+            state = _replace(state, turn=t.moved(TurnPhase.PREPARING, attempt=0, notice=None))
             out.commit(state)
         out.add(RunHook("pre_model"))
     elif t.phase is TurnPhase.STOPPING:
@@ -633,42 +704,33 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
             return _end(s, Ending.FAILED, out, failure, message)
         case Rejected(message):
             return _end(s, Ending.REJECTED, out, None, message)
-        case Done(warning):
-            return _end(s, Ending.COMPLETED, out, None, warning=warning)
-        case Begin():
+        case Done(warning, settle):
+            return _end(_settle(s, settle, out), Ending.COMPLETED, out, None, warning=warning)
+        case Begin(events, items, write):
             if t.phase is not TurnPhase.STARTING:
                 return s
-            s = replace(s, turn=t.moved(TurnPhase.PREPARING))
-            out.commit(s, ("turn_started", {"turn_id": tid}), execution=True)
+            s = _replace(s, turn=t.moved(TurnPhase.PREPARING))
+            started = {"turn_id": tid, "kind": "compact"} if t.kind == "compact" \
+                else {"turn_id": tid}
+            out.commit(s, ("turn_started", started), *events, items=items, write=write,
+                       execution=True)
             out.add(RunHook("pre_model"))
             return s
-        case CompactionDue():
-            if t.phase is not TurnPhase.PREPARING:
-                return s
-            s = replace(s, turn=t.moved(TurnPhase.COMPACTING, attempt=1))
-            out.commit(s, ("frontend_render", {"turn_id": tid, "state": "pending"}))
-            out.add(Compact(budget_s(s, limits.model_call_budget_s, limits, now)))
+        case CompactionDue(block_id):
+            if t.phase is not TurnPhase.PREPARING or t.notice is not None:
+                return s  # one compaction at a time: a provisional one settles first
+            s = _replace(s, turn=t.moved(TurnPhase.COMPACTING, attempt=1, notice=block_id))
+            out.commit(s, ("frontend_render", ev.render_block(block_id, ev.COMPACTING_TITLE,
+                                                              complete=False)))
+            out.add(Compact(block_id, 1, budget_s(s, limits.model_call_budget_s, limits, now)))
             return s
-        case CompactionDone(ok, failure):
-            if t.phase is not TurnPhase.COMPACTING:
-                return s
-            if not ok:
-                failure = failure or Failure("model_failed", "compaction failed")
-                if retries(failure, t.attempt, limits.model_attempts):
-                    # the same rule and budget as a model call; the notice stays open
-                    s = replace(s, turn=replace(t, attempt=t.attempt + 1))
-                    out.commit(s, ("warning", {"turn_id": tid, "compaction_retry": {
-                        "attempt": t.attempt, "error": failure.as_data()}}))
-                    out.add(Compact(budget_s(s, limits.model_call_budget_s, limits, now)))
-                    return s
-                return _end(s, Ending.FAILED, out, failure)
-            s = replace(s, turn=t.moved(TurnPhase.PREPARING, attempt=0))
-            out.commit(s, ("context_compacted", {"turn_id": tid}))
-            out.add(RunHook("pre_model"))
-            return s
-        case Prepared(route):
+        case CompactionDone():
+            return _compaction_done(s, e, limits, now, out)
+        case Prepared(route, settle):
             if t.phase is not TurnPhase.PREPARING:
                 return s  # a stale hook result: nothing to prepare
+            s = _settle(s, settle, out)
+            t = s.turn
             if t.model_steps >= limits.max_model_steps:
                 return _end(s, Ending.FAILED, out, Failure(
                     "turn_limit",
@@ -688,13 +750,62 @@ def _step(s: TurnState, e: Event, limits: Limits, now: float, out: _Out) -> Turn
             if t.phase is not TurnPhase.STOPPING:
                 return s
             if continue_with is not None and t.continuations < limits.stop_continuations:
-                s = replace(s, turn=t.moved(TurnPhase.PREPARING,
+                s = _replace(s, turn=t.moved(TurnPhase.PREPARING,
                                             continuations=t.continuations + 1))
                 out.commit(s, items=(continue_with,))
                 out.add(RunHook("pre_model"))
                 return s
             return _end(s, Ending.COMPLETED, out, None)
     raise TypeError(f"not a turn event: {e!r}")  # pragma: no cover (the union is closed)
+
+
+def _compaction_done(s: TurnState, e: CompactionDone, limits: Limits, now: float,
+                     out: _Out) -> TurnState:
+    """The compaction call's answer: retried under the model call's rule
+    (``retries``, the notice staying open), a final failure ends the turn, an
+    answer makes the new context provisional (back to preparing, the notice
+    open until ``Settle``) or, stopped by a hook, settles it and completes."""
+    t = s.turn
+    if t.phase is not TurnPhase.COMPACTING or t.notice is None:
+        return s
+    if not e.ok:
+        failure = e.failure or Failure(FailureKind.INTERNAL, "the compaction call failed")
+        if retries(failure, t.attempt, limits.model_attempts):
+            s = _replace(s, turn=_replace(t, attempt=t.attempt + 1))
+            out.commit(s, ("warning", ev.warning(
+                f"the compaction call failed ({failure.kind}: {ev.clip(failure.message, 500)}); "
+                f"trying again (attempt {t.attempt + 1} of {limits.model_attempts})",
+                compaction_retry={"attempt": t.attempt, "error": ev.error(failure)})))
+            out.add(Wait(limits.model_retry_delay_s * (t.attempt + 1)))
+            out.add(Compact(t.notice, t.attempt + 1,
+                            budget_s(s, limits.model_call_budget_s, limits, now)))
+            return s
+        return _end(s, Ending.FAILED, out, Failure(
+            failure.kind, f"compaction failed: {failure.kind}: {failure.message}",
+            failure.retryable))
+    s = _replace(s, turn=t.moved(TurnPhase.PREPARING, attempt=0))
+    if e.stop is not None:
+        return _end(_settle(s, e.settle, out, always=True), Ending.COMPLETED, out, None,
+                    warning=e.stop)
+    out.commit(s)
+    out.add(RunHook("pre_model"))
+    return s
+
+
+def _settle(s: TurnState, settle: Settle | None, out: _Out, *,
+            always: bool = False) -> TurnState:
+    """Commit a provisional compaction (the notice closes with it); a settlement
+    with no notice open (or none) changes nothing. ``always``: commit the state
+    even without a settlement."""
+    t = s.turn
+    if settle is None or t.notice is None or t.phase is not TurnPhase.PREPARING:
+        if always:
+            out.commit(s)
+        return s
+    s = _replace(s, turn=_replace(t, notice=None))
+    out.commit(s, *settle.events, write=settle.write, execution=True,
+               rewrite=settle.context)
+    return s
 
 
 def _on_model(s: TurnState, e: ModelReplied | ModelFailed, limits: Limits, now: float,
@@ -757,7 +868,7 @@ def _on_tool(s: TurnState, e: ToolStarted | ToolReplied | ToolFailed, limits: Li
 def _call_model(s: TurnState, step_no: int, attempt: int, route: str | None, limits: Limits,
                 now: float, out: _Out) -> TurnState:
     t = s.turn
-    s = replace(s, turn=t.moved(TurnPhase.MODEL_CALL, model_steps=step_no, attempt=attempt,
+    s = _replace(s, turn=t.moved(TurnPhase.MODEL_CALL, model_steps=step_no, attempt=attempt,
                                 model_calls=t.model_calls + (attempt == 1)))
     out.commit(s, ("model_step_started", {"turn_id": t.turn_id, "step": step_no,
                                           "attempt": attempt, "route": route}),
@@ -776,7 +887,7 @@ def _model_replied(s: TurnState, e: ModelReplied, limits: Limits, now: float,
         ("model_step_completed", {"turn_id": t.turn_id, "step": t.model_steps,
                                   "outcome": "completed"}),)
     if not e.calls:
-        s = replace(s, turn=t.moved(TurnPhase.STOPPING, attempt=0))
+        s = _replace(s, turn=t.moved(TurnPhase.STOPPING, attempt=0))
         out.commit(s, *events, items=e.items, write=e.write, execution=True,
                    point=None if e.notices else "final_answer")
         _notices(s, e.notices, out, "final_answer")
@@ -784,7 +895,7 @@ def _model_replied(s: TurnState, e: ModelReplied, limits: Limits, now: float,
         return s
     pcs = tuple(PendingCall(c.call_id, c.name, dict(c.arguments), CallState.REQUESTED, 0,
                             c.verdict, c.reason, c.idempotent) for c in e.calls)
-    s = replace(s, turn=t.moved(TurnPhase.TOOLS, attempt=0), calls=pcs)
+    s = _replace(s, turn=t.moved(TurnPhase.TOOLS, attempt=0), calls=pcs)
     out.commit(s, *events, items=e.items, write=e.write, execution=True,
                point=None if e.notices else "model_reply")
     _notices(s, e.notices, out, "model_reply")
@@ -815,12 +926,12 @@ def _decided(s: TurnState, verdicts: tuple[tuple[str, Verdict, str | None], ...]
              approval_id: str, reason: str, limits: Limits, now: float,
              out: _Out) -> TurnState:
     given = {cid: (v, r) for cid, v, r in verdicts}
-    calls = tuple(replace(c, verdict=given[c.call_id][0], reason=given[c.call_id][1])
+    calls = tuple(_replace(c, verdict=given[c.call_id][0], reason=given[c.call_id][1])
                   if c.call_id in given and c.verdict is None else c for c in s.calls)
     ask = tuple(c.call_id for c in calls if c.verdict is Verdict.ASK
                 and c.state is CallState.REQUESTED)
     if not ask:
-        s = replace(s, calls=calls)
+        s = _replace(s, calls=calls)
         out.commit(s)
         return _run_decided(s, limits, now, out)
     s = TurnState(s.turn.moved(TurnPhase.AWAITING_APPROVAL), calls,
@@ -882,8 +993,8 @@ def _tool_ended(s: TurnState, c: PendingCall, target: CallState, outcome: str, o
                 error: Failure | None = None, details: Mapping[str, Any] | None = None,
                 items: tuple[Item, ...] | None = None, round_done: bool = True) -> TurnState:
     t = s.turn
-    s = replace(s.with_call(c.moved(target, outcome=outcome)),
-                turn=replace(t, tool_calls=t.tool_calls + 1,
+    s = _replace(s.with_call(c.moved(target, outcome=outcome)),
+                turn=_replace(t, tool_calls=t.tool_calls + 1,
                              failed_tool_calls=t.failed_tool_calls + (target is not CallState.OK)))
     payload: dict[str, Any] = {"turn_id": t.turn_id, "call_id": c.call_id, "name": c.name,
                                "output": ev.clip(output), "is_error": is_error,
@@ -933,7 +1044,7 @@ def _answered(s: TurnState, approval_id: str, decision: str, limits: Limits, now
     else:
         verdict, reason = Verdict.DENY, "denied by the user"
     asked = set(s.approval.call_ids)
-    calls = tuple(replace(c, verdict=verdict, reason=reason) if c.call_id in asked else c
+    calls = tuple(_replace(c, verdict=verdict, reason=reason) if c.call_id in asked else c
                   for c in s.calls)
     approve = tuple(call_key(c.name, dict(c.arguments)) for c in calls
                     if c.call_id in asked and decision == "approved_for_session")
@@ -966,5 +1077,5 @@ def _end(s: TurnState, how: Ending, out: _Out, failure: Failure | None, message:
                         "output": text, "is_error": True})
     step_open = open_step and t.phase is TurnPhase.MODEL_CALL
     out.add(Finish(how, message or (failure.message if failure else ""), failure, warning,
-                   t.model_steps if step_open else None, tuple(outputs)))
-    return TurnState(t.moved(_ENDING_PHASE[how], attempt=0))
+                   t.model_steps if step_open else None, tuple(outputs), t.notice))
+    return TurnState(t.moved(_ENDING_PHASE[how], attempt=0, notice=None))

@@ -53,7 +53,7 @@ from supervisor.engine.ops import (
     parse_op,
 )
 from supervisor.engine.outage import Outages, StoreFailed
-from supervisor.engine.session import WAKE, PendingApproval, Session, Work
+from supervisor.engine.session import PendingApproval, Session, Work
 from supervisor.engine.turn import Turn, run_session_start
 from supervisor.store import (
     LeaseLost,
@@ -175,8 +175,11 @@ class SessionManager:
         session.closed = True
         for sub in list(session.subscribers):
             sub.dropped = True
-            if not sub.queue.full():  # a full queue is drained first, then it ends
-                sub.queue.put_nowait(WAKE)  # ends its wait for the next event
+            # Wake a subscriber waiting on its empty queue (a live-only record it skips):
+            # it sees ``dropped`` and ends, so its client resubscribes and is redirected
+            # to the new owner; without this it waited forever (found by corral chaos).
+            if sub.queue.empty():
+                sub.queue.put_nowait(EventRecord(sid, 0, "given_up", {"after_sequence": -1}))
         session.subscribers.clear()
         if session.driver is not None and session.driver is not asyncio.current_task():
             session.driver.cancel()

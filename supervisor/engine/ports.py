@@ -10,10 +10,10 @@ through its session and the helpers below, and never touches the driver's
 private state.
 
 Invariants:
-- No handler writes ``CheckpointState.active_turn`` except through
-  ``TurnView.checkpoint_turn`` / ``moving_to`` (the machine's ``ActiveTurn``
-  record, ``machine.py``), and none writes ``pending_tool_calls`` or
-  ``pending_approval``: only the driver's ``Commit`` of the machine's state does.
+- No handler writes ``CheckpointState.active_turn``, ``pending_tool_calls`` or
+  ``pending_approval``: only the driver's ``Commit`` of the machine's state
+  (``machine.py``) does. Handlers return events, or data the machine carries
+  into its commits (``machine.Settle``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sandbox_worker.api import Usage
-from supervisor.engine.phases import TurnPhase
 from supervisor.engine.session import Session
 from supervisor.store.records import CheckpointState, ExecutionRecord, SubmissionId, TurnId
 
@@ -38,7 +37,7 @@ class TurnStopped(Exception):
 
 @dataclass(slots=True)
 class Provisional:
-    """A compaction that answered but is not durable yet (``compaction.settle``)."""
+    """A compaction that answered but is not durable yet (``compaction.settlement``)."""
 
     context: list[dict[str, Any]]
     usage: Usage
@@ -53,8 +52,7 @@ class TurnView(Protocol):
 
     session: Session
     usage: Usage
-    provisional: Provisional | None
-    open_block: str | None  # a compaction notice awaiting its completion
+    provisional: Provisional | None  # while the machine's notice is open
     force_compact: bool
     approval_requested_at: dict[str, float]
 
@@ -68,7 +66,5 @@ class TurnView(Protocol):
     def tool_rounds(self) -> list[list[str]]: ...
 
     def note_tier(self, tier: str | None) -> None: ...
-    def moving_to(self, target: TurnPhase) -> Mutate: ...
-    def checkpoint_turn(self, phase: TurnPhase) -> dict[str, Any]: ...
     def execution(self, outcome: str, reason: str | None = None) -> ExecutionRecord: ...
     def budget_s(self, cap_s: float) -> float: ...

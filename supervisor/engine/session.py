@@ -73,8 +73,6 @@ from supervisor.store.records import (
 log = logging.getLogger(__name__)
 
 EventSpec = tuple[str, dict[str, Any], SubmissionId | None]
-# Put in a dropped subscriber's queue to end its wait (never yielded: sequence -1).
-WAKE = EventRecord(SessionId(""), -1, "__wake__", {})
 
 
 @dataclass(slots=True, eq=False)

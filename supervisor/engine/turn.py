@@ -12,22 +12,26 @@ output, an open compaction notice is closed, then ``turn_aborted(interrupted)``.
 The turn machine (``machine.py``) decides; this driver performs. ``feed``
 steps the machine with an event and performs the returned actions in order
 (``Commit``: one ``Session.commit`` of the machine's state with the carried
-events, items and writes; ``CallModel``; ``Decide``; ``AskApproval``;
-``CallTool`` as a task; ``Cancel``; ``Export``; ``Wait``; ``Finish``),
-feeding each result back as an event, until the machine hands the turn back
-for the hooks the driver runs (``RunHook``: pre_model, stop) or it ended.
-What the driver still does around the machine: starting the turn from its
-admitted input, compaction (``compaction.py``), the pre_model and
-model_request hooks and building the request, the stop hooks, and closing
+events, items, writes and a compaction's rewrite; ``CallModel``;
+``Compact``; ``Decide``; ``AskApproval``; ``CallTool`` as a task;
+``Cancel``; ``Export``; ``Wait``; ``Finish``), feeding each result back as
+an event, until the machine hands the turn back for the hooks the driver runs
+(``RunHook``: pre_model, stop) or it ended. What the driver does around the
+machine: builds the turn's first commit from the admitted input, runs the
+hooks (pre_compact, pre_model, model_request, stop) and builds the request,
+holds a provisional compaction until the machine settles it, and closes
 what a crash left open in the journal before ``resume``::
 
-    STARTING   the admitted input (user_prompt_submit already ran at admission,
-               ``Session.admit``) is committed with turn_started + user_message
+    STARTING   feed(Begin): the admitted input (user_prompt_submit already ran
+               at admission, ``Session.admit``) with turn_started + user_message
     loop:
-      PREPARING  compaction (threshold or compact op), pre_model, model_request;
-                 then feed(Prepared): the machine runs the model step (retries),
-                 the tool round (policy, approvals, dispatch, lost calls, its
-                 end and export) and hands back pre_model or stop
+      PREPARING  compaction due (threshold or compact op)? pre_compact hooks,
+                 feed(CompactionDue): the machine shows the notice, ``Compact``
+                 (retried), the new context provisional; then pre_model,
+                 model_request and feed(Prepared(settle)): the machine settles
+                 the compaction, runs the model step (retries), the tool round
+                 (policy, approvals, dispatch, lost calls, its end and export)
+                 and hands back pre_model or stop
       STOPPING   stop hooks; feed(StopDone): one bounded continuation or the end
     an interrupt, the time limit or a failure: ``end`` feeds it to the machine
     from the checkpoint's state, which decides the ending (``Finish``)
@@ -38,9 +42,10 @@ Invariants:
   updated in the same commit as the events that reflect them.
 - A ``TurnError`` fails the turn with an ``error`` event, an execution record
   (outcome failed) and ``turn_aborted(failed)``; the session stays usable.
-- The turn's counters, phase, calls and approval are written only by the
-  machine's ``Commit`` (and ``moving_to`` for the phases the driver still
-  moves: starting, compacting); the checkpoint is the machine's state.
+- The turn's counters, phase, open notice, calls and approval are written only
+  by the machine's ``Commit``; the checkpoint is the machine's state.
+- ``provisional`` is set only while the machine's notice is open (a commit
+  of a state without one, or ``Finish``, drops it).
 - Usage reaches the checkpoint only after the usage observer accepted it.
 """
 
@@ -56,25 +61,26 @@ from broker import plants  # chaos plant switches (broker/plants.py)
 from broker.protocol import Failure, FailureKind
 from sandbox_worker.api import TIER_ORDER, ModelCallResult, Usage, add_usage, empty_usage
 from supervisor import crashpoints
+from supervisor.engine import compaction
 from supervisor.engine import events as ev
 from supervisor.engine.calls import call_model
-from supervisor.engine.compaction import close_notice, maybe_compact, settle
 from supervisor.engine.errors import CallFailed, HookFailed, TurnError
 from supervisor.engine.exporting import export_boundary
 from supervisor.engine.hooks import HookEvent, context_item
 from supervisor.engine.machine import (
-    MIN_REQUEST_BUDGET_S,
     Abort,
     Action,
     ActiveTurn,
     ApprovalAnswered,
     AskApproval,
+    Begin,
     CallModel,
     CallSpec,
     CallTool,
     Cancel,
     Commit,
     Compact,
+    CompactionDue,
     Decide,
     Done,
     Ending,
@@ -97,7 +103,8 @@ from supervisor.engine.machine import (
     resume,
     step,
 )
-from supervisor.engine.phases import TurnPhase, advance_phase
+from supervisor.engine.machine import budget_s as request_budget_s
+from supervisor.engine.phases import TurnPhase
 from supervisor.engine.ports import Mutate, Provisional, TurnRejected, TurnStopped
 from supervisor.engine.session import PendingApproval, Session, Work
 from supervisor.engine.tooling import discover, offered_schemas
@@ -124,17 +131,19 @@ class Turn:
         self.kind = kind  # "turn" | "compact"
         self.resumed = resumed
         # The turn's counters live in the machine's record, which is exactly what
-        # the checkpoint stores (``checkpoint_turn``): one copy, nothing to sync.
+        # the checkpoint stores (``Commit``): one copy, nothing to sync.
         self.record = ActiveTurn(self.turn_id, submission_id, kind, TurnPhase.STARTING,
                                  started_at=time.time(),
                                  first_sequence=session.state.next_event_sequence)
         self.started_mono = time.monotonic()
         self.usage: Usage = empty_usage()
+        self._usage_of: Usage | None = None  # the usage ``_usage_json`` was made from
+        self._usage_json: dict[str, int] = {}
         self.sandbox_tier: str | None = None
         self.partial_text = ""
         self.force_compact = kind == "compact"
+        # a compaction that answered and is not settled (the machine's notice is open)
         self.provisional: Provisional | None = None
-        self.open_block: str | None = None  # compaction notice awaiting its completion
         self.finishing = False
         self.ended = False  # the ending is committed
         self._limits: Limits | None = None
@@ -143,6 +152,9 @@ class Turn:
         # approval id -> created_at of its stored exec_approval_request (resumed turns)
         self.approval_requested_at: dict[str, float] = {}
         self._limit: asyncio.Timeout | None = None  # max_turn_s, set by _run
+        # the state of the last Commit and the checkpoint objects it wrote
+        # (``machine_state``): active_turn, pending_tool_calls, pending_approval
+        self._committed: tuple[TurnState, Any, Any, Any] | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -174,26 +186,8 @@ class Turn:
         at = self.session.state.active_turn
         return TurnPhase(at["phase"]) if at else TurnPhase.STARTING
 
-    def moving_to(self, target: TurnPhase) -> Mutate:
-        """A ``mutate`` callback for ``Session.commit`` that advances the phase."""
-        def mutate(st: Any) -> None:
-            if st.active_turn is None:
-                st.active_turn = self.checkpoint_turn(TurnPhase.STARTING)
-            current = TurnPhase(st.active_turn["phase"])
-            if current is not target:
-                advance_phase(current, target)
-            st.active_turn = self.checkpoint_turn(target)
-        return mutate
-
-    def checkpoint_turn(self, phase: TurnPhase) -> dict[str, Any]:
-        """``CheckpointState.active_turn``: the turn's ``ActiveTurn`` record (its
-        JSON, at ``phase``; callers moved it through ``advance_phase``) plus the
-        turn's usage."""
-        self.record = replace(self.record, phase=phase)
-        return {**self.record.to_json(), "usage": _usage_dict(self.usage)}
-
     # The record's fields, read as the turn's own: only the machine's commits
-    # (and ``moving_to``) replace the record.
+    # replace the record.
     @property
     def model_steps(self) -> int:
         return self.record.model_steps
@@ -227,6 +221,15 @@ class Turn:
         """Call ids per completed tool round (a copy)."""
         return [list(r) for r in self.record.tool_rounds]
 
+    def usage_json(self) -> dict[str, int]:
+        """The turn's usage as stored: the active turn's and the execution record's
+        (converted once per change of ``usage``, not at each of the turn's
+        commits; read-only)."""
+        if self._usage_of is not self.usage:
+            self._usage_of = self.usage
+            self._usage_json = _usage_dict(self.usage)
+        return self._usage_json
+
     def note_tier(self, tier: str | None) -> None:
         """The weakest sandbox tier a tool call of the turn ran at (the execution
         record's)."""
@@ -238,7 +241,7 @@ class Turn:
         ended = outcome != "running"
         return ExecutionRecord(
             self.session.sid, self.turn_id, outcome, self.model_calls, self.tool_calls,
-            self.failed_tool_calls, _usage_dict(self.usage), self.started_at,
+            self.failed_tool_calls, self.usage_json(), self.started_at,
             time.time() if ended else None,
             time.monotonic() - self.started_mono if ended else None,
             self.sandbox_tier, reason)
@@ -301,17 +304,9 @@ class Turn:
                 handback = await self._stopping()
                 if handback == "ended" and plants.on("double_turn_end"):
                     await self._finish_completed()  # chaos plant: ends the turn again
-        elif self.kind == "compact":
-            await self.session.commit(
-                [(ev.TURN_STARTED, {"turn_id": self.turn_id, "kind": "compact"},
-                  self.submission_id)],
-                execution=self.execution("running"),
-                mutate=self.moving_to(TurnPhase.STARTING))
-            await self.session.commit(mutate=self.moving_to(TurnPhase.PREPARING))
-            handback = "pre_model"
         else:
-            await self._start_with_input()
-            handback = "pre_model"
+            handback = await self.feed(Begin() if self.kind == "compact"
+                                       else self._begin_with_input())
         while handback != "ended":
             handback = await (self._stopping() if handback == "stop" else self._step())
 
@@ -319,8 +314,15 @@ class Turn:
 
     def machine_state(self) -> TurnState:
         """The machine's state: exactly the checkpoint's (a turn whose first commit
-        has not happened yet: its starting record)."""
+        has not happened yet: its starting record). While the checkpoint still
+        holds the very objects this driver's last ``Commit`` wrote (nothing
+        replaces them in between, and nothing edits them in place), that
+        commit's state is returned without reading it back."""
         st = self.session.state
+        known = self._committed
+        if known is not None and known[1] is st.active_turn \
+                and known[2] is st.pending_tool_calls and known[3] is st.pending_approval:
+            return known[0]
         state = TurnState.from_checkpoint({"active_turn": st.active_turn,
                                            "pending_tool_calls": st.pending_tool_calls,
                                            "pending_approval": st.pending_approval})
@@ -419,8 +421,8 @@ class Turn:
                 await export_boundary(self, list(call_ids))
             case Finish():
                 await self._finish(a)
-            case Compact():  # compaction is still run by ``compaction.maybe_compact``
-                raise RuntimeError("the driver does not run compaction through the machine")
+            case Compact():
+                return await compaction.run(self, a), None
         return None
 
     async def _commit(self, a: Commit) -> None:
@@ -429,7 +431,7 @@ class Turn:
         s = self.session
         self.record = a.state.turn
         cp = a.state.to_checkpoint()
-        turn = {**cp["active_turn"], "usage": _usage_dict(self.usage)}
+        turn = {**cp["active_turn"], "usage": self.usage_json()}
 
         def mutate(st: Any) -> None:
             if a.write is not None:
@@ -440,10 +442,17 @@ class Turn:
             for key in a.approve:
                 if key not in st.approved_for_session:
                     st.approved_for_session.append(key)
+        self._committed = None
         records = await s.commit(
             [(name, dict(payload), self.submission_id) for name, payload in a.events],
             items=[dict(i) for i in a.items] or None,
+            rewrite=None if a.rewrite is None else ([dict(i) for i in a.rewrite],
+                                                    ["compaction"]),
             execution=self.execution("running") if a.execution else None, mutate=mutate)
+        if a.state.turn.notice is None:
+            self.provisional = None  # settled (or never made): nothing is provisional
+        if not a.state.ended:
+            self._committed = (a.state, turn, cp["pending_tool_calls"], cp["pending_approval"])
         for r in records:
             if r.type == ev.EXEC_APPROVAL_REQUEST:
                 self.approval_requested_at[str(r.payload.get("id"))] = r.created_at
@@ -471,14 +480,11 @@ class Turn:
         return self._limits
 
     def budget_s(self, cap_s: float) -> float:
-        """The budget of a request the turn makes: what is left of the turn's own
-        (``max_turn_s``, counted from its start), at most ``cap_s`` (the per-call
-        cap of ``EngineConfig``), and never below ``MIN_REQUEST_BUDGET_S`` (a turn
-        with less left ends at its own limit, which expires first)."""
-        if self._limit is None or (when := self._limit.when()) is None:
-            return cap_s
-        left = when - asyncio.get_running_loop().time()
-        return max(MIN_REQUEST_BUDGET_S, min(cap_s, left))
+        """The budget of a request the turn makes outside the machine's actions (an
+        MCP server's listing), by the machine's one rule (``machine.budget_s``):
+        what is left of the turn's ``max_turn_s`` counted from its stored start,
+        at most ``cap_s``, never below ``MIN_REQUEST_BUDGET_S``."""
+        return request_budget_s(TurnState(self.record), cap_s, self.limits, time.time())
 
     def _limit_from_start(self) -> None:
         """A resumed turn's ``max_turn_s`` counts from the turn's stored start (wall
@@ -539,8 +545,9 @@ class Turn:
         if closing:
             await s.commit(closing)
 
-    async def _start_with_input(self) -> None:
-        """Start the turn from the admitted input (its prompt hooks already ran)."""
+    def _begin_with_input(self) -> Begin:
+        """``Begin`` from the admitted input (its prompt hooks already ran): the
+        user's message, taken off the queue in the turn's first commit."""
         s = self.session
         entry = s.state.queued_input[0]
         text = str(entry.get("text", ""))
@@ -558,11 +565,9 @@ class Turn:
 
         def accept(st: Any) -> None:
             st.queued_input = st.queued_input[1:]
-            st.active_turn = self.checkpoint_turn(TurnPhase.PREPARING)
-        await s.commit([(ev.TURN_STARTED, {"turn_id": self.turn_id}, self.submission_id),
-                        (ev.USER_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text),
-                                           "attachments": attachments}, self.submission_id)],
-                       items=items, execution=self.execution("running"), mutate=accept)
+        return Begin(((ev.USER_MESSAGE, {"turn_id": self.turn_id, "text": ev.clip(text),
+                                         "attachments": attachments}),),
+                     tuple(items), accept)
 
     # ----------------------------------------------------------------- step
 
@@ -570,11 +575,12 @@ class Turn:
         """Prepare one model step (compaction, pre_model and model_request hooks)
         and feed it to the machine; what it hands back next."""
         s = self.session
-        await maybe_compact(self)
+        if compaction.due(self):
+            block = await compaction.begin(self)  # pre_compact hooks
+            if block is not None:
+                return await self.feed(CompactionDue(block))
         if self.kind == "compact":
-            if self.provisional is not None:
-                await settle(self, "success")
-            return await self.feed(Done())
+            return await self.feed(Done(settle=await compaction.settlement(self)))
         context = self.provisional.context if self.provisional else s.context
         pre = await s.hooks.run(HookEvent.PRE_MODEL, s.sid, self.turn_id,
                                 {"context": context, "step": self.model_steps + 1})
@@ -597,12 +603,11 @@ class Turn:
                                       {"request": request})
         if decorated.request is not None:
             request = decorated.request
-        if self.provisional is not None:
-            # The request was built on the provisional context, which is exactly what
-            # settles (with its breakpoint): the decorated request stays as it is.
-            await settle(self, "success")
+        # The request was built on the provisional context, which is exactly what
+        # settles (with its breakpoint): the decorated request stays as it is.
+        settle = await compaction.settlement(self)
         self._model_request = request
-        return await self.feed(Prepared(s.route_name))
+        return await self.feed(Prepared(s.route_name, settle))
 
     async def _stopping(self) -> str:
         """Stop hooks after the final answer; the machine decides whether they
@@ -743,7 +748,10 @@ class Turn:
 
     async def _finish(self, a: Finish) -> None:
         """``Finish``: the turn's one ending, as the machine decided it."""
+        self.provisional = None
         if a.ending is Ending.COMPLETED:
+            if a.notice is not None:  # a compaction left unsettled: the notice closes
+                await compaction.close_notice(self, a.notice, "cancelled")
             if a.warning is not None:
                 await self.session.warn(a.warning, self.submission_id)
             await self._finish_completed()
@@ -783,8 +791,9 @@ class Turn:
         await self._disarm_limit()
         reason, message = a.reason, a.message
         outcome = "failed" if reason == ev.ABORT_FAILED else "aborted"
-        if self.open_block is not None:
-            await close_notice(self, "cancelled" if reason == ev.ABORT_INTERRUPTED else "failed")
+        if a.notice is not None:
+            await compaction.close_notice(
+                self, a.notice, "cancelled" if reason == ev.ABORT_INTERRUPTED else "failed")
         items: list[dict[str, Any]] = []
         events: list[tuple[str, dict[str, Any], SubmissionId | None]] = []
         if self.partial_text:

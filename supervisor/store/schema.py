@@ -1,6 +1,7 @@
 """The store's SQLite schema, its ordered migrations, and connection setup.
 
-Schema (version 2; version 1 lacked ``supervisors`` and ``leases``)::
+Schema (version 3; version 1 lacked ``supervisors`` and ``leases``, version 2 the
+events' ``lease_owner`` / ``lease_epoch``)::
 
     schema_version      one row per applied migration (version, applied_at, description)
     sessions            sid INTEGER PRIMARY KEY, session_id UNIQUE, config JSON, route,
@@ -12,7 +13,8 @@ Schema (version 2; version 1 lacked ``supervisors`` and ``leases``)::
     context_rewrites    written only on compaction/rollback/fork (rowid = key(sid, epoch)):
                         at_batch, reasons JSON, items JSON
     events              the event journal (rowid = key(sid, sequence)): type,
-                        submission_id, created_at, payload JSON
+                        submission_id, created_at, payload JSON; (v3) lease_owner,
+                        lease_epoch: the lease it was written under (NULL here)
     executions          one row per turn, upserted by UNIQUE(sid, turn_id); rowid orders pages
     supervisors         (v2) one row per supervisor sharing the store: address, heartbeat
     leases              (v2) one row per session (rowid = sid): owner, epoch, expires_at
@@ -159,6 +161,16 @@ MIGRATIONS: tuple[Migration, ...] = (
                 epoch INTEGER NOT NULL,
                 expires_at REAL NOT NULL
             )""",
+        ),
+    ),
+    Migration(
+        3,
+        "events record the lease (owner, fencing epoch) they were written under",
+        (
+            # Always NULL here (SQLite has one supervisor, no leases); the column keeps
+            # the two schemas alike (pg/schema.py writes the lease in lease mode).
+            "ALTER TABLE events ADD COLUMN lease_owner TEXT",
+            "ALTER TABLE events ADD COLUMN lease_epoch INTEGER",
         ),
     ),
 )

@@ -6,8 +6,9 @@ operation here is ONE hop: a whole transaction (or a whole consistent read) is a
 function run on the connection's thread (``_in_thread``).
 
 Group commit: ``commit`` prepares its step (validation, encoding) on the caller's side,
-appends it to the pending list and awaits a future. The writer task takes everything
-pending (up to ``max_group_ops``), applies it in ONE transaction on the writer thread
+hands it to the ``GroupCommitter`` (``group.py``, shared with the PostgreSQL store) and
+awaits a future. The committer's task takes everything pending (up to
+``max_group_ops``), applies it in ONE transaction on the writer thread
 (``writer.apply_group``), and only then resolves each awaiter. Concurrent sessions
 therefore share one COMMIT (and one fsync under synchronous=FULL).
 
@@ -18,8 +19,8 @@ Invariants:
   is safe because writes are idempotent by key (see ``writer``).
 - SQLITE_BUSY is retried with capped exponential backoff until ``busy_deadline_s``, then
   ``StoreBusy``. SQLITE_FULL rolls the whole group back and raises ``StoreFull``.
-- The writer task is owned by the Store: started by ``open``, drained and awaited by
-  ``close``. Pending writes are bounded (``max_pending_ops``).
+- The writer task (the committer's) is owned by the Store: started by ``open``, drained
+  and awaited by ``close``. Pending writes are bounded (``max_pending_ops``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 import random
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,9 +43,9 @@ from supervisor.store.errors import (
     InvalidRequest,
     StoreBusy,
     StoreClosed,
-    StoreError,
     translate_sqlite_error,
 )
+from supervisor.store.group import GroupCommitter
 from supervisor.store.records import (
     EventRecord,
     ExecutionRecord,
@@ -152,17 +153,12 @@ class Store:
         self._writer = writer_conn
         self._reader = reader_conn
         self._busy_deadline_s = busy_deadline_s
-        self._max_group_ops = max_group_ops
-        self._max_pending_ops = max_pending_ops
         self._sids = writer.Sids()
-        self._pending: list[tuple[writer.WriteOp, asyncio.Future[Any]]] = []
-        self._wake = asyncio.Event()
-        self._closing = False
+        self._group: GroupCommitter[writer.WriteOp] = GroupCommitter(
+            self._apply, max_group_ops=max_group_ops, max_pending_ops=max_pending_ops,
+            name=f"store-writer:{path.name}")
         self._closed = False
-        self._task: asyncio.Task[None] | None = None
-        # Counters for tests and benchmarks.
-        self.groups_committed = 0
-        self.ops_committed = 0
+        # Counter for tests and benchmarks (the group counters are the committer's).
         self.busy_retries = 0
 
     @classmethod
@@ -204,20 +200,15 @@ class Store:
             limits=limits or Limits(), busy_deadline_s=busy_deadline_s,
             max_group_ops=max_group_ops, max_pending_ops=max_pending_ops,
         )
-        store._task = asyncio.get_running_loop().create_task(
-            store._writer_loop(), name=f"store-writer:{path.name}"
-        )
+        store._group.start()
         return store
 
     async def close(self) -> None:
         """Commit what is pending, stop the writer task, close both connections."""
         if self._closed:
             return
-        self._closing = True
-        self._wake.set()
         try:
-            if self._task is not None:
-                await self._task
+            await self._group.close()
         finally:
             self._closed = True
             try:
@@ -228,6 +219,14 @@ class Store:
     @property
     def where(self) -> str:
         return str(self.path)
+
+    @property
+    def groups_committed(self) -> int:
+        return self._group.groups_committed
+
+    @property
+    def ops_committed(self) -> int:
+        return self._group.ops_committed
 
     async def __aenter__(self) -> Store:
         return self
@@ -279,73 +278,20 @@ class Store:
         return result
 
     def _enqueue(self, op: writer.WriteOp) -> asyncio.Future[Any]:
-        if self._closing:
-            raise StoreClosed("the store is closed")
-        if len(self._pending) >= self._max_pending_ops:
-            raise StoreBusy(f"write queue full ({self._max_pending_ops} operations pending)")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((op, future))
-        self._wake.set()
-        return future
+        return self._group.enqueue(op)
 
     async def _submit(self, op: writer.WriteOp) -> Any:
-        return await self._enqueue(op)
+        return await self._group.submit(op)
 
-    async def _writer_loop(self) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                while self._pending:
-                    group = self._pending[: self._max_group_ops]
-                    del self._pending[: len(group)]
-                    await self._flush(group)
-                if self._closing:
-                    return
-        finally:
-            for _, future in self._pending:
-                if not future.done():
-                    future.set_exception(StoreClosed("the store was closed"))
-            self._pending.clear()
-
-    async def _flush(self, group: list[tuple[writer.WriteOp, asyncio.Future[Any]]]) -> None:
-        ops = [op for op, _ in group]
-        try:
-            results = await _retry_busy(
-                lambda: _in_thread(self._writer, writer.apply_group, self._sids, ops,
-                                   what="committing"),
-                self._busy_deadline_s,
-                "committing",
-                self._count_busy_retry,
-            )
-        except StoreError as exc:
-            log.warning("store group of %d operations failed: %s", len(ops), exc)
-            for _, future in group:
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        except Exception as exc:  # a bug: fail this group's callers, keep serving others
-            log.exception("store group of %d operations failed unexpectedly", len(ops))
-            for _, future in group:
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        except asyncio.CancelledError:
-            # The writer task itself is being cancelled (event loop shutdown): the group
-            # may or may not commit on its thread; its callers must not wait forever.
-            for _, future in group:
-                if not future.done():
-                    future.set_exception(StoreClosed("the store's writer was cancelled"))
-            raise
-        self.groups_committed += 1
-        self.ops_committed += len(ops)
-        for (_, future), (ok, value) in zip(group, results, strict=True):
-            if future.done():  # the caller was cancelled; the write is committed anyway
-                continue
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
+    async def _apply(self, ops: Sequence[writer.WriteOp]) -> list[tuple[bool, Any]]:
+        """One group in one transaction on the writer thread, SQLITE_BUSY retried."""
+        return await _retry_busy(
+            lambda: _in_thread(self._writer, writer.apply_group, self._sids, ops,
+                               what="committing"),
+            self._busy_deadline_s,
+            "committing",
+            self._count_busy_retry,
+        )
 
     def _count_busy_retry(self) -> None:
         self.busy_retries += 1
@@ -353,7 +299,7 @@ class Store:
     # ------------------------------------------------------------------ reads
 
     async def _read(self, fn: Callable[..., R], *args: Any, what: str) -> R:
-        if self._closing:
+        if self._group.closing:
             raise StoreClosed("the store is closed")
         return await _retry_busy(
             lambda: _in_thread(self._reader, fn, *args, what=what), self._busy_deadline_s, what,

@@ -39,7 +39,11 @@ MAX_ARG_CHARS: Final = 4096
 MAX_DESCRIPTION_CHARS: Final = 4096
 # mcp__NAME__TOOL must fit 64 characters: NAME gets at most 20 of them.
 MAX_SERVER_NAME_CHARS: Final = 20
-_MCP_KEYS: Final = {"command", "env", "cwd", "network", "url", "headers_env"}
+_MCP_KEYS: Final = {"command", "env", "cwd", "network", "url", "headers_env",
+                    "start_timeout_s"}
+# A server's start (spawn or connect, initialize, tools/list): default and bounds.
+START_TIMEOUT_S: Final = 30.0
+MAX_START_TIMEOUT_S: Final = 300.0
 _TOOL_KEYS: Final = {"description", "parameters", "command", "idempotent", "read_only"}
 
 
@@ -118,6 +122,14 @@ def parse_mcp_server(name: str, raw: Any) -> McpServerSpec:
                                     f"starting {MCP_HEADER_ENV_PREFIX} (got {var!r}), so that "
                                     "no spec can send another secret of the worker to a server")
             spec["headers_env"] = headers
+    if "start_timeout_s" in raw:
+        timeout = raw["start_timeout_s"]
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+                or not 0 < timeout <= MAX_START_TIMEOUT_S:
+            raise SpecError(f"[{where}] start_timeout_s must be a number of seconds above 0 "
+                            f"and at most {MAX_START_TIMEOUT_S:g} (default "
+                            f"{START_TIMEOUT_S:g}), e.g. start_timeout_s = 60")
+        spec["start_timeout_s"] = float(timeout)
     return spec
 
 

@@ -13,12 +13,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 
 from supervisor.cli import build_parser
 from tests.architecture.graph import REPO, all_modules, find_cycle, graph
+from tests.architecture.loaded import BUILD_PARSER, loaded_by
 
 CLI = "supervisor.cli"
 
@@ -83,14 +81,6 @@ HEAVY = ("supervisor.engine", "supervisor.store", "supervisor.export", "supervis
 
 
 def test_building_the_parser_loads_nothing_heavy() -> None:
-    code = (
-        "import json, sys\n"
-        "from supervisor.cli import build_parser\n"
-        "build_parser()\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, cwd=REPO, check=True)
-    loaded = json.loads(out.stdout)
-    heavy = sorted(m for m in loaded if m.startswith(HEAVY) or ".devtools" in m)
+    heavy = sorted(m for m in loaded_by(BUILD_PARSER)
+                   if m.startswith(HEAVY) or ".devtools" in m)
     assert heavy == [], f"corral --help loads {heavy}"

@@ -8,27 +8,14 @@ only read files (``sessions``, ``show``, ``verify``, ``completion``) never use t
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from tests.architecture.graph import REPO
+from tests.architecture.loaded import BUILD_PARSER, loaded_by
 
 HANDLER_ONLY = ("zmq", "psutil", "msgpack", "supervisor.client", "supervisor.keys",
                 "supervisor.farm", "broker.security", "broker.transport", "sandbox_worker")
 
 
 def test_building_the_parser_loads_no_handler_only_module() -> None:
-    code = (
-        "import json, sys\n"
-        "from supervisor.cli import build_parser\n"
-        "build_parser()\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, cwd=REPO, check=True)
-    loaded = json.loads(out.stdout)
-    found = sorted(m for m in loaded if m.startswith(HANDLER_ONLY))
+    found = sorted(m for m in loaded_by(BUILD_PARSER) if m.startswith(HANDLER_ONLY))
     assert found == [], f"corral --help loads {found}"
 
 
@@ -37,14 +24,6 @@ def test_the_farm_root_module_loads_no_config() -> None:
     ``running_farm`` and ``stop_detached``; the config (and the engine's config,
     jsonschema, the hooks) loads only when a ``Farm`` is made (0.52 -> 0.28 CPU-s
     for the import)."""
-    code = (
-        "import json, sys\n"
-        "import supervisor.farm.root\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, cwd=REPO, check=True)
-    loaded = json.loads(out.stdout)
-    found = sorted(m for m in loaded
+    found = sorted(m for m in loaded_by("import supervisor.farm.root")
                    if m.startswith(("supervisor.config", "supervisor.engine", "jsonschema")))
     assert found == [], f"supervisor.farm.root loads {found}"

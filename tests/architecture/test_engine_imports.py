@@ -98,6 +98,14 @@ def test_the_turn_machine_is_pure() -> None:
     assert corral - engine <= {"broker.protocol"}, corral
     # no I/O and no clock: the machine is given ``now`` and returns actions
     assert not imported & {"asyncio", "time", "socket", "sqlite3", "os", "zmq"}, imported
+    # and no awaits, no coroutines, no file or console I/O of its own
+    tree = ast.parse((ENGINE / "machine.py").read_text())
+    awaiting = [n.lineno for n in ast.walk(tree) if isinstance(
+        n, ast.AsyncFunctionDef | ast.Await | ast.AsyncWith | ast.AsyncFor)]
+    assert awaiting == [], f"machine.py awaits at lines {awaiting}"
+    io = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+          and isinstance(n.func, ast.Name) and n.func.id in ("open", "print", "input")]
+    assert io == [], f"machine.py does I/O at lines {io}"
 
 
 def test_the_pure_modules_are_in_no_cycle() -> None:

@@ -23,13 +23,10 @@ all off unless asked for) are not dev tooling in this sense.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.architecture.graph import REPO, all_modules, graph, path_to, reachable
+from tests.architecture.graph import all_modules, graph, path_to, reachable
+from tests.architecture.loaded import BUILD_PARSER, loaded_by
 
 # What each production process runs: ``python -m X`` imports these (the
 # ``__main__`` of supervisor and sandbox_worker is two lines calling ``main``).
@@ -42,22 +39,14 @@ def is_dev(module: str) -> bool:
     return "devtools" in parts or parts[:2] == ["supervisor", "chaos"]
 
 
-def _loaded_by(code: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport json, sys\n"
-                          "print(json.dumps(sorted(sys.modules)))"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO, check=True)
-    return list(json.loads(out.stdout.splitlines()[-1]))
-
-
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_a_production_process_loads_no_dev_tooling(entry: str) -> None:
-    dev = [m for m in _loaded_by(f"import {entry}") if is_dev(m)]
+    dev = sorted(m for m in loaded_by(f"import {entry}") if is_dev(m))
     assert dev == [], f"importing {entry} loads {dev}"
 
 
 def test_the_corral_parser_loads_no_dev_tooling() -> None:
-    dev = [m for m in _loaded_by("from supervisor.cli import build_parser\nbuild_parser()")
-           if is_dev(m)]
+    dev = sorted(m for m in loaded_by(BUILD_PARSER) if is_dev(m))
     assert dev == [], f"building corral's parser loads {dev}"
 
 

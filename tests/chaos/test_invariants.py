@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from supervisor.chaos import invariants as inv
 from supervisor.chaos.exportcheck import check_doc
 from supervisor.chaos.invariants import (
     Kill,
@@ -392,3 +393,29 @@ def test_requests_that_ran_out_of_budget_before_the_expiry_need_no_loss_report()
             (19.0, {"sequence": 6, "type": "tool_call_end",
                     "payload": {"call_id": "c", "error": {"kind": "timeout"}}})]
     assert ran_out_before_expiry(tool, 18.7, 1.0, 10.0, 21.7) == 1
+
+
+def test_fencing_reads_each_events_lease_from_the_disk() -> None:
+    """Invariant 13 (several supervisors): by sequence, the epochs of a session's events
+    never go back, an epoch has one owner, none is above the lease's, and no event
+    after a leased one lacks a lease. A change of owner is what it records."""
+    # a: epoch 1; b took it over (2); a restarted under its own id and took it back (3)
+    clean = [(1, None, None), (2, "a", 1), (3, "a", 1), (4, "b", 2), (5, "a", 3)]
+    bad, owners = inv.fencing("s", clean, ("a", 3))
+    assert bad == []
+    assert owners == ["a", "b", "a"]
+    # a paused past its lease wrote after b's takeover: a write under a lost lease
+    late = [(1, "a", 1), (2, "b", 2), (3, "a", 1)]
+    bad, _ = inv.fencing("s", late, ("b", 2))
+    assert [(v.invariant, v.sequence) for v in bad] == [("fencing", 3)]
+    assert "under epoch 1 after event 2 under epoch 2 (b)" in bad[0].detail
+    # the token did not change with the owner (the plant epoch_reused)
+    reused = [(1, "a", 1), (2, "b", 1)]
+    bad, _ = inv.fencing("s", reused, ("b", 1))
+    assert [v.sequence for v in bad] == [2]
+    assert "two owners" in bad[0].detail
+    bad, _ = inv.fencing("s", [(1, "a", 1), (2, None, None)], ("a", 1))
+    assert [v.sequence for v in bad] == [2]
+    assert "no lease" in bad[0].detail
+    bad, _ = inv.fencing("s", [(1, "a", 4)], ("a", 3))
+    assert "above the lease's epoch 3" in bad[0].detail

@@ -98,8 +98,10 @@ def test_crash_points_are_no_ops_unless_armed() -> None:
 
 def test_every_enabled_timed_kind_is_scheduled_within_the_coverage_bound() -> None:
     kinds = parse_faults("all")
-    # "all" is the one-broker soak; the broker-set kinds are named on their own
-    assert set(ALL_FAULTS) == set(kinds) | set(parse_faults("brokers"))
+    # "all" is the one-broker soak; the broker-set and supervisor-set kinds are named
+    # on their own (or come with --brokers 2 / --supervisors 3)
+    assert set(ALL_FAULTS) == set(kinds) | set(parse_faults("brokers")) | set(
+        parse_faults("supervisors"))
     timed = set(timed_kinds(kinds))
     assert {"crash_publish", "crash_final_answer", "interrupt_tool"} <= timed
     for seed in range(20):

@@ -10,6 +10,7 @@ from supervisor.chaos.schedule import (
     ALL_FAULTS,
     FRAME_FAULTS,
     PROVIDER_FAULTS,
+    farm_shape,
     make_schedule,
     parse_faults,
 )
@@ -51,9 +52,23 @@ def test_provider_faults_go_into_the_script_once_per_entry() -> None:
 
 
 def test_fault_lists_are_checked() -> None:
-    # "all" is the one-broker soak; the broker-set kinds are named (group brokers)
-    assert parse_faults("all") + parse_faults("brokers") == ALL_FAULTS
+    # "all" is the one-broker soak; the broker-set kinds are named (group brokers), the
+    # supervisor-set kinds too (group supervisors)
+    assert parse_faults("all") + parse_faults("brokers") + parse_faults("supervisors") \
+        == ALL_FAULTS
     assert parse_faults("brokers") == ("broker_kill_one",)
+    assert parse_faults("supervisors") == ("supervisor_stop", "pg_restart")
+    # "all" follows the farm's shape: several supervisors run on PostgreSQL (no SQLite
+    # store kinds, the supervisor-set kinds in), two brokers add broker_kill_one
+    pg = parse_faults("all", supervisors=3, brokers=2)
+    assert set(pg) == (set(ALL_FAULTS) - {"store_busy", "store_slow"})
+    with pytest.raises(ValueError, match="store_busy: SQLite store faults"):
+        parse_faults("store_busy,worker_kill_tool", supervisors=3)
+    assert farm_shape("supervisor_stop", None, None) == (3, 1)
+    assert farm_shape("all", 3, 2) == (3, 2)
+    assert farm_shape("broker_kill_one", None, None) == (1, 2)
+    with pytest.raises(ValueError, match="need --supervisors 2"):
+        farm_shape("pg_restart", 1, None)
     assert "provider_kill" in parse_faults("process")
     with pytest.raises(ValueError, match="unknown fault 'nope'"):
         parse_faults("worker_kill_tool,nope")

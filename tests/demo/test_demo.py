@@ -27,7 +27,10 @@ EVERY_KIND = "worker_kill_tool,broker_kill,supervisor_kill,provider_kill,worker_
 def test_demo_survives_every_kind_of_process_killed(workspace_root: Path,
                                                     procs: Procs) -> None:
     home = workspace_root / "demo"
-    proc = procs.spawn([PYTHON, "-m", "supervisor.devtools.demo", "--json", "--sessions", "8",
+    # Five sessions on two workers, a kill every 4 s: every kind still hits work in
+    # flight, in half the CPU of the demo's defaults (docs/testing.md).
+    proc = procs.spawn([PYTHON, "-m", "supervisor.devtools.demo", "--json", "--sessions", "5",
+                        "--workers", "2", "--fault-gap", "4",
                         "--faults", EVERY_KIND, "--home", str(home)],
                        name="demo", stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=280)
@@ -42,7 +45,7 @@ def test_demo_survives_every_kind_of_process_killed(workspace_root: Path,
     assert "tool" in fired["worker_kill_tool"]["in_flight"]
     assert "model" in fired["worker_kill_model"]["in_flight"]
     counts = report["counts"]
-    assert counts["sessions_final_turn_ok"] == counts["sessions"] == 8
+    assert counts["sessions_final_turn_ok"] == counts["sessions"] == 5
     assert counts["tool_calls"] > 0
     assert report["export"]["ok"]
     assert Path(report["export"]["path"]).is_file()
@@ -91,3 +94,18 @@ def test_fresh_clone_demo_help_then_corral_run(workspace_root: Path) -> None:
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
     assert (ws / "hello.txt").read_text().strip() == "from-a-fresh-clone"
     assert "wrote hello.txt" in run.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("args", "says"), [
+    (["--fault-gap", "1"], "--fault-gap 1 is too short"),
+    (["--faults", "worker_kill_tool,nope"], "unknown fault(s) ['nope']"),
+])
+def test_bad_demo_options_are_refused_before_anything_starts(
+        workspace_root: Path, args: list[str], says: str) -> None:
+    home = workspace_root / "never"
+    r = subprocess.run([PYTHON, "-m", "supervisor.devtools.demo", "--home", str(home), *args],
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2
+    assert says in r.stderr
+    assert not home.exists()

@@ -4,7 +4,8 @@ In-process and fast (no broker, worker, provider or store): a Hypothesis
 ``RuleBasedStateMachine`` plays the driver. It feeds model replies (with and
 without calls, allowed, denied, asked, idempotent or not), model failures,
 tool starts, replies and failures, lost workers, approvals (also stale ones),
-stop hooks, compaction (answered, lost, failed retryably or not), interrupts,
+stop hooks, compaction (answered and settled, stopped by a hook, lost, failed
+retryably or not), interrupts,
 the turn's time limit, late answers, and a supervisor crash at any step (the
 machine restarts from its last ``Commit``, through JSON, and ``resume``).
 Invariants:
@@ -14,6 +15,8 @@ Invariants:
   call after a loss, within its attempts);
 - a lost call ends ``unknown``;
 - every published event was committed first;
+- a compaction notice closes exactly once (settled, or by ``Finish``, or by
+  the driver after a crash), and only a settled compaction is compacted;
 - resume after any step equals never having crashed: the state read back from
   the last commit is the machine's own state, and resume restarts exactly the
   work that was in flight.
@@ -53,6 +56,7 @@ from supervisor.engine.machine import (
     Publish,
     Rejected,
     RunHook,
+    Settle,
     StopDone,
     ToolFailed,
     ToolReplied,
@@ -100,7 +104,11 @@ class TurnMachine(RuleBasedStateMachine):
         self.deciding: tuple[str, ...] = ()  # calls the policy is deciding
         self.waits = 0
         self.next_call = 0
-        self.feed(Begin())
+        self.notices: set[str] = set()  # compaction notices shown pending, not closed
+        self.next_notice = 0
+        self.compacted = 0  # context_compacted events committed
+        self.settled = 0  # settlements the driver handed over while a notice was open
+        self.feed(Begin((("user_message", {"text": "hi"}),), ({"type": "message"},)))
 
     # ------------------------------------------------------------ driver
 
@@ -114,6 +122,19 @@ class TurnMachine(RuleBasedStateMachine):
                 for name, payload in a.events:
                     if name == "tool_call_end":
                         self.tools_out.discard(payload["call_id"])
+                    elif name == "frontend_render":
+                        block = payload["block"]
+                        if block["state"] == "pending":
+                            assert block["id"] not in self.notices, "a notice shown twice"
+                            self.notices.add(block["id"])
+                        else:
+                            assert block["id"] in self.notices, "a notice closed twice"
+                            self.notices.discard(block["id"])
+                    elif name == "context_compacted":
+                        self.compacted += 1
+                if a.rewrite is not None:
+                    assert ("context_compacted", {}) in a.events, "a rewrite not settled"
+                    assert a.state.turn.notice is None, "settled with the notice open"
             elif isinstance(a, Publish):
                 assert a.events is self.last_commit_events, "published before its commit"
             elif isinstance(a, CallModel | Compact):
@@ -149,6 +170,11 @@ class TurnMachine(RuleBasedStateMachine):
                 # stays well-formed
                 open_ = {c.call_id for c in self.before.calls if not c.state.terminal}
                 assert {o["call_id"] for o in a.outputs} == open_, "an open call unclosed"
+                last = self.durable.turn.notice if self.durable is not None else None
+                assert a.notice == last, "an open notice unclosed"
+                if a.notice is not None:  # the driver completes it, failed or cancelled
+                    assert a.notice in self.notices, "a notice closed twice"
+                    self.notices.discard(a.notice)
                 self.endings += 1
                 assert self.endings <= 1, "the turn ended twice"
                 assert self.state.ended
@@ -170,19 +196,40 @@ class TurnMachine(RuleBasedStateMachine):
     def time_passes(self) -> None:
         self.now += 7.0
 
+    def settlement(self) -> Settle | None:
+        """What the driver hands over with its next event: the provisional
+        compaction's settlement, while one is open."""
+        notice = self.state.turn.notice
+        if notice is None:
+            return None
+        self.settled += 1
+        return Settle((("context_compacted", {}),
+                       ("frontend_render", {"block": {"id": notice, "state": "complete"}})),
+                      ({"type": "compaction"},))
+
     @precondition(lambda self: self.hook == "pre_model")
-    @rule(compact=rarely)
+    @rule(compact=st.integers(0, 2))  # one in three compacts first
     def pre_model_hooks_ran(self, compact: int) -> None:
         self.hook = None
-        self.feed(CompactionDue() if compact == 0 else Prepared())
+        if compact == 0 and self.state.turn.notice is None:
+            self.next_notice += 1
+            self.feed(CompactionDue(f"block_{self.next_notice}"))
+        else:
+            self.feed(Prepared(settle=self.settlement()))
 
     @precondition(lambda self: self.model_out
                   and self.state.turn.phase is TurnPhase.COMPACTING)
-    @rule(answer=st.sampled_from(["ok", "lost", "retryable", "fatal"]))
+    @rule(answer=st.sampled_from(["ok", "ok", "ok", "stopped", "lost", "retryable", "fatal"]))
     def compaction_answers(self, answer: str) -> None:
         self.model_out = False
-        failure = {"ok": None, "lost": LOST, "fatal": Failure("bad_request", "no", False),
+        failure = {"ok": None, "stopped": None, "lost": LOST,
+                   "fatal": Failure("bad_request", "no", False),
                    "retryable": Failure("rate_limited", "later", True)}[answer]
+        if answer == "stopped":  # a post_compact hook stopped the turn: kept, settled
+            self.feed(CompactionDone(stop="a hook stopped", settle=self.settlement()))
+            assert self.state.ended
+            assert not self.notices
+            return
         self.feed(CompactionDone(failure is None, failure))
 
     @precondition(lambda self: self.model_out
@@ -212,7 +259,8 @@ class TurnMachine(RuleBasedStateMachine):
     @rule(how=rarely)
     def a_hook_stops_or_rejects(self, how: int) -> None:
         if how == 0:
-            self.feed(Done("a hook stopped the turn"))
+            self.feed(Done("a hook stopped the turn",
+                           self.settlement() if self.hook == "pre_model" else None))
         elif how == 1:
             self.feed(Rejected("a hook rejected the turn"))
     @precondition(lambda self: self.model_out
@@ -324,6 +372,10 @@ class TurnMachine(RuleBasedStateMachine):
         in_flight = [c for c in restored.calls if c.in_flight]
         phase = restored.turn.phase
         approval = restored.approval
+        if restored.turn.notice is not None:
+            # the provisional compaction died with the process; the driver closes
+            # its notice from the journal (``_close_what_the_crash_left_open``)
+            self.notices.discard(restored.turn.notice)
         # everything the dead process had in flight is gone with it
         self.model_out, self.tools_out, self.hook, self.asking = False, set(), None, None
         self.deciding = ()
@@ -335,6 +387,7 @@ class TurnMachine(RuleBasedStateMachine):
         self.perform(actions)
         if self.state.ended:
             return  # past its time limit: ended at once
+        assert self.state.turn.notice is None, "a notice survived the crash"
         # resume restarts exactly what was in flight
         if phase in (TurnPhase.PREPARING, TurnPhase.MODEL_CALL, TurnPhase.COMPACTING):
             assert RunHook("pre_model") in actions
@@ -391,6 +444,12 @@ class TurnMachine(RuleBasedStateMachine):
         assert self.endings == (1 if self.state.ended else 0)
 
     @invariant()
+    def a_notice_is_open_exactly_while_the_state_says_so(self) -> None:
+        notice = self.state.turn.notice
+        assert self.notices == (set() if notice is None else {notice})
+        assert self.compacted == self.settled, "compacted without a settlement"
+
+    @invariant()
     def no_call_dispatched_twice_unasked(self) -> None:
         for cid, n in self.dispatched.items():
             allowed = LIMITS.idempotent_tool_attempts if self.idempotent[cid] else 1
@@ -430,6 +489,26 @@ def test_the_model_budget_is_what_is_left_of_the_turn() -> None:
     _, actions = step(s, Prepared(), LIMITS, 10.0)
     (call,) = [a for a in actions if isinstance(a, CallModel)]
     assert call.budget_s == LIMITS.model_call_budget_s
+
+
+def test_every_request_carries_what_is_left_of_the_turn() -> None:
+    """The one budget rule (docs/architecture.md, "The life of a request"): a model,
+    compaction or tool request gets min(what is left of ``max_turn_s`` counted
+    from the turn's start, its per-call cap), never below the floor."""
+    limits = Limits(max_turn_s=500.0, model_call_budget_s=300.0, tool_call_budget_s=600.0)
+    s = start("t", None, 100.0)
+    s, _ = step(s, Begin(), limits, 100.0)
+    _, actions = step(s, CompactionDue("b"), limits, 450.0)
+    (compact,) = [a for a in actions if isinstance(a, Compact)]
+    assert compact.budget_s == 150.0  # 500 - (450 - 100)
+    s, _ = step(s, Prepared(), limits, 100.0)
+    s, actions = step(s, ModelReplied((CallSpec("a", "shell"),)), limits, 200.0)
+    (tool,) = [a for a in actions if isinstance(a, CallTool)]
+    assert tool.budget_s == 400.0  # 500 - 100, below the 600 s cap
+    s2, _ = step(start("u", None, 0.0), Begin(), limits, 0.0)
+    _, actions = step(s2, Prepared(), limits, 499.99)
+    (call,) = [a for a in actions if isinstance(a, CallModel)]
+    assert call.budget_s == 0.05  # the floor: the turn's own limit ends it first
 
 
 def _to_model_call(limits: Limits = LIMITS) -> TurnState:

@@ -1,4 +1,6 @@
-"""A whole farm (the same supervision tree ``corral up`` runs) for a test."""
+"""A whole farm (the same supervision tree ``corral up`` runs) for a test, and what
+the other farm fixtures (tests/telemetry, tests/crash) share: the farm's home
+(``write_home``), its handle (``RunningFarm``) and its stop (``stop_farms``)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ class RunningFarm:
         assert pid is not None
         return pid
 
+    def ready(self, name: str = "supervisor") -> dict[str, Any]:
+        """The child's ready line (its endpoints, its web and metrics URLs)."""
+        return dict(self.farm.tree.children[name].ready or {})
+
 
 def write_home(home: Path, script: dict[str, Any], *, extra: str = "") -> None:
     home.mkdir(parents=True, exist_ok=True)
@@ -36,6 +42,15 @@ def write_home(home: Path, script: dict[str, Any], *, extra: str = "") -> None:
     (home / "corral.toml").write_text(
         '[session]\ndefault_route = "s"\napproval = "allow"\n'
         '[routes.s]\nscript = "script.json"\nread_timeout_s = 5.0\n' + extra)
+
+
+async def stop_farms(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel each farm's task and wait for it: the tree reaps every child."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 @pytest.fixture
@@ -64,8 +79,4 @@ async def start_farm(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     try:
         yield start
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_farms(tasks)

@@ -5,8 +5,6 @@ broker are SIGKILLed mid-turn and the turn still completes."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,8 @@ from typing import Any
 import pytest
 
 from supervisor.client import SupervisorClient
-from tests.helpers import eventually
+from tests.farm.midturn import SLOW_TOOL_SCRIPT, kill_supervisor_mid_turn
+from tests.farm.midturn import has_event as _has  # noqa: F401 (test_pg_supervisors uses it)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,53 +60,13 @@ async def test_a_turn_with_a_sandboxed_tool_call(start_farm: Callable[..., Any],
 
 async def test_supervisor_killed_mid_turn_then_the_turn_completes(
         start_farm: Callable[..., Any], workspace_root: Path) -> None:
-    script = {"responses": [
-        {"tool_calls": [{"name": "shell", "arguments": {"command": "sleep 2; echo slow"}}]},
-        {"text": "finished", "usage": {"input": 10, "output": 3}},
-    ]}
-    farm = await start_farm(script)
+    farm = await start_farm(SLOW_TOOL_SCRIPT)
     ws = workspace_root / "ws"
     ws.mkdir()
-    async with SupervisorClient(farm.endpoint) as sv:
-        sid = await sv.create_session(workspace=str(ws))
-        seen: list[dict[str, Any]] = []
-        sub = await sv.submit(sid, {"type": "user_input", "text": "go"})
-
-        async def collect() -> None:
-            async for e in sv.events(sid):
-                seen.append(e)
-
-        collector = asyncio.create_task(collect())
-        try:
-            await eventually(lambda: _has(seen, "tool_call_begin"), timeout_s=30,
-                             what="the tool call to start")
-            old = farm.pid("supervisor")
-            os.kill(old, signal.SIGKILL)
-            await eventually(lambda: _restarted(farm, old), timeout_s=30,
-                             what="the supervisor restarted")
-            await eventually(lambda: _terminal(seen, sub), timeout_s=60,
-                             what="the turn to end after the restart")
-        finally:
-            collector.cancel()
-    end = next(e for e in seen if e["type"] in ("turn_complete", "turn_aborted")
-               and e.get("submission_id") == sub)
-    assert end["type"] == "turn_complete", end
-    durable = [e["sequence"] for e in seen if e["sequence"] > 0]
-    assert durable == list(range(1, len(durable) + 1)), "gap or duplicate across the restart"
-    ends = [e for e in seen if e["type"] == "tool_call_end"]
+    run = await kill_supervisor_mid_turn(farm, ws)
+    assert run.end["type"] == "turn_complete", run.end
+    assert run.durable == list(range(1, len(run.durable) + 1)), \
+        "gap or duplicate across the restart"
+    ends = [e for e in run.seen if e["type"] == "tool_call_end"]
     assert len(ends) == 1
     assert ends[0]["payload"]["outcome"] in ("ok", "unknown")
-
-
-async def _has(seen: list[dict[str, Any]], kind: str) -> bool:
-    return any(e["type"] == kind for e in seen)
-
-
-async def _restarted(farm: Any, old: int) -> bool:
-    child = farm.farm.tree.children["supervisor"]
-    return child.pid != old and child.state == "running"
-
-
-async def _terminal(seen: list[dict[str, Any]], sub: str) -> bool:
-    return any(e.get("submission_id") == sub and e["type"] in ("turn_complete", "turn_aborted")
-               for e in seen)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from supervisor.client import SupervisorClient, SupervisorError
@@ -163,6 +164,19 @@ async def test_new_sessions_go_to_the_least_loaded_supervisor(
         async with SupervisorClient(endpoints[0], follow_redirects=False) as raw1:
             await raw1.create_session(workspace=str(next(ws)))  # tie: stays where asked
         assert await loads() == [now[0] + 1, now[1]]
+
+
+def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:
+    """The module's last use of the farm. Each supervisor ends on SIGTERM: none is
+    left to the farm's stop timeout and SIGKILL (a lease keeper once kept a
+    PostgreSQL supervisor's task group open: 10 s per supervisor)."""
+    pids = [_pid(farm2, "supervisor"), _pid(farm2, "supervisor-2")]
+    down = corral(farm2, "down")
+    assert down.returncode == 0, down.stderr
+    log = (farm2 / "logs" / "farm.log").read_text()
+    assert "did not stop within" not in log, log[-2000:]
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_several_supervisors_without_a_store_url_are_a_config_error(tmp_path: Path) -> None:

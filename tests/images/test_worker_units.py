@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,3 +127,50 @@ def test_a_dead_workers_layers_are_swept_at_the_next_start(tmp_path: Path) -> No
     assert sweep() >= 1
     assert root not in _mount_points()
     assert not Path(root).parent.exists()
+
+
+def _section(argv: list[str], first: str, end: str, inside: str,
+             fds: list[int]) -> list[str]:
+    """argv from ``first`` up to (not including) ``end``, the workspace's place
+    inside and the chain's fd numbers masked."""
+    part = argv[argv.index(first):argv.index(end)]
+    masked = {str(fd): f"<fd{i}>" for i, fd in enumerate(fds)}
+    return [masked.get(a, a.replace(inside, "<inside>") if inside else a) for a in part]
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+@pytest.mark.parametrize("network", [False, True])
+def test_host_and_image_chains_give_a_call_the_same_namespaces_and_mounts(
+        tmp_path: Path, read_only: bool, network: bool) -> None:
+    """The bwrap namespaces, /dev, the private /tmp and /dev/shm, the workspace
+    bind and the read-only .git binds are the same lines in both chains
+    (profile.bwrap_start, profile.call_mounts): a fix to one is a fix to both."""
+    profile = Profile("T2", SandboxUser("corral-sandbox", 999, 995), None, None)
+    limits = ToolLimits(**DEFAULT_LIMITS)  # type: ignore[typeddict-item]
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "sub" / ".git").mkdir(parents=True)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    gits = [os.open(tmp_path / rel, os.O_PATH) for rel in (".git", "sub/.git")]
+    try:
+        common: dict[str, Any] = {
+            "network": network, "uid": 200001, "call_id": "c1", "gid": 3000,
+            "workspace_fd": fd, "read_only": read_only,
+            "ro_fds": ((gits[0], ".git"), (gits[1], "sub/.git"))}
+        host = profile.build(["true"], str(tmp_path), limits, **common)
+        image = profile.build(["true"], str(tmp_path), limits, image=_root(fd),
+                              layer=Layer("/run/corral/overlay/1/c1"), **common)
+        for chain in (host, image):
+            for passed in chain.pass_fds:
+                os.close(passed)
+    finally:
+        for opened in (fd, *gits):
+            os.close(opened)
+    host_mounts = _section(host.argv, "--dev", "--remount-ro", "/workspace", host.pass_fds)
+    image_mounts = _section(image.argv, "--dev", "--remount-ro", "/app", image.pass_fds)
+    assert host_mounts == image_mounts
+    assert ("--ro-bind-fd" if read_only else "--bind-fd") in host_mounts
+    assert host_mounts.count("--ro-bind-fd") == 2 + read_only  # the two .git entries
+    assert "<inside>/sub/.git" in host_mounts
+    assert _section(host.argv, "bwrap", "--setenv", "", []) == \
+        _section(image.argv, "bwrap", "--setenv", "", [])
+    assert ("--share-net" in host.argv) is network

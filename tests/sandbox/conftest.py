@@ -42,6 +42,7 @@ class Stack:
     ready: dict[str, Any]
     worker: subprocess.Popen[bytes]
     procs: Procs
+    backend: str = ""  # the broker's worker endpoint
 
     @property
     def info(self) -> dict[str, Any]:
@@ -74,18 +75,25 @@ def start_stack(procs: Procs, tier: str, *extra: str) -> Stack:
                           f"ipc://{ipc}/b", "--heartbeat-interval-s", str(HB_S),
                           "--liveness", "4", name="broker", stdout=subprocess.PIPE)
     bready = json.loads(read_line_with_deadline(broker, 20.0))
-    args = ["--broker", bready["backend"], "--services", "tool", "--capacity", "4",
+    worker, ready = start_worker(procs, bready["backend"], tier, *extra)
+    return Stack(tier, bready["frontend"], ready, worker, procs, bready["backend"])
+
+
+def start_worker(procs: Procs, backend: str, tier: str, *extra: str,
+                 name: str | None = None) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """A tool worker on the broker at ``backend``, and its ready line."""
+    args = ["--broker", backend, "--services", "tool", "--capacity", "4",
             "--heartbeat-interval-s", str(HB_S), "--liveness", "4", *extra]
     if tier != "T2":
         args += ["--force-tier", tier, "--tier-min", tier]
-    worker = procs.python("sandbox_worker", *args, name=f"worker-{tier}",
+    worker = procs.python("sandbox_worker", *args, name=name or f"worker-{tier}",
                           env={"OPENAI_API_KEY": FAKE_KEY, "ANTHROPIC_API_KEY": FAKE_KEY},
                           stdout=subprocess.PIPE)
     try:
         ready = json.loads(read_line_with_deadline(worker, 30.0))
     except AssertionError as exc:
         raise AssertionError(f"worker did not start: {procs.log(worker)}") from exc
-    return Stack(tier, bready["frontend"], ready, worker, procs)
+    return worker, ready
 
 
 def start_or_skip(procs: Procs, tier: str, *extra: str) -> Stack:

@@ -67,6 +67,30 @@ def test_fit_text_never_exceeds_its_bound(text: str, max_bytes: int) -> None:
             assert out.endswith(" bytes shown]")
 
 
+def test_a_long_text_is_measured_and_cleaned_in_short_passes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cutting a huge output (a 50 MB client tool result) runs in a thread; each C
+    pass over the text holds the GIL, so none may cover more than one chunk, or the
+    event loop's thread (a program's heartbeats) stalls for the whole text: a pass
+    covers one chunk, or the shown head (bounded by the output bound, not by the
+    input). The chunked result is the one a single pass gives."""
+    from sandbox_worker import api
+
+    unit = "ab\x01\"\ud800\U0001f600é\n"
+    text = unit * 1_000_000  # 8 M characters
+    longest: list[int] = []
+    body = api._body_size
+    monkeypatch.setattr(api, "_body_size", lambda t: longest.append(len(t)) or body(t))
+    out, cut = fit_text(api.replace_surrogates(text), TOOL_OUTPUT_BYTES, MARKER)
+    assert cut
+    assert max(longest) <= max(api._CHUNK, TOOL_OUTPUT_BYTES) < len(text) // 4
+    cleaned = api.SURROGATES.sub("\ufffd", text)
+    assert api.replace_surrogates(text) == cleaned
+    total = len(json.dumps(cleaned, ensure_ascii=False).encode()) - 2
+    assert out.endswith(f"of {total} bytes shown]")
+    assert json_size(out) <= TOOL_OUTPUT_BYTES
+
+
 @given(nasty_text)
 @settings(max_examples=200, deadline=None)
 def test_json_text_is_valid_utf8_and_reads_back(text: str) -> None:

@@ -5,6 +5,11 @@ ephemeral farm, with the host's state checked afterwards.
 Covers issue 13's classes 1-4 end to end (setuid plants, nested workspaces,
 the farm's home inside a workspace, ``.git``) and issue 16's workspace
 checks at session creation (missing, a file, read-only mode).
+
+Most tests run against one farm for the module (``corral up --detach`` with
+one worker; each ``corral run`` still starts its own scripted provider): a
+temporary farm per run cost about 4 CPU-s each (docs/testing.md). The farm's
+home and run dir checks keep a temporary farm of their own.
 """
 
 from __future__ import annotations
@@ -36,14 +41,35 @@ def _text(t: str) -> dict[str, Any]:
     return {"text": t, "usage": {"input": 10, "output": 3}}
 
 
+def _kill_named(path: Path) -> None:
+    """Every process whose command line names ``path`` (the farms name their home)."""
+    for p in psutil.process_iter(["cmdline"]):
+        if str(path) in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
+            kill_tree(p.pid)
+
+
 @pytest.fixture
 def root() -> Iterator[Path]:
     with searchable_dir("corral-probe-", "/tmp") as path:
         yield path
-        # Every process of the ephemeral farms (they name their home) is gone.
-        for p in psutil.process_iter(["cmdline"]):
-            if str(path) in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
-                kill_tree(p.pid)
+        _kill_named(path)
+
+
+@pytest.fixture(scope="module")
+def home() -> Iterator[Path]:
+    """A farm for the module: one sandbox worker, stopped with ``corral down``,
+    then every process naming its home is killed by pid."""
+    with searchable_dir("corral-probe-farm-", "/tmp") as path:
+        home = path / "home"
+        home.mkdir()
+        (home / "corral.toml").write_text("[farm]\nworkers = 1\n")
+        try:
+            up = corral(home, "up", "--detach", "--json")
+            assert up.returncode == 0, up.stderr
+            yield home
+        finally:
+            corral(home, "down")
+            _kill_named(path)
 
 
 def _script(root: Path, name: str, *responses: dict[str, Any]) -> Path:
@@ -79,12 +105,13 @@ def _user_ws(root: Path, name: str = "ws") -> Path:
     return ws
 
 
-def test_setuid_plants_and_foreign_owners_never_reach_the_host(root: Path) -> None:
+def test_setuid_plants_and_foreign_owners_never_reach_the_host(root: Path,
+                                                               home: Path) -> None:
     ws = _user_ws(root)
     script = _script(root, "plant", _shell(
         "cp /usr/bin/id x && chmod 6755 x; cp /usr/bin/id y; chmod u+s y; chmod g+s y; "
         "install -m 2755 /usr/bin/id z; mkdir d; chmod 2777 d; echo hi > d/f; ls -ln"))
-    r = run(root / "home", script, ws)
+    r = run(home, script, ws)
     assert r.returncode == 0, r.stderr + r.stdout
     for path, dirs, files in os.walk(ws):
         for name in dirs + files:
@@ -92,17 +119,15 @@ def test_setuid_plants_and_foreign_owners_never_reach_the_host(root: Path) -> No
             assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID), (name, oct(st.st_mode))
             assert (st.st_uid, st.st_gid) == (OWNER, OWNER), (name, st.st_uid, st.st_gid)
     # The farm's own files are private.
-    home = root / "home"
     assert stat.S_IMODE(os.stat(home / "corral.db").st_mode) == 0o600
     assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
 
 
-def test_nested_workspaces_are_refused_whatever_the_session(root: Path) -> None:
+def test_nested_workspaces_are_refused_whatever_the_session(root: Path, home: Path) -> None:
     area = root / "area"
     area.mkdir()
     outer = _user_ws(area, "outer")
     (outer / "sub").mkdir()
-    home = root / "home"
     ok = run(home, _script(root, "a"), outer)
     assert ok.returncode == 0, ok.stderr + ok.stdout
     for inner in (outer / "sub", area):
@@ -133,21 +158,21 @@ def test_the_farm_home_and_a_workspace_never_overlap(root: Path, where: str) -> 
 
 
 @pytest.mark.parametrize("kind", ["missing", "file"])
-def test_a_missing_workspace_or_a_file_is_refused_before_the_session(root: Path,
+def test_a_missing_workspace_or_a_file_is_refused_before_the_session(root: Path, home: Path,
                                                                      kind: str) -> None:
     target = root / "nothere"
     if kind == "file":
         target.write_text("a file\n")
-    r = run(root / "home", _script(root, "m"), target)
+    r = run(home, _script(root, "m"), target)
     assert r.returncode != 0
     assert "session" not in [e["type"] for e in _events(r.stdout)]
     assert ("does not exist" if kind == "missing" else "is not a directory") in \
         r.stdout + r.stderr
-    listed = corral(root / "home", "sessions", "--json")
+    listed = corral(home, "sessions", "--json")
     assert str(target) not in listed.stdout
 
 
-def test_git_config_and_hooks_stay_read_only_unless_allowed(root: Path) -> None:
+def test_git_config_and_hooks_stay_read_only_unless_allowed(root: Path, home: Path) -> None:
     ws = _user_ws(root)
     subprocess.run(["git", "init", "-q", str(ws)], check=True)
     config = (ws / ".git" / "config").read_text()
@@ -156,23 +181,23 @@ def test_git_config_and_hooks_stay_read_only_unless_allowed(root: Path) -> None:
                     "echo '[core]' > .git/config; ls .git/hooks")
     write = {"tool_calls": [{"name": "write_file", "arguments": {
         "path": ".git/hooks/post-checkout", "content": "#!/bin/sh\ntouch /tmp/pwned\n"}}]}
-    r = run(root / "home", _script(root, "g", attack, write), ws)
+    r = run(home, _script(root, "g", attack, write), ws)
     assert r.returncode == 0, r.stderr + r.stdout
     assert (ws / ".git" / "config").read_text() == config
     assert not (ws / ".git" / "hooks" / "pre-commit").exists()
     assert not (ws / ".git" / "hooks" / "post-checkout").exists()
     results = _tool_results(r.stdout)
     assert any("read-only" in str(x) for x in results), results
-    allowed = run(root / "home2", _script(root, "h", _shell("git config user.name agent")),
+    allowed = run(home, _script(root, "h", _shell("git config user.name agent")),
                   ws, "--allow-git-write")
     assert allowed.returncode == 0, allowed.stderr + allowed.stdout
     assert "agent" in (ws / ".git" / "config").read_text()
 
 
-def test_read_only_sandbox_mode_through_the_cli(root: Path) -> None:
+def test_read_only_sandbox_mode_through_the_cli(root: Path, home: Path) -> None:
     ws = _user_ws(root)
     (ws / "keep.txt").write_text("keep\n")
-    r = run(root / "home", _script(root, "ro", _shell("cat keep.txt; echo x > keep.txt; "
+    r = run(home, _script(root, "ro", _shell("cat keep.txt; echo x > keep.txt; "
                                                       "touch new")), ws,
             "--sandbox", "read-only")
     assert r.returncode == 0, r.stderr + r.stdout
@@ -188,7 +213,8 @@ def test_the_run_dir_of_a_deep_home_is_private(root: Path) -> None:
     assert stat.S_IMODE(os.stat(FarmPaths.of(deep).run).st_mode) == 0o700
 
 
-def test_a_hostile_run_leaves_no_grant_and_nothing_a_host_user_can_use(root: Path) -> None:
+def test_a_hostile_run_leaves_no_grant_and_nothing_a_host_user_can_use(root: Path,
+                                                                       home: Path) -> None:
     """Issue 16: after a run, the workspace is the owner's (no Corral ACL entry,
     nothing of a sandbox uid) and another local user gains nothing: not even
     through ACLs or modes a tool set on its own files."""
@@ -204,7 +230,7 @@ def test_a_hostile_run_leaves_no_grant_and_nothing_a_host_user_can_use(root: Pat
                              "arguments": {"path": "w/new.txt", "content": "x"}}]}
     script = _script(root, "hostile", _shell(HOSTILE), write,
                      _shell("cat private.txt > /dev/null; ls -la"))
-    r = run(root / "home", script, ws)
+    r = run(home, script, ws)
     assert r.returncode == 0, r.stderr + r.stdout
     assert all(not t["is_error"] for t in _tool_results(r.stdout)), r.stdout
     uids = range(200_000, 200_000 + 65_536)

@@ -383,7 +383,10 @@ async def test_sweep_finds_new_files_deep_in_old_directories(stack: Stack, clien
         assert (st.st_uid, st.st_gid) == (OWNER, OWNER), p
 
 
-def test_aliases_of_deleted_workspaces_are_detached(tmp_path: Path) -> None:
+def test_aliases_no_call_holds_are_detached_by_a_sweep() -> None:
+    """A held alias survives a sweep (a worker starting or stopping); once its
+    holder is gone (a SIGKILLed worker's lock dies with it) the next sweep
+    detaches it, also when its workspace was deleted meanwhile."""
     from sandbox_worker.sandbox import wsalias
 
     with searchable_dir("corral-gone-", "/tmp") as parent:
@@ -396,8 +399,12 @@ def test_aliases_of_deleted_workspaces_are_detached(tmp_path: Path) -> None:
             alias = wsalias.alias_for(fd, 777_123, (st.st_dev, st.st_ino))
         finally:
             os.close(fd)
-        assert wsalias._is_mount(alias)
-        assert wsalias.prune() == 0 or wsalias._is_mount(alias)  # alive: kept
-    assert wsalias._is_mount(alias)  # the workspace is gone, its alias not yet
-    wsalias.prune()
-    assert not wsalias._is_mount(alias)
+        try:
+            assert wsalias._is_mount(alias.path)
+            wsalias.sweep()
+            assert wsalias._is_mount(alias.path)  # held: kept
+        finally:
+            os.close(alias.lock_fd)  # its holder dies without releasing it
+    assert wsalias._is_mount(alias.path)  # the workspace is gone, its alias not yet
+    wsalias.sweep()
+    assert not wsalias._is_mount(alias.path)

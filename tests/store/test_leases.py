@@ -72,6 +72,14 @@ async def test_one_owner_at_a_time_and_a_stale_owner_is_refused(pg_database: str
         await b.commit(t.step(tool_round(2), events=[("step", {"by": "b"})]))
         events = await b.replay_events(SessionId("s1"))
         assert [e.payload["by"] for e in events] == ["a", "b"]
+        # Each event records the lease it was written under (the chaos checker's
+        # ``fencing`` evidence), and a's refused write left no row.
+        import psycopg
+
+        with psycopg.connect(pg_database) as conn:
+            rows = conn.execute("SELECT sequence, lease_owner, lease_epoch FROM events"
+                                " ORDER BY sequence").fetchall()
+        assert rows == [(1, "a", 1), (2, "b", 2)]
     finally:
         await a.close()
         await b.close()
@@ -173,3 +181,100 @@ async def test_a_writer_paused_past_its_lease_is_fenced_off(pg_database: str,
         if child.stdout is not None:
             child.stdout.close()
         await b.close()
+
+
+async def test_renewals_and_claims_do_not_wait_behind_the_writer(pg_database: str) -> None:
+    """The writer is stuck (a step waits on a table lock another connection holds): renewing
+    and claiming still answer at once, on the lease keeper's own connection, so an
+    overloaded supervisor does not let its leases lapse behind its own queue."""
+    import psycopg
+
+    empty_pg(pg_database)
+    a = await PgStore.open(pg_database, owner="a", lease_s=5.0)
+    try:
+        s = Session("s1")
+        await a.create_session(new_record("s1"))
+        await a.create_session(new_record("s2"))
+        async with await psycopg.AsyncConnection.connect(pg_database) as db:
+            # the step's statement waits before it takes any lease row (a renewal waits,
+            # by design, for a write in flight that holds its session's lease FOR SHARE)
+            await db.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+            stuck = asyncio.create_task(a.commit(s.step(tool_round(1))))
+
+            async def waiting() -> bool:
+                cur = await db.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
+                    " 'Lock' AND application_name = 'corral-supervisor'")
+                row = await cur.fetchone()
+                return row is not None and row[0] == 1
+            await eventually(waiting, timeout_s=10, what="the writer to wait on the lock")
+            async with asyncio.timeout(5):
+                assert await a.renew() == []
+                assert await a.claim(10) == []
+            assert not stuck.done()
+            await db.rollback()
+        await asyncio.wait_for(stuck, 10)
+    finally:
+        await a.close()
+
+
+async def test_a_lapsed_lease_is_claimed_at_its_expiry_not_at_the_next_period(
+        pg_database: str) -> None:
+    """The lease keeper asks when the soonest foreign lease lapses and claims then: with
+    a claim period of 30 s (a third of a 30 s lease: 10 s between rounds), a session
+    whose owner stopped renewing a 1 s lease is taken within a few seconds."""
+    from supervisor import leasing
+
+    empty_pg(pg_database)
+    b = await PgStore.open(pg_database, owner="b", lease_s=1.0)
+    a = await PgStore.open(pg_database, owner="a", lease_s=30.0)
+    taken: list[SessionId] = []
+
+    class Engine:
+        def give_up(self, sid: SessionId) -> None:
+            raise AssertionError(f"a gave up {sid}")
+
+        async def take_over(self, sid: SessionId) -> None:
+            taken.append(sid)
+    try:
+        await b.create_session(new_record("s1"))  # b then stops renewing
+        async with asyncio.TaskGroup() as tg:
+            keeper = tg.create_task(leasing.run(a, Engine(), claim_period_s=30.0))
+
+            async def claimed() -> bool:
+                return taken == ["s1"]
+            try:
+                await eventually(claimed, timeout_s=6, what="a to take s1 at its lapse")
+            finally:
+                keeper.cancel()
+        assert a.held() == {"s1": 2}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_claimed_sessions_resume_several_at_a_time_within_the_bound() -> None:
+    from supervisor import leasing
+
+    running = peak = 0
+    gate = asyncio.Event()
+    done: list[SessionId] = []
+
+    class Engine:
+        def give_up(self, sid: SessionId) -> None:
+            raise AssertionError(sid)
+
+        async def take_over(self, sid: SessionId) -> None:
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            if running == 3:
+                gate.set()
+            await gate.wait()  # the first three are in flight together
+            running -= 1
+            done.append(sid)
+    sids = [SessionId(f"s{i}") for i in range(10)]
+    async with asyncio.timeout(10):
+        await leasing.resume(Engine(), sids, "a", 3)
+    assert peak == 3
+    assert sorted(done) == sorted(sids)

@@ -70,7 +70,7 @@ async def test_an_old_sqlite_store_opens_and_migrates(tmp_path: Path) -> None:
         await store.close()
     with closing(sqlite3.connect(path)) as raw:
         assert [r[0] for r in raw.execute("SELECT version FROM schema_version ORDER BY 1")] \
-            == [1, 2]
+            == [1, 2, 3]
         assert raw.execute("SELECT count(*) FROM leases").fetchone()[0] == 0
 
 
@@ -94,16 +94,16 @@ async def test_an_old_postgresql_store_is_refused_until_migrated(
 
         with pytest.raises(SchemaMismatch) as info:
             await open_for_home(home)
-        assert (info.value.found, info.value.supported) == (1, 2)
+        assert (info.value.found, info.value.supported) == (1, 3)
         assert f"migrate it first with: corral store migrate --home {home}" in str(info.value)
         assert pg_server.password not in str(info.value)
 
         out = _corral("store", "migrate", "--home", str(home))
         assert out.returncode == 0, out.stderr
-        assert "migrated from schema version 1 to 2" in out.stdout
+        assert "migrated from schema version 1 to 3" in out.stdout
         assert pg_server.password not in out.stdout + out.stderr
         again = _corral("store", "migrate", "--home", str(home), "--json")
-        assert '"from_version": 2' in again.stdout
+        assert '"from_version": 3' in again.stdout
 
         store = await open_for_home(home)
         try:
@@ -123,7 +123,7 @@ async def test_a_newer_postgresql_store_is_refused_and_not_touched(pg_server: An
         await store.close()
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("INSERT INTO schema_version VALUES (7, 0, 'from the future')")
-        with pytest.raises(SchemaMismatch, match="has schema version 7, this Corral needs 2; "
+        with pytest.raises(SchemaMismatch, match="has schema version 7, this Corral needs 3; "
                            "upgrade Corral"):
             await PgStore.open(url)
         from supervisor.store.errors import SchemaTooNew
@@ -133,6 +133,6 @@ async def test_a_newer_postgresql_store_is_refused_and_not_touched(pg_server: An
             await migrate_pg(url)
         with psycopg.connect(url) as conn:
             row = conn.execute("SELECT max(version), count(*) FROM schema_version").fetchone()
-        assert row == (7, 3)
+        assert row == (7, 4)
     finally:
         pg_server.drop_database(url)

@@ -4,35 +4,15 @@ HOME/farm.json is kept true), for the telemetry tests."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from supervisor.farm.root import Farm
+from tests.farm.conftest import RunningFarm, stop_farms, write_home
 from tests.helpers import eventually
-
-
-@dataclass
-class TelemetryFarm:
-    farm: Farm
-    home: Path
-
-    @property
-    def endpoint(self) -> str:
-        return self.farm.paths.supervisor_endpoint
-
-    def pid(self, name: str) -> int:
-        pid = self.farm.tree.children[name].pid
-        assert pid is not None
-        return pid
-
-    def ready(self, name: str = "supervisor") -> dict[str, Any]:
-        return dict(self.farm.tree.children[name].ready or {})
 
 
 @pytest.fixture
@@ -42,13 +22,9 @@ async def telemetry_farm(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     tasks: list[asyncio.Task[None]] = []
 
     async def start(script: dict[str, Any], *, workers: int = 2, extra: str = "",
-                    **farm_kw: Any) -> TelemetryFarm:
+                    **farm_kw: Any) -> RunningFarm:
         home = tmp_path / "home"
-        home.mkdir(parents=True, exist_ok=True)
-        (home / "script.json").write_text(json.dumps(script))
-        (home / "corral.toml").write_text(
-            '[session]\ndefault_route = "s"\napproval = "allow"\n'
-            '[routes.s]\nscript = "script.json"\nread_timeout_s = 5.0\n' + extra)
+        write_home(home, script, extra=extra)
         farm = Farm(home, workers=workers, **farm_kw)
         task = asyncio.create_task(farm.run())
         tasks.append(task)
@@ -59,13 +35,9 @@ async def telemetry_farm(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
             return farm.serving
 
         await eventually(serving, timeout_s=90, what="the farm to serve")
-        return TelemetryFarm(farm, home)
+        return RunningFarm(farm, home)
 
     try:
         yield start
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_farms(tasks)

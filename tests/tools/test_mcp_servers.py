@@ -152,10 +152,18 @@ async def test_broken_servers_get_typed_errors(tools_farm: Farm, sandbox_site: s
                                                says: str) -> None:
     ws = str(new_workspace())
     async with BrokerClient(tools_farm.frontend) as client:
-        got = await call(client, request(ws, f"sess-{mode}", "b", own(sandbox_site, mode),
-                                         "add", {"n": 1}), budget_s=20.0)
+        # A server that never answers is given up at its spec's start_timeout_s (the
+        # default, 30 s, would be cut by this call's 20 s budget instead).
+        spec = {**own(sandbox_site, mode), **({"start_timeout_s": 3.0} if mode == "noinit"
+                                               else {})}
+        started = time.monotonic()
+        got = await call(client, request(ws, f"sess-{mode}", "b", spec, "add", {"n": 1}),
+                         budget_s=20.0)
         assert got["error_kind"] == "mcp_start_failed"
         assert says in got["output"], got["output"]
+        if mode == "noinit":
+            assert "within 3 s" in got["output"], got["output"]
+            assert time.monotonic() - started < 15.0
         # The worker is still up and serving.
         ok = await call(client, request(ws, f"sess-{mode}-ok", "t", own(sandbox_site),
                                         "add", {"n": 7}))

@@ -31,6 +31,7 @@ env = { GIT_AUTHOR_NAME = "corral" }
 [mcp.docs]
 url = "https://example.invalid/mcp"
 headers_env = { Authorization = "CORRAL_MCP_DOCS_TOKEN" }
+start_timeout_s = 90
 [tools.wc]
 description = "Count words"
 command = ["wc", "-w"]
@@ -40,6 +41,7 @@ read_only = true
     assert cfg.mcp["git"] == {"command": ["mcp-server-git"], "network": False,
                               "env": {"GIT_AUTHOR_NAME": "corral"}}
     assert cfg.mcp["docs"]["headers_env"] == {"Authorization": "CORRAL_MCP_DOCS_TOKEN"}
+    assert cfg.mcp["docs"]["start_timeout_s"] == 90.0
     assert cfg.command_tools["wc"]["read_only"] is True
     assert cfg.command_tools["wc"]["idempotent"] is False
 
@@ -57,6 +59,9 @@ read_only = true
     ('[mcp.a]\nurl = "ftp://h"', "http:// or https://"),
     ('[mcp.a]\nurl = "http://h"\nnetwork = true', "for command (stdio) servers only"),
     ('[mcp.a__b]\ncommand = ["x"]', "without '__'"),
+    ('[mcp.a]\ncommand = ["x"]\nstart_timeout_s = 0', "start_timeout_s must be a number"),
+    ('[mcp.a]\ncommand = ["x"]\nstart_timeout_s = 301', "at most 300"),
+    ('[mcp.a]\ncommand = ["x"]\nstart_timeout_s = "10"', "start_timeout_s must be a number"),
     ('[mcp.a]\ncommand = ["x"]\ncwd = "/etc"', "relative to the workspace"),
     ('[mcp.a]\ncommand = ["x"]\ntransport = "sse"', "unknown key(s) ['transport']"),
     ('[mcp.a]\nurl = "http://h"\nheaders_env = { Authorization = "OPENAI_API_KEY" }',

@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+from broker import plants
 from supervisor.store.errors import LeaseLost
 from supervisor.store.pg.reader import all_rows, one
 from supervisor.store.pg.schema import Conn
@@ -48,9 +49,12 @@ async def acquire(conn: Conn, sid: int, owner: str, lease_s: float) -> int | Non
     same owner id (a restarted supervisor taking its sessions back at once: the new
     epoch fences whatever the previous process of that id still had in flight). Its new
     epoch, or None (another supervisor holds it)."""
+    bump = "leases.epoch + 1"
+    if plants.on("epoch_reused"):  # chaos plant: a new owner keeps the old token
+        bump = "leases.epoch + (leases.owner IS NOT DISTINCT FROM excluded.owner)::int"
     row = await one(
         conn, f"INSERT INTO leases (sid, owner, epoch, expires_at) VALUES (%s, %s, 1, {NOW} + %s)"
-        " ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = leases.epoch + 1,"
+        f" ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = {bump},"
         " expires_at = excluded.expires_at WHERE leases.owner IS NULL"
         f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner RETURNING epoch",
         (sid, owner, lease_s))
@@ -88,14 +92,36 @@ async def release(conn: Conn, sid: int, owner: str, epoch: int) -> None:
                        " AND owner = %s AND epoch = %s", (sid, owner, epoch))
 
 
-async def claimable(conn: Conn, limit: int, own: str | None = None) -> list[tuple[int, str]]:
-    """Active sessions nobody holds a live lease on (and, with ``own``, those leased to
-    that owner id: a restart taking its sessions back): (sid, session_id), oldest first."""
-    return [(int(r[0]), str(r[1])) for r in await all_rows(
-        conn, "SELECT s.sid, s.session_id FROM sessions s LEFT JOIN leases l ON l.sid = s.sid"
+async def next_lapse(conn: Conn, owner: str) -> float | None:
+    """Seconds until the soonest live lease of another owner lapses (None: there is
+    none): when a dead supervisor's sessions become claimable, at the earliest."""
+    row = await one(conn, f"SELECT min(expires_at) - {NOW} FROM leases WHERE owner <> %s"
+                          f" AND expires_at > {NOW}", (owner,))
+    return None if row is None or row[0] is None else max(0.0, float(row[0]))
+
+
+async def claim(conn: Conn, owner: str, lease_s: float, limit: int,
+                own: bool, exclude: list[int] | None = None) -> list[tuple[int, str, int]]:
+    """Acquire up to ``limit`` active sessions nobody holds a live lease on (with
+    ``own``, also those leased to this owner id: a restart taking its sessions back),
+    oldest first, in ONE statement (a takeover claims many at once): (sid, session_id,
+    new epoch) of those taken. The rules of ``acquire``: free, expired or this owner's,
+    always under ``epoch + 1``; a row another claimer took meanwhile is skipped; the
+    sids in ``exclude`` (still held in this supervisor's memory) are never claimed."""
+    rows = await all_rows(
+        conn, "WITH c AS (SELECT s.sid FROM sessions s LEFT JOIN leases l ON l.sid = s.sid"
         " WHERE s.status = 'active' AND (l.sid IS NULL OR l.owner IS NULL"
-        f" OR l.expires_at <= {NOW} OR l.owner = %s) ORDER BY s.sid LIMIT %s",
-        (own, limit))]
+        f" OR l.expires_at <= {NOW} OR l.owner = %s)"
+        " AND NOT (s.sid = ANY(%s::bigint[])) ORDER BY s.sid LIMIT %s),"
+        " got AS (INSERT INTO leases (sid, owner, epoch, expires_at)"
+        f" SELECT sid, %s, 1, {NOW} + %s FROM c"
+        " ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = leases.epoch + 1,"
+        " expires_at = excluded.expires_at WHERE leases.owner IS NULL"
+        f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner"
+        " RETURNING sid, epoch)"
+        " SELECT got.sid, s.session_id, got.epoch FROM got JOIN sessions s ON s.sid = got.sid"
+        " ORDER BY got.sid", (owner if own else None, exclude or [], limit, owner, lease_s))
+    return [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
 
 
 async def owners(conn: Conn) -> list[tuple[str, int, float]]:

@@ -149,20 +149,43 @@ async def context_of(conn: Conn, session_id: str, upto_batch: int,
         return items
 
 
+_LOAD = (
+    f"WITH s AS (SELECT {SESSION_COLUMNS} FROM sessions WHERE session_id = %s),"
+    " r AS (SELECT epoch, at_batch, items FROM context_rewrites"
+    " WHERE sid = (SELECT sid FROM s) ORDER BY epoch DESC LIMIT 1)"
+    f" SELECT {', '.join('s.' + c.strip() for c in SESSION_COLUMNS.split(','))},"
+    " (SELECT state FROM checkpoint_state c WHERE c.sid = s.sid),"
+    " COALESCE((SELECT e.sequence FROM events e WHERE e.sid = s.sid"
+    " ORDER BY e.sequence DESC LIMIT 1), 0),"
+    " COALESCE((SELECT b.sequence FROM transcript_batches b WHERE b.sid = s.sid"
+    " ORDER BY b.sequence DESC LIMIT 1), 0),"
+    " (SELECT items FROM r),"
+    " ARRAY(SELECT b.items FROM transcript_batches b WHERE b.sid = s.sid"
+    " AND b.sequence > COALESCE((SELECT at_batch FROM r), 0) ORDER BY b.sequence)"
+    " FROM s"
+)
+
+
 async def load(conn: Conn, session_id: str) -> LoadedSession | None:
-    async with snapshot(conn):
-        row = await session_row(conn, session_id)
-        if row is None:
-            return None
-        sid = int(row[0])
-        context, _ = await context_at(conn, sid)
-        return LoadedSession(
-            record=to_session(row),
-            state=await load_state(conn, sid),
-            context=context,
-            last_event_sequence=await last_sequence(conn, "events", sid),
-            last_batch_sequence=await last_sequence(conn, "transcript_batches", sid),
-        )
+    """The session, its state and its current context in ONE statement (one snapshot,
+    one round trip: a takeover loads many sessions, and each round trip counts)."""
+    row = await one(conn, _LOAD, (session_id,))
+    if row is None:
+        return None
+    n = len(SESSION_COLUMNS.split(","))
+    state, last_event, last_batch, rewrite_items, batch_items = row[n:]
+    context: list[dict[str, Any]] = []
+    if rewrite_items is not None:
+        context.extend(decode(rewrite_items))
+    for items in batch_items:
+        context.extend(decode(items))
+    return LoadedSession(
+        record=to_session(row[:n]),
+        state=CheckpointState.from_json(decode(state)) if state else CheckpointState(),
+        context=context,
+        last_event_sequence=int(last_event),
+        last_batch_sequence=int(last_batch),
+    )
 
 
 async def get_session(conn: Conn, session_id: str) -> SessionRecord | None:
@@ -211,14 +234,12 @@ async def events_page(conn: Conn, session_id: str, after_sequence: int,
                       limit: int) -> Page[EventRecord]:
     check_limit(limit, MAX_PAGE_EVENTS, "limit")
     check_n(after_sequence)
-    async with snapshot(conn):
-        sid = await sid_of(conn, session_id)
-        if sid is None:
-            return Page([], None)
-        rows = await all_rows(
-            conn, "SELECT sequence, type, payload, submission_id, created_at FROM events"
-            " WHERE sid = %s AND sequence > %s ORDER BY sequence LIMIT %s",
-            (sid, after_sequence, limit + 1))
+    # One statement (one snapshot, one round trip): a resumed turn pages its journal.
+    rows = await all_rows(
+        conn, "SELECT e.sequence, e.type, e.payload, e.submission_id, e.created_at"
+        " FROM events e WHERE e.sid = (SELECT sid FROM sessions WHERE session_id = %s)"
+        " AND e.sequence > %s ORDER BY e.sequence LIMIT %s",
+        (session_id, after_sequence, limit + 1))
     more = len(rows) > limit
     events = [
         EventRecord(SessionId(session_id), seq, typ, decode(payload),

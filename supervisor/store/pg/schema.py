@@ -129,6 +129,16 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX leases_by_owner ON leases (owner)",
         ),
     ),
+    Migration(
+        3,
+        "events record the lease (owner, fencing epoch) they were written under",
+        (
+            # NULL without leases (one supervisor); evidence for the chaos checker's
+            # ``fencing`` invariant (docs/chaos.md): per session, epochs never go back.
+            "ALTER TABLE events ADD COLUMN lease_owner TEXT",
+            "ALTER TABLE events ADD COLUMN lease_epoch BIGINT",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 _VERSION_TABLE = (

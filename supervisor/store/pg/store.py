@@ -2,7 +2,9 @@
 
 Same surface and guarantees as the SQLite ``Store`` (``supervisor.store.port``): one
 writer connection that group-commits (``GroupCommitter``: concurrent sessions' steps in
-one transaction, so one WAL flush), one reader connection for snapshot reads.
+one transaction, so one WAL flush), up to ``READERS`` reader connections (the first opened
+at start, the others at the first read that finds every open one busy: a takeover loads
+many sessions at once).
 
 Invariants:
 - Commit before visible: a ``commit`` returns after the COMMIT of its group returned.
@@ -47,6 +49,7 @@ from supervisor.store.errors import (
 from supervisor.store.group import GroupCommitter
 from supervisor.store.pg import leases, reader, schema, writer
 from supervisor.store.pg.errors import translate
+from supervisor.store.pg.onestep import StepOp
 from supervisor.store.pg.schema import Conn
 from supervisor.store.records import (
     EventRecord,
@@ -67,6 +70,7 @@ R = TypeVar("R")
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_LEASE_S = 10.0
+READERS = 4  # reader connections at most (concurrent loads of a takeover's resume)
 MIGRATE_COMMAND = "corral store migrate"
 
 
@@ -116,7 +120,7 @@ def _scrub(text: str, url: str) -> str:
 class _Link:
     """One connection that is replaced when it breaks (never two at once)."""
 
-    def __init__(self, url: str, conn: Conn, timeout_s: float, name: str,
+    def __init__(self, url: str, conn: Conn | None, timeout_s: float, name: str,
                  idle_in_transaction_s: float | None = None) -> None:
         self.url = url
         self.conn: Conn | None = conn
@@ -158,7 +162,14 @@ class PgStore:
         self._lease_lock = asyncio.Lock()  # renew / reacquire / claim change _held in turn
         self._shown = redact(url)
         self._writer = writer_link
-        self._reader = reader_link
+        self._readers = [reader_link] + [  # connected at their first use
+            _Link(url, None, reader_link._timeout_s, f"reader {n}")
+            for n in range(2, READERS + 1)]
+        self._turn = 0
+        # Claims, renewals and heartbeats: single statements on a connection of their
+        # own, so they never wait behind the writer's backlog of steps (an overloaded
+        # supervisor would otherwise let its leases lapse with its queue full).
+        self._leaser = _Link(url, None, reader_link._timeout_s, "lease keeper")
         self._busy_deadline_s = busy_deadline_s
         self._group: GroupCommitter[writer.PgOp] = GroupCommitter(
             self._apply, max_group_ops=max_group_ops, max_pending_ops=max_pending_ops,
@@ -227,7 +238,8 @@ class PgStore:
             try:
                 await self._writer.close()
             finally:
-                await self._reader.close()
+                for link in (*self._readers, self._leaser):
+                    await link.close()
 
     async def __aenter__(self) -> PgStore:
         return self
@@ -258,7 +270,16 @@ class PgStore:
     async def _read(self, fn: Callable[[Conn], Awaitable[R]], what: str) -> R:
         if self._group.closing:
             raise StoreClosed("the store is closed")
-        return await self._on(self._reader, fn, what)
+        return await self._on(self._reader_link(), fn, what)
+
+    def _reader_link(self) -> _Link:
+        """A reader that is free, preferring one already connected; if all are busy, the
+        next in turn (each lock queues its waiters in order)."""
+        free = [link for link in self._readers if not link.lock.locked()]
+        if free:
+            return min(free, key=lambda link: link.conn is None)
+        self._turn = (self._turn + 1) % len(self._readers)
+        return self._readers[self._turn]
 
     # ------------------------------------------------------------------ writes
 
@@ -292,11 +313,11 @@ class PgStore:
     async def commit(self, step: StepWrite) -> None:
         """Commit one step in one transaction (shared with concurrent sessions' steps)."""
         prepared = prepare_step(step, self.limits)
-        await self._group.submit(partial(_step, prepared, self._fence(step.session_id)))
+        await self._group.submit(StepOp(prepared, self._fence(step.session_id)))
 
     async def commit_many(self, steps: list[StepWrite]) -> None:
         prepared = [prepare_step(s, self.limits) for s in steps]
-        futures = [self._group.enqueue(partial(_step, p, self._fence(p.session_id)))
+        futures = [self._group.enqueue(StepOp(p, self._fence(p.session_id)))
                    for p in prepared]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
@@ -350,8 +371,11 @@ class PgStore:
         supervisor takes its sessions back without waiting for the leases to lapse)."""
         owner = self._require_owner()
         async with self._lease_lock:
-            got: list[tuple[str, tuple[int, int]]] = await self._group.submit(
-                partial(_claim, owner, self.lease_s, limit, own, frozenset(self._held)))
+            # Never a session still held here (in memory): renew decides those, taking a
+            # lapsed one back only if nobody owned it meanwhile.
+            exclude = sorted(n for n, _ in self._held.values())
+            got: list[tuple[str, tuple[int, int]]] = await self._lease_op(
+                partial(_claim, owner, self.lease_s, limit, own, exclude), "claiming sessions")
             for session_id, held in got:
                 self._hold(session_id, held)
         return [SessionId(sid) for sid, _ in got]
@@ -363,11 +387,16 @@ class PgStore:
         another, or released: the caller gives them up without publishing anything)."""
         owner = self._require_owner()
         async with self._lease_lock:
-            held = {n: epoch for n, epoch in self._held.values()}
-            live: dict[int, int] = await self._group.submit(
-                partial(_renew, owner, self.lease_s, held))
+            # Only leases held before the statement started count: one taken meanwhile (a
+            # create or an acquire committing on the writer) is not in what it saw.
+            before = dict(self._held)
+            live: dict[int, int] = await self._lease_op(
+                partial(_renew, owner, self.lease_s, {n: e for n, e in before.values()}),
+                "renewing the leases")
             lost = []
-            for sid, (n, epoch) in list(self._held.items()):
+            for sid, (n, epoch) in before.items():
+                if self._held.get(sid) != (n, epoch):
+                    continue
                 if n not in live:
                     lost.append(sid)
                     del self._held[sid]
@@ -390,8 +419,9 @@ class PgStore:
                 return None
             if held[1] != epoch:
                 return held[1]
-            got: dict[int, int] = await self._group.submit(
-                partial(_reacquire, owner, self.lease_s, {held[0]: epoch}))
+            got: dict[int, int] = await self._lease_op(
+                partial(_reacquire, owner, self.lease_s, {held[0]: epoch}),
+                "taking a lapsed lease back")
             if held[0] not in got:
                 del self._held[session_id]
                 return None
@@ -403,6 +433,11 @@ class PgStore:
         held = self._held.pop(session_id, None)
         if held is not None:
             await self._group.submit(partial(_release, held, owner))
+
+    async def next_lapse(self) -> float | None:
+        """Seconds until the soonest live lease of another supervisor lapses, or None."""
+        return await self._lease_op(partial(leases.next_lapse, owner=self._require_owner()),
+                                    "reading the next lease expiry")
 
     async def lease_owners(self) -> list[tuple[str, int, float]]:
         """(owner, sessions, seconds left on its soonest-expiring lease) per live owner."""
@@ -416,8 +451,14 @@ class PgStore:
                          "recording this supervisor's address")
 
     async def beat(self) -> None:
-        await self._read(partial(leases.beat, owner=self._require_owner()),
-                         "recording this supervisor's heartbeat")
+        await self._lease_op(partial(leases.beat, owner=self._require_owner()),
+                             "recording this supervisor's heartbeat")
+
+    async def _lease_op(self, fn: Callable[[Conn], Awaitable[R]], what: str) -> R:
+        """One lease statement (autocommit) on the lease keeper's connection."""
+        if self._group.closing:
+            raise StoreClosed("the store is closed")
+        return await self._on(self._leaser, fn, what)
 
     async def loads(self) -> list[tuple[str, str, int]]:
         """(supervisor id, address, sessions owned) of the live supervisors, least first."""
@@ -501,11 +542,6 @@ async def _create(record: SessionRecord, config: str, first: Any, owner: str | N
     return await _take(conn, record.session_id, owner, lease_s)
 
 
-async def _step(prepared: Any, fence: tuple[str, int] | None, conn: Conn) -> None:
-    await _fenced(conn, prepared.session_id, fence)
-    await writer.apply_step(conn, prepared)
-
-
 async def _status(session_id: str, status: str, fence: tuple[str, int] | None,
                   conn: Conn) -> None:
     await _fenced(conn, session_id, fence)
@@ -531,16 +567,10 @@ async def _acquire(session_id: str, owner: str, lease_s: float,
     return (sid, epoch) if epoch is not None else None
 
 
-async def _claim(owner: str, lease_s: float, limit: int, own: bool, held: frozenset[str],
+async def _claim(owner: str, lease_s: float, limit: int, own: bool, exclude: list[int],
                  conn: Conn) -> list[tuple[str, tuple[int, int]]]:
-    got = []
-    for sid, session_id in await leases.claimable(conn, limit, owner if own else None):
-        if session_id in held:  # still in this supervisor's memory: renew decides
-            continue
-        epoch = await leases.acquire(conn, sid, owner, lease_s)
-        if epoch is not None:
-            got.append((session_id, (sid, epoch)))
-    return got
+    return [(session_id, (sid, epoch)) for sid, session_id, epoch
+            in await leases.claim(conn, owner, lease_s, limit, own, exclude)]
 
 
 async def _renew(owner: str, lease_s: float, held: dict[int, int],

@@ -36,7 +36,7 @@ from supervisor.store.errors import (
     SessionNotFound,
     StoreError,
 )
-from supervisor.store.pg import reader
+from supervisor.store.pg import onestep, reader
 from supervisor.store.pg.reader import check_n, one
 from supervisor.store.pg.schema import Conn
 from supervisor.store.reader import to_session
@@ -76,7 +76,16 @@ _PREFETCH = (
 )
 
 
-async def apply_step(conn: Conn, p: PreparedStep) -> None:
+_INSERT = ("INSERT INTO events (sid, sequence, type, submission_id, created_at, payload)"
+           " VALUES (%s,%s,%s,%s,%s,%s)")
+_INSERT_LEASED = ("INSERT INTO events (sid, sequence, type, submission_id, created_at, payload,"
+                  " lease_owner, lease_epoch) VALUES (%s,%s,%s,%s,%s,%s,%s,%s)")
+
+
+async def apply_step(conn: Conn, p: PreparedStep,
+                     fence: tuple[str, int] | None = None) -> None:
+    """Write one prepared step; its new events record ``fence``, the lease (owner,
+    epoch) the write was made under (None without leases)."""
     # One round trip for everything the checks need (sid, last event, last batch, the
     # stored state's counters): the writer's cost is its sequential round trips.
     head = await one(conn, _PREFETCH, (p.session_id,))
@@ -87,6 +96,7 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
     now = time.time()
     if p.events:
         new: list[tuple[Any, ...]] = []
+        lease = fence if fence is not None else ()
         for seq, typ, submission, created_at, payload in p.events:
             check_n(seq)
             if seq <= last_event:
@@ -97,7 +107,7 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
                         f"session {p.session_id!r} event {seq} already holds different content"
                     )
             elif seq == last_event + 1:
-                new.append((sid, seq, typ, submission, created_at, payload))
+                new.append((sid, seq, typ, submission, created_at, payload, *lease))
                 last_event = seq
             else:
                 raise SequenceConflict(
@@ -105,9 +115,7 @@ async def apply_step(conn: Conn, p: PreparedStep) -> None:
                 )
         if new:
             async with conn.cursor() as cur:
-                await cur.executemany(
-                    "INSERT INTO events (sid, sequence, type, submission_id, created_at,"
-                    " payload) VALUES (%s,%s,%s,%s,%s,%s)", new)
+                await cur.executemany(_INSERT_LEASED if fence is not None else _INSERT, new)
     if p.batch is not None:
         seq, epoch, created_at, items = p.batch
         check_n(seq)
@@ -307,11 +315,59 @@ async def _run_op(conn: Conn, op: PgOp) -> tuple[bool, Any]:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+class _SlowPath(Exception):
+    """A one-statement step failed on the server: the group's transaction is aborted."""
+
+
 async def apply_group(conn: Conn, ops: Sequence[PgOp]) -> list[tuple[bool, Any]]:
     """Run ``ops`` in ONE transaction; each gets (True, result) or (False, StoreError).
-    psycopg errors other than an operation's own propagate (the caller translates)."""
+    psycopg errors other than an operation's own propagate (the caller translates).
+
+    Steps with a one-statement form (``onestep.StepOp``) go that way, without a
+    savepoint, the statements of consecutive steps of distinct sessions in one
+    pipeline (one round trip); if one of them fails on the server (a concurrent
+    writer's key, a value refused) the whole group is rolled back and run again with a
+    savepoint per operation, so each error is its operation's alone."""
+    if any(hasattr(op, "send") for op in ops):
+        try:
+            return await _apply(conn, ops, fast=True)
+        except _SlowPath:
+            onestep.COUNTS["groups_rerun"] += 1
+    return await _apply(conn, ops, fast=False)
+
+
+def _run_of(ops: Sequence[PgOp], start: int) -> list[Any]:
+    """The one-statement steps from ``start`` on, up to a second step of one session
+    or an operation of another kind."""
+    run: list[Any] = []
+    seen: set[str] = set()
+    for op in ops[start:]:
+        key = getattr(op, "key", None) if hasattr(op, "send") else None
+        if key is None or key in seen:
+            break
+        seen.add(key)
+        run.append(op)
+    return run
+
+
+async def _apply(conn: Conn, ops: Sequence[PgOp], *, fast: bool) -> list[tuple[bool, Any]]:
     results: list[tuple[bool, Any]] = []
+    now = time.time()
     async with conn.transaction():
-        for op in ops:
-            results.append(await _run_op(conn, op))
+        while len(results) < len(ops):
+            run = _run_of(ops, len(results)) if fast else []
+            if not run:
+                results.append(await _run_op(conn, ops[len(results)]))
+                continue
+            try:
+                async with conn.pipeline():
+                    cursors = [await op.send(conn, now) for op in run]
+                written = [c is not None and (await c.fetchone() or (0,))[0] == 1
+                           for c in cursors]
+            except (pgerr.UniqueViolation, psycopg.DataError) as exc:
+                raise _SlowPath from exc
+            onestep.COUNTS["one_statement"] += sum(written)
+            onestep.COUNTS["slow"] += len(run) - sum(written)
+            for op, done in zip(run, written, strict=True):
+                results.append((True, None) if done else await _run_op(conn, op))
     return results
