@@ -44,17 +44,22 @@ async def check(conn: Conn, sid: int, session_id: str, owner: str, epoch: int) -
                         f"{epoch}; the lease now says {found}; the write was refused")
 
 
+def _bump() -> str:
+    """The new epoch of an acquisition (``acquire`` and ``claim``): always one more.
+    The ``epoch_reused`` chaos plant keeps a new owner on the old token."""
+    if plants.on("epoch_reused"):
+        return "leases.epoch + (leases.owner IS NOT DISTINCT FROM excluded.owner)::int"
+    return "leases.epoch + 1"
+
+
 async def acquire(conn: Conn, sid: int, owner: str, lease_s: float) -> int | None:
     """Take the lease of session ``sid`` if it is free, expired, or recorded under this
     same owner id (a restarted supervisor taking its sessions back at once: the new
     epoch fences whatever the previous process of that id still had in flight). Its new
     epoch, or None (another supervisor holds it)."""
-    bump = "leases.epoch + 1"
-    if plants.on("epoch_reused"):  # chaos plant: a new owner keeps the old token
-        bump = "leases.epoch + (leases.owner IS NOT DISTINCT FROM excluded.owner)::int"
     row = await one(
         conn, f"INSERT INTO leases (sid, owner, epoch, expires_at) VALUES (%s, %s, 1, {NOW} + %s)"
-        f" ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = {bump},"
+        f" ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = {_bump()},"
         " expires_at = excluded.expires_at WHERE leases.owner IS NULL"
         f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner RETURNING epoch",
         (sid, owner, lease_s))
@@ -115,7 +120,7 @@ async def claim(conn: Conn, owner: str, lease_s: float, limit: int,
         " AND NOT (s.sid = ANY(%s::bigint[])) ORDER BY s.sid LIMIT %s),"
         " got AS (INSERT INTO leases (sid, owner, epoch, expires_at)"
         f" SELECT sid, %s, 1, {NOW} + %s FROM c"
-        " ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = leases.epoch + 1,"
+        f" ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = {_bump()},"
         " expires_at = excluded.expires_at WHERE leases.owner IS NULL"
         f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner"
         " RETURNING sid, epoch)"
