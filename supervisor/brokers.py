@@ -14,10 +14,25 @@ from broker.security import CurveClient
 
 
 def add_broker_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", required=True, action="append",
+    p.add_argument("--broker", action="append", default=None,
                    help="a broker's frontend endpoint; repeat it for several brokers "
                    f"(up to {MAX_BROKERS}): new calls go to a live one and move off a lost "
-                   "one (docs/multihost.md)")
+                   "one (default: [farm] broker_frontends in HOME/corral.toml; "
+                   "docs/multihost.md)")
+
+
+def resolve_brokers(ns: argparse.Namespace, configured: tuple[str, ...],
+                    where: str) -> str | None:
+    """``ns.broker`` from ``--broker`` (which wins) or the configured list; the error
+    to show (None: fine)."""
+    if not ns.broker:
+        ns.broker = list(configured)
+    if not ns.broker:
+        return (f"no broker to use: give --broker ENDPOINT (repeat it for several), or "
+                f'list them in {where}: [farm] broker_frontends = ["tcp://HOST:5555"]')
+    if len(set(ns.broker)) > MAX_BROKERS:
+        return f"at most {MAX_BROKERS} brokers, not {len(set(ns.broker))}"
+    return None
 
 
 def broker_link(ns: argparse.Namespace, *, curve: CurveClient | None,

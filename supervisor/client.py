@@ -66,6 +66,9 @@ class _Subscription:
         self.last_sequence = after_sequence
         self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(_EVENT_QUEUE_BOUND)
         self.sub_id: int | None = None
+        # Since when following the session to its owner has failed with no event
+        # delivered (None: not failing): bounds the redirect rounds.
+        self.failing_since: float | None = None
 
 
 class SupervisorClient:
@@ -328,16 +331,31 @@ class SupervisorClient:
         sequence, until it no longer owns it (``moved`` or ``unknown_session`` there):
         then the caller resubscribes here, which redirects to the new owner."""
         peer = await self._peer(address)
+        # An owner that stops answering (it died, or is paused) is given a short time;
+        # then the first supervisor is asked again: once the dead owner's lease lapsed
+        # it names the new owner (or holds the subscription until there is one).
+        peer_timeout_s = min(reconnect_timeout_s, max(2.0, self.liveness_s))
+        delivered = False
         try:
             async for event in peer.events(sub.session_id, after_sequence=sub.last_sequence,
-                                           reconnect_timeout_s=reconnect_timeout_s):
+                                           reconnect_timeout_s=peer_timeout_s):
+                delivered = True
+                sub.failing_since = None
                 seq = event.get("sequence")
                 if isinstance(seq, int) and seq > 0:
                     sub.last_sequence = seq
                 yield event
         except SupervisorError as exc:
-            if exc.kind not in (wire.ErrorKind.MOVED, wire.ErrorKind.UNKNOWN_SESSION):
+            if exc.kind not in (wire.ErrorKind.MOVED, wire.ErrorKind.UNKNOWN_SESSION,
+                                wire.ErrorKind.BETWEEN_OWNERS, wire.ErrorKind.UNAVAILABLE):
                 raise
+            now = time.monotonic()
+            if delivered or sub.failing_since is None:
+                sub.failing_since = now
+            elif now - sub.failing_since > reconnect_timeout_s:
+                raise SupervisorUnavailable(
+                    f"session {sub.session_id}: no supervisor served it for "
+                    f"{reconnect_timeout_s:.0f}s (last asked: {address}: {exc})") from None
             await asyncio.sleep(0.1)  # the lease is changing hands: do not spin
 
     async def _subscribe(self, sub: _Subscription, reconnect_timeout_s: float) -> int:
@@ -375,9 +393,12 @@ class SupervisorClient:
         """Durable history after ``after_sequence``, then live events, forever.
 
         Survives supervisor restarts and dropped subscriptions by resubscribing
-        from the last delivered sequence.
+        from the last delivered sequence; follows a session to its new owner
+        (``moved``), and resubscribes while it is ``between_owners`` for up to
+        ``reconnect_timeout_s``.
         """
         sub = _Subscription(session_id, after_sequence)
+        unowned_since: float | None = None  # the session between owners since then
         try:
             while True:
                 if sub.sub_id is None:
@@ -397,6 +418,15 @@ class SupervisorClient:
                     if kind in ("resubscribe", wire.ErrorKind.SLOW_CONSUMER):
                         sub.sub_id = None
                         continue
+                    if kind == wire.ErrorKind.BETWEEN_OWNERS:
+                        # Held by the supervisor, still no owner: again from the last
+                        # sequence, within the reconnect deadline.
+                        now = time.monotonic()
+                        unowned_since = unowned_since if unowned_since is not None else now
+                        if now - unowned_since < reconnect_timeout_s:
+                            sub.sub_id = None
+                            await asyncio.sleep(0.2)
+                            continue
                     address = event.get("address")
                     if kind == wire.ErrorKind.MOVED and self.follow_redirects \
                             and isinstance(address, str):
@@ -406,6 +436,7 @@ class SupervisorClient:
                             yield moved
                         continue
                     raise SupervisorError(str(kind), str(event.get("message", "")))
+                unowned_since = None
                 yield event
         finally:
             if sub.sub_id is not None:

@@ -51,6 +51,10 @@ liveness = 4                 # missed heartbeats before a peer counts as dead
 # brokers = 1
 # Supervisors (1..8) sharing the sessions; more than 1 needs [store] url (PostgreSQL).
 # supervisors = 1
+# Joining a farm on other hosts: the brokers a supervisor (python -m supervisor)
+# or a worker (corral worker) started here uses when no --broker is given.
+# broker_frontends = ["tcp://broker1:5555", "tcp://broker2:5555"]
+# broker_backends = ["tcp://broker1:5556", "tcp://broker2:5556"]
 
 [sandbox]
 tier_min = "T2"              # refuse to run tools below this tier (T0 < T1 < T2- < T2)
@@ -131,6 +135,8 @@ instructions = "You are a careful coding agent. Use the tools to do the work."
 # url = "postgresql://corral@db.example:5432/corral"  # sessions on PostgreSQL, shared by
 #                              # several supervisors (docs/storage.md); default: HOME/corral.db
 # lease_s = 10                 # a supervisor paused or dead this long loses its sessions
+# outage_wait_s = 300          # a turn waits this long for an unreachable store, then
+#                              # fails store_unavailable (reported when it is back)
 
 # Portable checkpoints are exported at every tool boundary to each sink.
 # [[export.sinks]]
@@ -162,6 +168,9 @@ class FarmConfig:
     backend_tcp: str | None = None  # HOST:PORT for remote workers (docs/multihost.md)
     brokers: int = 1  # broker processes of the farm (docs/multihost.md, "Several brokers")
     supervisors: int = 1  # supervisor processes on the shared store (docs/multihost.md)
+    # [farm] broker_frontends / broker_backends: another host's farm this one joins
+    # (supervisors / workers started here without --broker; docs/multihost.md).
+    broker_lists: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     tier_min: str = "T2"
     allow_unsandboxed: bool = False
     network: bool = False
@@ -188,6 +197,7 @@ class FarmConfig:
     web_listen: str | None = None  # [web] listen: HOST:PORT of the live page
     store_url: str | None = None  # [store] url: PostgreSQL; None: SQLite HOME/corral.db
     store_lease_s: float = 10.0  # [store] lease_s: a session's lease (PostgreSQL only)
+    store_outage_s: float = 300.0  # [store] outage_wait_s: a step waits for the store
     # [[hooks.EVENT]] tables as the session spec's command hooks:
     # ({"event", "command", "timeout_s"}, ...) in file order.
     hooks: tuple[dict[str, Any], ...] = ()
@@ -293,7 +303,7 @@ def parse_store(path: Path, table: dict[str, Any]) -> tuple[str | None, float]:
     ``lease_s``, the lease of a session between supervisors (docs/multihost.md)."""
     from supervisor.store.url import BadStoreUrl, check_url
 
-    _check_keys(path, "store", table, {"url", "lease_s"})
+    _check_keys(path, "store", table, {"url", "lease_s", "outage_wait_s"})
     lease_s = float(_typed(path, "store", table, "lease_s", (int, float), 10.0))
     if not 1.0 <= lease_s <= 600.0:
         raise _fail(path, "store.lease_s", "must be between 1 and 600 seconds")
@@ -304,6 +314,15 @@ def parse_store(path: Path, table: dict[str, Any]) -> tuple[str | None, float]:
         return check_url(url), lease_s
     except BadStoreUrl as exc:
         raise _fail(path, "store.url", str(exc)) from None
+
+
+def parse_store_outage(path: Path, table: dict[str, Any]) -> float:
+    """``[store] outage_wait_s``: how long a session's step waits for an unreachable
+    store before its turn fails ``store_unavailable`` (docs/storage.md)."""
+    wait_s = float(_typed(path, "store", table, "outage_wait_s", (int, float), 300.0))
+    if not 1.0 <= wait_s <= 86_400.0:
+        raise _fail(path, "store.outage_wait_s", "must be between 1 and 86400 seconds")
+    return wait_s
 
 
 def load(home: Path) -> FarmConfig:
@@ -334,7 +353,8 @@ def load(home: Path) -> FarmConfig:
             _table(path, section, raw[section])
     farm = raw.get("farm", {})
     _check_keys(path, "farm", farm, {"workers", "heartbeat_interval_s", "liveness",
-                                     "backend_tcp", "brokers", "supervisors"})
+                                     "backend_tcp", "brokers", "supervisors",
+                                     "broker_frontends", "broker_backends"})
     backend_tcp = _typed(path, "farm", farm, "backend_tcp", str, None)
     if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
         raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
@@ -413,6 +433,7 @@ def load(home: Path) -> FarmConfig:
         brokers=farm_brokers(path, farm),
         supervisors=farm_supervisors(path, _typed(path, "farm", farm, "supervisors", int, 1),
                                      store_url),
+        broker_lists=farm_broker_lists(path, farm),
         tier_min=tier_min,
         allow_unsandboxed=_typed(path, "sandbox", sandbox, "allow_unsandboxed", bool, False),
         network=_typed(path, "sandbox", sandbox, "network", bool, False),
@@ -446,6 +467,7 @@ def load(home: Path) -> FarmConfig:
         web_listen=web_listen,
         store_url=store_url,
         store_lease_s=store_lease_s,
+        store_outage_s=parse_store_outage(path, raw.get("store", {})),
         hooks=parse_hooks(path, raw.get("hooks", {})),
     )
 
@@ -514,6 +536,41 @@ def farm_brokers(path: Path, farm: dict[str, Any]) -> int:
     if not 1 <= n <= MAX_FARM_BROKERS:
         raise _fail(path, "farm.brokers", f"must be between 1 and {MAX_FARM_BROKERS}")
     return int(n)
+
+
+MAX_BROKER_ENDPOINTS = 8  # a worker serves at most 8 brokers (sandbox_worker.main)
+_ENDPOINT = re.compile(r"(tcp://[\w.\-\[\]:]+:\d{1,5}|ipc:///\S+)")
+
+
+def farm_broker_lists(path: Path, farm: dict[str, Any]) -> tuple[tuple[str, ...],
+                                                                 tuple[str, ...]]:
+    """``[farm] broker_frontends`` / ``broker_backends``: the brokers of a farm this host
+    joins (docs/multihost.md): the frontends a supervisor started here calls (``python -m
+    supervisor`` without ``--broker``), the backends a worker started here registers with
+    (``corral worker`` without ``--broker``). Each a list of 1..8 distinct endpoints,
+    ``tcp://HOST:PORT`` or ``ipc:///PATH``; absent: empty (give ``--broker``)."""
+    out = []
+    for key in ("broker_frontends", "broker_backends"):
+        value = _typed(path, "farm", farm, key, list, [])
+        where = f"farm.{key}"
+        if not value:
+            if key in farm:
+                raise _fail(path, where, "must list at least one endpoint, e.g. "
+                            '["tcp://broker1:5555", "tcp://broker2:5555"]')
+            out.append(())
+            continue
+        if len(value) > MAX_BROKER_ENDPOINTS:
+            raise _fail(path, where, f"lists {len(value)} endpoints; at most "
+                        f"{MAX_BROKER_ENDPOINTS}")
+        for ep in value:
+            if not isinstance(ep, str) or not _ENDPOINT.fullmatch(ep):
+                raise _fail(path, where, f"{ep!r} is not an endpoint: give "
+                            '"tcp://HOST:PORT" or "ipc:///PATH"')
+        if len(set(value)) != len(value):
+            dup = next(ep for ep in value if value.count(ep) > 1)
+            raise _fail(path, where, f"lists {dup!r} twice")
+        out.append(tuple(value))
+    return out[0], out[1]
 
 
 MAX_FARM_SUPERVISORS = 8

@@ -39,7 +39,7 @@ from typing import Any
 from broker.brokerset import BrokerSet
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
-from supervisor import clienttools, leasing
+from supervisor import clienttools, handover, leasing
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, EngineNotRunning, SessionClosed, UnknownSession
@@ -308,7 +308,11 @@ class Facade:
     # -- tenancy ------------------------------------------------------------
 
     async def _check_tenant(self, session_id: str, tenant: str | None) -> None:
-        record = await self.store.get_session(SessionId(session_id))
+        # A session in memory answers from its record (no store read: describe shows a
+        # session paused by a store outage while the store is unreachable).
+        live = self.manager.sessions.get(SessionId(session_id))
+        record = live.record if live is not None else \
+            await self.store.get_session(SessionId(session_id))
         if record is None:
             raise CallError(ErrorKind.UNKNOWN_SESSION,
                             f"no session {session_id!r}; list them with: corral sessions")
@@ -385,6 +389,8 @@ class Facade:
     async def _subscribe(self, session_id: str, after_sequence: int,
                          tenant: str | None) -> AsyncIterator[dict[str, Any]]:
         await self._check_tenant(session_id, tenant)
+        # Several supervisors: a session between owners is held until one resumes it.
+        await handover.await_owner(self.store, self.manager.sessions, session_id, tenant)
         async for event in self.manager.subscribe(SessionId(session_id),
                                                   after_sequence=after_sequence):
             yield event_to_wire(event) if isinstance(event, EventRecord) else event

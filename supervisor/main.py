@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from broker.taskdump import install_task_dump
 from sandbox_worker.api import ModelRoute
 from supervisor import config as config_mod
 from supervisor import leasing
-from supervisor.brokers import add_broker_option, broker_link, wants_curve
+from supervisor.brokers import add_broker_option, broker_link, resolve_brokers, wants_curve
 from supervisor.clienttools import ClientToolHost
 from supervisor.engine.config import EngineConfig
 from supervisor.engine.manager import SessionManager
@@ -78,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus /metrics here (default: [telemetry] metrics_listen)")
     p.add_argument("--web", default=None, metavar="HOST:PORT",
                    help="serve the read-only live web view here (default: [web] listen)")
+    p.add_argument("--store-wait-s", type=float, default=0.0, metavar="S",
+                   help="at start-up, wait up to S seconds for an unreachable store "
+                   "(PostgreSQL) before exiting with status 2 (default 0: exit at once; "
+                   "the farm gives a restarted supervisor [store] outage_wait_s, at most "
+                   "120 s)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -98,6 +104,7 @@ def engine_config(cfg: config_mod.FarmConfig, route_urls: dict[str, str]) -> Eng
         model_call_budget_s=cfg.model_call_budget_s,
         tool_call_budget_s=cfg.tool_call_budget_s,
         compaction_threshold_tokens=cfg.compaction_threshold_tokens,
+        store_outage_s=cfg.store_outage_s,
     )
 
 
@@ -164,6 +171,10 @@ async def serve(ns: argparse.Namespace) -> int:
     except config_mod.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    problem = resolve_brokers(ns, cfg.broker_lists[0], str(home / "corral.toml"))
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     urls = dict(item.split("=", 1) for item in ns.route_url)
     econf = engine_config(cfg, urls)
     try:
@@ -174,8 +185,9 @@ async def serve(ns: argparse.Namespace) -> int:
     lease_opts = leasing.lease_options(cfg.store_url, home, cfg.store_lease_s,
                                        ns.supervisor_id)
     try:
-        store = await open_store(db=ns.db or home / "corral.db", url=cfg.store_url, home=home,
-                                 **lease_opts)
+        store = await opening_waited(ns.store_wait_s, functools.partial(
+            open_store, db=ns.db or home / "corral.db", url=cfg.store_url, home=home,
+            **lease_opts))
     except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
@@ -220,6 +232,25 @@ async def serve(ns: argparse.Namespace) -> int:
         if guard is not None:
             guard.close()
     return 0
+
+
+async def opening_waited(wait_s: float, open_fn: Callable[[], Awaitable[Any]]) -> Any:
+    """``open_fn()``, retried every second for up to ``wait_s`` while the store is
+    unreachable (a supervisor restarted during a PostgreSQL outage waits for it rather
+    than exiting, which the farm's tree would restart until it gave the farm up)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, wait_s)
+    told = False
+    while True:
+        try:
+            return await open_fn()
+        except StoreUnavailable as exc:
+            if loop.time() + 1.0 > deadline:
+                raise
+            if not told:
+                told = True
+                log.warning("waiting up to %.0fs for the store: %s", wait_s, exc.message)
+            await asyncio.sleep(1.0)
 
 
 class _Stopping(Exception):

@@ -66,6 +66,9 @@ class ErrorKind:
     MOVED = "moved"
     BAD_OP = "bad_op"  # an op the session cannot take
     SLOW_CONSUMER = "slow_consumer"  # subscription dropped; resubscribe from last sequence
+    # The session is changing supervisors and nobody has it yet (held, then this):
+    # resubscribe from the last sequence after a short wait (docs/multihost.md).
+    BETWEEN_OWNERS = "between_owners"
     UNAVAILABLE = "unavailable"  # supervisor shutting down or not ready
     NOT_FOUND = "not_found"  # the thing asked for does not exist (yet), e.g. a checkpoint
     INTERNAL = "internal"

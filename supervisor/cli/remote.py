@@ -55,9 +55,11 @@ def add_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("worker", help="run sandbox workers for a farm on another host",
                        description="Become a sandbox worker process serving a remote "
                        "broker over CURVE; reconnects forever, drains on SIGTERM.")
-    p.add_argument("--broker", required=True, action="append",
+    p.add_argument("--broker", action="append", default=None,
                    help="a broker's backend, tcp://HOST:PORT; repeat it to serve several "
-                   "brokers at once (one --server-key for all: the farm's broker key)")
+                   "brokers at once (one --server-key for all: the farm's broker key); "
+                   "default: [farm] broker_backends in HOME/corral.toml")
+    add_home(p)
     p.add_argument("--server-key", type=Path, default=None, help="the broker's public key")
     p.add_argument("--key", type=Path, default=None, help="this worker's NAME.key_secret")
     p.add_argument("--services", default="tool,model", help="default: tool,model")
@@ -144,6 +146,10 @@ def worker_argv(ns: Namespace) -> list[str]:
 
 
 def cmd_worker(ns: Namespace) -> int:
+    problem = _worker_brokers(ns)
+    if problem is not None:
+        print(f"corral worker: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     if (any(ep.startswith("tcp://") for ep in ns.broker)
             and (ns.server_key is None or ns.key is None)):
         print("corral worker: a tcp:// broker needs --server-key (the broker's public key) "
@@ -157,6 +163,24 @@ def cmd_worker(ns: Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)  # never returns: this process becomes the worker
+
+
+def _worker_brokers(ns: Namespace) -> str | None:
+    """``ns.broker`` from ``--broker`` (which wins) or ``[farm] broker_backends`` of
+    HOME/corral.toml; the problem to show (None: fine)."""
+    from supervisor import config as config_mod
+
+    if ns.broker:
+        return None
+    try:
+        ns.broker = list(config_mod.load(ns.home).broker_lists[1])
+    except config_mod.ConfigError as exc:
+        return str(exc)
+    if not ns.broker:
+        return (f"no broker to serve: give --broker tcp://HOST:PORT (repeat it for "
+                f"several), or list them in {ns.home / 'corral.toml'}: "
+                '[farm] broker_backends = ["tcp://HOST:5556"]')
+    return None
 
 
 def render_hosts(broker: dict[str, Any]) -> list[str]:

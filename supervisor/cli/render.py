@@ -167,6 +167,13 @@ class Renderer:
         elif kind == "error":
             self._line(self._c("31", f"error ({p.get('kind')}): ") +
                        clean(str(p.get("message", ""))) + _hint(p))
+        elif kind == "store_status":  # a notice, not content (docs/storage.md)
+            if p.get("state") == "unavailable":
+                self._line(self._c("33", "… the session store is unreachable: the turn is "
+                                   f"paused (up to {p.get('deadline_in_s')}s)"))
+            else:
+                self._line(self._c("2", "… the session store is back after "
+                                   f"{p.get('waited_s')}s: the turn goes on"))
         elif kind == "frontend_render":
             block = p.get("block", {})
             self._line(self._c("2", f"[{block.get('state')}] {block.get('title')}"))

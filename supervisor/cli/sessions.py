@@ -3,7 +3,10 @@
 ``sessions`` and ``show`` read the farm's store **read-only** (SQLite
 ``mode=ro``; ``immutable=1`` when the farm is stopped and its WAL index is
 gone), so they work the same with the farm running, stopped or crashed, and
-never write to it. A session's state is derived from what the store holds:
+never write to it. On PostgreSQL (``[store] url``) ``sessions`` reads the shared
+store in a read-only transaction (``pgsessions``) and shows each session's
+lease owner; ``show`` asks the running farm, or PostgreSQL when none runs.
+A session's state is derived from what the store holds:
 
 - ``terminated``: the session was shut down (``corral terminate``);
 - ``waiting_for_approval``: its turn waits on a recorded approval request;
@@ -51,6 +54,7 @@ from supervisor.cli.common import (
 )
 from supervisor.cli.output import print_json, say_error
 from supervisor.cli.render import Renderer, clean
+from supervisor.cli.summary import NoStore, StoreUnreadable, summarize
 
 MAX_SCANNED = 10_000
 SESSION_STATES = ("running", "waiting_for_approval", "idle", "failed", "terminated",
@@ -65,7 +69,9 @@ def add_parsers(sub: Subparsers) -> None:
                        "active first, with created and last-active times, state, turns, "
                        "route and workspace. Reads the store read-only, so it works with "
                        "the farm stopped (a turn left running then shows as 'suspended': "
-                       "it resumes when a farm starts).")
+                       "it resumes when a farm starts). With [store] url (PostgreSQL) it "
+                       "reads the shared store, from any host, and shows each session's "
+                       "owner: the supervisor holding its live lease.")
     add_home(p)
     p.add_argument("--state", action="append", choices=SESSION_STATES, default=None,
                    help="only sessions in this state (repeat for several)")
@@ -105,14 +111,6 @@ def add_parsers(sub: Subparsers) -> None:
     p.set_defaults(handler=cmd_delete)
 
 
-class StoreUnreadable(Exception):
-    """The farm's store cannot be read (locked, corrupt); the message says why."""
-
-
-class NoStore(StoreUnreadable):
-    """The home has no store yet: no session was ever created there."""
-
-
 def parse_since(text: str, now: float) -> float:
     """``--since``: ``90s``/``30m``/``2h``/``7d``/``1w`` ago, or an ISO date/time (local)."""
     m = _DURATION.fullmatch(text.strip())
@@ -135,10 +133,9 @@ def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Conne
         url = config_mod.load(home).store_url
     except config_mod.ConfigError:
         url = None
-    if url is not None:
-        raise StoreUnreadable(f"this farm's sessions are in PostgreSQL ({redact(url)}); "
-                              "'corral sessions' and 'corral show' read only SQLite stores "
-                              "so far: ask the running farm (corral status, corral attach)")
+    if url is not None:  # callers read PostgreSQL through pgsessions, not here
+        raise StoreUnreadable(f"this farm's sessions are in PostgreSQL ({redact(url)}), "
+                              "not in a SQLite file")
     db = FarmPaths.of(home).db
     if not db.exists():
         raise NoStore(f"no store at {db} yet: no session was ever created in this "
@@ -160,6 +157,15 @@ def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Conne
     raise StoreUnreadable(f"cannot read the store {db}: {last}")
 
 
+def _store_url(home: Path) -> str | None:
+    from supervisor import config as config_mod
+
+    try:
+        return config_mod.load(home).store_url
+    except config_mod.ConfigError:
+        return None
+
+
 def _default_route(home: Path) -> str:
     from supervisor import config as config_mod
 
@@ -171,16 +177,11 @@ def _default_route(home: Path) -> str:
 
 def _summary(conn: sqlite3.Connection, row: tuple[Any, ...], farm_running: bool,
              default_route: str) -> dict[str, Any]:
-    from supervisor.store import reader
-    from supervisor.store.codec import decode
-    from supervisor.store.records import CheckpointState
     from supervisor.store.schema import key_range
 
-    record = reader.to_session(row)
     sid = int(row[0])
     state_row = conn.execute("SELECT updated_at, state FROM checkpoint_state WHERE sid = ?",
                              (sid,)).fetchone()
-    state = CheckpointState.from_json(decode(state_row[1])) if state_row else CheckpointState()
     turns, last_turn_at = conn.execute(
         "SELECT count(*), max(coalesce(ended_at, started_at)) FROM executions WHERE sid = ?",
         (sid,)).fetchone()
@@ -189,32 +190,8 @@ def _summary(conn: sqlite3.Connection, row: tuple[Any, ...], farm_running: bool,
     lo, hi = key_range(sid)
     event = conn.execute("SELECT created_at FROM events WHERE k BETWEEN ? AND ? "
                          "ORDER BY k DESC LIMIT 1", (lo, hi)).fetchone()
-    times = [record.created_at, state_row[0] if state_row else None,
-             last_turn_at, event[0] if event else None]
-    if record.status != "active":
-        status = "terminated"
-    elif state.pending_approval is not None:
-        status = "waiting_for_approval"
-    elif state.active_turn is not None:
-        status = "running" if farm_running else "suspended"
-    elif last is not None and last[0] == "failed":
-        status = "failed"
-    else:
-        status = "idle"
-    config = record.config if isinstance(record.config, dict) else {}
-    return {
-        "session_id": record.session_id,
-        "state": status,
-        "created_at": record.created_at,
-        "last_active_at": max(t for t in times if isinstance(t, int | float)),
-        "turns": int(turns or 0),
-        "last_turn": {"outcome": last[0], "reason": last[1]} if last else None,
-        "route": state.route or config.get("route") or default_route,
-        "workspace": config.get("workspace"),
-        "tenant": config.get("tenant"),
-        "parent_session_id": record.parent_session_id,
-        "pending_approval": (state.pending_approval or {}).get("id"),
-    }
+    return summarize(row, state_row, turns, last_turn_at, last, event[0] if event else None,
+                     running=farm_running, default_route=default_route)
 
 
 def list_sessions(home: Path, *, farm_running: bool) -> tuple[list[dict[str, Any]], bool]:
@@ -222,6 +199,13 @@ def list_sessions(home: Path, *, farm_running: bool) -> tuple[list[dict[str, Any
     from supervisor.store import reader
 
     default_route = _default_route(home)
+    url = _store_url(home)
+    if url is not None:  # the shared store: every supervisor's sessions, with owners
+        from supervisor.cli.pgsessions import list_pg_sessions
+
+        out, cut = list_pg_sessions(url, MAX_SCANNED, default_route)
+        out.sort(key=lambda s: (s["last_active_at"], s["session_id"]), reverse=True)
+        return out, cut
     with read_only_store(home, farm_running=farm_running) as conn:
         conn.execute("BEGIN")
         rows = conn.execute(f"SELECT {reader.SESSION_COLUMNS} FROM sessions ORDER BY sid "
@@ -274,16 +258,22 @@ def cmd_sessions(ns: Namespace) -> int:
         print("no sessions" + (" match" if ns.state or since else "") +
               ("" if farm else f" (no farm running at {ns.home})"))
         return EXIT_OK
+    shared = _store_url(ns.home) is not None  # PostgreSQL: show each session's owner
+    owner_head = f"{'OWNER':<24} " if shared else ""
     print(f"{'SESSION':<26} {'STATE':<20} {'TURNS':>5}  {'CREATED':<16} {'LAST ACTIVE':<11} "
-          f"{'ROUTE':<14} WORKSPACE")
+          f"{owner_head}{'ROUTE':<14} WORKSPACE")
     for s in shown:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created_at"]))
+        owner = f"{clean(str((s['owner'] or {}).get('id') or '-'))[:24]:<24} " if shared else ""
         print(f"{clean(s['session_id']):<26} {s['state']:<20} {s['turns']:>5}  {created:<16} "
-              f"{_ago(s['last_active_at'], now):<11} {clean(str(s['route'] or '-')):<14} "
-              f"{clean(str(s['workspace'] or '-'))}")
+              f"{_ago(s['last_active_at'], now):<11} {owner}"
+              f"{clean(str(s['route'] or '-')):<14} {clean(str(s['workspace'] or '-'))}")
     if len(sessions) > len(shown) or cut:
         print("(more sessions: raise --limit, or filter with --state / --since)")
-    if not farm:
+    if shared:
+        print("(read from the shared PostgreSQL store; OWNER: the supervisor holding the "
+              "session's live lease)")
+    elif not farm:
         print(f"(no farm running at {ns.home}: read from its store)")
     return EXIT_OK
 
@@ -310,6 +300,17 @@ def session_pages(home: Path, session_id: str, *, farm_running: bool
 def session_exists(home: Path, session_id: str) -> bool:
     from supervisor.farm.root import running_farm
     from supervisor.store import reader
+
+    url = _store_url(home)
+    if url is not None:  # PostgreSQL: ask it (read-only), farm or not
+        from supervisor.cli.pgsessions import pg_pages
+
+        with contextlib.closing(pg_pages(url, session_id, page_size=1)) as pages:
+            try:
+                next(pages)
+            except LookupError:
+                return False
+        return True
 
     try:
         with read_only_store(home, farm_running=running_farm(home) is not None) as conn:
@@ -348,8 +349,14 @@ def cmd_show(ns: Namespace) -> int:
         on_pg = config_mod.load(ns.home).store_url is not None
     except config_mod.ConfigError:
         on_pg = False
-    pages = farm_pages(ns.home, ns.session) if farm and on_pg else \
-        session_pages(ns.home, ns.session, farm_running=farm)
+    if on_pg:  # the running farm answers; without one, PostgreSQL itself
+        from supervisor.cli.pgsessions import pg_pages
+
+        url = _store_url(ns.home)
+        pages = farm_pages(ns.home, ns.session) if farm or url is None else \
+            pg_pages(url, ns.session)
+    else:
+        pages = session_pages(ns.home, ns.session, farm_running=farm)
     try:
         first = next(pages)
     except (LookupError, NoStore):

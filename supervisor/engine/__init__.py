@@ -25,7 +25,8 @@ if _typing.TYPE_CHECKING:
         UsageObserverFailed,
     )
     from supervisor.engine.hooks import HookEvent, HookInput, HookResult, Middleware
-    from supervisor.engine.manager import SessionManager, StoreFailed
+    from supervisor.engine.manager import SessionManager
+    from supervisor.engine.outage import StoreFailed
 
 # Names are imported on first use (PEP 562): a process that needs one
 # submodule does not pay for the whole package at start.
@@ -49,7 +50,7 @@ _LAZY: dict[str, str] = {
     "HookResult": "supervisor.engine.hooks",
     "Middleware": "supervisor.engine.hooks",
     "SessionManager": "supervisor.engine.manager",
-    "StoreFailed": "supervisor.engine.manager",
+    "StoreFailed": "supervisor.engine.outage",
 }
 
 

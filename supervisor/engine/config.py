@@ -52,6 +52,9 @@ class EngineConfig:
     cancel_grace_s: float = 0.3  # bounded wait for a CANCEL to reach the broker
     export_timeout_s: float = 10.0  # one export sink call
     store_retry_s: float = 5.0  # how long a busy store is retried before the turn fails
+    # How long a session's step waits for an unreachable store (PostgreSQL down) before
+    # its turn fails store_unavailable ([store] outage_wait_s; engine/outage.py).
+    store_outage_s: float = 300.0
 
 
 @dataclass(slots=True)

@@ -16,6 +16,10 @@ Durability rule (the replay/live equality the chaos harness checks):
   them (their position), plus ``payload["delta_index"]`` counting up within one
   model step or tool call. Their content is always summed up by a durable event
   (``agent_message`` / ``model_step_completed`` / ``tool_call_end``).
+- ``store_status`` is live-only too, with the same envelope: a notice that the
+  store is unreachable and the session's work paused, or back (``engine/outage.py``).
+  It carries no content of the session, so showing it never shows anything that
+  is not committed.
 
 Invariants:
 - ``sequence > 0`` iff the event is durable.
@@ -50,9 +54,12 @@ CONTEXT_COMPACTED: Final = "context_compacted"
 FRONTEND_RENDER: Final = "frontend_render"
 TURN_COMPLETE: Final = "turn_complete"
 TURN_ABORTED: Final = "turn_aborted"
+# A notice of the session's state, not of its content: the store became unreachable
+# (the session's work is paused) or is back (engine/outage.py). Live only.
+STORE_STATUS: Final = "store_status"
 
 LIVE_ONLY_TYPES: Final = frozenset({AGENT_MESSAGE_DELTA, AGENT_REASONING_DELTA,
-                                    TOOL_CALL_OUTPUT_DELTA})
+                                    TOOL_CALL_OUTPUT_DELTA, STORE_STATUS})
 DURABLE_TYPES: Final = frozenset({
     SESSION_CONFIGURED, TURN_STARTED, USER_MESSAGE, MODEL_STEP_STARTED, AGENT_MESSAGE,
     MODEL_STEP_COMPLETED, TOOL_CALL_BEGIN, TOOL_CALL_END, EXEC_APPROVAL_REQUEST, TOKEN_COUNT,

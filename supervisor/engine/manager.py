@@ -52,12 +52,21 @@ from supervisor.engine.ops import (
     UserInput,
     parse_op,
 )
+from supervisor.engine.outage import Outages, StoreFailed
 from supervisor.engine.session import PendingApproval, Session, Work
 from supervisor.engine.turn import Turn, run_session_start
-from supervisor.store import LeaseLost, SessionExists, SessionStore, StoreBusy, StoreError
+from supervisor.store import (
+    LeaseLost,
+    SessionExists,
+    SessionStore,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+)
 from supervisor.store.records import (
     CheckpointState,
     EventRecord,
+    LoadedSession,
     SessionId,
     SessionRecord,
     StepWrite,
@@ -71,12 +80,6 @@ APPROVAL_DURABLE_WAIT_S = 10.0
 
 UsageObserver = Callable[[str, Usage], Any]
 MiddlewareFactory = Callable[[SessionSpec], Sequence[Middleware]]
-
-
-class StoreFailed(TurnError):
-    """The durable store refused a step; the turn cannot continue."""
-
-    kind = "store_failed"
 
 
 class SessionManager:
@@ -97,6 +100,8 @@ class SessionManager:
         self._tg: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
         self.loop_lag = LoopLag()
+        # Steps waiting out an unreachable store (outage.py; docs/storage.md).
+        self.outages = Outages(config.store_outage_s)
         # Telemetry (supervisor.telemetry.hub): told of each committed step and
         # its latency; None when telemetry is off.
         self.on_commit: Callable[[StepWrite, float], None] | None = None
@@ -115,7 +120,10 @@ class SessionManager:
                     except StoreError:
                         log.exception("session %s: could not be resumed", sid)
                 self._started.set()
-                await asyncio.Future()  # until cancelled
+                try:
+                    await asyncio.Future()  # until cancelled
+                finally:
+                    self.outages.abandon()  # steps waiting for the store end now
         finally:
             self._tg = None
             self._started.clear()
@@ -207,7 +215,9 @@ class SessionManager:
         except StoreError as exc:
             if isinstance(exc, SessionExists):
                 raise BadOp(f"session {sid} already exists") from exc
-            raise StoreFailed(f"could not create the session: {exc}") from exc
+            raise StoreFailed(f"could not create the session: {exc}",
+                              kind="store_unavailable" if isinstance(exc, StoreUnavailable)
+                              else StoreFailed.kind, retryable=exc.retryable) from exc
         session = Session(self, record, CheckpointState.from_json(state.to_json()), [],
                           self._middlewares(spec))
         self.sessions[sid] = session
@@ -356,6 +366,8 @@ class SessionManager:
             "pending_approvals": sum(1 for s in self.sessions.values()
                                      if s.state.pending_approval is not None),
             "queued_inputs": sum(len(s.state.queued_input) for s in self.sessions.values()),
+            "sessions_paused_store": sum(1 for s in self.sessions.values()
+                                         if s.store_outage is not None),
             "loop_lag_s": round(self.loop_lag.last_s, 4),
             "loop_lag_max_60s_s": round(self.loop_lag.window_max_s, 4),
         }
@@ -391,19 +403,28 @@ class SessionManager:
             raise UsageObserverFailed(f"the usage observer failed: {exc}") from exc
 
     async def store_commit(self, step: StepWrite) -> None:
-        """Commit one step; a busy store is retried for ``store_retry_s``."""
+        """Commit one step; a busy store is retried for ``store_retry_s``; an unreachable
+        one is waited out (``outage.py``: the session is paused, visibly)."""
         started = time.monotonic()
         deadline = started + self.config.store_retry_s
+        sid = step.session_id
+        epoch_of = getattr(self.store, "epoch_of", None)
         while True:
+            epoch: int | None = epoch_of(sid) if epoch_of is not None else None
             try:
                 await self.store.commit(step)
                 if self.on_commit is not None:
                     self.on_commit(step, time.monotonic() - started)
+                self.outages.resumed(sid, self.sessions.get(sid))
                 return
-            except LeaseLost as exc:  # another supervisor owns the session now
-                self.give_up(step.session_id)
+            except LeaseLost as exc:  # another supervisor owns the session now?
+                if epoch is not None and await self._lease_back(sid, epoch):
+                    continue
+                self.give_up(sid)
                 raise StoreFailed(f"the session's lease was lost: {exc}",
                                   kind="lease_lost") from exc
+            except StoreUnavailable as exc:
+                await self.outages.wait(sid, self.sessions.get(sid), exc)
             except StoreBusy as exc:
                 if time.monotonic() >= deadline:
                     raise StoreFailed(f"the store stayed busy: {exc}",
@@ -412,3 +433,35 @@ class SessionManager:
             except StoreError as exc:
                 raise StoreFailed(f"the store refused a step: {exc}",
                                   retryable=exc.retryable) from exc
+
+    async def load_session(self, sid: SessionId) -> LoadedSession | None:
+        """``store.load`` for a session's work: an unreachable store is waited out as
+        for a commit (a step past the deadline raises ``StoreFailed``)."""
+        while True:
+            try:
+                loaded = await self.store.load(sid)
+            except StoreUnavailable as exc:
+                await self.outages.wait(sid, self.sessions.get(sid), exc)
+                continue
+            self.outages.resumed(sid, self.sessions.get(sid))
+            return loaded
+
+    async def _lease_back(self, sid: SessionId, epoch: int) -> bool:
+        """A write under ``epoch`` was refused: True if this supervisor still owns the
+        session (its lease lapsed during a store outage and nobody took it: taken back
+        under a new epoch, or already taken back by the lease keeper), so the same step
+        is written again; False if another supervisor acquired it (give it up)."""
+        reacquire = getattr(self.store, "reacquire", None)
+        if reacquire is None:
+            return False
+        try:
+            now: int | None = await reacquire(sid, epoch)
+        except StoreUnavailable:
+            return True  # gone again: the next attempt waits for it
+        except StoreError as exc:
+            log.warning("session %s: could not take its lapsed lease back: %s", sid, exc)
+            return False
+        if now is not None:
+            log.warning("session %s: its lease lapsed while the store was unreachable; "
+                        "nobody took it: kept under epoch %d", sid, now)
+        return now is not None

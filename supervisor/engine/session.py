@@ -53,13 +53,15 @@ from supervisor.engine.calls import Broker
 from supervisor.engine.config import EngineConfig, SessionSpec
 from supervisor.engine.errors import BadOp, HookFailed, SubscriberDropped, TurnError
 from supervisor.engine.hooks import HookEvent, HookRunner
-from supervisor.store import SessionStore
+from supervisor.engine.outage import PAUSABLE, Outage
+from supervisor.store import SessionStore, StoreError
 from supervisor.store.codec import Limits
 from supervisor.store.records import (
     CheckpointState,
     ContextRewrite,
     EventRecord,
     ExecutionRecord,
+    LoadedSession,
     SessionId,
     SessionRecord,
     StepWrite,
@@ -104,6 +106,7 @@ class Host(Protocol):
     def route(self, name: str) -> ModelRoute: ...
     async def observe_usage(self, route: str, usage: Usage) -> None: ...
     async def store_commit(self, step: StepWrite) -> None: ...
+    async def load_session(self, sid: SessionId) -> LoadedSession | None: ...
     def replay_from(self, sid: SessionId, after_sequence: int) -> AsyncIterator[EventRecord]: ...
     def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]: ...
     async def close_session(self, session: Session,
@@ -182,6 +185,8 @@ class Session:
         # Leases (several supervisors, docs/multihost.md): set when this supervisor lost
         # the session's lease; nothing more is published, the session leaves memory.
         self.fenced = False
+        # Set while a step of this session waits for an unreachable store (outage.py).
+        self.store_outage: Outage | None = None
         self._lock = asyncio.Lock()
         self._admit_lock = asyncio.Lock()
         self._last_published = state.next_event_sequence - 1
@@ -414,9 +419,15 @@ class Session:
             self.driver = self.manager.spawn(self._drive(), name=f"session-{self.sid}")
 
     async def _drive(self) -> None:
+        PAUSABLE.set(True)  # this session's own work waits out a store outage
         try:
             if self.context_evicted:
-                loaded = await self.manager.store.load(self.sid)
+                try:  # waits out a store outage like a commit (outage.py)
+                    loaded = await self.manager.load_session(self.sid)
+                except StoreError as exc:  # the work stays queued for the next kick
+                    log.warning("session %s: its context could not be reloaded: %s",
+                                self.sid, exc)
+                    return
                 if loaded is not None:
                     self.context = list(loaded.context)
                     self.call_ids = call_ids_of(self.context)
@@ -464,7 +475,9 @@ class Session:
         st = self.state
         return {
             "session_id": self.sid,
-            "status": "closed" if self.closed else ("busy" if self.driver else "idle"),
+            "status": "closed" if self.closed else (
+                "paused" if self.store_outage is not None
+                else "busy" if self.driver else "idle"),
             "route": self.route_name,
             "workspace": self.spec.workspace,
             "image": self.spec.tool_policy.get("image"),  # its digest (docs/images.md)
@@ -478,6 +491,8 @@ class Session:
             "total_usage": st.total_usage,
             "last_event_sequence": st.next_event_sequence - 1,
             "subscribers": len(self.subscribers),
+            **({"store_outage": self.store_outage.view()}
+               if self.store_outage is not None else {}),
         }
 
 

@@ -147,9 +147,13 @@ def supervisor_id_of(home: Path, n: int) -> str | None:
     return None if n == 1 else f"{supervisor_id(home)}-{n}"
 
 
+RESTART_STORE_WAIT_S = 120.0  # under the supervisor's ready timeout (180 s)
+
+
 def supervisor_specs(paths: FarmPaths, sup_argv: list[str], n_supervisors: int,
                      route_args: Callable[[dict[str, dict[str, Any]]], list[str]],
-                     env: dict[str, str] | None) -> list[ChildSpec]:
+                     env: dict[str, str] | None,
+                     store_wait_s: float = 0.0) -> list[ChildSpec]:
     """The farm's supervisors (``[farm] supervisors``, ``corral up --supervisors``): each
     its own child, restarted alone by the tree, with its own client endpoint, lease
     owner id and so broker identity (supervisor/main.py). ``--metrics`` / ``--web``
@@ -162,8 +166,13 @@ def supervisor_specs(paths: FarmPaths, sup_argv: list[str], n_supervisors: int,
             argv = _without_options(argv, ("--metrics", "--web"))
             argv += ["--supervisor-id", str(supervisor_id_of(paths.home, n))]
 
-        def argv_fn(ready: dict[str, dict[str, Any]], argv: list[str] = argv) -> list[str]:
-            return [*argv, *route_args(ready)]
+        def argv_fn(ready: dict[str, dict[str, Any]], argv: list[str] = argv,
+                    name: str = supervisor_name(n)) -> list[str]:
+            # A restart (its previous ready line is known) waits for an unreachable
+            # store; the first start fails at once, so a wrong [store] url is said now.
+            wait = ["--store-wait-s", str(store_wait_s)] if name in ready and store_wait_s \
+                else []
+            return [*argv, *route_args(ready), *wait]
 
         # Its ready line waits until every stored session is resumed (supervisor/main.py):
         # a large store on a loaded machine needs more than the default 30 s.
@@ -289,7 +298,9 @@ def child_specs(cfg: FarmConfig, paths: FarmPaths, *, workers: int | None = None
         n_sup = farm_supervisors(cfg.home / "corral.toml", supervisors, cfg.store_url)
     else:
         n_sup = cfg.supervisors
-    specs += supervisor_specs(paths, sup_argv, n_sup, route_args, supervisor_env)
+    store_wait_s = min(cfg.store_outage_s, RESTART_STORE_WAIT_S) if cfg.store_url else 0.0
+    specs += supervisor_specs(paths, sup_argv, n_sup, route_args, supervisor_env,
+                              store_wait_s)
     return specs
 
 

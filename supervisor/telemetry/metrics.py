@@ -227,6 +227,8 @@ class FarmCollector(Collector):
                  "an answer."),
                 ("corral_turns_running", "turns_running", "Turns in progress."),
                 ("corral_inputs_queued", "queued_inputs", "User inputs queued behind a turn."),
+                ("corral_sessions_paused_store", "sessions_paused_store", "Sessions whose "
+                 "work waits for an unreachable store (docs/storage.md)."),
                 ("corral_supervisor_loop_lag_seconds", "loop_lag_s", "The supervisor's "
                  "event loop lag, last measured.")):
             gauge = GaugeMetricFamily(name, doc)

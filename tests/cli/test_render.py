@@ -35,7 +35,7 @@ text_st = st.one_of(st.text(), st.sampled_from(HOSTILE),
 EVENT_TYPES = ["agent_message_delta", "agent_message", "turn_started", "user_message",
                "tool_call_begin", "tool_call_output_delta", "tool_call_end",
                "exec_approval_request", "model_step_completed", "warning", "error",
-               "frontend_render", "turn_aborted", "something_new"]
+               "frontend_render", "turn_aborted", "store_status", "something_new"]
 
 
 @st.composite
@@ -44,7 +44,8 @@ def events(draw: Any) -> dict[str, Any]:
     kind = draw(st.sampled_from([*EVENT_TYPES, t]))
     payload = {k: draw(text_st) for k in ("delta", "text", "turn_id", "name", "data",
                                            "output", "id", "reason", "message", "kind",
-                                           "outcome", "call_id")}
+                                           "outcome", "call_id", "state",
+                                           "deadline_in_s", "waited_s")}
     payload["arguments"] = {draw(text_st): draw(text_st)}
     payload["calls"] = [{"name": draw(text_st), "arguments": draw(text_st)}]
     payload["isolation"] = {"tier": draw(text_st)}
@@ -53,6 +54,8 @@ def events(draw: Any) -> dict[str, Any]:
                                                  "message": draw(text_st)}}
     if draw(st.booleans()):
         payload["outcome"] = "retrying"
+    if draw(st.booleans()):
+        payload["state"] = "unavailable"
     return {"type": kind, "payload": payload}
 
 
@@ -85,3 +88,16 @@ def test_the_escapes_are_the_ones_people_read() -> None:
     assert clean("\x9b2J\u202e\ud800\r") == "\\x9b2J\\u202e\\ud800\\r"
     assert clean("a\tb\nc") == "a\tb\nc"
     assert clean("a\tb\nc", one_line=True) == "a\\tb\\nc"
+
+
+def test_the_store_notices_are_shown_and_escaped() -> None:
+    out = io.StringIO()
+    renderer = Renderer(out, color=False)
+    renderer.render({"type": "store_status", "sequence": 0,
+                     "payload": {"state": "unavailable", "deadline_in_s": "\x1b]52;c;x\x07"}})
+    renderer.render({"type": "store_status", "sequence": 0,
+                     "payload": {"state": "available", "waited_s": 2.5}})
+    text = out.getvalue()
+    assert unsafe(text) == []
+    assert "the turn is paused" in text
+    assert "back after 2.5s" in text

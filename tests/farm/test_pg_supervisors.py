@@ -2,7 +2,8 @@
 past its lease; the other takes the session over within lease + margin and finishes
 the turn as after a restart (the tool call in flight is reported, never re-run); the
 stopped one, woken by SIGCONT, has its writes refused and gives the session up
-without publishing anything."""
+without publishing anything. A client of the other supervisor, redirected to the
+stopped owner, follows the session to its new owner with no gap and no duplicate."""
 
 from __future__ import annotations
 
@@ -71,9 +72,20 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                     a_ended.append(exc.kind)
 
             ta = asyncio.create_task(collect(a_only, seen_a))
+            # A client of B follows the session: redirected to A, its owner, then (A
+            # frozen) back to B, which names no one until the lease lapsed, then owns it.
+            seen_via_b: list[dict[str, Any]] = []
+
+            async def follow() -> None:
+                async for e in b.events(sid):
+                    seen_via_b.append(e)
+
+            tb = asyncio.create_task(follow())
             try:
                 await eventually(lambda: _has(seen_a, "tool_call_begin"), timeout_s=30,
                                  what="the tool call to start on supervisor A")
+                await eventually(lambda: _has(seen_via_b, "tool_call_begin"), timeout_s=30,
+                                 what="B's client to see the call, through A")
                 stopped = farm.pid("supervisor")
                 os.kill(stopped, signal.SIGSTOP)
                 paused_at = time.monotonic()
@@ -97,6 +109,8 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                     return await _has_end((await b.history(sid))["events"], sub)
 
                 await eventually(ended, timeout_s=60, what="the turn to end on supervisor B")
+                await eventually(lambda: _has_end(seen_via_b, sub), timeout_s=30,
+                                 what="B's client to see the turn end (owner changed)")
                 os.kill(stopped, signal.SIGCONT)
                 stopped = None
                 log_a = farm.home / "logs" / "supervisor.log"
@@ -112,17 +126,29 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                 history = await b.history(sid)
             finally:
                 ta.cancel()
+                tb.cancel()
         assert takeover_s <= LEASE_S + MARGIN_S + 1.0, takeover_s
         events = history["events"]
         assert [e["sequence"] for e in events] == list(range(1, len(events) + 1))
+        # The subscription that changed owners: no gap, no duplicate, all of the history.
+        assert [e["sequence"] for e in seen_via_b if e["sequence"] > 0] == \
+            [e["sequence"] for e in events]
         ends = [e for e in events if e["type"] == "tool_call_end"]
         assert len(ends) == 1
         assert ends[0]["payload"]["outcome"] == "unknown", ends[0]
         assert (ws / "runs.txt").read_text() == "run\n"  # never re-run
         turn_end = [e for e in events if e["type"] in ("turn_complete", "turn_aborted")]
         assert [e["type"] for e in turn_end] == ["turn_complete"]
-        # Supervisor A published nothing after it was stopped (and woken).
-        assert len(seen_a) == seen_a_at_stop
+        # Supervisor A published nothing after it was stopped (and woken): no live
+        # event, and no durable one that the store does not hold as it was shown. (A
+        # resubscription that A, woken, answered before it knew of the loss replays
+        # what B committed, from the store: committed events, not A's publications.)
+        late = seen_a[seen_a_at_stop:]
+        assert not [e for e in late if e["sequence"] == 0], late
+        by_seq = {e["sequence"]: (e["type"], e["payload"]) for e in events}
+        assert all(by_seq[e["sequence"]] == (e["type"], e["payload"]) for e in late)
+        durable_a = [e["sequence"] for e in seen_a if e["sequence"] > 0]
+        assert durable_a == list(range(1, len(durable_a) + 1))
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)

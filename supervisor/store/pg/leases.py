@@ -18,6 +18,10 @@ Invariants:
   past its lease has every later write refused even before anyone took over.
 - ``renew`` extends only live leases of this owner; a lapsed one must be acquired again
   (new epoch), so a paused supervisor can never silently continue.
+- ``reacquire`` takes a lapsed lease back only if the row still names this owner AND
+  the epoch it held: every acquisition by anyone bumps the epoch, so an unchanged epoch
+  proves nobody owned the session in between and this owner's memory of it is still
+  the truth (after a PostgreSQL outage longer than the lease). Anything else: lost.
 """
 
 from __future__ import annotations
@@ -70,6 +74,23 @@ async def renew(conn: Conn, owner: str, lease_s: float) -> dict[int, int]:
     return {int(r[0]): int(r[1]) for r in rows}
 
 
+async def reacquire(conn: Conn, owner: str, lease_s: float,
+                    held: dict[int, int]) -> dict[int, int]:
+    """Take back, under a new epoch, the lapsed leases of ``held`` ({sid: epoch held})
+    whose row still says this owner and that epoch (nobody acquired them since):
+    {sid: new epoch} of those taken back. One statement; the row lock serializes it
+    with another supervisor's ``acquire``, so one of the two wins."""
+    if not held:
+        return {}
+    sids, epochs = list(held), [held[s] for s in held]
+    rows = await all_rows(
+        conn, f"UPDATE leases l SET epoch = l.epoch + 1, expires_at = {NOW} + %s"
+        " FROM unnest(%s::bigint[], %s::bigint[]) AS h(sid, epoch)"
+        " WHERE l.sid = h.sid AND l.epoch = h.epoch AND l.owner = %s"
+        " RETURNING l.sid, l.epoch", (lease_s, sids, epochs, owner))
+    return {int(r[0]): int(r[1]) for r in rows}
+
+
 async def release(conn: Conn, sid: int, owner: str, epoch: int) -> None:
     """Give the lease up at once (the next acquirer bumps the epoch)."""
     await conn.execute("UPDATE leases SET owner = NULL, expires_at = 0 WHERE sid = %s"
@@ -85,16 +106,18 @@ async def next_lapse(conn: Conn, owner: str) -> float | None:
 
 
 async def claim(conn: Conn, owner: str, lease_s: float, limit: int,
-                own: bool) -> list[tuple[int, str, int]]:
+                own: bool, exclude: list[int] | None = None) -> list[tuple[int, str, int]]:
     """Acquire up to ``limit`` active sessions nobody holds a live lease on (with
     ``own``, also those leased to this owner id: a restart taking its sessions back),
     oldest first, in ONE statement (a takeover claims many at once): (sid, session_id,
     new epoch) of those taken. The rules of ``acquire``: free, expired or this owner's,
-    always under ``epoch + 1``; a row another claimer took meanwhile is skipped."""
+    always under ``epoch + 1``; a row another claimer took meanwhile is skipped; the
+    sids in ``exclude`` (still held in this supervisor's memory) are never claimed."""
     rows = await all_rows(
         conn, "WITH c AS (SELECT s.sid FROM sessions s LEFT JOIN leases l ON l.sid = s.sid"
         " WHERE s.status = 'active' AND (l.sid IS NULL OR l.owner IS NULL"
-        f" OR l.expires_at <= {NOW} OR l.owner = %s) ORDER BY s.sid LIMIT %s),"
+        f" OR l.expires_at <= {NOW} OR l.owner = %s)"
+        " AND NOT (s.sid = ANY(%s::bigint[])) ORDER BY s.sid LIMIT %s),"
         " got AS (INSERT INTO leases (sid, owner, epoch, expires_at)"
         f" SELECT sid, %s, 1, {NOW} + %s FROM c"
         f" ON CONFLICT (sid) DO UPDATE SET owner = excluded.owner, epoch = {_bump()},"
@@ -102,7 +125,7 @@ async def claim(conn: Conn, owner: str, lease_s: float, limit: int,
         f" OR leases.expires_at <= {NOW} OR leases.owner = excluded.owner"
         " RETURNING sid, epoch)"
         " SELECT got.sid, s.session_id, got.epoch FROM got JOIN sessions s ON s.sid = got.sid"
-        " ORDER BY got.sid", (owner if own else None, limit, owner, lease_s))
+        " ORDER BY got.sid", (owner if own else None, exclude or [], limit, owner, lease_s))
     return [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
 
 

@@ -16,6 +16,10 @@ Invariants:
   and the process stays up.
 - Serialization failures and deadlocks (``StoreBusy``) are retried with capped backoff
   up to ``busy_deadline_s`` (the same policy as SQLite's busy retry).
+- Lease mode after an outage: a lease that lapsed while PostgreSQL was unreachable is
+  taken back (``renew``, ``reacquire``) only if nobody acquired it meanwhile (its row
+  still holds this owner and the epoch held); otherwise it is lost and given up.
+  ``claim`` never takes a session this store still holds (renew decides those).
 - Messages and logs name the URL without its password (``url.redact``).
 - The schema is exactly ``pg.schema.SCHEMA_VERSION`` (created in an empty database,
   otherwise ``SchemaMismatch`` with the command that migrates it).
@@ -155,6 +159,7 @@ class PgStore:
         self.owner = owner
         self.lease_s = lease_s
         self._held: dict[str, tuple[int, int]] = {}  # session_id -> (sid, epoch)
+        self._lease_lock = asyncio.Lock()  # renew / reacquire / claim change _held in turn
         self._shown = redact(url)
         self._writer = writer_link
         self._readers = [reader_link] + [  # connected at their first use
@@ -343,6 +348,11 @@ class PgStore:
         """The sessions this store holds a lease on, with their epochs."""
         return {SessionId(k): v[1] for k, v in self._held.items()}
 
+    def epoch_of(self, session_id: SessionId) -> int | None:
+        """The epoch this store's next write for ``session_id`` carries (None: none held)."""
+        held = self._held.get(session_id)
+        return held[1] if held is not None else None
+
     def _require_owner(self) -> str:
         if self.owner is None:
             raise InvalidRequest("this store was opened without an owner (no lease mode)")
@@ -360,26 +370,63 @@ class PgStore:
         ``own``, also those still leased to this owner id (at start-up: a restarted
         supervisor takes its sessions back without waiting for the leases to lapse)."""
         owner = self._require_owner()
-        got: list[tuple[str, tuple[int, int]]] = await self._lease_op(
-            partial(_claim, owner, self.lease_s, limit, own), "claiming sessions")
-        for session_id, held in got:
-            self._hold(session_id, held)
+        async with self._lease_lock:
+            # Never a session still held here (in memory): renew decides those, taking a
+            # lapsed one back only if nobody owned it meanwhile.
+            exclude = sorted(n for n, _ in self._held.values())
+            got: list[tuple[str, tuple[int, int]]] = await self._lease_op(
+                partial(_claim, owner, self.lease_s, limit, own, exclude), "claiming sessions")
+            for session_id, held in got:
+                self._hold(session_id, held)
         return [SessionId(sid) for sid, _ in got]
 
     async def renew(self) -> list[SessionId]:
-        """Extend every lease still held; forget and return the sessions lost (lapsed or
-        taken: the caller gives them up without publishing anything more)."""
+        """Extend every lease still held. A lease that lapsed (this process was paused or
+        cut off from PostgreSQL) is taken back under a new epoch if nobody acquired it
+        meanwhile (``leases.reacquire``). Forget and return the sessions lost (taken by
+        another, or released: the caller gives them up without publishing anything)."""
         owner = self._require_owner()
-        # Only leases held before the statement started count: one taken meanwhile (a
-        # create or an acquire committing on the writer) is not in what it saw.
-        before = dict(self._held)
-        live: dict[int, int] = await self._lease_op(
-            partial(_renew, owner, self.lease_s), "renewing the leases")
-        lost = [sid for sid, (n, epoch) in before.items()
-                if live.get(n) != epoch and self._held.get(sid) == (n, epoch)]
-        for sid in lost:
-            del self._held[sid]
+        async with self._lease_lock:
+            # Only leases held before the statement started count: one taken meanwhile (a
+            # create or an acquire committing on the writer) is not in what it saw.
+            before = dict(self._held)
+            live: dict[int, int] = await self._lease_op(
+                partial(_renew, owner, self.lease_s, {n: e for n, e in before.values()}),
+                "renewing the leases")
+            lost = []
+            for sid, (n, epoch) in before.items():
+                if self._held.get(sid) != (n, epoch):
+                    continue
+                if n not in live:
+                    lost.append(sid)
+                    del self._held[sid]
+                elif live[n] != epoch:
+                    log.info("session %s: lease lapsed and taken back (epoch %d -> %d)",
+                             sid, epoch, live[n])
+                    self._held[sid] = (n, live[n])
         return [SessionId(s) for s in lost]
+
+    async def reacquire(self, session_id: SessionId, epoch: int) -> int | None:
+        """After a write under ``epoch`` was refused (``LeaseLost``): the epoch to write
+        under now, or None (lost: another supervisor acquired the session since, or it
+        was released; give it up). A lease taken back meanwhile (by ``renew``) is
+        answered from memory; a lapsed one is taken back only if its row still holds
+        this owner and ``epoch`` (``leases.reacquire``)."""
+        owner = self._require_owner()
+        async with self._lease_lock:
+            held = self._held.get(session_id)
+            if held is None:
+                return None
+            if held[1] != epoch:
+                return held[1]
+            got: dict[int, int] = await self._lease_op(
+                partial(_reacquire, owner, self.lease_s, {held[0]: epoch}),
+                "taking a lapsed lease back")
+            if held[0] not in got:
+                del self._held[session_id]
+                return None
+            self._held[session_id] = (held[0], got[held[0]])
+            return got[held[0]]
 
     async def release(self, session_id: SessionId) -> None:
         owner = self._require_owner()
@@ -520,14 +567,26 @@ async def _acquire(session_id: str, owner: str, lease_s: float,
     return (sid, epoch) if epoch is not None else None
 
 
-async def _claim(owner: str, lease_s: float, limit: int, own: bool,
+async def _claim(owner: str, lease_s: float, limit: int, own: bool, exclude: list[int],
                  conn: Conn) -> list[tuple[str, tuple[int, int]]]:
-    return [(session_id, (sid, epoch))
-            for sid, session_id, epoch in await leases.claim(conn, owner, lease_s, limit, own)]
+    return [(session_id, (sid, epoch)) for sid, session_id, epoch
+            in await leases.claim(conn, owner, lease_s, limit, own, exclude)]
 
 
-async def _renew(owner: str, lease_s: float, conn: Conn) -> dict[int, int]:
-    return await leases.renew(conn, owner, lease_s)
+async def _renew(owner: str, lease_s: float, held: dict[int, int],
+                 conn: Conn) -> dict[int, int]:
+    """{sid: epoch now} of the held leases still this store's: renewed under the epoch
+    held, or lapsed and taken back under a new one. A lease renewed under another epoch
+    (another process of this owner id acquired it) is not among them: lost."""
+    live = await leases.renew(conn, owner, lease_s)
+    kept = {n: e for n, e in held.items() if live.get(n) == e}
+    lapsed = {n: e for n, e in held.items() if n not in live}
+    return {**kept, **await leases.reacquire(conn, owner, lease_s, lapsed)}
+
+
+async def _reacquire(owner: str, lease_s: float, held: dict[int, int],
+                     conn: Conn) -> dict[int, int]:
+    return await leases.reacquire(conn, owner, lease_s, held)
 
 
 async def _release(held: tuple[int, int], owner: str, conn: Conn) -> None:
