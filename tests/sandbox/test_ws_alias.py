@@ -159,7 +159,11 @@ async def test_a_killed_workers_alias_goes_at_the_next_start_a_stopped_ones_at_i
             (ws / "go-v").touch()
             with pytest.raises(RequestFailed, match="worker_lost"):
                 await call
-            assert len(aliases_of(ws)) == 1, "nothing released the killed call's alias"
+            # Nothing of the dead worker released it, but any worker's start on this
+            # host sweeps unheld aliases: in a parallel run another test's worker may
+            # already have (the full suite once did). Without sweeps at start the
+            # assertion after the next start fails either way.
+            assert len(aliases_of(ws)) <= 1
             following, _ = start_worker(procs, stack.backend, "T2", "--capacity", "1",
                                         name="worker-next")
             assert aliases_of(ws) == [], "the next worker's start left the dead one's alias"
