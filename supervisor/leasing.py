@@ -33,9 +33,12 @@ from collections.abc import Container
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from broker.ratelog import RateLimitedLog
 from supervisor.store import SessionId, SessionStore, StoreError
 
 log = logging.getLogger(__name__)
+# During a store outage every round fails: one line per period, with the count.
+_skips = RateLimitedLog(log, 10.0)
 DEFAULT_CLAIM_BATCH = 64
 CLAIM_PERIOD_S = 0.5  # how often to look for sessions whose owner's lease lapsed
 LAPSE_MARGIN_S = 0.005  # a claim goes this long after the soonest foreign lease lapses
@@ -143,7 +146,7 @@ async def run(store: Leased, engine: Engine, *, batch: int = DEFAULT_CLAIM_BATCH
                     wake_at = min(wake_at, await _next_lapse_at(store, loop.time()))
                 await resume(engine, claimed, store.owner, resume_concurrency)
         except (StoreError, TimeoutError) as exc:
-            log.warning("lease round skipped: %s", exc)
+            _skips.warning("skipped", "lease round skipped: %s", exc)
 
 
 async def _next_lapse_at(store: Leased, now: float) -> float:

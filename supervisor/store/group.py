@@ -24,6 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from broker.ratelog import RateLimitedLog
 from supervisor.store.errors import StoreBusy, StoreClosed, StoreError
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class GroupCommitter(Generic[Op]):
         self._task: asyncio.Task[None] | None = None
         self.groups_committed = 0
         self.ops_committed = 0
+        # A store outage fails every group: one line per 10 s, with the count.
+        self._failures = RateLimitedLog(log, 10.0)
 
     @property
     def closing(self) -> bool:
@@ -93,7 +96,8 @@ class GroupCommitter(Generic[Op]):
         try:
             results = await self._apply(ops)
         except StoreError as exc:
-            log.warning("store group of %d operations failed: %s", len(ops), exc)
+            self._failures.warning("failed", "store group of %d operations failed: %s",
+                                   len(ops), exc)
             self._fail(group, exc)
             return
         except Exception as exc:  # a bug: fail this group's callers, keep serving others
