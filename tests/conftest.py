@@ -116,11 +116,10 @@ def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None
             item.add_marker(pytest.mark.xdist_group(group))
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[Any]:
-    """A real PostgreSQL (supervisor/devtools/pgserver.py) shared by the tests of one xdist worker,
-    stopped by pid at the end. Skips only when PostgreSQL is not installed (the
-    bootstrap installs it where root)."""
+def running_pg() -> Iterator[Any]:
+    """A real PostgreSQL (supervisor/devtools/pgserver.py), stopped by pid afterwards
+    (the body of the PostgreSQL fixtures). Skips only when PostgreSQL is not installed
+    (the bootstrap installs it where root)."""
     from supervisor.devtools.pgserver import PgServer, find_bindir
 
     if find_bindir() is None:
@@ -131,3 +130,9 @@ def pg_server() -> Iterator[Any]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Any]:
+    """A PostgreSQL shared by the tests of one xdist worker."""
+    yield from running_pg()

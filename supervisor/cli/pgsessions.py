@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from typing import Any
-from urllib.parse import urlsplit
 
 from supervisor.cli.summary import StoreUnreadable, summarize
 
@@ -42,24 +41,13 @@ _QUERY = (
 )
 
 
-def _scrubbed(text: str, url: str) -> str:
-    from supervisor.store.url import redact
-
-    text = text.replace(url, redact(url))
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    return text.replace(password, "***") if password else text
-
-
 def list_pg_sessions(url: str, limit: int,
                      default_route: str) -> tuple[list[dict[str, Any]], bool]:
     """Up to ``limit`` sessions' summaries (newest first) and whether there were more;
     ``StoreUnreadable`` (the redacted URL and why) when PostgreSQL cannot answer."""
     import psycopg
 
-    from supervisor.store.url import redact
+    from supervisor.store.url import redact, scrub
 
     try:
         with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S,
@@ -72,7 +60,7 @@ def list_pg_sessions(url: str, limit: int,
         hint = (" (the schema is missing: run corral store migrate)"
                 if isinstance(exc, psycopg.errors.UndefinedTable) else "")
         raise StoreUnreadable(f"cannot read the sessions in PostgreSQL at {redact(url)}: "
-                              f"{_scrubbed(first, url)}{hint}") from None
+                              f"{scrub(first, url)}{hint}") from None
     out = []
     for r in rows[:limit]:
         owner = None if r[14] is None else {
@@ -95,7 +83,7 @@ def pg_pages(url: str, session_id: str,
     from supervisor.facade import event_to_wire
     from supervisor.store.codec import decode
     from supervisor.store.records import EventRecord, SessionId, SubmissionId
-    from supervisor.store.url import redact
+    from supervisor.store.url import redact, scrub
 
     try:
         with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S,
@@ -123,4 +111,4 @@ def pg_pages(url: str, session_id: str,
     except psycopg.Error as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StoreUnreadable(f"cannot read the session in PostgreSQL at {redact(url)}: "
-                              f"{_scrubbed(first, url)}") from None
+                              f"{scrub(first, url)}") from None

@@ -41,6 +41,16 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+def scrub(text: str, url: str) -> str:
+    """``text`` (a driver's message) without ``url`` (shown redacted) or its password."""
+    text = text.replace(url, redact(url))
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
+
+
 def check_url(url: object) -> str:
     """Return ``url`` if it names a PostgreSQL database, else raise ``BadStoreUrl``."""
     if not isinstance(url, str) or not url.strip():

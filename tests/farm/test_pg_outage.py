@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from supervisor.client import SupervisorClient
-from supervisor.devtools.pgserver import PgServer, find_bindir
+from supervisor.devtools.pgserver import PgServer
+from tests.conftest import running_pg
 from tests.farm.test_farm_e2e import _has
 from tests.helpers import eventually
 
@@ -37,14 +38,8 @@ OUTAGE_WAIT_S = 6.0
 
 @pytest.fixture(scope="module")
 def own_pg() -> Iterator[PgServer]:
-    if find_bindir() is None:
-        pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); "
-                    "scripts/_bootstrap.sh installs it where root")
-    server = PgServer.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    """A cluster of the module's own: its tests stop and restart it."""
+    yield from running_pg()
 
 
 async def _says(path: Path, text: str, times: int = 1) -> bool:

@@ -62,7 +62,7 @@ from supervisor.store.records import (
     TranscriptBatch,
 )
 from supervisor.store.store import DEFAULT_BUSY_DEADLINE_S, _retry_busy
-from supervisor.store.url import check_url, redact
+from supervisor.store.url import check_url, redact, scrub
 from supervisor.store.writer import prepare_step
 
 log = logging.getLogger(__name__)
@@ -100,21 +100,9 @@ async def connect(url: str, *, timeout_s: float, what: str,
         if isinstance(error, StoreUnavailable):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reason"
             error = StoreUnavailable(f"{what}: cannot connect to PostgreSQL at {shown}: "
-                                     f"{_scrub(first, url)}")
+                                     f"{scrub(first, url)}")
         raise error from None
     return conn
-
-
-def _scrub(text: str, url: str) -> str:
-    """Remove the URL and its password from a driver message."""
-    from urllib.parse import urlsplit
-
-    text = text.replace(url, redact(url))
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    return text.replace(password, "***") if password else text
 
 
 class _Link:
