@@ -570,6 +570,11 @@ class Harness:
                 # watched past KILL_BOUND_S (no_orphans) before the farm stops, or
                 # stopping the farm would kill an orphan before it could be seen.
                 await asyncio.sleep(self._evidence_wait_s())
+                # And one more sample of the process table, taken now, past that bound:
+                # on a loaded host the watcher's own samples lag (each scans every
+                # process), and a plant run under the full test suite's load once saw
+                # no sighting past the bound before the farm stopped.
+                await asyncio.to_thread(self.watch.sample)
             watcher.cancel()
             keeper.cancel()
             if frames is not None:
