@@ -8,6 +8,12 @@ checkout's .venv: ``sandbox_site`` hard-links the venv's site-packages (no data
 is copied; one filesystem) under /opt/corral-test-site/KEY once, with the test
 server beside them, and servers run as ``/usr/bin/python3 -m MODULE`` with
 that ``PYTHONPATH``. Nothing is fetched from the network.
+
+A hard link shares its file's mode, and the sandbox's uid reads the tree as
+"other": a file the venv holds without o+r (uv links the venv's files from its
+cache, which keeps the umask the cache was filled under; CI once had such a
+cache) is copied with o+r added instead of linked, and every directory gets
+o+rx, so the tree is readable whatever made the venv.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -49,6 +56,7 @@ def sandbox_site() -> str:
             # /opt on another filesystem: hard links cannot cross it; copy.
             shutil.rmtree(tmp, ignore_errors=True)
             subprocess.run(["cp", "-a", str(src), str(tmp)], check=True)
+        _readable_by_all(tmp)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp / "corral_test_mcp_server.py")
         shutil.copy(server, tmp / "corral_test_mcp_server.py")
@@ -59,6 +67,21 @@ def sandbox_site() -> str:
         except OSError:  # another xdist worker made it first
             shutil.rmtree(tmp, ignore_errors=True)
     return str(dst)
+
+
+def _readable_by_all(tree: Path) -> None:
+    """Give every directory o+rx and every file o+r without touching the venv:
+    a linked file that lacks o+r is replaced by a copy that has it."""
+    for root, _dirs, files in os.walk(tree):
+        os.chmod(root, stat.S_IMODE(os.lstat(root).st_mode) | 0o555)
+        for name in files:
+            path = Path(root) / name
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and not st.st_mode & stat.S_IROTH:
+                copy = path.with_name(f".{name}.copy")
+                shutil.copyfile(path, copy)
+                os.chmod(copy, stat.S_IMODE(st.st_mode) | 0o444)
+                os.replace(copy, path)
 
 
 def server_spec(site: str, module: str, *args: str, **extra: Any) -> dict[str, Any]:
