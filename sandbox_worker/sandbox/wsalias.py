@@ -30,6 +30,12 @@ Invariants:
 - An alias is mounted and detached only under its ``users`` lock: mounted
   (or found) under a shared hold, detached under the exclusive one, so a
   call never finds its alias gone while it runs, on any worker of the host.
+- One mount at most per alias: holders of the shared lock look and mount one
+  at a time, under an exclusive ``flock`` of ``MOUNTING`` beside it (two
+  calls starting together on two workers each found no mount under their
+  shared holds and mounted twice; the last call's detach then lifted only the
+  top one and the other stayed until the next sweep). Detaching lifts every
+  layer found there, so a stack an older worker left goes too.
 - No alias outlives the last call through it (``release``), except those of
   workers killed mid-call, until the next worker start or stop (``sweep``):
   a removed workspace is not kept alive by a mount. (An alias an older
@@ -55,6 +61,8 @@ from sandbox_worker.sandbox.errors import WorkspaceUnusable
 
 ALIAS_ROOT: Final = "/run/corral/workspaces"
 USERS: Final = "users"  # the lock file of an alias's calls, beside its mount point
+MOUNTING: Final = "mounting"  # held exclusively while a call looks for, or makes, the mount
+MAX_LAYERS: Final = 16  # mounts stacked on one alias that a detach lifts at most
 MS_BIND: Final = 4096
 MNT_DETACH: Final = 2
 
@@ -103,13 +111,18 @@ class Alias:
     lock_fd: int
 
 
-def _open_users(base: str) -> int:
-    return os.open(f"{base}/{USERS}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+def _open_lock(base: str, name: str) -> int:
+    return os.open(f"{base}/{name}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
                    0o600)
 
 
 def _detach(target: str) -> bool:
-    return bool(_libc.umount2(target.encode(), MNT_DETACH) == 0)
+    """Lift every mount stacked on ``target`` (at most ``MAX_LAYERS``);
+    whether one was."""
+    lifted = 0
+    while lifted < MAX_LAYERS and _libc.umount2(target.encode(), MNT_DETACH) == 0:
+        lifted += 1
+    return lifted > 0
 
 
 def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> Alias:
@@ -122,13 +135,22 @@ def alias_for(fd: int, gid: int, identity: tuple[int, int]) -> Alias:
         _dir(ALIAS_ROOT, 0o711, 0)
         base = f"{ALIAS_ROOT}/{gid}"
         _dir(base, 0o710, gid)
-        lock_fd = _open_users(base)
+        lock_fd = _open_lock(base, USERS)
     except OSError as exc:
         raise WorkspaceUnusable(f"cannot prepare {ALIAS_ROOT}: {exc.strerror}",
                                 hint="run the worker as root") from exc
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_SH)
-        return Alias(_mount(fd, base, identity), identity, lock_fd)
+        try:
+            mounting = _open_lock(base, MOUNTING)
+        except OSError as exc:
+            raise WorkspaceUnusable(f"cannot prepare {base}: {exc.strerror}",
+                                    hint="run the worker as root") from exc
+        try:
+            fcntl.flock(mounting, fcntl.LOCK_EX)  # one caller looks and mounts at a time
+            return Alias(_mount(fd, base, identity), identity, lock_fd)
+        finally:
+            os.close(mounting)
     except BaseException:
         os.close(lock_fd)
         raise
