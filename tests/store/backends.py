@@ -77,3 +77,13 @@ def row_count(store: SessionStore, table: str) -> int:
     with psycopg.connect(store.url) as conn:
         row = conn.execute(f"SELECT count(*) FROM {table}".encode()).fetchone()
         return int(row[0]) if row else 0
+
+
+def rows(store: SessionStore, query: str) -> list[tuple[Any, ...]]:
+    """The rows of a query (a test's own constant) read outside the store."""
+    if isinstance(store, Store):
+        with closing(sqlite3.connect(store.path)) as raw:
+            return [tuple(r) for r in raw.execute(query).fetchall()]
+    assert isinstance(store, PgStore)
+    with psycopg.connect(store.url) as conn:
+        return [tuple(r) for r in conn.execute(query.encode()).fetchall()]
