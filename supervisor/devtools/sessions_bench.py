@@ -156,6 +156,23 @@ def spawn_ready(procs: list[subprocess.Popen[bytes]], *argv: str) -> dict[str, A
     return line
 
 
+def start_farm(procs: list[subprocess.Popen[bytes]], tmp: Path, script: Path, workers: int,
+               capacity: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[int]]]:
+    """A broker on ``ipc://`` sockets in ``tmp``, the scripted provider (``script``) and
+    ``workers`` workers (tool and model, ``capacity`` slots each), ready, in ``procs``:
+    the broker's and the provider's ready lines and the pids by role (for the meters)."""
+    b = spawn_ready(procs, "broker", "--frontend", f"ipc://{tmp}/front",
+                    "--backend", f"ipc://{tmp}/back")
+    llm = spawn_ready(procs, "sandbox_worker.fakellm", "--script", str(script),
+                      "--port", "0", "--max-recorded", "1")
+    for _ in range(workers):
+        spawn_ready(procs, "sandbox_worker", "--broker", b["backend"], "--services",
+                    "tool,model", "--capacity", str(capacity), "--log-level", "WARNING")
+    roles = {"broker": [procs[0].pid], "provider": [procs[1].pid],
+             "workers": [p.pid for p in procs[2:]]}
+    return b, llm, roles
+
+
 def write_script(path: Path, turns: int) -> None:
     responses: list[dict[str, Any]] = []
     for t in range(turns):
@@ -447,15 +464,8 @@ async def bench(tmp: Path, levels: tuple[tuple[int, int], ...], workers: int, ca
     for path in (tmp, ws):  # the sandbox uid must reach the workspace
         path.chmod(0o755)
     with children() as procs:
-        b = spawn_ready(procs, "broker", "--frontend", f"ipc://{tmp}/front",
-                        "--backend", f"ipc://{tmp}/back")
-        llm = spawn_ready(procs, "sandbox_worker.fakellm", "--script", str(script),
-                          "--port", "0", "--max-recorded", "1")
-        for _ in range(workers):
-            spawn_ready(procs, "sandbox_worker", "--broker", b["backend"], "--services",
-                        "tool,model", "--capacity", str(capacity), "--log-level", "WARNING")
-        meter = CpuMeter({"broker": [procs[0].pid], "provider": [procs[1].pid],
-                          "workers": [p.pid for p in procs[2:]]})
+        b, llm, roles = start_farm(procs, tmp, script, workers, capacity)
+        meter = CpuMeter(roles)
         route = ModelRoute(name="main", provider="openai-responses", model="scripted",
                            base_url=llm["url"], max_retries=0)
         results: dict[str, Any] = {"workers": workers, "capacity_per_worker": capacity}

@@ -50,7 +50,7 @@ from supervisor.devtools.sessions_bench import (
     BenchFailed,
     children,
     read_json_line,
-    spawn_ready,
+    start_farm,
     write_script,
 )
 
@@ -256,16 +256,7 @@ def run(sessions: int = 1000, turns: int = 2, workers: int = 2,
             script = tmp / "script.json"
             write_script(script, turns + 1)
             with children() as procs:
-                b = spawn_ready(procs, "broker", "--frontend", f"ipc://{tmp}/front",
-                                "--backend", f"ipc://{tmp}/back")
-                llm = spawn_ready(procs, "sandbox_worker.fakellm", "--script", str(script),
-                                  "--port", "0", "--max-recorded", "1")
-                for _ in range(workers):
-                    spawn_ready(procs, "sandbox_worker", "--broker", b["backend"],
-                                "--services", "tool,model", "--capacity", str(capacity),
-                                "--log-level", "WARNING")
-                roles = {"broker": [procs[0].pid], "provider": [procs[1].pid],
-                         "workers": [p.pid for p in procs[2:]]}
+                b, llm, roles = start_farm(procs, tmp, script, workers, capacity)
                 farm = {"broker": b["frontend"], "llm": llm["url"], "ws": ws,
                         "script": script}
                 one = _phase(pg, tmp, farm, roles, 1, sessions, turns)

@@ -22,7 +22,6 @@ Exception tree::
     └── TurnError                     ends a turn; sent as an ``error`` event
         ├── HookFailed                a middleware or command hook raised / crashed:
         │                             an infrastructure failure, the turn fails
-        ├── ModelCallFailed           the model service failed after bounded retries
         ├── UsageObserverFailed       the usage observer raised; usage not committed
         └── TurnLimitExceeded         model steps per turn or total turn time ran out
 
@@ -97,12 +96,6 @@ class HookFailed(TurnError):
     """A hook raised, timed out or crashed: an infrastructure failure."""
 
     kind = "hook_failed"
-
-
-class ModelCallFailed(TurnError):
-    """The model call failed for good (not retryable, or retries exhausted)."""
-
-    kind = "model_failed"
 
 
 class UsageObserverFailed(TurnError):

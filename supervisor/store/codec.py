@@ -19,8 +19,9 @@ Invariants:
   cannot carry) is written as its ``\\uXXXX`` JSON escape and reads back as the
   same string (``sandbox_worker.api.json_text``, the one encoder the worker's
   output bound is measured with too). Plain text columns (an execution's
-  reason) get U+FFFD for it (``text_column``); a key (a session id, an event
-  type) holding one is refused (``InvalidRequest``).
+  reason, a session's route) get U+FFFD for it, and for NUL, which PostgreSQL
+  TEXT cannot hold, in both stores alike (``text_column``); a key (a session
+  id, an event type) holding one is refused (``InvalidRequest``).
 - The default bounds come from ``sandbox_worker.api`` (``STORE_ITEM_BYTES``,
   ``STORE_PAYLOAD_BYTES``), where the worker's output bound is derived from.
 """
@@ -143,9 +144,13 @@ def check_key(value: str | None, what: str) -> None:
         raise InvalidRequest(f"{what} is not valid text (it holds a lone surrogate)")
 
 
-def text_column(text: str) -> str:
-    """A plain TEXT column's value: a lone surrogate becomes U+FFFD."""
-    return replace_surrogates(text)
+def text_column(value: object) -> str | None:
+    """A plain (non-key) TEXT column's value, the same in both stores: None for a
+    non-string; a lone surrogate (UTF-8 cannot carry it) and NUL (PostgreSQL TEXT
+    cannot hold it) become U+FFFD."""
+    if not isinstance(value, str):
+        return None
+    return replace_surrogates(value).replace("\x00", "\ufffd")
 
 
 def decode(text: str | bytes) -> Any:

@@ -122,3 +122,21 @@ class GroupCommitter(Generic[Op]):
         for _, future in group:
             if not future.done():
                 future.set_exception(exc)
+
+
+class GroupCounts:
+    """The counters of a store's group commit, for tests and benchmarks
+    (``SessionStore.groups_committed`` / ``ops_committed``): mixed into both stores,
+    which own their committer as ``_group``."""
+
+    _group: GroupCommitter[Any]
+
+    @property
+    def groups_committed(self) -> int:
+        """Transactions committed (a group each)."""
+        return self._group.groups_committed
+
+    @property
+    def ops_committed(self) -> int:
+        """Operations committed in those transactions."""
+        return self._group.ops_committed

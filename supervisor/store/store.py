@@ -45,7 +45,7 @@ from supervisor.store.errors import (
     StoreClosed,
     translate_sqlite_error,
 )
-from supervisor.store.group import GroupCommitter
+from supervisor.store.group import GroupCommitter, GroupCounts
 from supervisor.store.records import (
     EventRecord,
     ExecutionRecord,
@@ -134,7 +134,7 @@ async def _retry_busy(
             delay_s = min(delay_s * 2, _BACKOFF_MAX_S)
 
 
-class Store:
+class Store(GroupCounts):
     """The durable session store. Create with ``await Store.open(path)``."""
 
     def __init__(
@@ -219,14 +219,6 @@ class Store:
     @property
     def where(self) -> str:
         return str(self.path)
-
-    @property
-    def groups_committed(self) -> int:
-        return self._group.groups_committed
-
-    @property
-    def ops_committed(self) -> int:
-        return self._group.ops_committed
 
     async def __aenter__(self) -> Store:
         return self

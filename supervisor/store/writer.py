@@ -177,10 +177,31 @@ def prepare_step(step: StepWrite, limits: Limits) -> PreparedStep:
             x.turn_id, x.outcome, int(x.model_calls), int(x.tool_calls),
             int(x.failed_tool_calls),
             encode(x.usage, what="execution usage", limit=limits.max_payload_bytes),
-            float(x.started_at), x.ended_at, x.elapsed_s, _str_or_none(x.sandbox_tier),
-            _str_or_none(x.reason),
+            float(x.started_at), x.ended_at, x.elapsed_s, text_column(x.sandbox_tier),
+            text_column(x.reason),
         )
     return PreparedStep(sid, events, batch, rewrite, state, execution)
+
+
+def upsert_execution(values: str) -> str:
+    """The executions upsert of every writer (SQLite, PostgreSQL, its one-statement
+    step), around ``values`` (a VALUES list or a SELECT of the 12 columns): a terminal
+    outcome is never set back to "running"."""
+    return (
+        "INSERT INTO executions (sid, turn_id, outcome, model_calls, tool_calls,"
+        " failed_tool_calls, usage, started_at, ended_at, elapsed_s, sandbox_tier, reason) "
+        + values
+        + " ON CONFLICT (sid, turn_id) DO UPDATE SET outcome = excluded.outcome,"
+        " model_calls = excluded.model_calls, tool_calls = excluded.tool_calls,"
+        " failed_tool_calls = excluded.failed_tool_calls, usage = excluded.usage,"
+        " started_at = excluded.started_at, ended_at = excluded.ended_at,"
+        " elapsed_s = excluded.elapsed_s, sandbox_tier = excluded.sandbox_tier,"
+        " reason = excluded.reason"
+        " WHERE executions.outcome = 'running' OR excluded.outcome != 'running'"
+    )
+
+
+_UPSERT_EXECUTION = upsert_execution("VALUES (?,?,?,?,?,?,?,?,?,?,?,?)")
 
 
 def apply_step(conn: sqlite3.Connection, sids: Sids, p: PreparedStep) -> None:
@@ -237,19 +258,7 @@ def apply_step(conn: sqlite3.Connection, sids: Sids, p: PreparedStep) -> None:
     if p.state is not None:
         _apply_state(conn, sid, p.session_id, p.state, last_event, last_batch, now)
     if p.execution is not None:
-        conn.execute(
-            "INSERT INTO executions (sid, turn_id, outcome, model_calls, tool_calls,"
-            " failed_tool_calls, usage, started_at, ended_at, elapsed_s, sandbox_tier, reason)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
-            " ON CONFLICT (sid, turn_id) DO UPDATE SET outcome = excluded.outcome,"
-            " model_calls = excluded.model_calls, tool_calls = excluded.tool_calls,"
-            " failed_tool_calls = excluded.failed_tool_calls, usage = excluded.usage,"
-            " started_at = excluded.started_at, ended_at = excluded.ended_at,"
-            " elapsed_s = excluded.elapsed_s, sandbox_tier = excluded.sandbox_tier,"
-            " reason = excluded.reason"
-            " WHERE executions.outcome = 'running' OR excluded.outcome != 'running'",
-            (sid, *p.execution),
-        )
+        conn.execute(_UPSERT_EXECUTION, (sid, *p.execution))
 
 
 def _apply_rewrite(conn: sqlite3.Connection, sid: int, session_id: str,
@@ -323,9 +332,9 @@ def create_session(conn: sqlite3.Connection, sids: Sids, record: SessionRecord, 
         cfg = record.config
         if isinstance(cfg, dict):
             route, workspace, tenant = (
-                _str_or_none(cfg.get("route")),
-                _str_or_none(cfg.get("workspace")),
-                _str_or_none(cfg.get("tenant")),
+                text_column(cfg.get("route")),
+                text_column(cfg.get("workspace")),
+                text_column(cfg.get("tenant")),
             )
         cursor = conn.execute(
             "INSERT INTO sessions (session_id, created_at, config, route, workspace, tenant,"
@@ -342,11 +351,6 @@ def create_session(conn: sqlite3.Connection, sids: Sids, record: SessionRecord, 
         )
     if first is not None:
         apply_step(conn, sids, first)
-
-
-def _str_or_none(value: object) -> str | None:
-    # A plain TEXT column: UTF-8 cannot carry a lone surrogate (U+FFFD instead).
-    return text_column(value) if isinstance(value, str) else None
 
 
 def set_status(conn: sqlite3.Connection, sids: Sids, session_id: str, status: str) -> None:

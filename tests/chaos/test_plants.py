@@ -21,13 +21,13 @@ sessions on 2 workers).
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers import PYTHON, Procs
+from tests.chaos.plantrun import run_chaos
+from tests.helpers import Procs
 
 # Each plant runs on its own seed, so CI covers six seeds (and the clean run a
 # seventh); docs/chaos.md has every plant caught on three seeds or more, offline.
@@ -60,19 +60,10 @@ ALL_KINDS = ",".join(dict.fromkeys(k for f, _, _ in PLANTS.values() for k in f.s
 
 
 def chaos(home: Path, procs: Procs, plant: str | None, faults: str,
-          seed: int) -> dict[str, object]:
+          seed: int) -> dict[str, Any]:
     duration = CLEAN_DURATION_S if plant is None else PLANT_DURATION_S
-    args = [PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(seed), "--duration",
-            duration, "--fault-gap", "1", "--faults", faults, "--sessions", "2",
-            "--workers", "2", "--json", "--home", str(home)]
-    if plant is not None:
-        args += ["--plant", plant]
-    proc = procs.spawn(args, name=f"chaos-{plant}", stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=170)
-    lines = out.decode().strip().splitlines()
-    assert lines, f"no report; log:\n{procs.log(proc)[-3000:]}"
-    report: dict[str, object] = json.loads(lines[0])
-    assert proc.returncode == (1 if report["violations"] else 0)
+    extra = [] if plant is None else ["--plant", plant]
+    report, _ = run_chaos(home, procs, f"chaos-{plant}", faults, seed, duration, *extra)
     return report
 
 
@@ -86,10 +77,10 @@ def test_each_plant_is_caught_naming_its_invariant(plant: str, workspace_root: P
     assert report["plants"] == [plant]
     by_kind = report["faults_by_kind"]
     for kind in deciding:  # the deciding fault was injected and landed in its window
-        assert by_kind.get(kind, {}).get("hit", 0) >= 1, (kind, by_kind)  # type: ignore[attr-defined]
+        assert by_kind.get(kind, {}).get("hit", 0) >= 1, (kind, by_kind)
     if plant == "export_digest_partial":
-        assert report["counts"]["exports_verified"] >= 1  # type: ignore[index]
-    found = {v["invariant"] for v in report["violations"]}  # type: ignore[attr-defined]
+        assert report["counts"]["exports_verified"] >= 1
+    found = {v["invariant"] for v in report["violations"]}
     assert found & caught_by, (plant, report["violations"], by_kind)
 
 
@@ -100,7 +91,7 @@ def test_the_same_run_without_a_plant_is_clean(workspace_root: Path, procs: Proc
     assert report["violations"] == [], report["violations"]
     # 10 s reaches the coverage bound of these kinds: each was injected (else the
     # run reports faults_reached), and the deciding ones landed in their windows
-    assert report["duration_s"] >= report["coverage_s"]  # type: ignore[operator]
+    assert report["duration_s"] >= report["coverage_s"]
     by_kind = report["faults_by_kind"]
-    assert all(by_kind[k]["hit"] >= 1  # type: ignore[index]
+    assert all(by_kind[k]["hit"] >= 1
                for k in ("crash_publish", "crash_tool_running", "crash_final_answer")), by_kind

@@ -16,14 +16,13 @@ short: 2 supervisors, 2 sessions on 2 workers, a 6-8 s fault phase at a 1 s gap.
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import PYTHON, Procs
+from tests.chaos.plantrun import run_chaos
+from tests.helpers import Procs
 
 PLANT_SEED = 15
 CLEAN_SEED = 16
@@ -32,16 +31,8 @@ CLEAN_KINDS = "supervisor_stop,supervisor_kill,broker_kill_one"
 
 def chaos(home: Path, procs: Procs, url: str, faults: str, seed: int, duration: str,
           *extra: str) -> dict[str, Any]:
-    args = [PYTHON, "-m", "supervisor.cli", "chaos", "--seed", str(seed), "--duration",
-            duration, "--fault-gap", "1", "--faults", faults, "--sessions", "2",
-            "--workers", "2", "--supervisors", "2", "--store-url", url, "--json",
-            "--home", str(home), *extra]
-    proc = procs.spawn(args, name=f"chaos-{seed}", stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=170)
-    lines = out.decode().strip().splitlines()
-    assert lines, f"no report; log:\n{procs.log(proc)[-3000:]}"
-    report: dict[str, Any] = json.loads(lines[0])
-    assert proc.returncode == (1 if report["violations"] else 0)
+    report, proc = run_chaos(home, procs, f"chaos-{seed}", faults, seed, duration,
+                             "--supervisors", "2", "--store-url", url, *extra)
     assert report["farm"]["store"] == "postgresql"
     # every supervisor stopped by itself at the end (its lease task was once never
     # cancelled: each was SIGKILLed by the farm after its 10 s shutdown timeout)

@@ -11,9 +11,9 @@ from supervisor.engine import SessionManager
 def test_exported_members() -> None:
     assert sorted(engine.__all__) == sorted([
         "BadOp", "EngineConfig", "EngineError", "EngineNotRunning", "HookEvent", "HookFailed",
-        "HookInput", "HookResult", "IllegalTransition", "Middleware", "ModelCallFailed",
-        "SessionClosed", "SessionManager", "SessionSpec", "StoreFailed", "SubscriberDropped",
-        "TurnError", "TurnLimitExceeded", "UnknownSession", "UsageObserverFailed"])
+        "HookInput", "HookResult", "IllegalTransition", "Middleware", "SessionClosed",
+        "SessionManager", "SessionSpec", "StoreFailed", "SubscriberDropped", "TurnError",
+        "TurnLimitExceeded", "UnknownSession", "UsageObserverFailed"])
     for name in engine.__all__:
         assert getattr(engine, name) is not None
 

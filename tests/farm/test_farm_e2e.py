@@ -13,7 +13,6 @@ import pytest
 
 from supervisor.client import SupervisorClient
 from tests.farm.midturn import SLOW_TOOL_SCRIPT, kill_supervisor_mid_turn
-from tests.farm.midturn import has_event as _has  # noqa: F401 (test_pg_supervisors uses it)
 
 pytestmark = pytest.mark.timeout(180)
 

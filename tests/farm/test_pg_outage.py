@@ -28,7 +28,7 @@ import pytest
 from supervisor.client import SupervisorClient
 from supervisor.devtools.pgserver import PgServer
 from tests.conftest import running_pg
-from tests.farm.test_farm_e2e import _has
+from tests.farm.midturn import has_event as _has
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.timeout(240)

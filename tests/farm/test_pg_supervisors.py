@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.client import SupervisorClient, SupervisorError
+from supervisor.client import SupervisorClient
 from tests.farm.conftest import write_home
-from tests.farm.test_farm_e2e import _has
+from tests.farm.midturn import collecting, has_event, signal_in_tool_call, turn_ended
 from tests.helpers import Procs, eventually, read_ready
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,35 +59,16 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                 SupervisorClient(farm.endpoint, follow_redirects=False) as a_only, \
                 SupervisorClient(f"ipc://{tmp_path}/b.sock") as b:
             sid = await a.create_session(workspace=str(ws))
-            seen_a: list[dict[str, Any]] = []
             sub = await a.submit(sid, {"type": "user_input", "text": "go"})
-
-            a_ended: list[str] = []
-
-            async def collect(client: SupervisorClient, into: list[dict[str, Any]]) -> None:
-                try:
-                    async for e in client.events(sid):
-                        into.append(e)
-                except SupervisorError as exc:  # A gave the session up: told, not left
-                    a_ended.append(exc.kind)
-
-            ta = asyncio.create_task(collect(a_only, seen_a))
+            a_ended: list[str] = []  # A gave the session up: its subscriber told, not left
             # A client of B follows the session: redirected to A, its owner, then (A
             # frozen) back to B, which names no one until the lease lapsed, then owns it.
-            seen_via_b: list[dict[str, Any]] = []
-
-            async def follow() -> None:
-                async for e in b.events(sid):
-                    seen_via_b.append(e)
-
-            tb = asyncio.create_task(follow())
-            try:
-                await eventually(lambda: _has(seen_a, "tool_call_begin"), timeout_s=30,
-                                 what="the tool call to start on supervisor A")
-                await eventually(lambda: _has(seen_via_b, "tool_call_begin"), timeout_s=30,
-                                 what="B's client to see the call, through A")
-                stopped = farm.pid("supervisor")
-                os.kill(stopped, signal.SIGSTOP)
+            async with collecting(a_only, sid, ended=a_ended) as seen_a, \
+                    collecting(b, sid) as seen_via_b:
+                await eventually(lambda: has_event(seen_via_b, "tool_call_begin"),
+                                 timeout_s=30, what="B's client to see the call, through A")
+                stopped = await signal_in_tool_call(
+                    farm, seen_a, signal.SIGSTOP, "the tool call to start on supervisor A")
                 paused_at = time.monotonic()
                 seen_a_at_stop = len(seen_a)
 
@@ -106,10 +87,10 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                 assert 0 <= owners["sv-b"]["renewed_s_ago"] <= LEASE_S, status
 
                 async def ended() -> bool:
-                    return await _has_end((await b.history(sid))["events"], sub)
+                    return await turn_ended((await b.history(sid))["events"], sub)
 
                 await eventually(ended, timeout_s=60, what="the turn to end on supervisor B")
-                await eventually(lambda: _has_end(seen_via_b, sub), timeout_s=30,
+                await eventually(lambda: turn_ended(seen_via_b, sub), timeout_s=30,
                                  what="B's client to see the turn end (owner changed)")
                 os.kill(stopped, signal.SIGCONT)
                 stopped = None
@@ -124,9 +105,6 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
                                  what="A's subscription to end once A gave the session up")
                 assert a_ended[0] in ("moved", "unknown_session", "closed"), a_ended
                 history = await b.history(sid)
-            finally:
-                ta.cancel()
-                tb.cancel()
         assert takeover_s <= LEASE_S + MARGIN_S + 1.0, takeover_s
         events = history["events"]
         assert [e["sequence"] for e in events] == list(range(1, len(events) + 1))
@@ -153,11 +131,6 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         pg_server.drop_database(url)
-
-
-async def _has_end(seen: list[dict[str, Any]], sub: str) -> bool:
-    return any(e.get("submission_id") == sub and e["type"] in ("turn_complete", "turn_aborted")
-               for e in seen)
 
 
 async def _says(path: Path, text: str) -> bool:

@@ -17,7 +17,8 @@ from tests.sdk.farms import PROBE_SCRIPT, running_farm
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def farm() -> AsyncIterator[EmbeddedFarm]:
-    async with running_farm(script=PROBE_SCRIPT, workers=1) as f:
+    # INFO: test_sdk_turns reads the supervisor's log for a client it dropped
+    async with running_farm(script=PROBE_SCRIPT, workers=1, log_level="INFO") as f:
         yield f
 
 

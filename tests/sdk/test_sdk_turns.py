@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,25 @@ from supervisor.sdk import (
     import_checkpoint,
     tool,
 )
-from tests.helpers import searchable_dir
+from tests.helpers import searchable_dir, wait_until
 from tests.sdk.farms import running_farm
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 INTERRUPT_BOUND_S = 5.0  # interrupt sent -> turn_aborted seen by the program
+DROP_DEADLINE_S = 15.0  # a frozen program (1 s liveness) dropped by the supervisor
 
 
 async def collect(stream: Any) -> list[Event]:
     return [e async for e in stream]
+
+
+def dropped_holder(log: Path, session_id: str) -> bool:
+    """The supervisor's log (INFO) names the client holding ``session_id``'s tools
+    (its last registration), then that client dropped as silent."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    sid = re.escape(session_id)
+    held = re.findall(rf"client ([0-9a-f]+) holds \d+ tool\(s\).* of session {sid}\n", text)
+    return bool(held) and f"client {held[-1]} silent;" in text
 
 
 @module_loop
@@ -393,9 +404,12 @@ async def test_a_program_dropped_while_frozen_holds_its_tools_again(
     async with farm.connect(liveness_s=1.0) as corral:
         session = await corral.create_session(SessionOptions(
             workspace=workspace, approval="allow", client_wait_s=0.5), tools=[probe])
-        # The program freezes (its loop blocked) past its 1 s liveness window:
-        # the supervisor drops it. This blocking sleep is the fault, not a wait.
-        time.sleep(2.0)  # noqa: ASYNC251
+        # The program freezes (its loop blocked, this wait the fault) past its 1 s
+        # liveness window until the supervisor's log says it dropped this program,
+        # the holder of the session's tool: no longer, and never past the deadline.
+        wait_until(lambda: dropped_holder(farm.home / "logs" / "supervisor.log", session.id),
+                   timeout_s=DROP_DEADLINE_S, interval_s=0.05,
+                   what="the supervisor to drop the frozen program")
         events = await collect(session.run("go", timeout_s=30))
     end = next(e for e in events if isinstance(e, ToolCallEnd))
     assert (end.state, end.output) == ("ok", "still here 1")

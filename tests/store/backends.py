@@ -13,9 +13,23 @@ import pytest
 
 from supervisor.store import SessionStore, Store
 from supervisor.store.pg.store import PgStore
+from tests.helpers import eventually
 
 TABLES = ("executions", "events", "context_rewrites", "transcript_batches",
           "checkpoint_state", "sessions", "leases", "supervisors")
+
+
+async def supervisor_waits_on_lock(db: psycopg.AsyncConnection[Any], what: str) -> None:
+    """Until exactly one of the store's connections (application_name
+    ``corral-supervisor``) waits on a lock, as ``db`` (another connection) sees it."""
+
+    async def waiting() -> bool:
+        cur = await db.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
+            " 'Lock' AND application_name = 'corral-supervisor'")
+        row = await cur.fetchone()
+        return row is not None and row[0] == 1
+    await eventually(waiting, timeout_s=10, what=what)
 
 
 def empty_pg(url: str) -> None:
@@ -77,3 +91,13 @@ def row_count(store: SessionStore, table: str) -> int:
     with psycopg.connect(store.url) as conn:
         row = conn.execute(f"SELECT count(*) FROM {table}".encode()).fetchone()
         return int(row[0]) if row else 0
+
+
+def rows(store: SessionStore, query: str) -> list[tuple[Any, ...]]:
+    """The rows of a query (a test's own constant) read outside the store."""
+    if isinstance(store, Store):
+        with closing(sqlite3.connect(store.path)) as raw:
+            return [tuple(r) for r in raw.execute(query).fetchall()]
+    assert isinstance(store, PgStore)
+    with psycopg.connect(store.url) as conn:
+        return [tuple(r) for r in conn.execute(query.encode()).fetchall()]

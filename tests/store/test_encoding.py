@@ -9,7 +9,6 @@ a document that holds one. Property-tested with Hypothesis.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -18,8 +17,8 @@ from hypothesis import strategies as st
 from sandbox_worker.api import STORE_ITEM_BYTES, STORE_PAYLOAD_BYTES
 from supervisor.export import verify
 from supervisor.export.canonical import canonical_bytes, digest
-from supervisor.store import Store
-from supervisor.store.codec import Limits, decode, encode
+from supervisor.store import SessionStore
+from supervisor.store.codec import Limits, decode, encode, text_column
 from supervisor.store.errors import InvalidRequest
 from supervisor.store.records import (
     CheckpointState,
@@ -31,6 +30,7 @@ from supervisor.store.records import (
     TranscriptBatch,
     TurnId,
 )
+from tests.store.backends import rows
 
 # No high surrogate directly before a low one: two such code points read back
 # as the one character they encode (documented), which equality would trip on.
@@ -75,32 +75,41 @@ def test_canonical_bytes_never_raise_and_verify_reports_instead(value: object) -
 
 
 @pytest.mark.timeout(60)
-async def test_a_step_full_of_lone_surrogates_commits_and_loads(tmp_path: Path) -> None:
-    store = await Store.open(tmp_path / "s.db")
+async def test_a_step_full_of_lone_surrogates_commits_and_loads(store: SessionStore) -> None:
+    # Both stores: PostgreSQL's driver refused a lone surrogate in a session's route
+    # (UnicodeEncodeError from create_session) before the plain columns shared
+    # codec.text_column with SQLite.
     sid = SessionId("sess_1")
-    try:
-        # A key cannot be made valid without changing it: a typed refusal.
-        bad = SessionId("sess_\udcff")
-        with pytest.raises(InvalidRequest, match="lone surrogate"):
-            await store.create_session(SessionRecord(bad, 0.0, {}))
-        with pytest.raises(InvalidRequest, match="lone surrogate"):
-            await store.commit(StepWrite(bad, [EventRecord(bad, 1, "x", {})]))
-        await store.create_session(
-            SessionRecord(sid, 0.0, {"workspace": "/tmp/w\udcff", "route": "r\ud800"}),
-            StepWrite(sid, [EventRecord(sid, 1, "session_configured", {"a": "\ud800"})],
-                      state=CheckpointState(next_event_sequence=2)))
-        item = {"type": "message", "role": "user",
-                "content": [{"type": "input_text", "text": "x\ud800y\udfff"}]}
-        await store.commit(StepWrite(
-            sid, [EventRecord(sid, 2, "warning", {"message": "\udcff"})],
-            TranscriptBatch(sid, 1, 0, [item], 0.0),
-            state=CheckpointState(next_event_sequence=3, next_batch_sequence=2),
-            execution=ExecutionRecord(sid, TurnId("t"), "failed", 0, 0, 0, {}, 0.0, 1.0, 1.0,
-                                      "T2", "failed: \ud800")))
-        loaded = await store.load(sid)
-        assert loaded is not None
-        assert loaded.context == [item]
-        events = await store.replay_events(sid)
-        assert [e.payload for e in events] == [{"a": "\ud800"}, {"message": "\udcff"}]
-    finally:
-        await store.close()
+    # A key cannot be made valid without changing it: a typed refusal.
+    bad = SessionId("sess_\udcff")
+    with pytest.raises(InvalidRequest, match="lone surrogate"):
+        await store.create_session(SessionRecord(bad, 0.0, {}))
+    with pytest.raises(InvalidRequest, match="lone surrogate"):
+        await store.commit(StepWrite(bad, [EventRecord(bad, 1, "x", {})]))
+    config = {"workspace": "/tmp/w\udcff", "route": "r\ud800\x00", "tenant": "t\x00"}
+    await store.create_session(
+        SessionRecord(sid, 0.0, config),
+        StepWrite(sid, [EventRecord(sid, 1, "session_configured", {"a": "\ud800"})],
+                  state=CheckpointState(next_event_sequence=2)))
+    item = {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "x\ud800y\udfff"}]}
+    await store.commit(StepWrite(
+        sid, [EventRecord(sid, 2, "warning", {"message": "\udcff"})],
+        TranscriptBatch(sid, 1, 0, [item], 0.0),
+        state=CheckpointState(next_event_sequence=3, next_batch_sequence=2),
+        execution=ExecutionRecord(sid, TurnId("t"), "failed", 0, 0, 0, {}, 0.0, 1.0, 1.0,
+                                  "T2\x00", "failed: \ud800\x00")))
+    loaded = await store.load(sid)
+    assert loaded is not None
+    assert loaded.context == [item]
+    events = await store.replay_events(sid)
+    assert [e.payload for e in events] == [{"a": "\ud800"}, {"message": "\udcff"}]
+    record = await store.get_session(sid)
+    assert record is not None
+    assert record.config == config  # the JSON keeps it exactly
+    (execution,) = (await store.executions_page(sid)).items
+    assert (execution.sandbox_tier, execution.reason) == ("T2\ufffd", "failed: \ufffd\ufffd")
+    columns = rows(store, "SELECT workspace, route, tenant FROM sessions")
+    assert columns == [("/tmp/w\ufffd", "r\ufffd\ufffd", "t\ufffd")]
+    assert text_column(None) is None
+    assert text_column(3) is None

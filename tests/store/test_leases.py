@@ -20,7 +20,7 @@ import pytest
 from supervisor.store import CheckpointState, LeaseLost, SessionId
 from supervisor.store.pg.store import PgStore
 from tests.helpers import eventually
-from tests.store.backends import empty_pg
+from tests.store.backends import empty_pg, supervisor_waits_on_lock
 from tests.store.steps import Session, new_record, tool_round
 
 pytestmark = pytest.mark.timeout(90)
@@ -200,14 +200,7 @@ async def test_renewals_and_claims_do_not_wait_behind_the_writer(pg_database: st
             # by design, for a write in flight that holds its session's lease FOR SHARE)
             await db.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
             stuck = asyncio.create_task(a.commit(s.step(tool_round(1))))
-
-            async def waiting() -> bool:
-                cur = await db.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
-                    " 'Lock' AND application_name = 'corral-supervisor'")
-                row = await cur.fetchone()
-                return row is not None and row[0] == 1
-            await eventually(waiting, timeout_s=10, what="the writer to wait on the lock")
+            await supervisor_waits_on_lock(db, "the writer to wait on the lock")
             async with asyncio.timeout(5):
                 assert await a.renew() == []
                 assert await a.claim(10) == []

@@ -16,8 +16,7 @@ import pytest
 from supervisor.store import LeaseLost, SequenceConflict, SessionId
 from supervisor.store.pg import onestep
 from supervisor.store.pg.store import PgStore
-from tests.helpers import eventually
-from tests.store.backends import empty_pg
+from tests.store.backends import empty_pg, supervisor_waits_on_lock
 from tests.store.steps import Session, execution, new_record, tool_round
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,14 +79,7 @@ async def test_the_one_statement_checks_the_fence_itself(pg_database: str) -> No
             async with db.transaction():
                 await db.execute("SELECT 1 FROM leases FOR UPDATE")  # hold a's group
                 commit = asyncio.create_task(a.commit(late))
-
-                async def waiting() -> bool:  # a's statement waits on the row lock
-                    cur = await db.execute(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
-                        " 'Lock' AND application_name = 'corral-supervisor'")
-                    row = await cur.fetchone()
-                    return row is not None and row[0] == 1
-                await eventually(waiting, timeout_s=10, what="a's step to wait on the lease")
+                await supervisor_waits_on_lock(db, "a's step to wait on the lease")
                 assert not commit.done()
             await asyncio.wait_for(commit, 10)
             cur = await db.execute("SELECT count(*) FROM events")
@@ -141,14 +133,7 @@ async def test_a_concurrent_writers_row_reruns_the_group_the_slow_way(
                 (ev.sequence, ev.type, '{"n":1}'))
             reruns = onestep.COUNTS["groups_rerun"]
             commit = asyncio.create_task(store.commit(step))
-
-            async def waiting() -> bool:
-                cur = await db.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type ="
-                    " 'Lock' AND application_name = 'corral-supervisor'")
-                row = await cur.fetchone()
-                return row is not None and row[0] == 1
-            await eventually(waiting, timeout_s=10, what="the step to wait on the key")
+            await supervisor_waits_on_lock(db, "the step to wait on the key")
             await db.commit()
         await asyncio.wait_for(commit, 10)
         assert onestep.COUNTS["groups_rerun"] == reruns + 1

@@ -40,7 +40,7 @@ from typing import Any
 from supervisor.store.pg import leases
 from supervisor.store.pg.schema import Conn
 from supervisor.store.schema import KEY_LIMIT
-from supervisor.store.writer import PreparedStep
+from supervisor.store.writer import PreparedStep, upsert_execution
 
 NOW = leases.NOW
 # Steps of this process written in one statement, and those that went the slow way
@@ -89,20 +89,11 @@ _STATE = (
     " WHERE checkpoint_state.next_event_sequence <= excluded.next_event_sequence"
     " AND checkpoint_state.next_batch_sequence <= excluded.next_batch_sequence RETURNING 1)"
 )
-_EXECUTION = (
-    ", x AS (INSERT INTO executions (sid, turn_id, outcome, model_calls, tool_calls,"
-    " failed_tool_calls, usage, started_at, ended_at, elapsed_s, sandbox_tier, reason)"
-    " SELECT ok.sid, %(x_turn)s::text, %(x_outcome)s::text, %(x_model)s::bigint,"
+_EXECUTION = ", x AS (" + upsert_execution(
+    "SELECT ok.sid, %(x_turn)s::text, %(x_outcome)s::text, %(x_model)s::bigint,"
     " %(x_tools)s::bigint, %(x_failed)s::bigint, %(x_usage)s::text, %(x_start)s::float8,"
     " %(x_end)s::float8, %(x_elapsed)s::float8, %(x_tier)s::text, %(x_reason)s::text FROM ok"
-    " ON CONFLICT (sid, turn_id) DO UPDATE SET outcome = excluded.outcome,"
-    " model_calls = excluded.model_calls, tool_calls = excluded.tool_calls,"
-    " failed_tool_calls = excluded.failed_tool_calls, usage = excluded.usage,"
-    " started_at = excluded.started_at, ended_at = excluded.ended_at,"
-    " elapsed_s = excluded.elapsed_s, sandbox_tier = excluded.sandbox_tier,"
-    " reason = excluded.reason"
-    " WHERE executions.outcome = 'running' OR excluded.outcome != 'running' RETURNING 1)"
-)
+) + " RETURNING 1)"
 _QUERIES: dict[tuple[bool, ...], bytes] = {}
 
 
@@ -138,11 +129,6 @@ def _query(fenced: bool, events: bool, batch: bool, state: bool, execution: bool
     return query
 
 
-def _text(value: str | None) -> str | None:
-    # PostgreSQL TEXT cannot hold NUL; plain (non-key) columns get U+FFFD for it.
-    return value.replace("\x00", "\ufffd") if value is not None else None
-
-
 def params(p: PreparedStep, fence: tuple[str, int] | None,
            now: float) -> dict[str, Any] | None:
     """The statement's parameters, or None when the step is not of the ordinary shape
@@ -175,8 +161,8 @@ def params(p: PreparedStep, fence: tuple[str, int] | None,
     if p.execution is not None:
         x = p.execution
         (out["x_turn"], out["x_outcome"], out["x_model"], out["x_tools"], out["x_failed"],
-         out["x_usage"], out["x_start"], out["x_end"], out["x_elapsed"]) = x[:9]
-        out["x_tier"], out["x_reason"] = _text(x[9]), _text(x[10])
+         out["x_usage"], out["x_start"], out["x_end"], out["x_elapsed"], out["x_tier"],
+         out["x_reason"]) = x
     return out
 
 

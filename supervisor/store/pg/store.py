@@ -46,7 +46,7 @@ from supervisor.store.errors import (
     StoreError,
     StoreUnavailable,
 )
-from supervisor.store.group import GroupCommitter
+from supervisor.store.group import GroupCommitter, GroupCounts
 from supervisor.store.pg import leases, reader, schema, writer
 from supervisor.store.pg.errors import translate
 from supervisor.store.pg.onestep import StepOp
@@ -134,7 +134,7 @@ class _Link:
             self.conn = None
 
 
-class PgStore:
+class PgStore(GroupCounts):
     """The durable session store on PostgreSQL. Create with ``await PgStore.open(url)``."""
 
     def __init__(self, url: str, writer_link: _Link, reader_link: _Link, *, limits: Limits,
@@ -206,14 +206,6 @@ class PgStore:
     @property
     def where(self) -> str:
         return self._shown
-
-    @property
-    def groups_committed(self) -> int:
-        return self._group.groups_committed
-
-    @property
-    def ops_committed(self) -> int:
-        return self._group.ops_committed
 
     async def close(self) -> None:
         """Commit what is pending, stop the writer task, close both connections."""

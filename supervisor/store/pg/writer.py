@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerr
 
-from supervisor.store.codec import Limits, encode, encode_items
+from supervisor.store.codec import Limits, encode, encode_items, text_column
 from supervisor.store.errors import (
     InvalidRequest,
     SequenceConflict,
@@ -47,15 +47,11 @@ from supervisor.store.records import (
     SessionId,
     SessionRecord,
 )
-from supervisor.store.writer import PreparedStep
+from supervisor.store.writer import PreparedStep, upsert_execution
 
 PgOp = Callable[[Conn], Awaitable[Any]]
 _OP_TRIES = 3
-
-
-def _text(value: str | None) -> str | None:
-    # PostgreSQL TEXT cannot hold NUL; plain (non-key) columns get U+FFFD for it.
-    return value.replace("\x00", "\ufffd") if value is not None else None
+_UPSERT_EXECUTION = upsert_execution("VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)")
 
 
 async def require_sid(conn: Conn, session_id: str) -> int:
@@ -141,20 +137,7 @@ async def apply_step(conn: Conn, p: PreparedStep,
         await _apply_state(conn, sid, p.session_id, p.state, stored, last_event, last_batch,
                            now)
     if p.execution is not None:
-        x = p.execution
-        await conn.execute(
-            "INSERT INTO executions (sid, turn_id, outcome, model_calls, tool_calls,"
-            " failed_tool_calls, usage, started_at, ended_at, elapsed_s, sandbox_tier, reason)"
-            " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
-            " ON CONFLICT (sid, turn_id) DO UPDATE SET outcome = excluded.outcome,"
-            " model_calls = excluded.model_calls, tool_calls = excluded.tool_calls,"
-            " failed_tool_calls = excluded.failed_tool_calls, usage = excluded.usage,"
-            " started_at = excluded.started_at, ended_at = excluded.ended_at,"
-            " elapsed_s = excluded.elapsed_s, sandbox_tier = excluded.sandbox_tier,"
-            " reason = excluded.reason"
-            " WHERE executions.outcome = 'running' OR excluded.outcome != 'running'",
-            (sid, *x[:9], _text(x[9]), _text(x[10])),
-        )
+        await conn.execute(_UPSERT_EXECUTION, (sid, *p.execution))
 
 
 async def _apply_rewrite(conn: Conn, sid: int, session_id: str,
@@ -218,8 +201,7 @@ async def create_session(conn: Conn, record: SessionRecord, config: str,
     else:
         cfg = record.config if isinstance(record.config, dict) else {}
         route, workspace, tenant = (
-            _text(v) if isinstance(v, str) else None
-            for v in (cfg.get("route"), cfg.get("workspace"), cfg.get("tenant"))
+            text_column(v) for v in (cfg.get("route"), cfg.get("workspace"), cfg.get("tenant"))
         )
         row = await one(
             conn, "INSERT INTO sessions (session_id, created_at, config, route, workspace,"
