@@ -60,6 +60,33 @@ def test_redact_hides_every_password_form() -> None:
     assert redact(DEAD_URL) == "postgresql://corral:***@127.0.0.1:1/corral"
     assert SECRET not in redact(f"postgresql://u@h/d?password={SECRET}&sslmode=require")
     assert redact("postgresql://u@h:5/d") == "postgresql://u@h:5/d"
+    assert redact("postgresql://u:p%40ss@h/d?pass%77ord=x&sslpassword=y&a=b") \
+        == "postgresql://u:***@h/d?pass%77ord=***&sslpassword=***&a=b"
+
+
+# Texts a user may put in [store] url by mistake, each holding SECRET (or a piece of
+# it) where a naive URL parser does not look for a password: a libpq keyword string,
+# no scheme, one slash, and passwords with an unencoded '/', '#', '?' or '@'.
+MISTAKES = [
+    f"host=127.0.0.1 port=1 password={SECRET} dbname=corral",
+    f"corral:{SECRET}@127.0.0.1:1/corral",
+    f"postgresql:/corral:{SECRET}@127.0.0.1:1/corral",
+    "postgresql://corral:s3c/r3t-pw@127.0.0.1:1/corral",
+    "postgresql://corral:s3c#r3t-pw@127.0.0.1:1/corral",
+    "postgresql://corral:s3c?r3t-pw@127.0.0.1:1/corral",
+    "postgresql://corral:s3c@x/r3t-pw@127.0.0.1:1/corral",
+    "postgresql://corral/s3cr3t-pw@127.0.0.1:1/corral",
+    "postgresql://corral:s3cr3t-pw@[::1/corral",
+]
+
+
+@pytest.mark.parametrize("url", MISTAKES)
+def test_a_mistyped_store_url_never_shows_its_password(tmp_path: Path, url: str) -> None:
+    assert "r3t-pw" not in redact(url)
+    _write_config(tmp_path, f"[store]\nurl = '{url}'\n")
+    with pytest.raises(config_mod.ConfigError) as info:
+        config_mod.load(tmp_path)
+    assert "r3t-pw" not in str(info.value), info.value
 
 
 @pytest.mark.timeout(30)
@@ -84,6 +111,25 @@ def test_a_supervisor_with_an_unreachable_store_exits_with_that_error(tmp_path: 
     assert "cannot connect to PostgreSQL at postgresql://corral:***@127.0.0.1:1/corral" \
         in out.stderr
     assert SECRET not in out.stderr + out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("url", [MISTAKES[0], MISTAKES[3], MISTAKES[6]])
+def test_corral_up_with_a_mistyped_store_url_shows_no_password(tmp_path: Path,
+                                                               url: str) -> None:
+    """The real CLI: ``corral up`` refuses the farm with the config error, and neither its
+    output nor any file it wrote holds the password."""
+    home = tmp_path / "home"
+    _write_config(home, f"[store]\nurl = '{url}'\n")
+    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "up", "--home", str(home),
+                          "--detach", "--workers", "0"],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "[store.url]" in out.stderr
+    assert "r3t-pw" not in out.stdout + out.stderr
+    for path in home.rglob("*"):
+        if path.is_file() and path.name != "corral.toml":
+            assert "r3t-pw" not in path.read_text(errors="replace"), path
 
 
 @pytest.mark.timeout(60)

@@ -101,6 +101,8 @@ async def connect(url: str, *, timeout_s: float, what: str,
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reason"
             error = StoreUnavailable(f"{what}: cannot connect to PostgreSQL at {shown}: "
                                      f"{scrub(first, url)}")
+        else:  # libpq's own complaints about the conninfo quote its values
+            error = type(error)(scrub(error.message, url))
         raise error from None
     return conn
 
