@@ -166,6 +166,37 @@ async def test_new_sessions_go_to_the_least_loaded_supervisor(
         assert await loads() == [now[0] + 1, now[1]]
 
 
+async def test_a_session_terminated_on_the_other_supervisor_is_deleted_through_the_first(
+        farm2: Path, workspace_root: Path) -> None:
+    """The CLI talks to supervisor 1; the session lives on supervisor 2. ``corral
+    terminate`` is redirected there; the closed session's lease is then released (not
+    kept, and counted as supervisor 2's load, for as long as it lives), so ``corral
+    delete`` through supervisor 1 takes it and deletes it. Both once failed: the lease
+    stayed supervisor 2's and the delete was refused ("holds no lease on it")."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    sid, _ = await _turn(endpoints[1], make_ws(workspace_root, "t"), placed=True)
+    term = await asyncio.to_thread(corral, farm2, "terminate", sid)
+    assert term.returncode == 0, term.stderr + term.stdout
+
+    async def released() -> bool:
+        listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+        rows = [s for s in json.loads(listed.stdout)["sessions"] if s["session_id"] == sid]
+        return rows[0]["owner"] is None
+
+    await eventually(released, timeout_s=30, interval_s=0.1,
+                     what="the closed session's lease to be released")
+    delete = await asyncio.to_thread(corral, farm2, "delete", "--yes", sid)
+    assert delete.returncode == 0, delete.stderr + delete.stdout
+    listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+    assert sid not in listed.stdout
+    # An active session of supervisor 2 is terminated and deleted in one command.
+    sid2, _ = await _turn(endpoints[1], make_ws(workspace_root, "t2"), placed=True)
+    delete = await asyncio.to_thread(corral, farm2, "delete", "--yes", sid2)
+    assert delete.returncode == 0, delete.stderr + delete.stdout
+    listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+    assert sid2 not in listed.stdout
+
+
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:
     """The module's last use of the farm. Each supervisor ends on SIGTERM: none is
     left to the farm's stop timeout and SIGKILL (a lease keeper once kept a

@@ -16,7 +16,8 @@ Invariants:
   a write is either committed before the new owner's epoch exists, or refused. It
   refuses (``LeaseLost``) unless owner, epoch AND expiry match: a supervisor paused
   past its lease has every later write refused even before anyone took over.
-- ``renew`` extends only live leases of this owner; a lapsed one must be acquired again
+- ``renew`` extends only live leases of this owner on the sessions its process holds
+  (never one it released or gave up); a lapsed one must be acquired again
   (new epoch), so a paused supervisor can never silently continue.
 - ``reacquire`` takes a lapsed lease back only if the row still names this owner AND
   the epoch it held: every acquisition by anyone bumps the epoch, so an unchanged epoch
@@ -66,11 +67,14 @@ async def acquire(conn: Conn, sid: int, owner: str, lease_s: float) -> int | Non
     return int(row[0]) if row is not None else None
 
 
-async def renew(conn: Conn, owner: str, lease_s: float) -> dict[int, int]:
-    """Extend every live lease of ``owner``: {sid: epoch} of those still held."""
+async def renew(conn: Conn, owner: str, lease_s: float, sids: list[int]) -> dict[int, int]:
+    """Extend the live leases of ``owner`` on ``sids`` (the sessions its process holds:
+    never one it gave up or released, which would otherwise stay its load and out of
+    other supervisors' reach forever): {sid: epoch} of those still held."""
     rows = await all_rows(
         conn, f"UPDATE leases SET expires_at = {NOW} + %s WHERE owner = %s"
-        f" AND expires_at > {NOW} RETURNING sid, epoch", (lease_s, owner))
+        f" AND sid = ANY(%s::bigint[]) AND expires_at > {NOW} RETURNING sid, epoch",
+        (lease_s, owner, sids))
     return {int(r[0]): int(r[1]) for r in rows}
 
 
