@@ -387,10 +387,11 @@ def cmd_show(ns: Namespace) -> int:
 
 async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
     """Shut the session down through the running farm; wait until it is closed."""
+    from supervisor.cli.reach import live_endpoint
     from supervisor.client import SupervisorClient, SupervisorError
     from supervisor.farm.layout import FarmPaths
 
-    async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
+    async with SupervisorClient(await live_endpoint(home)) as sv:
         described = await sv.describe(session_id)
         if described.get("status") == "closed":
             return "already terminated"
@@ -471,11 +472,11 @@ def cmd_terminate(ns: Namespace) -> int:
 
 
 async def _delete_via_farm(home: Path, session_id: str) -> str:
+    from supervisor.cli.reach import live_endpoint
     from supervisor.client import SupervisorClient
-    from supervisor.farm.layout import FarmPaths
 
     await _terminate(home, session_id)
-    async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
+    async with SupervisorClient(await live_endpoint(home)) as sv:
         await sv.call("delete_session", session_id=session_id)
     return "deleted"
 

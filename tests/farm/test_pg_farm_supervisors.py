@@ -197,6 +197,46 @@ async def test_a_session_terminated_on_the_other_supervisor_is_deleted_through_t
     assert sid2 not in listed.stdout
 
 
+async def test_status_and_run_go_on_through_supervisor_2_while_supervisor_1_is_stopped(
+        farm2: Path, workspace_root: Path) -> None:
+    """SIGSTOP supervisor 1 (the CLI's first choice): ``corral status`` (text and JSON)
+    and ``corral run`` are served by supervisor 2 (they once waited 15 s and failed:
+    "no answer from the supervisor ... is the farm up?"), and status lists supervisor 1,
+    holding no session any more, as silent (a supervisor without live leases was not
+    listed at all)."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    async with SupervisorClient(endpoints[0]) as one, SupervisorClient(endpoints[1]) as two:
+        id1 = (await one.status())["supervisors"]["self"]
+        id2 = (await two.status())["supervisors"]["self"]
+    stopped = _pid(farm2, "supervisor")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        async def silent() -> dict[str, Any] | None:
+            st = await asyncio.to_thread(corral, farm2, "status", "--json")
+            assert st.returncode == 0, st.stderr
+            sups = json.loads(st.stdout)["supervisor"]["supervisors"]
+            owners = {o["id"]: o for o in sups["owners"]}
+            one = owners.get(id1)
+            return sups if one and one["silent"] and one["sessions"] == 0 else None
+
+        sups = await eventually(silent, timeout_s=60, interval_s=0.5,
+                                what="supervisor 1 to be listed silent, holding nothing")
+        assert sups["self"] == id2, sups
+        assert {o["id"] for o in sups["owners"]} >= {id1, id2}, sups
+        text = await asyncio.to_thread(corral, farm2, "status")
+        assert text.returncode == 0, text.stderr
+        assert f"{id1} at {endpoints[0]}: 0 sessions; SILENT: not heard for" in text.stdout, \
+            text.stdout
+        assert f"{id2} (this one)" in text.stdout, text.stdout
+        assert "asking supervisor 2" in text.stderr, text.stderr
+        run = await asyncio.to_thread(corral, farm2, "run", "--json", "--workspace",
+                                      str(make_ws(workspace_root, "stopped1")), "go")
+        assert run.returncode == 0, run.stderr + run.stdout
+        assert events_of(run.stdout)[-1]["type"] == "turn_complete"
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+
+
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:
     """The module's last use of the farm. Each supervisor ends on SIGTERM: none is
     left to the farm's stop timeout and SIGKILL (a lease keeper once kept a

@@ -27,6 +27,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 from broker import plants
 from supervisor.store.errors import LeaseLost
 from supervisor.store.pg.reader import all_rows, one
@@ -140,6 +142,21 @@ async def owners(conn: Conn) -> list[tuple[str, int, float]]:
         conn, f"SELECT owner, count(*), min(expires_at - {NOW}) FROM leases"
         f" WHERE owner IS NOT NULL AND expires_at > {NOW} GROUP BY owner ORDER BY owner")
     return [(str(r[0]), int(r[1]), float(r[2])) for r in rows]
+
+
+async def roster(conn: Conn, window_s: float) -> list[tuple[Any, ...]]:
+    """Every supervisor heard within ``window_s`` or holding live leases: (id, address,
+    host, pid, seconds since its heartbeat, sessions under its live leases, seconds left
+    on its soonest-expiring lease or None), by id. A supervisor holding no session is
+    listed too, and one that went silent stays listed (its heartbeat age says so)."""
+    return await all_rows(
+        conn, "SELECT coalesce(v.supervisor_id, o.owner), v.address, v.host, v.pid,"
+        f" {NOW} - v.heartbeat_at, coalesce(o.n, 0), o.left_s FROM supervisors v"
+        f" FULL JOIN (SELECT owner, count(*) AS n, min(expires_at - {NOW}) AS left_s"
+        f" FROM leases WHERE owner IS NOT NULL AND expires_at > {NOW} GROUP BY owner) o"
+        " ON o.owner = v.supervisor_id"
+        f" WHERE o.owner IS NOT NULL OR v.heartbeat_at > {NOW} - %s ORDER BY 1",
+        (window_s,))
 
 
 async def advertise(conn: Conn, owner: str, address: str, host: str, pid: int) -> None:

@@ -451,6 +451,11 @@ class PgStore:
         """(owner, sessions, seconds left on its soonest-expiring lease) per live owner."""
         return await self._read(leases.owners, "reading the leases")
 
+    async def roster(self, window_s: float) -> list[tuple[Any, ...]]:
+        """The supervisors heard within ``window_s`` or holding leases (``leases.roster``)."""
+        return await self._read(partial(leases.roster, window_s=window_s),
+                                "reading the supervisors")
+
     async def advertise(self, address: str) -> None:
         """Record this supervisor's client address, where others redirect its clients."""
         owner = self._require_owner()
