@@ -237,6 +237,27 @@ async def test_status_and_run_go_on_through_supervisor_2_while_supervisor_1_is_s
         os.kill(stopped, signal.SIGCONT)
 
 
+async def test_import_into_the_running_postgresql_farm(
+        farm2: Path, workspace_root: Path, tmp_path: Path) -> None:
+    """On a shared store the farm need not stop for ``corral import`` (it once refused:
+    "stop the farm first ... the supervisor is the store's only writer", which on
+    PostgreSQL is not so, and a farm of several hosts cannot be stopped for it): the new
+    session is claimed by one of the supervisors, and the next ``corral run`` goes on."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    sid, _ = await _turn(endpoints[0], make_ws(workspace_root, "exp"))
+    out = tmp_path / "cp.json"
+    exp = await asyncio.to_thread(corral, farm2, "export", sid, "--out", str(out))
+    assert exp.returncode == 0, exp.stderr
+    new_id = "sess_imported_into_running_pg"
+    imp = await asyncio.to_thread(corral, farm2, "import", str(out), "--session", new_id,
+                                  "--workspace", str(make_ws(workspace_root, "imp")))
+    assert imp.returncode == 0, imp.stderr + imp.stdout
+    run = await asyncio.to_thread(corral, farm2, "run", "--json", "--session", new_id,
+                                  "go on")
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert events_of(run.stdout)[-1]["type"] == "turn_complete"
+
+
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:
     """The module's last use of the farm. Each supervisor ends on SIGTERM: none is
     left to the farm's stop timeout and SIGKILL (a lease keeper once kept a
