@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated services to serve (default: tool,model)")
     parser.add_argument("--capacity", type=int, default=4,
                         help="requests served at once by this worker (default: 4)")
-    parser.add_argument("--heartbeat-interval-s", type=float, default=0.25)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.25,
+                        help="seconds between heartbeats to each broker (default 0.25)")
     parser.add_argument("--liveness", type=int, default=4,
                         help="missed heartbeats before the broker counts as gone")
     parser.add_argument("--drain-s", type=float, default=5.0,
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--key", type=Path, default=None, metavar="FILE",
                         help="this worker's key pair (NAME.key_secret), on the broker's "
                         "allow-list with role worker")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO",
+                        help="log level on stderr (default INFO)")
     for load, _cls in SERVICE_MODULES.values():
         with contextlib.suppress(ImportError):
             load().add_arguments(parser)

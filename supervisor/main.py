@@ -70,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "host replaced by this host's name)")
     p.add_argument("--route-url", action="append", default=[], metavar="NAME=URL",
                    help="base URL of a scripted route's provider (given by the farm)")
-    p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
-    p.add_argument("--liveness", type=int, default=4)
+    p.add_argument("--heartbeat-interval-s", type=float, default=0.25,
+                   help="seconds between heartbeats to the broker (default 0.25; [farm] "
+                   "heartbeat_interval_s in a farm)")
+    p.add_argument("--liveness", type=int, default=4,
+                   help="missed heartbeats before the broker counts as gone (default 4)")
     p.add_argument("--curve", action="store_true",
                    help="CURVE + ZAP with the farm's keys (HOME/keys, see docs/multihost.md) "
                    "on a tcp:// --listen, and towards a tcp:// --broker")
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(PostgreSQL) before exiting with status 2 (default 0: exit at once; "
                    "the farm gives a restarted supervisor [store] outage_wait_s, at most "
                    "120 s)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO",
+                   help="log level on stderr (default INFO)")
     return p
 
 
