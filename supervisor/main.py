@@ -42,7 +42,7 @@ from supervisor.facade import Facade
 from supervisor.farm.layout import secure_home
 from supervisor.keys import farm_keys
 from supervisor.server import ClientServer
-from supervisor.store import SchemaMismatch, SchemaTooNew, StoreUnavailable
+from supervisor.store import StoreError, StoreUnavailable
 from supervisor.store.opening import open_store
 from supervisor.telemetry import setup as telemetry
 
@@ -192,7 +192,7 @@ async def serve(ns: argparse.Namespace) -> int:
         store = await opening_waited(ns.store_wait_s, functools.partial(
             open_store, db=ns.db or home / "corral.db", url=cfg.store_url, home=home,
             **lease_opts))
-    except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
+    except StoreError as exc:  # unreachable, another schema version, not Corral's, ...
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)

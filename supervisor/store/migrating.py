@@ -50,7 +50,7 @@ async def migrate_pg(url: str, *, timeout_s: float = 30.0) -> Migrated:
     conn = await connect(url, timeout_s=timeout_s, what="migrating the store")
     try:
         async with asyncio.timeout(timeout_s * 10):
-            before, after = await pg_schema.migrate(conn)
+            before, after = await pg_schema.migrate(conn, where=redact(url))
     except psycopg.Error as exc:
         raise translate(exc, "migrating the store", redact(url)) from exc
     finally:

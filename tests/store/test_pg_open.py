@@ -158,3 +158,40 @@ async def test_an_empty_database_gets_the_schema_and_the_home_config_picks_it(
             await again.close()
     finally:
         pg_server.drop_database(url)
+
+
+@pytest.mark.timeout(90)
+def test_a_database_of_another_application_is_refused_clearly(pg_server: Any,
+                                                              tmp_path: Path) -> None:
+    """A database with no Corral schema but a table of one of its names (another
+    application's ``sessions``): ``python -m supervisor`` exits 2 naming the problem and
+    what to do, ``corral store migrate`` exits 1 the same, neither shows the password
+    and the other application's table is left as it was. (The supervisor once died on a
+    Python traceback, exit 1: DuplicateTable.)"""
+    url = pg_server.new_database()
+    name = url.rsplit("/", 1)[-1]
+    pg_server.psql("CREATE TABLE sessions (id int); INSERT INTO sessions VALUES (7)", name)
+    try:
+        home = tmp_path / "home"
+        _write_config(home, f'[store]\nurl = "{url}"\n')
+        out = subprocess.run(
+            [sys.executable, "-m", "supervisor", "--home", str(home), "--broker",
+             f"ipc://{tmp_path}/nobroker.sock", "--listen", f"ipc://{tmp_path}/sv.sock"],
+            capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "holds no Corral schema" in out.stderr
+        assert "(sessions)" in out.stderr
+        assert "CREATE DATABASE" in out.stderr
+        migrate = subprocess.run([sys.executable, "-m", "supervisor.cli", "store", "migrate",
+                                  "--home", str(home)], capture_output=True, text=True,
+                                 timeout=60)
+        assert migrate.returncode == 1, migrate.stderr
+        assert "holds no Corral schema" in migrate.stderr
+        for text in (out.stderr, out.stdout, migrate.stderr, migrate.stdout):
+            assert pg_server.password not in text
+        assert pg_server.psql("SELECT id FROM sessions", name).strip() == "7"
+        assert pg_server.psql("SELECT to_regclass('schema_version') IS NULL", name).strip() \
+            == "t"
+    finally:
+        pg_server.drop_database(url)
