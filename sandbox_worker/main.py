@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from broker import otel
+from broker.endpoints import connect_endpoint
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, KeyFileError
 from broker.slots import SlotPool
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Corral sandbox worker: serves model calls and sandboxed tool calls "
         "for a broker. Prints one JSON ready line on stdout once registered.",
     )
-    parser.add_argument("--broker", required=True, action="append",
+    parser.add_argument("--broker", required=True, action="append", type=connect_endpoint,
                         help="broker backend endpoint, e.g. ipc:///run/corral/backend or "
                         "tcp://10.0.0.1:5556; repeat it to serve several brokers at once "
                         "(the capacity is shared among them: docs/multihost.md)")

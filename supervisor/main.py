@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from broker.endpoints import bind_endpoint, connect_endpoint
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, Guard, KeyFileError
 from broker.taskdump import install_task_dump
@@ -57,14 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", type=Path, required=True,
                    help="the farm's home (corral.toml, corral.db)")
     add_broker_option(p)
-    p.add_argument("--listen", required=True,
+    p.add_argument("--listen", required=True, type=bind_endpoint,
                    help="client endpoint to bind, e.g. ipc://HOME/run/supervisor.sock")
     p.add_argument("--db", type=Path, default=None,
                    help="SQLite store path (default HOME/corral.db; unused with [store] url)")
     p.add_argument("--supervisor-id", default=None,
                    help="this supervisor's id in the leases of a shared PostgreSQL store "
                    "(default: HOSTNAME-HASH_OF_HOME, stable across restarts)")
-    p.add_argument("--advertise", default=None, metavar="ENDPOINT",
+    p.add_argument("--advertise", default=None, metavar="ENDPOINT", type=connect_endpoint,
                    help="the client endpoint other supervisors of a shared store send this "
                    "one's clients to (default: the bound --listen endpoint, with a wildcard "
                    "host replaced by this host's name)")
