@@ -195,3 +195,34 @@ def test_a_database_of_another_application_is_refused_clearly(pg_server: Any,
             == "t"
     finally:
         pg_server.drop_database(url)
+
+
+@pytest.mark.timeout(90)
+def test_a_role_without_the_privilege_is_refused_clearly(pg_server: Any,
+                                                         tmp_path: Path) -> None:
+    """The URL's role may not create tables in the database: the supervisor exits 2 with
+    the URL (password hidden, here percent-encoded in the URL) and what to grant, not a
+    traceback (exit 1, before: only StoreUnavailable and schema errors were caught)."""
+    url = pg_server.new_database()
+    name = url.rsplit("/", 1)[-1]
+    role, password = f"r_{name}", "pw@x/y:z"
+    pg_server.psql(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    pg_server.psql("REVOKE CREATE ON SCHEMA public FROM PUBLIC", name)
+    try:
+        home = tmp_path / "home"
+        weak = url.replace(f"corral:{pg_server.password}@",
+                           f"{role}:{password.replace('@', '%40').replace('/', '%2F')}@")
+        _write_config(home, f'[store]\nurl = "{weak}"\n')
+        out = subprocess.run(
+            [sys.executable, "-m", "supervisor", "--home", str(home), "--broker",
+             f"ipc://{tmp_path}/nobroker.sock", "--listen", f"ipc://{tmp_path}/sv.sock"],
+            capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert f"{role}:***@" in out.stderr
+        assert "lacks a privilege" in out.stderr
+        assert "pw@x" not in out.stderr
+        assert "pw%40x" not in out.stderr
+    finally:
+        pg_server.drop_database(url)
+        pg_server.psql(f"DROP ROLE IF EXISTS {role}")

@@ -194,7 +194,7 @@ class PgStore:
             try:
                 await schema.ensure(writer_conn, where=shown, command=migrate_command)
             except psycopg.Error as exc:
-                raise translate(exc, "checking the store schema", shown) from exc
+                raise translate(exc, f"checking the store schema at {shown}", shown) from exc
             reader_conn = await connect(url, timeout_s=connect_timeout_s,
                                         what="opening the store's reader")
         except BaseException:
