@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 
 from broker import otel, protocol
+from broker.endpoints import bind_endpoint
 from broker.faults import FrameFaults
 from broker.lifeline import watch_parent
 from broker.security import CurveServer, KeyFileError
@@ -34,9 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(frontend) and workers (backend). Prints one JSON readiness line on stdout: "
         '{"event": "ready", "frontend", "backend", "pid", "broker_id"}.',
     )
-    parser.add_argument("--frontend", required=True,
+    parser.add_argument("--frontend", required=True, type=bind_endpoint,
                         help="endpoint for clients, e.g. ipc:///tmp/f.sock or tcp://127.0.0.1:0")
-    parser.add_argument("--backend", required=True, help="endpoint for workers")
+    parser.add_argument("--backend", required=True, type=bind_endpoint,
+                        help="endpoint for workers")
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.25,
                         help="seconds between heartbeats (default 0.25)")
     parser.add_argument("--liveness", type=int, default=4,
@@ -66,10 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "then require CURVE and an allowed client key (ipc:// stays plain)")
     parser.add_argument("--allow-dir", type=Path, default=None, metavar="DIR",
                         help="allow-list of public key files (re-read on change and SIGHUP)")
-    parser.add_argument("--frontend-tcp", default=None, metavar="EP",
+    parser.add_argument("--frontend-tcp", default=None, metavar="EP", type=bind_endpoint,
                         help="also bind this tcp:// endpoint, with CURVE, for clients "
                         "(besides a plain ipc:// --frontend; needs --curve-secret)")
-    parser.add_argument("--backend-tcp", default=None, metavar="EP",
+    parser.add_argument("--backend-tcp", default=None, metavar="EP", type=bind_endpoint,
                         help="also bind this tcp:// endpoint, with CURVE, for workers")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])

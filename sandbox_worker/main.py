@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from broker import otel
+from broker.endpoints import connect_endpoint
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, KeyFileError
 from broker.slots import SlotPool
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Corral sandbox worker: serves model calls and sandboxed tool calls "
         "for a broker. Prints one JSON ready line on stdout once registered.",
     )
-    parser.add_argument("--broker", required=True, action="append",
+    parser.add_argument("--broker", required=True, action="append", type=connect_endpoint,
                         help="broker backend endpoint, e.g. ipc:///run/corral/backend or "
                         "tcp://10.0.0.1:5556; repeat it to serve several brokers at once "
                         "(the capacity is shared among them: docs/multihost.md)")
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated services to serve (default: tool,model)")
     parser.add_argument("--capacity", type=int, default=4,
                         help="requests served at once by this worker (default: 4)")
-    parser.add_argument("--heartbeat-interval-s", type=float, default=0.25)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.25,
+                        help="seconds between heartbeats to each broker (default 0.25)")
     parser.add_argument("--liveness", type=int, default=4,
                         help="missed heartbeats before the broker counts as gone")
     parser.add_argument("--drain-s", type=float, default=5.0,
@@ -90,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--key", type=Path, default=None, metavar="FILE",
                         help="this worker's key pair (NAME.key_secret), on the broker's "
                         "allow-list with role worker")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO",
+                        help="log level on stderr (default INFO)")
     for load, _cls in SERVICE_MODULES.values():
         with contextlib.suppress(ImportError):
             load().add_arguments(parser)

@@ -10,11 +10,12 @@ import argparse
 
 from broker.brokerset import MAX_BROKERS, BrokerSet
 from broker.client import BrokerClient
+from broker.endpoints import connect_endpoint
 from broker.security import CurveClient
 
 
 def add_broker_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", action="append", default=None,
+    p.add_argument("--broker", action="append", default=None, type=connect_endpoint,
                    help="a broker's frontend endpoint; repeat it for several brokers "
                    f"(up to {MAX_BROKERS}): new calls go to a live one and move off a lost "
                    "one (default: [farm] broker_frontends in HOME/corral.toml; "

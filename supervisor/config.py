@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker import endpoints
 from sandbox_worker.api import PROVIDERS, TIER_ORDER, ModelRoute, ToolLimits
 from sandbox_worker.api import parse_route as parse_api_route
 from supervisor.engine.config import MAX_COMMAND_HOOKS
@@ -356,8 +357,11 @@ def load(home: Path) -> FarmConfig:
                                      "backend_tcp", "brokers", "supervisors",
                                      "broker_frontends", "broker_backends"})
     backend_tcp = _typed(path, "farm", farm, "backend_tcp", str, None)
-    if backend_tcp is not None and not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp):
-        raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT", e.g. "0.0.0.0:5556"')
+    if backend_tcp is not None and (
+            not re.fullmatch(r"[\w.\-\[\]:*]+:\d{1,5}", backend_tcp)
+            or endpoints.problem(f"tcp://{backend_tcp}", bind=True) is not None):
+        raise _fail(path, "farm.backend_tcp", 'must be "HOST:PORT" (PORT 1..65535), e.g. '
+                    '"0.0.0.0:5556"')
     sandbox = raw.get("sandbox", {})
     _check_keys(path, "sandbox", sandbox, {"tier_min", "allow_unsandboxed", "network", "limits",
                                            "mode", "git_writable"})
@@ -566,6 +570,9 @@ def farm_broker_lists(path: Path, farm: dict[str, Any]) -> tuple[tuple[str, ...]
             if not isinstance(ep, str) or not _ENDPOINT.fullmatch(ep):
                 raise _fail(path, where, f"{ep!r} is not an endpoint: give "
                             '"tcp://HOST:PORT" or "ipc:///PATH"')
+            why = endpoints.problem(ep, bind=False)
+            if why is not None:
+                raise _fail(path, where, why)
         if len(set(value)) != len(value):
             dup = next(ep for ep in value if value.count(ep) > 1)
             raise _fail(path, where, f"lists {dup!r} twice")

@@ -43,6 +43,7 @@ DEFAULT_CLAIM_BATCH = 64
 CLAIM_PERIOD_S = 0.5  # how often to look for sessions whose owner's lease lapsed
 LAPSE_MARGIN_S = 0.005  # a claim goes this long after the soonest foreign lease lapses
 RESUME_CONCURRENCY = 8  # claimed sessions resumed at once (loads in flight)
+ROSTER_WINDOW_LEASES = 6  # status lists supervisors heard within this many leases
 
 
 class Engine(Protocol):
@@ -90,18 +91,30 @@ async def start(store: SessionStore, engine: Engine, tg: asyncio.TaskGroup) -> N
 
 
 async def lease_status(store: SessionStore) -> dict[str, Any] | None:
-    """For ``status``: this supervisor's id, the lease period, and each supervisor holding
-    live leases with its session count and how long ago it last renewed (None: no lease
-    mode). Read from the shared store, so every supervisor shows the same picture."""
+    """For ``status``: this supervisor's id, the lease period, and each supervisor of the
+    shared store (None: no lease mode). Read from the shared store, so every supervisor
+    shows the same picture. ``owners`` lists every supervisor heard within
+    ``ROSTER_WINDOW_LEASES`` leases (at least a minute) or holding live leases, those
+    holding none included: its sessions, how long ago it last renewed its leases and
+    when the soonest lapses (None without sessions), its client address, host and pid,
+    how long ago it was last heard, and ``silent`` when that is more than a lease (a
+    paused, cut-off or dead supervisor, whose sessions another one takes over)."""
     owner = getattr(store, "owner", None)
-    lease_owners = getattr(store, "lease_owners", None)
-    if owner is None or lease_owners is None:
+    roster = getattr(store, "roster", None)
+    if owner is None or roster is None:
         return None
     lease_s = float(getattr(store, "lease_s", 0.0))
-    rows: list[tuple[str, int, float]] = await lease_owners()
-    return {"self": owner, "lease_s": lease_s, "owners": [
-        {"id": who, "sessions": n, "renewed_s_ago": round(max(0.0, lease_s - left), 2),
-         "expires_in_s": round(left, 2)} for who, n, left in rows]}
+    rows: list[tuple[Any, ...]] = await roster(max(60.0, ROSTER_WINDOW_LEASES * lease_s))
+    owners = []
+    for who, address, host, pid, heard, n, left in rows:
+        heard_s = None if heard is None else round(max(0.0, float(heard)), 2)
+        owners.append({
+            "id": who, "sessions": int(n),
+            "renewed_s_ago": None if left is None else round(max(0.0, lease_s - left), 2),
+            "expires_in_s": None if left is None else round(float(left), 2),
+            "address": address, "host": host, "pid": pid, "heard_s_ago": heard_s,
+            "silent": heard_s is None or heard_s > lease_s})
+    return {"self": owner, "lease_s": lease_s, "owners": owners}
 
 
 async def claim_at_start(store: Leased, batch: int = DEFAULT_CLAIM_BATCH) -> list[SessionId]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from broker.endpoints import bind_endpoint, connect_endpoint
 from broker.lifeline import watch_parent
 from broker.security import CurveClient, Guard, KeyFileError
 from broker.taskdump import install_task_dump
@@ -42,7 +43,7 @@ from supervisor.facade import Facade
 from supervisor.farm.layout import secure_home
 from supervisor.keys import farm_keys
 from supervisor.server import ClientServer
-from supervisor.store import SchemaMismatch, SchemaTooNew, StoreUnavailable
+from supervisor.store import StoreError, StoreUnavailable
 from supervisor.store.opening import open_store
 from supervisor.telemetry import setup as telemetry
 
@@ -57,21 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", type=Path, required=True,
                    help="the farm's home (corral.toml, corral.db)")
     add_broker_option(p)
-    p.add_argument("--listen", required=True,
+    p.add_argument("--listen", required=True, type=bind_endpoint,
                    help="client endpoint to bind, e.g. ipc://HOME/run/supervisor.sock")
     p.add_argument("--db", type=Path, default=None,
                    help="SQLite store path (default HOME/corral.db; unused with [store] url)")
     p.add_argument("--supervisor-id", default=None,
                    help="this supervisor's id in the leases of a shared PostgreSQL store "
                    "(default: HOSTNAME-HASH_OF_HOME, stable across restarts)")
-    p.add_argument("--advertise", default=None, metavar="ENDPOINT",
+    p.add_argument("--advertise", default=None, metavar="ENDPOINT", type=connect_endpoint,
                    help="the client endpoint other supervisors of a shared store send this "
                    "one's clients to (default: the bound --listen endpoint, with a wildcard "
                    "host replaced by this host's name)")
     p.add_argument("--route-url", action="append", default=[], metavar="NAME=URL",
                    help="base URL of a scripted route's provider (given by the farm)")
-    p.add_argument("--heartbeat-interval-s", type=float, default=0.25)
-    p.add_argument("--liveness", type=int, default=4)
+    p.add_argument("--heartbeat-interval-s", type=float, default=0.25,
+                   help="seconds between heartbeats to the broker (default 0.25; [farm] "
+                   "heartbeat_interval_s in a farm)")
+    p.add_argument("--liveness", type=int, default=4,
+                   help="missed heartbeats before the broker counts as gone (default 4)")
     p.add_argument("--curve", action="store_true",
                    help="CURVE + ZAP with the farm's keys (HOME/keys, see docs/multihost.md) "
                    "on a tcp:// --listen, and towards a tcp:// --broker")
@@ -84,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(PostgreSQL) before exiting with status 2 (default 0: exit at once; "
                    "the farm gives a restarted supervisor [store] outage_wait_s, at most "
                    "120 s)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO",
+                   help="log level on stderr (default INFO)")
     return p
 
 
@@ -188,7 +193,7 @@ async def serve(ns: argparse.Namespace) -> int:
         store = await opening_waited(ns.store_wait_s, functools.partial(
             open_store, db=ns.db or home / "corral.db", url=cfg.store_url, home=home,
             **lease_opts))
-    except (StoreUnavailable, SchemaMismatch, SchemaTooNew) as exc:
+    except StoreError as exc:  # unreachable, another schema version, not Corral's, ...
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)

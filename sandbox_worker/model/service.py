@@ -87,14 +87,19 @@ class ModelServiceConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model service")
     d = ModelServiceConfig()
-    g.add_argument("--model-connect-timeout-s", type=float, default=d.connect_timeout_s)
+    g.add_argument("--model-connect-timeout-s", type=float, default=d.connect_timeout_s,
+                   help="longest wait to connect to the provider")
     g.add_argument("--model-read-timeout-s", type=float, default=d.read_timeout_s,
                    help="longest silence tolerated while reading a reply")
-    g.add_argument("--model-max-retries", type=int, default=d.max_retries)
-    g.add_argument("--model-backoff-base-s", type=float, default=d.backoff_base_s)
-    g.add_argument("--model-backoff-max-s", type=float, default=d.backoff_max_s)
+    g.add_argument("--model-max-retries", type=int, default=d.max_retries,
+                   help="retries of a provider request that failed retryably")
+    g.add_argument("--model-backoff-base-s", type=float, default=d.backoff_base_s,
+                   help="first backoff between retries (doubling, jittered)")
+    g.add_argument("--model-backoff-max-s", type=float, default=d.backoff_max_s,
+                   help="longest backoff between retries")
     g.add_argument("--model-no-http2", action="store_true", help="use HTTP/1.1 only")
-    g.add_argument("--model-max-connections", type=int, default=d.max_connections)
+    g.add_argument("--model-max-connections", type=int, default=d.max_connections,
+                   help="HTTP connections to providers this worker keeps at most")
     g.add_argument("--model-flush-interval-s", type=float, default=d.flush_interval_s,
                    help="how long deltas may be coalesced before a PARTIAL is sent")
     g.add_argument("--model-credentials-file", type=Path, default=None,

@@ -647,7 +647,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "all workers of the host (default: %(default)s)")
     g.add_argument("--workspace-root", default=None,
                    help="only accept workspaces beneath this directory")
-    g.add_argument("--tool-wall-s", type=float, default=DEFAULT_LIMITS["wall_s"])
+    g.add_argument("--tool-wall-s", type=float, default=DEFAULT_LIMITS["wall_s"],
+                   help="wall-clock limit of a tool call, seconds (default 120)")
     g.add_argument("--tool-output-bytes", type=int, default=DEFAULT_LIMITS["output_bytes"],
                    help="output cap per stream (default 1 MiB)")
     g.add_argument("--tool-grace-s", type=float, default=2.0,
@@ -662,8 +663,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "--images is copied from here and verified before its first call")
     g.add_argument("--no-images", action="store_true",
                    help="run no tool calls over images on this worker (they go elsewhere)")
-    g.add_argument("--cgroup-memory-bytes", type=int, default=8 * GIB)
-    g.add_argument("--cgroup-pids", type=int, default=2048)
+    g.add_argument("--cgroup-memory-bytes", type=int, default=8 * GIB,
+                   help="memory limit of a tool call's cgroup (default 8 GiB)")
+    g.add_argument("--cgroup-pids", type=int, default=2048,
+                   help="process limit of a tool call's cgroup (default 2048)")
 
 
 def config_from_args(ns: argparse.Namespace) -> ToolServiceConfig:

@@ -3,10 +3,11 @@
 ``export`` writes the session's latest checkpoint (made at each tool boundary)
 atomically (a temporary file, then rename); ``verify`` checks a file's digests
 and consistency and lists every problem; ``import`` resumes a checkpoint in the
-store of a stopped farm, under the capability binding (tools and policy) this
-farm would give the session: a checkpoint never resumes under other tools or
-policy. Everything read from a checkpoint file is untrusted and reaches the
-terminal only through ``render.clean``.
+store of a stopped SQLite farm, or of a PostgreSQL farm running or not (a supervisor
+claims the new session, unleased, as it claims a dead one's), under the capability
+binding (tools and policy) this farm would give the session: a checkpoint never
+resumes under other tools or policy. Everything read from a checkpoint file is
+untrusted and reaches the terminal only through ``render.clean``.
 
 The export, store and engine modules are imported by the handlers, not with
 the parser.
@@ -19,6 +20,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,10 @@ from supervisor.cli.common import (
 from supervisor.cli.output import print_json
 from supervisor.cli.reach import with_farm
 from supervisor.cli.render import clean
+
+# corral import on a running PostgreSQL farm waits this long for a supervisor to claim
+# the session (they look for unowned sessions every 0.5 s).
+CLAIM_WAIT_S = 10.0
 
 
 def add_parsers(sub: Subparsers) -> None:
@@ -56,8 +62,10 @@ def add_parsers(sub: Subparsers) -> None:
 
     p = sub.add_parser("import", help="resume an exported session in this farm's store",
                        description="Import a checkpoint from 'corral export' into the store "
-                       "of the (stopped) farm at HOME; the session continues with 'corral "
-                       "run --session ID'.")
+                       "of the farm at HOME: a SQLite farm must be stopped (its supervisor is "
+                       "the file's only writer); on a PostgreSQL store ([store] url) the "
+                       "farm may run, and one of its supervisors takes the session. The "
+                       "session continues with 'corral run --session ID'.")
     add_home(p)
     p.add_argument("file", type=Path, help="a checkpoint written by 'corral export'")
     p.add_argument("--session", default=None, help="the new session id (default: same)")
@@ -202,6 +210,24 @@ def binding_difference(doc: dict[str, Any], expected: dict[str, Any]) -> str:
         return "the binding is malformed"
 
 
+async def _claimed(store: Any, session_id: str, wait_s: float = CLAIM_WAIT_S) -> bool:
+    """Wait (bounded) until a supervisor of the running farm holds the imported session's
+    lease, so the next 'corral run --session' finds its owner; False: not yet (it is
+    claimed as soon as a supervisor of the farm runs)."""
+    from supervisor.store import SessionId, StoreError
+
+    locate = getattr(store, "locate", None)
+    if locate is None:
+        return False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(StoreError):
+            if await locate(SessionId(session_id)) is not None:
+                return True
+        await asyncio.sleep(0.1)
+    return False
+
+
 def cmd_import(ns: Namespace) -> int:
     from supervisor.config import ConfigError
     from supervisor.export import BindingMismatch, CheckpointInvalid
@@ -212,16 +238,22 @@ def cmd_import(ns: Namespace) -> int:
     from supervisor.server import CallError
     from supervisor.store import SessionId, StoreError
     from supervisor.store.errors import SessionExists
-    from supervisor.store.opening import open_for_home
+    from supervisor.store.opening import configured_url, open_for_home
 
     try:
         doc = json.loads(ns.file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         print(f"corral: cannot read {ns.file}: {clean(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
-    if running_farm(ns.home) is not None:
+    try:
+        shared = configured_url(ns.home) is not None
+    except ConfigError as exc:
+        print(f"corral: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    running = running_farm(ns.home) is not None
+    if running and not shared:
         print(f"corral: stop the farm first (corral down --home {ns.home}): the supervisor "
-              "is the store's only writer", file=sys.stderr)
+              "is the SQLite store's only writer", file=sys.stderr)
         return EXIT_USAGE
     try:
         config, binding = import_spec(ns)
@@ -240,6 +272,8 @@ def cmd_import(ns: Namespace) -> int:
             await check_workspace(store, str(config["workspace"]), None)
             record = await do_import(store, doc, expected_binding=binding,
                                      new_session_id=ns.session, config=config)
+            if running:  # PostgreSQL: a supervisor claims the new session (no lease yet)
+                await _claimed(store, str(record.session_id))
             return str(record.session_id)
         finally:
             await store.close()

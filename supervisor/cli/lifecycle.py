@@ -252,8 +252,17 @@ def _supervisor_lines(leases: Any) -> list[str]:
     lines = [f"  supervisors on the shared store (lease {leases.get('lease_s')}s):"]
     for o in leases.get("owners", []):
         mark = " (this one)" if o.get("id") == me else ""
-        lines.append(f"    {o.get('id')}{mark}: {o.get('sessions')} sessions, lease renewed "
-                     f"{o.get('renewed_s_ago')}s ago, expires in {o.get('expires_in_s')}s")
+        where = f" at {o['address']}" if o.get("address") else ""
+        line = f"    {o.get('id')}{mark}{where}: {o.get('sessions')} sessions"
+        if o.get("expires_in_s") is not None:
+            line += (f", lease renewed {o.get('renewed_s_ago')}s ago, expires in "
+                     f"{o.get('expires_in_s')}s")
+        if o.get("silent"):
+            heard = o.get("heard_s_ago")
+            line += (f"; SILENT: not heard for {heard}s (paused, cut off or dead; its "
+                     "sessions go to another supervisor as their leases lapse)"
+                     if heard is not None else "; never heard (no heartbeat recorded)")
+        lines.append(line)
     return lines
 
 

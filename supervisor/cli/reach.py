@@ -20,6 +20,10 @@ from supervisor.cli.common import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
 from supervisor.cli.output import print_json
 from supervisor.cli.render import clean
 
+# How long a supervisor of a farm of several has to answer a command's first hello
+# before the next one is asked (twice: the client's own hello, then this one).
+PROBE_S = 1.5
+
 
 def no_farm(home: Path, as_json: bool) -> int:
     """Say that no farm runs at ``home`` and how to start one; returns exit code 3."""
@@ -31,12 +35,54 @@ def no_farm(home: Path, as_json: bool) -> int:
     return EXIT_UNAVAILABLE
 
 
-async def supervisor_call(home: Path, call: str, **args: Any) -> Any:
-    """One call to the supervisor of the farm at ``home``."""
-    from supervisor.client import SupervisorClient
-    from supervisor.farm.layout import FarmPaths
+def farm_endpoints(home: Path) -> list[str]:
+    """The client endpoints of the farm's supervisors (farm.json), the first first."""
+    from supervisor.farm.layout import FarmPaths, read_farm_json
 
-    async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
+    paths = FarmPaths.of(home)
+    info = read_farm_json(paths) or {}
+    listed = info.get("endpoints", {}).get("supervisors") if isinstance(
+        info.get("endpoints"), dict) else None
+    if isinstance(listed, list) and listed and all(isinstance(e, str) for e in listed):
+        return list(listed)
+    return [paths.supervisor_endpoint]
+
+
+async def _answers(endpoint: str, probe_s: float) -> bool:
+    from supervisor.client import SupervisorClient, SupervisorError
+
+    try:
+        async with SupervisorClient(endpoint, timeout_s=probe_s) as sv:
+            await sv.call("hello", timeout_s=probe_s)
+    except SupervisorError:
+        return False
+    return True
+
+
+async def live_endpoint(home: Path, probe_s: float = PROBE_S) -> str:
+    """The endpoint a command talks to: the first supervisor's; in a farm of several
+    (they share the sessions, and any of them serves any request, redirecting it to
+    the session's owner) the first one that answers ``hello`` within ``probe_s`` (a
+    supervisor paused, hung or being restarted is skipped). The first when none does
+    (the command's own call then reports it)."""
+    endpoints = farm_endpoints(home)
+    if len(endpoints) == 1:
+        return endpoints[0]
+    for n, endpoint in enumerate(endpoints):
+        if await _answers(endpoint, probe_s):
+            if n:
+                print(f"corral: supervisor 1 ({endpoints[0]}) did not answer within "
+                      f"{probe_s:g}s; asking supervisor {n + 1} ({endpoint})",
+                      file=sys.stderr)
+            return endpoint
+    return endpoints[0]
+
+
+async def supervisor_call(home: Path, call: str, **args: Any) -> Any:
+    """One call to a supervisor of the farm at ``home`` (``live_endpoint``)."""
+    from supervisor.client import SupervisorClient
+
+    async with SupervisorClient(await live_endpoint(home)) as sv:
         return await sv.call(call, **args)
 
 

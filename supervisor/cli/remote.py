@@ -23,6 +23,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+from broker.endpoints import connect_endpoint
 from supervisor.cli.common import EXIT_OK, EXIT_USAGE, Subparsers, add_home, add_json
 
 
@@ -55,7 +56,7 @@ def add_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("worker", help="run sandbox workers for a farm on another host",
                        description="Become a sandbox worker process serving a remote "
                        "broker over CURVE; reconnects forever, drains on SIGTERM.")
-    p.add_argument("--broker", action="append", default=None,
+    p.add_argument("--broker", action="append", default=None, type=connect_endpoint,
                    help="a broker's backend, tcp://HOST:PORT; repeat it to serve several "
                    "brokers at once (one --server-key for all: the farm's broker key); "
                    "default: [farm] broker_backends in HOME/corral.toml")

@@ -46,6 +46,7 @@ from supervisor.cli.common import (
     workers_arg,
 )
 from supervisor.cli.lifecycle import ensure_config
+from supervisor.cli.reach import live_endpoint
 from supervisor.cli.render import Renderer, clean
 
 if TYPE_CHECKING:
@@ -110,7 +111,6 @@ async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[F
     """The farm at ``home``, or a temporary one for the duration (reachable through
     its farm.json while it lives)."""
     from supervisor import config as config_mod
-    from supervisor.farm.layout import FarmPaths
     from supervisor.farm.root import Farm, running_farm
 
     info = running_farm(home)
@@ -120,7 +120,7 @@ async def farm_for(home: Path, workers: int | None, say: Any) -> AsyncIterator[F
                 f"the farm at {home} is the temporary farm of another 'corral run' (pid "
                 f"{info.get('root_pid')}) and stops when it ends; wait for it, or keep a farm "
                 f"up for both: corral up --home {home} --detach")
-        yield FarmHandle(FarmPaths.of(home).supervisor_endpoint, temporary=False)
+        yield FarmHandle(await live_endpoint(home), temporary=False)
         return
     ensure_config(home, say)
     cfg = config_mod.load(home)

@@ -125,14 +125,10 @@ def parse_since(text: str, now: float) -> float:
 
 @contextlib.contextmanager
 def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Connection]:
-    from supervisor import config as config_mod
     from supervisor.farm.layout import FarmPaths
     from supervisor.store.url import redact
 
-    try:
-        url = config_mod.load(home).store_url
-    except config_mod.ConfigError:
-        url = None
+    url = _store_url(home)
     if url is not None:  # callers read PostgreSQL through pgsessions, not here
         raise StoreUnreadable(f"this farm's sessions are in PostgreSQL ({redact(url)}), "
                               "not in a SQLite file")
@@ -158,12 +154,15 @@ def read_only_store(home: Path, *, farm_running: bool) -> Iterator[sqlite3.Conne
 
 
 def _store_url(home: Path) -> str | None:
+    """The farm's ``[store] url``; a corral.toml that does not load is ``StoreUnreadable``
+    (its message names the key): where the sessions are is unknown, so "no sessions"
+    would be a guess (it once was, with exit 0, for a mistyped PostgreSQL URL)."""
     from supervisor import config as config_mod
 
     try:
         return config_mod.load(home).store_url
-    except config_mod.ConfigError:
-        return None
+    except config_mod.ConfigError as exc:
+        raise StoreUnreadable(f"cannot tell where the sessions are: {exc}") from None
 
 
 def _default_route(home: Path) -> str:
@@ -387,10 +386,11 @@ def cmd_show(ns: Namespace) -> int:
 
 async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
     """Shut the session down through the running farm; wait until it is closed."""
+    from supervisor.cli.reach import live_endpoint
     from supervisor.client import SupervisorClient, SupervisorError
     from supervisor.farm.layout import FarmPaths
 
-    async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
+    async with SupervisorClient(await live_endpoint(home)) as sv:
         described = await sv.describe(session_id)
         if described.get("status") == "closed":
             return "already terminated"
@@ -471,11 +471,11 @@ def cmd_terminate(ns: Namespace) -> int:
 
 
 async def _delete_via_farm(home: Path, session_id: str) -> str:
+    from supervisor.cli.reach import live_endpoint
     from supervisor.client import SupervisorClient
-    from supervisor.farm.layout import FarmPaths
 
     await _terminate(home, session_id)
-    async with SupervisorClient(FarmPaths.of(home).supervisor_endpoint) as sv:
+    async with SupervisorClient(await live_endpoint(home)) as sv:
         await sv.call("delete_session", session_id=session_id)
     return "deleted"
 

@@ -302,6 +302,18 @@ class SessionManager:
         # A closed session leaves memory (its history stays in the store).
         self.sessions.pop(session.sid, None)
         self._closed_ids.add(session.sid)
+        await self._release(session.sid)
+
+    async def _release(self, sid: SessionId) -> None:
+        """Several supervisors: give a closed session's lease up at once, so it is not
+        counted as this supervisor's load and any supervisor can delete it."""
+        release = getattr(self.store, "release", None)
+        if release is None or getattr(self.store, "owner", None) is None:
+            return
+        try:
+            await release(sid)
+        except StoreError as exc:  # it lapses instead, or the next delete here takes it
+            log.warning("session %s: closed, its lease not released: %s", sid, exc)
 
     def subscribe(self, session_id: SessionId, *,
                   after_sequence: int = 0) -> AsyncIterator[EventRecord]:

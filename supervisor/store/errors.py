@@ -57,7 +57,7 @@ class SchemaTooNew(StoreError):
     def __init__(self, found: int, supported: int) -> None:
         super().__init__(
             f"database schema version {found} is newer than this Corral supports "
-            f"(up to {supported}); upgrade Corral or use a different database file"
+            f"(up to {supported}); upgrade Corral, or use another database"
         )
         self.found = found
         self.supported = supported

@@ -50,9 +50,9 @@ async def migrate_pg(url: str, *, timeout_s: float = 30.0) -> Migrated:
     conn = await connect(url, timeout_s=timeout_s, what="migrating the store")
     try:
         async with asyncio.timeout(timeout_s * 10):
-            before, after = await pg_schema.migrate(conn)
+            before, after = await pg_schema.migrate(conn, where=redact(url))
     except psycopg.Error as exc:
-        raise translate(exc, "migrating the store", redact(url)) from exc
+        raise translate(exc, f"migrating the store at {redact(url)}", redact(url)) from exc
     finally:
         await conn.close()
     return Migrated(redact(url), before, after)

@@ -5,50 +5,110 @@
 URL means the embedded SQLite file ``HOME/corral.db``.
 
 Invariants:
-- ``redact`` never returns a password: the one in the netloc and any ``password=``
-  query parameter become ``***``. Every message and log line naming a store URL uses it.
+- ``redact`` never returns a password, whatever the text: the one in the userinfo
+  (everything between ``://`` and the LAST ``@``, so a password holding an unencoded
+  ``/``, ``?``, ``#`` or ``@`` is hidden whole) and any ``password`` / ``sslpassword``
+  query parameter (its name percent-encoded or not) become ``***``; a text that is not
+  ``SCHEME://...`` (a libpq ``key=value`` string, ``user:pw@host``) is not shown at all.
+  Every message and log line naming a store URL uses it.
+- ``scrub`` removes from a driver's message the URL and every secret of it, raw and
+  percent-decoded (libpq quotes decoded values).
 - ``check_url`` raises ``BadStoreUrl`` (a ``ValueError``) with the redacted URL only.
 """
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+import re
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 SCHEMES = ("postgresql", "postgres")
 _HIDDEN = "***"
+_NOT_A_URL = "<not shown: not a SCHEME:// URL>"
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class BadStoreUrl(ValueError):
     """The store URL is not one Corral can use; the message says why (without secrets)."""
 
 
+def _is_secret_key(key: str) -> bool:
+    return "password" in unquote_plus(key).strip().lower()
+
+
+def _split(url: str) -> tuple[str, str | None, str] | None:
+    """(``SCHEME://``, the userinfo or None, the rest after it); None: not a URL. The
+    userinfo runs to the LAST ``@``: one in the query is taken as part of it too, which
+    hides more than needed but never shows a password with an unencoded delimiter."""
+    m = _SCHEME.match(url)
+    if m is None:
+        return None
+    rest = url[m.end():]
+    userinfo, at, tail = rest.rpartition("@")
+    return (m.group(0), userinfo, tail) if at else (m.group(0), None, rest)
+
+
+def _secrets(url: str) -> list[str]:
+    """The secret parts of ``url`` as written (not decoded)."""
+    parts = _split(url)
+    if parts is None:
+        return [url]  # not shown at all
+    found = []
+    _, userinfo, tail = parts
+    if userinfo is not None:
+        user, colon, password = userinfo.partition(":")
+        if any(c in user for c in "/?#"):
+            found.append(userinfo)
+        elif colon and password:
+            found.append(password)
+    _, _, query = tail.partition("?")
+    for pair in query.split("#", 1)[0].split("&"):
+        key, eq, value = pair.partition("=")
+        if eq and value and _is_secret_key(key):
+            found.append(value)
+    return found
+
+
 def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (never raises)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<an unparsable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
+    """``url`` with its passwords replaced by ``***`` (never raises)."""
+    parts = _split(url)
+    if parts is None:
+        return _NOT_A_URL
+    scheme, userinfo, tail = parts
+    shown = scheme
+    if userinfo is not None:
         user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:{_HIDDEN}@{hostport}" if colon else f"{user}@{hostport}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, _HIDDEN if k.lower() == "password" else v) for k, v in pairs],
-                          safe="*/:")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        if any(c in user for c in "/?#"):
+            shown += f"{_HIDDEN}@"
+        else:
+            shown += f"{user}:{_HIDDEN}@" if colon else f"{user}@"
+    head, q, query = tail.partition("?")
+    if q:
+        query, hash_, fragment = query.partition("#")
+        pairs = []
+        for pair in query.split("&"):
+            key, eq, _ = pair.partition("=")
+            pairs.append(f"{key}={_HIDDEN}" if eq and _is_secret_key(key) else pair)
+        head += "?" + "&".join(pairs) + hash_ + fragment
+    return shown + head
 
 
 def scrub(text: str, url: str) -> str:
-    """``text`` (a driver's message) without ``url`` (shown redacted) or its password."""
+    """``text`` (a driver's message) without ``url`` (shown redacted) or its secrets,
+    as written or percent-decoded."""
     text = text.replace(url, redact(url))
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    return text.replace(password, "***") if password else text
+    for secret in _secrets(url):
+        for form in {secret, unquote(secret), unquote_plus(secret)}:
+            if form:
+                text = text.replace(form, _HIDDEN)
+    return text
+
+
+def _why(exc: ValueError) -> str:
+    """urllib's reason, without the value it quotes (a piece of a password, maybe)."""
+    text = str(exc)
+    if "Port" in text or "port" in text:
+        return "the port must be a number from 1 to 65535"
+    return text.split(":", 1)[0].split("'", 1)[0].strip() or "unparsable"
 
 
 def check_url(url: object) -> str:
@@ -56,14 +116,19 @@ def check_url(url: object) -> str:
     if not isinstance(url, str) or not url.strip():
         raise BadStoreUrl("the store url must be a non-empty string")
     shown = redact(url)
+    if _split(url) is None or not url.startswith(tuple(f"{s}://" for s in SCHEMES)):
+        raise BadStoreUrl(f"{shown}: the store url must start with postgresql:// "
+                          "(leave [store] out for the embedded SQLite store)")
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise BadStoreUrl(f"{shown}: not a valid URL ({exc})") from None
-    if parts.scheme not in SCHEMES:
-        raise BadStoreUrl(f"{shown}: the store url must start with postgresql:// "
-                          "(leave [store] out for the embedded SQLite store)")
+        raise BadStoreUrl(f"{shown}: not a valid URL ({_why(exc)}; percent-encode "
+                          "'/', '?', '#', '@' and ':' in the user name and password: "
+                          "%2F %3F %23 %40 %3A)") from None
+    if "@" in parts.path:
+        raise BadStoreUrl(f"{shown}: an '@' after the host; percent-encode '/', '?', '#' "
+                          "and '@' in the user name and password: %2F %3F %23 %40")
     if not parts.hostname and "host=" not in parts.query:
         raise BadStoreUrl(f"{shown}: names no host (postgresql://USER@HOST:PORT/DBNAME)")
     if port == 0:

@@ -20,3 +20,13 @@ def _undocumented(parser: argparse.ArgumentParser, path: str) -> list[str]:
 
 def test_every_option_of_every_command_has_help() -> None:
     assert _undocumented(build_parser(), "corral") == []
+
+
+def test_every_option_of_the_process_entry_points_has_help() -> None:
+    """``python -m supervisor`` (how a supervisor joins a farm from another host) and
+    ``python -m sandbox_worker`` (what ``corral worker`` runs)."""
+    from sandbox_worker.main import build_parser as worker_parser
+    from supervisor.main import build_parser as supervisor_parser
+
+    assert _undocumented(supervisor_parser(), "python -m supervisor") == []
+    assert _undocumented(worker_parser(), "python -m sandbox_worker") == []

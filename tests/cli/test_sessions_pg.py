@@ -77,3 +77,18 @@ async def test_sessions_and_show_read_the_shared_store_with_owners(
     assert done.returncode != 0
     assert "cannot read the sessions in PostgreSQL at" in done.stderr
     assert pg_server.password not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("args", [("sessions",), ("sessions", "--json"), ("show", "s-x")])
+def test_a_mistyped_store_url_is_an_error_not_an_empty_list(tmp_path: Path,
+                                                            args: tuple[str, ...]) -> None:
+    """With ``[store] url`` unusable, where the sessions are is unknown: ``corral
+    sessions`` and ``show`` say why (the key, no password) and exit 1; they once fell
+    back to an absent SQLite file and said "no sessions" with exit 0."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "corral.toml").write_text('[store]\nurl = "mysql://u:s3cr3t-pw@db/corral"\n')
+    out = corral(home, *args)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "[store.url]" in out.stdout + out.stderr
+    assert "s3cr3t-pw" not in out.stdout + out.stderr

@@ -166,6 +166,98 @@ async def test_new_sessions_go_to_the_least_loaded_supervisor(
         assert await loads() == [now[0] + 1, now[1]]
 
 
+async def test_a_session_terminated_on_the_other_supervisor_is_deleted_through_the_first(
+        farm2: Path, workspace_root: Path) -> None:
+    """The CLI talks to supervisor 1; the session lives on supervisor 2. ``corral
+    terminate`` is redirected there; the closed session's lease is then released (not
+    kept, and counted as supervisor 2's load, for as long as it lives), so ``corral
+    delete`` through supervisor 1 takes it and deletes it. Both once failed: the lease
+    stayed supervisor 2's and the delete was refused ("holds no lease on it")."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    sid, _ = await _turn(endpoints[1], make_ws(workspace_root, "t"), placed=True)
+    term = await asyncio.to_thread(corral, farm2, "terminate", sid)
+    assert term.returncode == 0, term.stderr + term.stdout
+
+    async def released() -> bool:
+        listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+        rows = [s for s in json.loads(listed.stdout)["sessions"] if s["session_id"] == sid]
+        return rows[0]["owner"] is None
+
+    await eventually(released, timeout_s=30, interval_s=0.1,
+                     what="the closed session's lease to be released")
+    delete = await asyncio.to_thread(corral, farm2, "delete", "--yes", sid)
+    assert delete.returncode == 0, delete.stderr + delete.stdout
+    listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+    assert sid not in listed.stdout
+    # An active session of supervisor 2 is terminated and deleted in one command.
+    sid2, _ = await _turn(endpoints[1], make_ws(workspace_root, "t2"), placed=True)
+    delete = await asyncio.to_thread(corral, farm2, "delete", "--yes", sid2)
+    assert delete.returncode == 0, delete.stderr + delete.stdout
+    listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+    assert sid2 not in listed.stdout
+
+
+async def test_status_and_run_go_on_through_supervisor_2_while_supervisor_1_is_stopped(
+        farm2: Path, workspace_root: Path) -> None:
+    """SIGSTOP supervisor 1 (the CLI's first choice): ``corral status`` (text and JSON)
+    and ``corral run`` are served by supervisor 2 (they once waited 15 s and failed:
+    "no answer from the supervisor ... is the farm up?"), and status lists supervisor 1,
+    holding no session any more, as silent (a supervisor without live leases was not
+    listed at all)."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    async with SupervisorClient(endpoints[0]) as one, SupervisorClient(endpoints[1]) as two:
+        id1 = (await one.status())["supervisors"]["self"]
+        id2 = (await two.status())["supervisors"]["self"]
+    stopped = _pid(farm2, "supervisor")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        async def silent() -> dict[str, Any] | None:
+            st = await asyncio.to_thread(corral, farm2, "status", "--json")
+            assert st.returncode == 0, st.stderr
+            sups = json.loads(st.stdout)["supervisor"]["supervisors"]
+            owners = {o["id"]: o for o in sups["owners"]}
+            one = owners.get(id1)
+            return sups if one and one["silent"] and one["sessions"] == 0 else None
+
+        sups = await eventually(silent, timeout_s=60, interval_s=0.5,
+                                what="supervisor 1 to be listed silent, holding nothing")
+        assert sups["self"] == id2, sups
+        assert {o["id"] for o in sups["owners"]} >= {id1, id2}, sups
+        text = await asyncio.to_thread(corral, farm2, "status")
+        assert text.returncode == 0, text.stderr
+        assert f"{id1} at {endpoints[0]}: 0 sessions; SILENT: not heard for" in text.stdout, \
+            text.stdout
+        assert f"{id2} (this one)" in text.stdout, text.stdout
+        assert "asking supervisor 2" in text.stderr, text.stderr
+        run = await asyncio.to_thread(corral, farm2, "run", "--json", "--workspace",
+                                      str(make_ws(workspace_root, "stopped1")), "go")
+        assert run.returncode == 0, run.stderr + run.stdout
+        assert events_of(run.stdout)[-1]["type"] == "turn_complete"
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+
+
+async def test_import_into_the_running_postgresql_farm(
+        farm2: Path, workspace_root: Path, tmp_path: Path) -> None:
+    """On a shared store the farm need not stop for ``corral import`` (it once refused:
+    "stop the farm first ... the supervisor is the store's only writer", which on
+    PostgreSQL is not so, and a farm of several hosts cannot be stopped for it): the new
+    session is claimed by one of the supervisors, and the next ``corral run`` goes on."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    sid, _ = await _turn(endpoints[0], make_ws(workspace_root, "exp"))
+    out = tmp_path / "cp.json"
+    exp = await asyncio.to_thread(corral, farm2, "export", sid, "--out", str(out))
+    assert exp.returncode == 0, exp.stderr
+    new_id = "sess_imported_into_running_pg"
+    imp = await asyncio.to_thread(corral, farm2, "import", str(out), "--session", new_id,
+                                  "--workspace", str(make_ws(workspace_root, "imp")))
+    assert imp.returncode == 0, imp.stderr + imp.stdout
+    run = await asyncio.to_thread(corral, farm2, "run", "--json", "--session", new_id,
+                                  "go on")
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert events_of(run.stdout)[-1]["type"] == "turn_complete"
+
+
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:
     """The module's last use of the farm. Each supervisor ends on SIGTERM: none is
     left to the farm's stop timeout and SIGKILL (a lease keeper once kept a

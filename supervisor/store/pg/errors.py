@@ -6,6 +6,7 @@
 | serialization failure, deadlock, lock or statement timeout | StoreBusy          |
 | disk full (53100), out of memory (53200)                   | StoreFull          |
 | data corrupted (XX001, XX002)                              | StoreCorrupt       |
+| insufficient privilege (42501)                             | StoreError, saying what to grant |
 | a NUL byte in text, bad encoding (22xxx)                   | InvalidRequest     |
 | anything else                                              | StoreError         |
 
@@ -53,4 +54,8 @@ def translate(exc: psycopg.Error, what: str, shown_url: str) -> StoreError:
         return StoreCorrupt(f"{what}: {first} ({state})")
     if isinstance(exc, psycopg.DataError) or state.startswith("22"):
         return InvalidRequest(f"{what}: {first}")
+    if isinstance(exc, pgerr.InsufficientPrivilege):
+        return StoreError(f"{what}: {first} ({state}); the role in [store] url lacks a "
+                          "privilege Corral needs (creating and writing its tables): give it "
+                          "a database of its own, e.g. CREATE DATABASE corral OWNER ROLE")
     return StoreError(f"{what}: {type(exc).__name__}: {first}")

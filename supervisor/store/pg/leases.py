@@ -16,7 +16,8 @@ Invariants:
   a write is either committed before the new owner's epoch exists, or refused. It
   refuses (``LeaseLost``) unless owner, epoch AND expiry match: a supervisor paused
   past its lease has every later write refused even before anyone took over.
-- ``renew`` extends only live leases of this owner; a lapsed one must be acquired again
+- ``renew`` extends only live leases of this owner on the sessions its process holds
+  (never one it released or gave up); a lapsed one must be acquired again
   (new epoch), so a paused supervisor can never silently continue.
 - ``reacquire`` takes a lapsed lease back only if the row still names this owner AND
   the epoch it held: every acquisition by anyone bumps the epoch, so an unchanged epoch
@@ -25,6 +26,8 @@ Invariants:
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from broker import plants
 from supervisor.store.errors import LeaseLost
@@ -66,11 +69,14 @@ async def acquire(conn: Conn, sid: int, owner: str, lease_s: float) -> int | Non
     return int(row[0]) if row is not None else None
 
 
-async def renew(conn: Conn, owner: str, lease_s: float) -> dict[int, int]:
-    """Extend every live lease of ``owner``: {sid: epoch} of those still held."""
+async def renew(conn: Conn, owner: str, lease_s: float, sids: list[int]) -> dict[int, int]:
+    """Extend the live leases of ``owner`` on ``sids`` (the sessions its process holds:
+    never one it gave up or released, which would otherwise stay its load and out of
+    other supervisors' reach forever): {sid: epoch} of those still held."""
     rows = await all_rows(
         conn, f"UPDATE leases SET expires_at = {NOW} + %s WHERE owner = %s"
-        f" AND expires_at > {NOW} RETURNING sid, epoch", (lease_s, owner))
+        f" AND sid = ANY(%s::bigint[]) AND expires_at > {NOW} RETURNING sid, epoch",
+        (lease_s, owner, sids))
     return {int(r[0]): int(r[1]) for r in rows}
 
 
@@ -136,6 +142,21 @@ async def owners(conn: Conn) -> list[tuple[str, int, float]]:
         conn, f"SELECT owner, count(*), min(expires_at - {NOW}) FROM leases"
         f" WHERE owner IS NOT NULL AND expires_at > {NOW} GROUP BY owner ORDER BY owner")
     return [(str(r[0]), int(r[1]), float(r[2])) for r in rows]
+
+
+async def roster(conn: Conn, window_s: float) -> list[tuple[Any, ...]]:
+    """Every supervisor heard within ``window_s`` or holding live leases: (id, address,
+    host, pid, seconds since its heartbeat, sessions under its live leases, seconds left
+    on its soonest-expiring lease or None), by id. A supervisor holding no session is
+    listed too, and one that went silent stays listed (its heartbeat age says so)."""
+    return await all_rows(
+        conn, "SELECT coalesce(v.supervisor_id, o.owner), v.address, v.host, v.pid,"
+        f" {NOW} - v.heartbeat_at, coalesce(o.n, 0), o.left_s FROM supervisors v"
+        f" FULL JOIN (SELECT owner, count(*) AS n, min(expires_at - {NOW}) AS left_s"
+        f" FROM leases WHERE owner IS NOT NULL AND expires_at > {NOW} GROUP BY owner) o"
+        " ON o.owner = v.supervisor_id"
+        f" WHERE o.owner IS NOT NULL OR v.heartbeat_at > {NOW} - %s ORDER BY 1",
+        (window_s,))
 
 
 async def advertise(conn: Conn, owner: str, address: str, host: str, pid: int) -> None:

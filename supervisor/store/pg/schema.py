@@ -22,13 +22,14 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 
-from supervisor.store.errors import SchemaMismatch, SchemaTooNew
+from supervisor.store.errors import SchemaMismatch, SchemaTooNew, StoreError
 from supervisor.store.schema import Migration
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,27 @@ async def _apply(conn: Conn,
     return version
 
 
+def _tables(migrations: Sequence[Migration]) -> list[str]:
+    """The tables the migrations create."""
+    return sorted({m.group(1) for migration in migrations for statement in migration.statements
+                   for m in [re.match(r"\s*CREATE TABLE (\w+)", statement)] if m})
+
+
+async def _refuse_foreign(conn: Conn, where: str, migrations: Sequence[Migration]) -> None:
+    """A database without ``schema_version`` that already holds a table of Corral's names
+    belongs to something else: refused, saying so (creating the schema would fail on a
+    bare DuplicateTable, or worse, write into another application's table)."""
+    cur = await conn.execute("SELECT table_name FROM information_schema.tables WHERE "
+                             "table_schema = current_schema() AND table_name = ANY(%s)",
+                             (_tables(migrations),))
+    clash = sorted(str(r[0]) for r in await cur.fetchall())
+    if clash:
+        raise StoreError(f"the database at {where} holds no Corral schema (no schema_version "
+                         f"table) but has tables of the same names ({', '.join(clash)}): it "
+                         "belongs to something else; give Corral a database of its own "
+                         "(CREATE DATABASE corral) and name it in [store] url")
+
+
 async def ensure(conn: Conn, *, where: str,
                  command: str, migrations: Sequence[Migration] = MIGRATIONS) -> int:
     """At open: create the schema in an empty database, accept exactly the newest version,
@@ -184,6 +206,7 @@ async def ensure(conn: Conn, *, where: str,
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
         found = await current_version(conn)
         if found is None:
+            await _refuse_foreign(conn, where, migrations)
             await conn.execute(_VERSION_TABLE)
             return await _apply(conn, migrations, 0)
     if found != supported:
@@ -191,7 +214,7 @@ async def ensure(conn: Conn, *, where: str,
     return found
 
 
-async def migrate(conn: Conn, *,
+async def migrate(conn: Conn, *, where: str = "this URL",
                   migrations: Sequence[Migration] = MIGRATIONS) -> tuple[int, int]:
     """Apply the missing migrations in order (the operator's command). Returns
     (version before, version after); refuses a newer database (``SchemaTooNew``)."""
@@ -200,6 +223,7 @@ async def migrate(conn: Conn, *,
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
         found = await current_version(conn)
         if found is None:
+            await _refuse_foreign(conn, where, migrations)
             await conn.execute(_VERSION_TABLE)
             found = 0
         if found > supported:

@@ -67,6 +67,9 @@ from supervisor.store.writer import prepare_step
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+# A delete waits this long, at most, for the lease of a session terminated elsewhere
+# (released as it closes; otherwise it lapses within the lease).
+DELETE_WAIT_S = 10.0
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_LEASE_S = 10.0
@@ -101,6 +104,8 @@ async def connect(url: str, *, timeout_s: float, what: str,
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reason"
             error = StoreUnavailable(f"{what}: cannot connect to PostgreSQL at {shown}: "
                                      f"{scrub(first, url)}")
+        else:  # libpq's own complaints about the conninfo quote its values
+            error = type(error)(scrub(error.message, url))
         raise error from None
     return conn
 
@@ -189,7 +194,7 @@ class PgStore(GroupCounts):
             try:
                 await schema.ensure(writer_conn, where=shown, command=migrate_command)
             except psycopg.Error as exc:
-                raise translate(exc, "checking the store schema", shown) from exc
+                raise translate(exc, f"checking the store schema at {shown}", shown) from exc
             reader_conn = await connect(url, timeout_s=connect_timeout_s,
                                         what="opening the store's reader")
         except BaseException:
@@ -309,6 +314,21 @@ class PgStore(GroupCounts):
                                          self._fence(session_id)))
 
     async def delete_session(self, session_id: SessionId) -> None:
+        if self.owner is not None and session_id not in self._held:
+            # A terminated session left its owner's memory and its lease was released:
+            # any supervisor takes the lease for the delete (a new epoch fences whoever
+            # held it); an active one, or one another supervisor holds, is refused.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + min(self.lease_s + 0.5, DELETE_WAIT_S)
+            while True:
+                try:
+                    await self._group.submit(partial(_delete_closed, session_id,
+                                                     self.owner, self.lease_s))
+                    return
+                except LeaseLost:  # its owner releases it as it closes, or it lapses
+                    if loop.time() >= deadline:
+                        raise
+                await asyncio.sleep(0.05)
         await self._group.submit(partial(_delete, session_id, self._fence(session_id)))
         self._held.pop(session_id, None)
 
@@ -423,6 +443,11 @@ class PgStore(GroupCounts):
         """(owner, sessions, seconds left on its soonest-expiring lease) per live owner."""
         return await self._read(leases.owners, "reading the leases")
 
+    async def roster(self, window_s: float) -> list[tuple[Any, ...]]:
+        """The supervisors heard within ``window_s`` or holding leases (``leases.roster``)."""
+        return await self._read(partial(leases.roster, window_s=window_s),
+                                "reading the supervisors")
+
     async def advertise(self, address: str) -> None:
         """Record this supervisor's client address, where others redirect its clients."""
         owner = self._require_owner()
@@ -533,6 +558,22 @@ async def _delete(session_id: str, fence: tuple[str, int] | None, conn: Conn) ->
     await writer.delete_session(conn, session_id)
 
 
+async def _delete_closed(session_id: str, owner: str, lease_s: float, conn: Conn) -> None:
+    """Delete a terminated session this store holds no lease on, under a lease taken in
+    the same transaction (free, lapsed, or this owner's)."""
+    sid = await writer.require_sid(conn, session_id)
+    row = await reader.one(conn, "SELECT status FROM sessions WHERE sid = %s FOR UPDATE",
+                           (sid,))
+    if row is None or row[0] != "closed":
+        raise InvalidRequest(f"session {session_id} is not terminated (it is active, between "
+                             "two supervisors); terminate it first: corral terminate "
+                             f"{session_id}")
+    if await leases.acquire(conn, sid, owner, lease_s) is None:
+        raise LeaseLost(f"session {session_id!r} is leased to another supervisor that "
+                        "has not released it yet; the delete was refused (try again)")
+    await writer.delete_session(conn, session_id)
+
+
 async def _fork(session_id: str, at_sequence: int, new_session_id: str, limits: Limits,
                 owner: str | None, lease_s: float,
                 conn: Conn) -> tuple[SessionRecord, tuple[int, int] | None]:
@@ -558,7 +599,7 @@ async def _renew(owner: str, lease_s: float, held: dict[int, int],
     """{sid: epoch now} of the held leases still this store's: renewed under the epoch
     held, or lapsed and taken back under a new one. A lease renewed under another epoch
     (another process of this owner id acquired it) is not among them: lost."""
-    live = await leases.renew(conn, owner, lease_s)
+    live = await leases.renew(conn, owner, lease_s, list(held))
     kept = {n: e for n, e in held.items() if live.get(n) == e}
     lapsed = {n: e for n, e in held.items() if n not in live}
     return {**kept, **await leases.reacquire(conn, owner, lease_s, lapsed)}
