@@ -47,7 +47,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from sandbox_worker.sandbox.acl import XATTR_ACCESS, grant_entry
@@ -62,6 +62,7 @@ from sandbox_worker.sandbox.resolve import (
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES: Final = 200_000
+MAX_GIT_DIRS: Final = 64  # .git entries reported (as ownership.MAX_GIT_DIRS)
 FORBIDDEN_ROOTS: Final = ("/proc", "/sys", "/dev", "/etc", "/usr", "/boot", "/bin", "/sbin",
                           "/lib", "/lib64", "/run")
 # Shared parents: granting one would give the sandbox everything created in it.
@@ -76,6 +77,7 @@ class GrantReport:
     skipped_links: int = 0
     complete: bool = True
     read_only_fs: bool = False
+    git: list[str] = field(default_factory=list)  # relative paths of .git entries seen
 
 
 def grant_tree(root: int | str, sandbox_gid: int,
@@ -107,9 +109,9 @@ def _grant_tree(root: int | str, sandbox_gid: int, is_ours: Callable[[int], bool
     root_fd = (os.dup(root) if isinstance(root, int) else
                os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
     try:
-        stack = [os.dup(root_fd)]
+        stack = [(os.dup(root_fd), "")]
         while stack:
-            dfd = stack.pop()
+            dfd, rel = stack.pop()
             try:
                 st = os.fstat(dfd)
                 report.entries += 1
@@ -129,8 +131,10 @@ def _grant_tree(root: int | str, sandbox_gid: int, is_ours: Callable[[int], bool
                     except OSError:
                         continue
                     cst = os.fstat(fd)
+                    if name == ".git" and len(report.git) < MAX_GIT_DIRS:
+                        report.git.append(f"{rel}{name}")
                     if stat.S_ISDIR(cst.st_mode):
-                        stack.append(fd)
+                        stack.append((fd, f"{rel}{name}/"))
                         continue
                     try:
                         report.entries += 1

@@ -14,7 +14,8 @@ workspace for one call:
    held shared (``wslease.py``; waits while a revoke runs) and the tree is
    granted to the group through the pinned fd (``workspace.grant_tree``);
 4. unless the call may write ``.git``, every ``.git`` entry known for this
-   workspace (its root's, and those the last walk saw) is opened beneath the
+   workspace (its root's, those the last release's walk saw, and those this
+   call's grant walked past) is opened beneath the
    pinned fd with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)``, to be
    bound read-only.
 
@@ -80,6 +81,7 @@ class Pinned:
     gid: int
     root_fd: int = -1  # the pinned workspace itself (``fd`` may be its alias)
     git_fds: list[tuple[int, str]] = field(default_factory=list)  # (fd, relative path)
+    git_seen: list[str] = field(default_factory=list)  # .git entries this call's grant walked
     lease_fd: int = -1  # the workspace's use file, held shared (wslease.py)
     alias: wsalias.Alias | None = None  # the way in for shell, held shared (wsalias.py)
     started_at: float = 0.0  # time.time() before the grant: compared with directory mtimes
@@ -170,7 +172,11 @@ class WorkspacePins:
             self._remember(key, identity)
         fd = pinned.fd
         if shell and not git_writable:
-            for rel in [".git", *self._git.get(identity, [])]:
+            # The grant's walk saw this call's tree: a nested repository is bound
+            # at a worker's first call of the workspace too, not only after a
+            # release's walk noted it.
+            for rel in dict.fromkeys([".git", *self._git.get(identity, []),
+                                      *pinned.git_seen]):
                 gfd = _open_git(fd, rel)
                 if gfd is not None and all(r != rel for _, r in pinned.git_fds):
                     pinned.git_fds.append((gfd, rel))
@@ -190,6 +196,7 @@ class WorkspacePins:
             pinned = Pinned(real, fd, identity, gid, root_fd=os.dup(fd), started_at=time.time())
             pinned.lease_fd = wslease.acquire(self.groups.directory, identity, real)
             report = grant_tree(fd, gid, self.is_ours)
+            pinned.git_seen = report.git
             if not report.complete and not report.read_only_fs:
                 log.warning("workspace %s: granted only its first %d entries", real,
                             report.entries)

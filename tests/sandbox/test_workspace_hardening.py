@@ -193,9 +193,9 @@ async def test_git_is_read_only_unless_opted_in(stack: Stack, client: BrokerClie
     else:  # Landlock cannot carve .git out of the workspace: recorded, not hidden
         assert r.result["isolation"]["git_writable"] is True
         assert any(".git" in d for d in r.result["isolation"]["degraded"])
-    # A nested repository is protected once a sweep has seen it.
+    # A nested repository made since the last call is protected at the next
+    # call (its grant walks past it), without waiting for a sweep to note it.
     (user_ws / "vendor" / "lib" / ".git").mkdir(parents=True)
-    await shell(client, "true", user_ws)
     nested = await shell(client, "touch vendor/lib/.git/HEAD", user_ws)
     if stack.tier == "T2":
         assert nested.result["is_error"]
@@ -205,6 +205,36 @@ async def test_git_is_read_only_unless_opted_in(stack: Stack, client: BrokerClie
     assert opted.result["outcome"] == "ok", opted.result["output"]
     assert opted.result["isolation"]["git_writable"] is True
     assert "[user]" in (git / "config").read_text()
+
+
+async def test_nested_git_is_read_only_at_a_workers_first_call(stack: Stack,
+                                                               client: BrokerClient,
+                                                               user_ws: Path) -> None:
+    """A user's workspace holding nested repositories (a vendored one, a
+    submodule's ``.git`` file) that this worker never saw: the very first
+    call of a hostile model must not plant a hook or rewrite their config
+    (the user's next ``git commit`` there would run it). Before the grant's
+    walk reported them, only the root's ``.git`` was bound at a worker's first
+    call of a workspace, and these writes succeeded."""
+    hooks = user_ws / "vendor" / "lib" / ".git" / "hooks"
+    hooks.mkdir(parents=True)
+    (hooks.parent / "config").write_text("[core]\n")
+    sub = user_ws / "deps" / "sub"
+    sub.mkdir(parents=True)
+    (sub / ".git").write_text("gitdir: ../../.git/modules/sub\n")
+    for path, _ in _tree(user_ws):
+        os.chown(path, OWNER, OWNER)
+    r = await shell(client, "echo 'touch /tmp/pwned' > vendor/lib/.git/hooks/pre-commit; "
+                    "echo '[core] hooksPath = /tmp' >> vendor/lib/.git/config; "
+                    "echo 'gitdir: /tmp/evil' > deps/sub/.git; true", user_ws)
+    if stack.tier != "T2":  # T1 cannot bind .git read-only: recorded as such
+        assert r.result["isolation"]["git_writable"] is True
+        return
+    assert r.result["outcome"] == "ok", r.result["output"]
+    assert r.result["output"].count("Read-only file system") == 3, r.result["output"]
+    assert os.listdir(hooks) == []
+    assert (hooks.parent / "config").read_text() == "[core]\n"
+    assert (sub / ".git").read_text() == "gitdir: ../../.git/modules/sub\n"
 
 
 async def test_workspace_swapped_for_a_symlink_is_refused(
