@@ -386,33 +386,47 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _phase_line(p: dict[str, Any]) -> str:
+ROW = "{:<14} {:>3} {:>8} {:>10} {:>10} {:>11} {:>38} {:>6}"
+
+
+def _row(label: str, p: dict[str, Any], ratio: Any = "") -> str:
+    c = p["clock"]
+    sup = " + ".join(str(v) for k, v in c["cpu_ms_per_turn"].items() if k.startswith("super"))
+    quota = " + ".join(f"{q['cpu_over_wall']}/{q['quota_cores']} ({q['nr_throttled']}/"
+                       f"{q['nr_periods']})" for q in p.get("quota", {}).values()) or "-"
+    return ROW.format(label, p["supervisors"], p["turns_per_s"], c["cores_busy"],
+                      c["host_cores_busy"], sup, quota, ratio)
+
+
+def _detail(p: dict[str, Any]) -> str:
     shares = ", ".join(f"{k} {v}" for k, v in p["clock"]["cpu_ms_per_turn"].items())
-    line = (f"  {p['supervisors']} supervisor(s): {p['turns_per_s']} turns/s; over the "
-            f"clock: {p['clock']['cores_busy']} cores busy (host "
-            f"{p['clock']['host_cores_busy']}), cpu ms/turn: {shares}; loop lag max "
-            f"{p['loop_lag_max_s']}; load {p['loadavg_before']} -> {p['loadavg_after']}")
-    for name, q in p.get("quota", {}).items():
-        line += (f"\n    {name}: {q['cpu_over_wall']} of a core over the clock, quota "
-                 f"{q['quota_cores']}; throttled in {q['nr_throttled']} of "
-                 f"{q['nr_periods']} periods ({q['throttled_s']} s)")
-    return line
+    kind = "sv-bound" if "quota" in p else "machine-bound"
+    return (f"  {kind} {p['supervisors']}: cpu ms/turn over the clock: {shares}; loop lag "
+            f"max {p['loop_lag_max_s']}; load {p['loadavg_before']} -> {p['loadavg_after']}")
 
 
 def describe(r: dict[str, Any]) -> str:
-    lines = [f"two_supervisors_vs_one: {r['ratio']} ({r['one']['sessions']} sessions x "
-             f"{r['one']['turns_each']} turns on PostgreSQL, {r['cores']} cores; the "
-             "supervisors pinned to separate cores, the rest floating: machine-bound)",
-             _phase_line(r["one"]), _phase_line(r["two"])]
+    """A table of the phases (over the clock), then each phase's CPU per role."""
     bound = r["supervisor_bound"]
-    head = (f"two_supervisors_vs_one_supervisor_bound (each supervisor in a cgroup of "
-            f"{bound['quota_cores']} of a core, in both phases): ")
+    lines = [f"two_supervisors_vs_one: {r['one']['sessions']} sessions x "
+             f"{r['one']['turns_each']} turns on PostgreSQL, {r['cores']} cores, each "
+             "supervisor pinned to its own core",
+             ROW.format("phase", "svs", "turns/s", "farm cores", "host cores", "sv ms/turn",
+                        "sv cpu/quota (thr/per)", "ratio"),
+             _row("machine-bound", r["one"]), _row("machine-bound", r["two"], r["ratio"])]
+    phases = [r["one"], r["two"]]
     if "unavailable" in bound:
-        return "\n".join([*lines, head + f"not measured: {bound['unavailable']}"])
-    verdict = (str(bound["ratio"]) if not bound["not_bound"] else
-               f"{bound['ratio']}, NOT supervisor-bound: " + "; ".join(bound["not_bound"]))
-    return "\n".join([*lines, head + verdict, _phase_line(bound["one"]),
-                      _phase_line(bound["two"])])
+        lines.append(f"supervisor-bound: not measured: {bound['unavailable']}")
+    else:
+        label = f"sv-bound {bound['quota_cores']}"
+        lines += [_row(label, bound["one"]), _row(label, bound["two"], bound["ratio"])]
+        phases += [bound["one"], bound["two"]]
+        lines.append("two_supervisors_vs_one_supervisor_bound: " + (
+            f"{bound['ratio']} (each supervisor's quota was its bound; the host had room)"
+            if not bound["not_bound"] else
+            f"{bound['ratio']} is NOT a supervisor-bound ratio: " + "; ".join(
+                bound["not_bound"])))
+    return "\n".join([*lines, *(_detail(p) for p in phases)])
 
 
 def main(argv: list[str] | None = None) -> int:
