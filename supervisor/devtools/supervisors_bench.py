@@ -78,9 +78,9 @@ from supervisor.devtools.sessions_bench import (
 PHASE_TIMEOUT_S = 1800.0
 CLIENT_CONCURRENCY = 64  # creates / submits in flight from this process
 CALL_TIMEOUT_S = 300.0  # a busy supervisor answers a submit late, not never
-# Each supervisor's CPU quota in the supervisor-bound phases, in cores: at ~16 ms of
-# supervisor CPU and ~21 ms of the rest per turn (2026-12-02), two supervisors of 0.25
-# run ~32 turns/s and the farm keeps ~1.2 of the 2 cores busy, leaving the rest room.
+# Each supervisor's CPU quota in the supervisor-bound phases, in cores: at ~12 ms of
+# supervisor CPU and ~24 ms of the rest per turn over the clock (2026-12-02), two
+# supervisors of 0.25 run ~40 turns/s and the farm keeps ~1.5 of the 2 cores busy.
 SUPERVISOR_QUOTA = 0.25
 BOUND_SHARE = 0.8  # a supervisor that used less of its quota was not bound by it
 HOST_ROOM = 0.9  # a host busier than this share of its cores had no room for the rest
