@@ -52,13 +52,15 @@ def test_quota_limits_a_busy_process_and_the_group_is_removed(procs: Procs) -> N
         wait_until(lambda: _cpu(proc) - cpu0 >= 0.2, timeout_s=20.0, interval_s=0.05,
                    what="0.2 s of the child's CPU")
         share = (_cpu(proc) - cpu0) / (time.monotonic() - t0)
-        after = group.stat()
         path = group.path
         assert path.exists()
         # unthrottled, a busy loop takes a whole core; a loaded machine may give it less
         assert share <= CORES * 1.5, f"{share:.2f} of a core under a quota of {CORES}"
-        assert after["nr_throttled"] - before["nr_throttled"] > 0, (before, after)
-        assert after["throttled_s"] > before["throttled_s"]
+        # the kernel throttled it (waited for: a starved child may not have reached
+        # its quota yet on a host busy with other work)
+        wait_until(lambda: group.stat()["nr_throttled"] > before["nr_throttled"],
+                   timeout_s=15.0, interval_s=0.05, what="a throttled period in cpu.stat")
+        assert group.stat()["throttled_s"] > before["throttled_s"]
         assert group.quota_read() == pytest.approx(CORES)
     assert not path.exists()
     assert child.poll() is None  # moved out, not killed
