@@ -933,6 +933,9 @@ class Harness:
         frozen (the broker's STATUS read after the SIGSTOP) must cost some session
         a loss report (``worker_lost`` on a tool call or a model step, or an
         idempotent call's second attempt) within the loss bound."""
+        if fm.group == "supervisor" and fm.only is not None:
+            record["explained"] = "the killed supervisor owned no session with a turn running"
+            return
         if fm.group != "worker":
             record["explained"] = {
                 "supervisor": "no turn was running", "broker": "nothing was in flight",

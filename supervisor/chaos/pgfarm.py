@@ -9,7 +9,8 @@ own (never the farm's):
 
 - ``owners``: which supervisor (owner id, and the pid it recorded in ``supervisors``)
   holds a live lease on which sessions, at the instant a supervisor fault fires (its
-  target and the sessions it really hits);
+  target and the sessions it really hits); for a crash point, right after the claim,
+  the lease rows that still name the supervisor that killed itself;
 - ``event_leases``: after the run, each session's events as the disk holds them,
   with the lease (owner, epoch) each was written under (schema v3), and the lease row
   as it ended: the evidence of the ``fencing`` invariant.
@@ -38,8 +39,11 @@ class Owner:
     sessions: tuple[str, ...]
 
 
-def owners(url: str) -> dict[str, Owner] | None:
-    """Live lease owners: owner id -> its pid and sessions; None if unreachable."""
+def owners(url: str, *, live: bool = True) -> dict[str, Owner] | None:
+    """Lease owners: owner id -> its pid and sessions; None if unreachable. ``live``:
+    only unexpired leases; without it, every lease row naming an owner (a supervisor
+    that just died still names its sessions until another claims them)."""
+    live_only = " AND l.expires_at > extract(epoch from clock_timestamp())" if live else ""
     try:
         with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S,
                              autocommit=True) as conn:
@@ -47,8 +51,7 @@ def owners(url: str) -> dict[str, Owner] | None:
                 "SELECT l.owner, v.pid, s.session_id FROM leases l"
                 " JOIN sessions s ON s.sid = l.sid"
                 " LEFT JOIN supervisors v ON v.supervisor_id = l.owner"
-                " WHERE l.owner IS NOT NULL"
-                " AND l.expires_at > extract(epoch from clock_timestamp())"
+                " WHERE l.owner IS NOT NULL" + live_only +
                 " ORDER BY l.owner, s.session_id").fetchall()
     except psycopg.Error as exc:
         log.info("chaos: reading the leases failed: %s", exc)

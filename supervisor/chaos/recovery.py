@@ -19,7 +19,8 @@ Which sessions a fault *affected* (had work on the killed process):
   step then ended ``retrying`` (its stream or connection broke);
 - the supervisor: sessions with a turn running at the fault; on a farm of several
   supervisors, only among the sessions the killed one owned (``only``, from the
-  leases table at the fault);
+  leases table at the kill; for a crash point, the rows naming its claimer, read
+  right after the claim);
 - a supervisor stopped past its lease (``takeover``): the sessions it owned with a
   turn running; their next progress comes from the supervisor that took them over;
 - PostgreSQL restarted (``store``): sessions with a turn running.

@@ -19,7 +19,10 @@ the supervisor watches (``supervisor/crashpoints.py``) and wait up to
 (``.fired`` file). They are armed only when the farm is steady (``steady``:
 the supervisor up and every session's event client subscribed to it), so the
 kill lands where a client watches: armed while a restarted supervisor is still
-resuming, a point would fire before any client is back and show nothing.
+resuming, a point would fire before any client is back and show nothing. On a farm
+of several supervisors, any of them may claim the point; the record names the
+claimer's ``owner`` and ``sessions`` (the lease rows naming it, read right after the
+claim), the only sessions it can hit.
 ``interrupt_tool`` asks the harness's ``interrupter`` to interrupt a turn with
 a long tool call open.
 
@@ -312,8 +315,27 @@ class Injector:
         # the instant of the kill, from the claim (wall clock) mapped to monotonic
         wall, pid = _fired_at(fired)
         rec.update(hit=True, fired_pid=pid)  # the supervisor claimed it and killed itself
-        before_kill(None, time.monotonic() - max(0.0, time.time() - wall) if wall else None)
+        at = time.monotonic() - max(0.0, time.time() - wall) if wall else None
+        if self.store_url is None:  # one supervisor: every session is its own
+            before_kill(None, at)
+            return rec
+        sessions = await self._owned_by(self.store_url, pid, rec)
+        rec["sessions"] = sessions or []
+        before_kill(None, at, sessions=sessions)
         return rec
+
+    async def _owned_by(self, url: str, pid: int | None,
+                        rec: dict[str, Any]) -> list[str] | None:
+        """The sessions whose lease rows name the supervisor of ``pid`` (it just killed
+        itself: its rows stay until another claims them, a lease later); None: unknown."""
+        held = await asyncio.to_thread(pgfarm.owners, url, live=False)
+        if held is None or pid is None:
+            rec["note"] = ("the leases or the claimer's pid could not be read: its "
+                           "sessions are unknown")
+            return None
+        own = next((o for o in held.values() if o.pid == pid), None)
+        rec["owner"] = own.owner if own is not None else None
+        return list(own.sessions) if own is not None else []
 
 
 def _write_arm(path: str, point: str, fired: str) -> None:

@@ -669,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--two-supervisors", action="store_true", help=(
         "also measure two_supervisors_vs_one (supervisor/devtools/supervisors_bench.py): "
         "turns/s of 1,000 sessions (--quick: 100) x 2 turns on two supervisor processes "
-        "pinned to separate cores over one, on one PostgreSQL store; target >= 1.4"))
+        "pinned to separate cores over one, on one PostgreSQL store; target >= 1.4; then "
+        "the same with each supervisor under a CPU quota (_supervisor_bound)"))
     parser.add_argument("--two-supervisors-only", action="store_true",
                         help="measure two_supervisors_vs_one only (no levels)")
     parser.add_argument("--lease-s", type=float, default=2.0,
@@ -701,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         two = supervisors_bench.run(100 if args.quick else 1000, 2, args.workers,
                                     args.capacity)
         results["two_supervisors_vs_one"] = two
-        ratios["two_supervisors_vs_one"] = two["ratio"]
+        ratios.update(supervisors_bench.ratios(two))
     results["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
         doc = {"name": "sessions", "machine": machine(), "results": results, "ratios": ratios}
