@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,6 +258,32 @@ async def test_import_into_the_running_postgresql_farm(
                                   "go on")
     assert run.returncode == 0, run.stderr + run.stdout
     assert events_of(run.stdout)[-1]["type"] == "turn_complete"
+
+
+async def test_a_second_process_of_a_live_supervisor_id_is_refused(
+        farm2: Path, tmp_path: Path) -> None:
+    """``python -m supervisor --home HOME`` on the farm's own host and home (a user adding
+    a supervisor "like the docs say") has supervisor 1's default id: it exits 2 saying
+    so, before claiming anything. It once started: took supervisor 1's sessions (a start
+    claims those of its own id) and its advertised address, so clients asking for them
+    were sent to it."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    async with SupervisorClient(endpoints[0]) as one:
+        own_id = (await one.status())["supervisors"]["self"]
+    front = json.loads((farm2 / "farm.json").read_text())["endpoints"]["broker_frontend"]
+    try:
+        dup = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "supervisor", "--home", str(farm2),
+                             "--listen", f"ipc://{tmp_path}/dup.sock", "--broker", front],
+            capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as exc:  # it ran: the bug
+        raise AssertionError(f"a second supervisor of id {own_id} kept running") from exc
+    assert dup.returncode == 2, dup.stderr[-2000:]
+    assert f"supervisor id {own_id!r} is in use by pid {_pid(farm2, 'supervisor')}" \
+        in dup.stderr, dup.stderr[-2000:]
+    async with SupervisorClient(endpoints[1]) as two:
+        owners = {o["id"]: o for o in (await two.status())["supervisors"]["owners"]}
+    assert owners[own_id]["address"] == endpoints[0], owners
 
 
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:

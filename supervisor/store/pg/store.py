@@ -456,6 +456,12 @@ class PgStore:
         return await self._read(partial(leases.roster, window_s=window_s),
                                 "reading the supervisors")
 
+    async def holder(self) -> tuple[str, int, str, float] | None:
+        """(host, pid, address, heartbeat age) of the process last advertised under this
+        store's owner id."""
+        return await self._read(partial(leases.holder, owner=self._require_owner()),
+                                "reading this supervisor id's holder")
+
     async def advertise(self, address: str) -> None:
         """Record this supervisor's client address, where others redirect its clients."""
         owner = self._require_owner()
