@@ -217,6 +217,7 @@ async def serve(ns: argparse.Namespace) -> int:
                                      middleware_factory=client_host.middlewares)
             facade = Facade(manager=manager, store=store, broker=broker,
                             engine_config=econf, home=home, defaults=session_defaults(cfg))
+            manager.before_take_over = facade.reload_inline_routes
             wanted = telemetry.Wanted(
                 metrics_listen=ns.metrics or cfg.metrics_listen,
                 web_listen=ns.web or cfg.web_listen,

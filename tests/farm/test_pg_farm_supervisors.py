@@ -22,7 +22,7 @@ import pytest
 from supervisor.client import SupervisorClient, SupervisorError
 from tests.cli.test_cli_e2e import corral, events_of, make_ws
 from tests.farm.conftest import write_home
-from tests.helpers import eventually
+from tests.helpers import Procs, eventually, read_ready
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = {"responses": [
@@ -284,6 +284,63 @@ async def test_a_second_process_of_a_live_supervisor_id_is_refused(
     async with SupervisorClient(endpoints[1]) as two:
         owners = {o["id"]: o for o in (await two.status())["supervisors"]["owners"]}
     assert owners[own_id]["address"] == endpoints[0], owners
+
+
+async def test_a_session_taken_over_uses_the_inline_route_its_owner_registered(
+        farm2: Path, workspace_root: Path, tmp_path: Path, procs: Procs) -> None:
+    """An inline route (``corral run --model script:PATH``: a new provider URL each run)
+    registered on supervisor 2 is the one supervisor 1 uses when it takes the session
+    over mid-turn; it once kept its own older copy of the route (an earlier run's URL,
+    that provider gone) and the taken-over turn failed ``connect_error``."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    script = tmp_path / "slow.json"
+    script.write_text(json.dumps({"responses": [
+        {"tool_calls": [{"name": "shell", "arguments": {"command": "sleep 3; echo slept"}}]},
+        {"text": "done after the takeover", "usage": {"input": 10, "output": 3}}]}))
+    route = {"name": f"script:{script}", "provider": "openai-responses", "model": "scripted",
+             "script": str(script), "native_compaction": True}
+
+    def provider() -> tuple[subprocess.Popen[bytes], str]:
+        proc = procs.python("sandbox_worker.fakellm", "--script", str(script), "--port", "0",
+                            stdout=subprocess.PIPE)
+        return proc, str(read_ready(proc, 30.0)["url"])
+
+    old, old_url = provider()  # an earlier run, through supervisor 1
+    async with SupervisorClient(endpoints[0], follow_redirects=False) as one:
+        await one.call("create_session", placed=True, spec={
+            "workspace": str(make_ws(workspace_root, "r1")),
+            "route_spec": {**route, "base_url": old_url}})
+    old.kill()
+    old.wait(10)
+    _, url = provider()  # this run, through supervisor 2
+    async with SupervisorClient(endpoints[1], follow_redirects=False) as two:
+        sid = str(await two.call("create_session", placed=True, spec={
+            "workspace": str(make_ws(workspace_root, "r2")),
+            "route_spec": {**route, "base_url": url}}))
+        await two.submit(sid, {"type": "user_input", "text": "go"})
+
+        async def tool_started() -> bool:
+            return any(e["type"] == "tool_call_begin"
+                       for e in (await two.history(sid))["events"])
+
+        await eventually(tool_started, timeout_s=30, what="the tool call on supervisor 2")
+    stopped = _pid(farm2, "supervisor-2")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        async with SupervisorClient(endpoints[0]) as one:
+            async def ended() -> list[dict[str, Any]] | None:
+                events: list[dict[str, Any]] = (await one.history(sid))["events"]
+                done = any(e["type"] in ("turn_complete", "turn_aborted") for e in events)
+                return events if done else None
+
+            events = await eventually(ended, timeout_s=120, interval_s=0.2,
+                                      what="the turn to end on supervisor 1")
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "turn_complete", [e for e in events if e["type"] == "error"]
+    ends = [e["payload"]["outcome"] for e in events if e["type"] == "tool_call_end"]
+    assert ends == ["unknown"], ends  # taken over mid-call: reported, not re-run
 
 
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:
