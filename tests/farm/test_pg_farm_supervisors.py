@@ -343,6 +343,32 @@ async def test_a_session_taken_over_uses_the_inline_route_its_owner_registered(
     assert ends == ["unknown"], ends  # taken over mid-call: reported, not re-run
 
 
+async def test_terminate_and_delete_from_a_home_without_a_farm_go_through_the_owner(
+        farm2: Path, workspace_root: Path, tmp_path: Path) -> None:
+    """Another home with the farm's corral.toml and no farm of its own (an operator's
+    host): ``corral terminate`` of a session a supervisor runs goes through that
+    supervisor (it once said "no session ... in HOME": it looked for a SQLite file
+    first), and so does ``corral delete`` of an active one (it once pulled the rows from
+    under the running owner)."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    other = tmp_path / "operator"
+    other.mkdir()
+    (other / "corral.toml").write_text((farm2 / "corral.toml").read_text())
+    sid, _ = await _turn(endpoints[1], make_ws(workspace_root, "o1"), placed=True)
+    term = await asyncio.to_thread(corral, other, "terminate", sid)
+    assert term.returncode == 0, term.stderr + term.stdout
+    assert f"session {sid} terminated" in term.stdout
+    async with SupervisorClient(endpoints[1]) as two:
+        assert (await two.describe(sid))["status"] == "closed"
+    sid2, _ = await _turn(endpoints[1], make_ws(workspace_root, "o2"), placed=True)
+    delete = await asyncio.to_thread(corral, other, "delete", "--yes", sid2)
+    assert delete.returncode == 0, delete.stderr + delete.stdout
+    listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+    assert sid2 not in listed.stdout
+    log = (farm2 / "logs" / "supervisor-2.log").read_text()
+    assert f"session {sid2}: lease lost" not in log
+
+
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:
     """The module's last use of the farm. Each supervisor ends on SIGTERM: none is
     left to the farm's stop timeout and SIGKILL (a lease keeper once kept a
