@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -278,13 +279,36 @@ class Facade:
 
     # -- routes -------------------------------------------------------------
 
-    def _load_inline_routes(self) -> None:
+    def _saved_routes(self) -> dict[str, Any]:
         try:
             saved = json.loads(self.routes_file.read_text())
         except (OSError, json.JSONDecodeError):
-            return
-        for name, route in saved.items():
+            return {}
+        return saved if isinstance(saved, dict) else {}
+
+    def _load_inline_routes(self) -> None:
+        for name, route in self._saved_routes().items():
             self.engine_config.routes.setdefault(name, route)
+
+    def reload_inline_routes(self) -> None:
+        """Take the inline routes (``PROVIDER:MODEL``, ``script:PATH``) as the home's
+        supervisors last registered them, over this one's older copies: a session taken
+        over from another supervisor of this home may use one registered there (a
+        ``corral run --model script:PATH`` registers a new provider URL each run)."""
+        for name, route in self._saved_routes().items():
+            if ":" in name:
+                self.engine_config.routes[name] = route
+
+    def _save_route(self, name: str, route: ModelRoute) -> None:
+        """Add one route to HOME/routes.json, under a lock (several supervisors of a home
+        register routes: each writing its whole set once put back another's stale URL)."""
+        with open(self.routes_file.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            saved = self._saved_routes()
+            saved[name] = route
+            tmp = self.routes_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(saved, sort_keys=True))
+            os.replace(tmp, self.routes_file)
 
     def register_route(self, spec: Any) -> str:
         if not isinstance(spec, dict) or not set(spec) <= _ROUTE_KEYS:
@@ -299,10 +323,8 @@ class Facade:
         name = str(spec.get("name") or f"{spec['provider']}:{spec['model']}")
         route: ModelRoute = {**spec, "name": name}  # type: ignore[typeddict-item]
         self.engine_config.routes[name] = route
-        inline = {n: r for n, r in self.engine_config.routes.items() if ":" in n}
-        tmp = self.routes_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(inline, sort_keys=True))
-        os.replace(tmp, self.routes_file)
+        if ":" in name:  # inline names: a configured route never changes behind the file
+            self._save_route(name, route)
         return name
 
     # -- tenancy ------------------------------------------------------------

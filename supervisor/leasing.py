@@ -28,10 +28,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import socket
 from collections.abc import Container
 from pathlib import Path
 from typing import Any, Protocol, cast
+
+import psutil
 
 from broker.ratelog import RateLimitedLog
 from supervisor.store import SessionId, SessionStore, StoreError
@@ -115,6 +118,30 @@ async def lease_status(store: SessionStore) -> dict[str, Any] | None:
             "address": address, "host": host, "pid": pid, "heard_s_ago": heard_s,
             "silent": heard_s is None or heard_s > lease_s})
     return {"self": owner, "lease_s": lease_s, "owners": owners}
+
+
+async def id_in_use(store: SessionStore) -> str | None:
+    """In lease mode, before anything is claimed: why this process may not run under its
+    supervisor id (None: it may). Another live process of the same id would have its
+    sessions taken at once (a start claims the sessions leased to its own id) and its
+    clients redirected here. Live: heard within a lease and not this process; on this
+    host a dead pid is not live (a restart after a crash or a kill)."""
+    holder = getattr(store, "holder", None)
+    owner = getattr(store, "owner", None)
+    if owner is None or holder is None:
+        return None
+    found: tuple[str, int, str, float] | None = await holder()
+    if found is None:
+        return None
+    host, pid, address, heard_s = found
+    if heard_s > float(getattr(store, "lease_s", 0.0)):
+        return None
+    if host == socket.gethostname() and (pid == os.getpid() or not psutil.pid_exists(pid)):
+        return None
+    return (f"supervisor id {owner!r} is in use by pid {pid} on host {host} (heard "
+            f"{max(0.0, heard_s):.1f}s ago, serving {address}); two processes of one id "
+            "would take each other's sessions: give this one its own --supervisor-id (the "
+            "default is made of the host name and --home)")
 
 
 async def claim_at_start(store: Leased, batch: int = DEFAULT_CLAIM_BATCH) -> list[SessionId]:

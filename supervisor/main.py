@@ -196,6 +196,15 @@ async def serve(ns: argparse.Namespace) -> int:
     except StoreError as exc:  # unreachable, another schema version, not Corral's, ...
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    try:
+        in_use = await leasing.id_in_use(store)
+    except StoreError as exc:  # unknown: start (the lease rounds ride out an outage)
+        log.warning("could not check whether this supervisor id is in use: %s", exc.message)
+        in_use = None
+    if in_use is not None:
+        await store.close()
+        print(f"error: {in_use}", file=sys.stderr)
+        return 2
     client_host = ClientToolHost(store)  # client tools and hooks (docs/tools.md)
     add_router(client_host)
     try:
@@ -208,6 +217,7 @@ async def serve(ns: argparse.Namespace) -> int:
                                      middleware_factory=client_host.middlewares)
             facade = Facade(manager=manager, store=store, broker=broker,
                             engine_config=econf, home=home, defaults=session_defaults(cfg))
+            manager.before_take_over = facade.reload_inline_routes
             wanted = telemetry.Wanted(
                 metrics_listen=ns.metrics or cfg.metrics_listen,
                 web_listen=ns.web or cfg.web_listen,

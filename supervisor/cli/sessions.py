@@ -387,10 +387,17 @@ def cmd_show(ns: Namespace) -> int:
 async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
     """Shut the session down through the running farm; wait until it is closed."""
     from supervisor.cli.reach import live_endpoint
-    from supervisor.client import SupervisorClient, SupervisorError
     from supervisor.farm.layout import FarmPaths
 
-    async with SupervisorClient(await live_endpoint(home)) as sv:
+    return await _terminate_at(await live_endpoint(home), session_id, wait_s,
+                               FarmPaths.of(home).logs / "supervisor.log")
+
+
+async def _terminate_at(endpoint: str, session_id: str, wait_s: float, log: Any) -> str:
+    """Shut the session down through the supervisor at ``endpoint``; wait until closed."""
+    from supervisor.client import SupervisorClient, SupervisorError
+
+    async with SupervisorClient(endpoint) as sv:
         described = await sv.describe(session_id)
         if described.get("status") == "closed":
             return "already terminated"
@@ -412,7 +419,28 @@ async def _terminate(home: Path, session_id: str, wait_s: float = 30.0) -> str:
                 return "terminated"
             await asyncio.sleep(0.05)
     raise TimeoutError(f"session {session_id} did not close within {wait_s:.0f}s; see "
-                       f"{FarmPaths.of(home).logs / 'supervisor.log'}")
+                       f"{log}")
+
+
+async def _through_owner(store: Any, session_id: str) -> str | None:
+    """No farm here, a shared (PostgreSQL) store: a session a live supervisor runs
+    (anywhere) is terminated through it, never behind its back (it would go on running
+    the session, and a delete would pull its rows from under it). The outcome, or None
+    when no live supervisor holds the session."""
+    from supervisor.client import SupervisorError
+    from supervisor.store import SessionId
+
+    locate = getattr(store, "locate", None)
+    found = await locate(SessionId(session_id)) if locate is not None else None
+    if found is None:
+        return None
+    owner, address, _ = found
+    try:
+        return await _terminate_at(address, session_id, 30.0, f"supervisor {owner}'s log")
+    except SupervisorError as exc:
+        raise OSError(f"session {session_id} is run by supervisor {owner} at {address} (a "
+                      f"live lease), which did not terminate it: {exc.message}; run this "
+                      "on a host of that farm, or wait for the lease to lapse") from None
 
 
 async def _close_in_store(home: Path, session_id: str) -> str:
@@ -428,6 +456,9 @@ async def _close_in_store(home: Path, session_id: str) -> str:
             raise LookupError(session_id)
         if record.status != "active":
             return "already terminated"
+        outcome = await _through_owner(store, session_id)
+        if outcome is not None:
+            return outcome
         await store.set_status(SessionId(session_id), "closed")
         return "terminated"
     finally:
@@ -452,9 +483,13 @@ def cmd_terminate(ns: Namespace) -> int:
     from supervisor.farm.layout import FarmPaths
     from supervisor.farm.root import running_farm
 
+    try:
+        shared = _store_url(ns.home) is not None
+    except StoreUnreadable as exc:
+        return say_error(ns, "unavailable", str(exc), EXIT_FAILED)
     if running_farm(ns.home) is not None:
         code, outcome = _session_call(ns, "terminate", lambda: _terminate(ns.home, ns.session))
-    elif not FarmPaths.of(ns.home).db.exists():
+    elif not shared and not FarmPaths.of(ns.home).db.exists():
         return say_error(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}",
                          EXIT_FAILED)
     else:
@@ -486,8 +521,11 @@ async def _delete_in_store(home: Path, session_id: str) -> str:
 
     store = await open_for_home(home)  # SQLite, or [store] url
     try:
-        if await store.get_session(SessionId(session_id)) is None:
+        record = await store.get_session(SessionId(session_id))
+        if record is None:
             raise LookupError(session_id)
+        if record.status == "active":
+            await _through_owner(store, session_id)  # closed there, its lease released
         await store.delete_session(SessionId(session_id))
         return "deleted"
     finally:

@@ -105,6 +105,9 @@ class SessionManager:
         # Telemetry (supervisor.telemetry.hub): told of each committed step and
         # its latency; None when telemetry is off.
         self.on_commit: Callable[[StepWrite, float], None] | None = None
+        # Several supervisors: called before a session taken from another one resumes
+        # (the facade re-reads the inline routes the other registered: HOME/routes.json).
+        self.before_take_over: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -187,6 +190,8 @@ class SessionManager:
     async def take_over(self, sid: SessionId) -> None:
         """Resume a session whose lease this supervisor just took, as after a restart."""
         if sid not in self.sessions:
+            if self.before_take_over is not None:
+                self.before_take_over()
             await self._resume(sid)
 
     # --------------------------------------------------------------- public

@@ -121,7 +121,9 @@ def check_url(url: object) -> str:
                           "(leave [store] out for the embedded SQLite store)")
     try:
         parts = urlsplit(url)
-        port = parts.port
+        # libpq's several hosts (a failover list): HOST1:PORT1,HOST2:PORT2
+        hosts = [urlsplit(f"//{h}") for h in parts.netloc.rpartition("@")[2].split(",")]
+        ports = [h.port for h in hosts]
     except ValueError as exc:
         raise BadStoreUrl(f"{shown}: not a valid URL ({_why(exc)}; percent-encode "
                           "'/', '?', '#', '@' and ':' in the user name and password: "
@@ -129,9 +131,9 @@ def check_url(url: object) -> str:
     if "@" in parts.path:
         raise BadStoreUrl(f"{shown}: an '@' after the host; percent-encode '/', '?', '#' "
                           "and '@' in the user name and password: %2F %3F %23 %40")
-    if not parts.hostname and "host=" not in parts.query:
+    if not any(h.hostname for h in hosts) and "host=" not in parts.query:
         raise BadStoreUrl(f"{shown}: names no host (postgresql://USER@HOST:PORT/DBNAME)")
-    if port == 0:
+    if 0 in ports:
         raise BadStoreUrl(f"{shown}: port 0 is not a port")
     if not parts.path.strip("/"):
         raise BadStoreUrl(f"{shown}: names no database (postgresql://USER@HOST:PORT/DBNAME)")

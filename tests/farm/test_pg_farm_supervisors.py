@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import pytest
 from supervisor.client import SupervisorClient, SupervisorError
 from tests.cli.test_cli_e2e import corral, events_of, make_ws
 from tests.farm.conftest import write_home
-from tests.helpers import eventually
+from tests.helpers import Procs, eventually, read_ready
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = {"responses": [
@@ -256,6 +258,115 @@ async def test_import_into_the_running_postgresql_farm(
                                   "go on")
     assert run.returncode == 0, run.stderr + run.stdout
     assert events_of(run.stdout)[-1]["type"] == "turn_complete"
+
+
+async def test_a_second_process_of_a_live_supervisor_id_is_refused(
+        farm2: Path, tmp_path: Path) -> None:
+    """``python -m supervisor --home HOME`` on the farm's own host and home (a user adding
+    a supervisor "like the docs say") has supervisor 1's default id: it exits 2 saying
+    so, before claiming anything. It once started: took supervisor 1's sessions (a start
+    claims those of its own id) and its advertised address, so clients asking for them
+    were sent to it."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    async with SupervisorClient(endpoints[0]) as one:
+        own_id = (await one.status())["supervisors"]["self"]
+    front = json.loads((farm2 / "farm.json").read_text())["endpoints"]["broker_frontend"]
+    try:
+        dup = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "supervisor", "--home", str(farm2),
+                             "--listen", f"ipc://{tmp_path}/dup.sock", "--broker", front],
+            capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as exc:  # it ran: the bug
+        raise AssertionError(f"a second supervisor of id {own_id} kept running") from exc
+    assert dup.returncode == 2, dup.stderr[-2000:]
+    assert f"supervisor id {own_id!r} is in use by pid {_pid(farm2, 'supervisor')}" \
+        in dup.stderr, dup.stderr[-2000:]
+    async with SupervisorClient(endpoints[1]) as two:
+        owners = {o["id"]: o for o in (await two.status())["supervisors"]["owners"]}
+    assert owners[own_id]["address"] == endpoints[0], owners
+
+
+async def test_a_session_taken_over_uses_the_inline_route_its_owner_registered(
+        farm2: Path, workspace_root: Path, tmp_path: Path, procs: Procs) -> None:
+    """An inline route (``corral run --model script:PATH``: a new provider URL each run)
+    registered on supervisor 2 is the one supervisor 1 uses when it takes the session
+    over mid-turn; it once kept its own older copy of the route (an earlier run's URL,
+    that provider gone) and the taken-over turn failed ``connect_error``."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    script = tmp_path / "slow.json"
+    script.write_text(json.dumps({"responses": [
+        {"tool_calls": [{"name": "shell", "arguments": {"command": "sleep 3; echo slept"}}]},
+        {"text": "done after the takeover", "usage": {"input": 10, "output": 3}}]}))
+    route = {"name": f"script:{script}", "provider": "openai-responses", "model": "scripted",
+             "script": str(script), "native_compaction": True}
+
+    def provider() -> tuple[subprocess.Popen[bytes], str]:
+        proc = procs.python("sandbox_worker.fakellm", "--script", str(script), "--port", "0",
+                            stdout=subprocess.PIPE)
+        return proc, str(read_ready(proc, 30.0)["url"])
+
+    old, old_url = provider()  # an earlier run, through supervisor 1
+    async with SupervisorClient(endpoints[0], follow_redirects=False) as one:
+        await one.call("create_session", placed=True, spec={
+            "workspace": str(make_ws(workspace_root, "r1")),
+            "route_spec": {**route, "base_url": old_url}})
+    old.kill()
+    old.wait(10)
+    _, url = provider()  # this run, through supervisor 2
+    async with SupervisorClient(endpoints[1], follow_redirects=False) as two:
+        sid = str(await two.call("create_session", placed=True, spec={
+            "workspace": str(make_ws(workspace_root, "r2")),
+            "route_spec": {**route, "base_url": url}}))
+        await two.submit(sid, {"type": "user_input", "text": "go"})
+
+        async def tool_started() -> bool:
+            return any(e["type"] == "tool_call_begin"
+                       for e in (await two.history(sid))["events"])
+
+        await eventually(tool_started, timeout_s=30, what="the tool call on supervisor 2")
+    stopped = _pid(farm2, "supervisor-2")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        async with SupervisorClient(endpoints[0]) as one:
+            async def ended() -> list[dict[str, Any]] | None:
+                events: list[dict[str, Any]] = (await one.history(sid))["events"]
+                done = any(e["type"] in ("turn_complete", "turn_aborted") for e in events)
+                return events if done else None
+
+            events = await eventually(ended, timeout_s=120, interval_s=0.2,
+                                      what="the turn to end on supervisor 1")
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "turn_complete", [e for e in events if e["type"] == "error"]
+    ends = [e["payload"]["outcome"] for e in events if e["type"] == "tool_call_end"]
+    assert ends == ["unknown"], ends  # taken over mid-call: reported, not re-run
+
+
+async def test_terminate_and_delete_from_a_home_without_a_farm_go_through_the_owner(
+        farm2: Path, workspace_root: Path, tmp_path: Path) -> None:
+    """Another home with the farm's corral.toml and no farm of its own (an operator's
+    host): ``corral terminate`` of a session a supervisor runs goes through that
+    supervisor (it once said "no session ... in HOME": it looked for a SQLite file
+    first), and so does ``corral delete`` of an active one (it once pulled the rows from
+    under the running owner)."""
+    endpoints = _info(farm2)["endpoints"]["supervisors"]
+    other = tmp_path / "operator"
+    other.mkdir()
+    (other / "corral.toml").write_text((farm2 / "corral.toml").read_text())
+    sid, _ = await _turn(endpoints[1], make_ws(workspace_root, "o1"), placed=True)
+    term = await asyncio.to_thread(corral, other, "terminate", sid)
+    assert term.returncode == 0, term.stderr + term.stdout
+    assert f"session {sid} terminated" in term.stdout
+    async with SupervisorClient(endpoints[1]) as two:
+        assert (await two.describe(sid))["status"] == "closed"
+    sid2, _ = await _turn(endpoints[1], make_ws(workspace_root, "o2"), placed=True)
+    delete = await asyncio.to_thread(corral, other, "delete", "--yes", sid2)
+    assert delete.returncode == 0, delete.stderr + delete.stdout
+    listed = await asyncio.to_thread(corral, farm2, "sessions", "--json")
+    assert sid2 not in listed.stdout
+    log = (farm2 / "logs" / "supervisor-2.log").read_text()
+    assert f"session {sid2}: lease lost" not in log
 
 
 def test_down_stops_each_supervisor_on_its_term_signal(farm2: Path) -> None:

@@ -226,3 +226,25 @@ def test_a_role_without_the_privilege_is_refused_clearly(pg_server: Any,
     finally:
         pg_server.drop_database(url)
         pg_server.psql(f"DROP ROLE IF EXISTS {role}")
+
+
+@pytest.mark.timeout(60)
+async def test_a_failover_list_of_hosts_is_a_store_url(pg_server: Any, tmp_path: Path) -> None:
+    """libpq's several hosts (``HOST1:PORT1,HOST2:PORT2``, how a Patroni or managed
+    cluster is named) are accepted and used: the first refuses, the second serves. Such
+    a URL was refused as 'not a valid URL' (urllib reads one port only)."""
+    url = pg_server.new_database()
+    try:
+        several = url.replace("@127.0.0.1:", "@127.0.0.1:1,127.0.0.1:", 1)
+        assert "127.0.0.1:1,127.0.0.1:" in several
+        _write_config(tmp_path, f'[store]\nurl = "{several}?connect_timeout=5"\n')
+        assert config_mod.load(tmp_path).store_url is not None
+        store = await open_for_home(tmp_path)
+        try:
+            await store.create_session(new_record("s-failover"))
+            assert await store.get_session(SessionId("s-failover")) is not None
+            assert pg_server.password not in store.where
+        finally:
+            await store.close()
+    finally:
+        pg_server.drop_database(url)

@@ -159,6 +159,14 @@ async def roster(conn: Conn, window_s: float) -> list[tuple[Any, ...]]:
         (window_s,))
 
 
+async def holder(conn: Conn, owner: str) -> tuple[str, int, str, float] | None:
+    """(host, pid, address, seconds since its heartbeat) of the process that last
+    advertised ``owner``; None: never advertised."""
+    row = await one(conn, f"SELECT host, pid, address, {NOW} - heartbeat_at FROM supervisors"
+                          " WHERE supervisor_id = %s", (owner,))
+    return None if row is None else (str(row[0]), int(row[1]), str(row[2]), float(row[3]))
+
+
 async def advertise(conn: Conn, owner: str, address: str, host: str, pid: int) -> None:
     """Record (or update, after a restart) where ``owner`` serves clients."""
     await conn.execute((

@@ -30,12 +30,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg import pq
 
 from supervisor.store import port
 from supervisor.store.codec import Limits, check_key, encode
@@ -110,6 +112,23 @@ async def connect(url: str, *, timeout_s: float, what: str,
     return conn
 
 
+def _gone_while_idle(conn: Conn) -> bool:
+    """Whether the server ended this idle connection (a restart, an admin shutdown: its
+    FATAL notice or EOF is waiting on the socket). psycopg learns it only at the next
+    statement, which then failed: after PostgreSQL came back, each connection's first
+    use (the first write, the first read) failed once with ``StoreUnavailable``. Called
+    under the link's lock, when no statement is outstanding."""
+    try:
+        for _ in range(8):  # the FATAL notice, then the end (EOF)
+            readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+            if not readable:
+                break
+            conn.pgconn.consume_input()  # raises at the end of the stream
+    except (psycopg.Error, OSError, ValueError):
+        return True
+    return conn.pgconn.status != pq.ConnStatus.OK
+
+
 class _Link:
     """One connection that is replaced when it breaks (never two at once)."""
 
@@ -123,7 +142,8 @@ class _Link:
         self.lock = asyncio.Lock()
 
     async def get(self) -> Conn:
-        if self.conn is None or self.conn.closed or self.conn.broken:
+        if self.conn is None or self.conn.closed or self.conn.broken \
+                or _gone_while_idle(self.conn):
             if self.conn is not None:
                 await self.conn.close()
                 self.conn = None
@@ -447,6 +467,12 @@ class PgStore(GroupCounts):
         """The supervisors heard within ``window_s`` or holding leases (``leases.roster``)."""
         return await self._read(partial(leases.roster, window_s=window_s),
                                 "reading the supervisors")
+
+    async def holder(self) -> tuple[str, int, str, float] | None:
+        """(host, pid, address, heartbeat age) of the process last advertised under this
+        store's owner id."""
+        return await self._read(partial(leases.holder, owner=self._require_owner()),
+                                "reading this supervisor id's holder")
 
     async def advertise(self, address: str) -> None:
         """Record this supervisor's client address, where others redirect its clients."""
