@@ -9,8 +9,9 @@ resolved again and its parents need not be searchable by the sandbox.
 Invariants:
 - Reads are bounded by ``read_limit_bytes``; writes and edits by
   ``write_limit_bytes`` (and the call's RLIMIT_FSIZE value); listings by
-  ``MAX_LIST_ENTRIES``. Going over a bound is a clear error or a truncated
-  result marked ``truncated`` -- never an unbounded allocation.
+  ``MAX_LIST_ENTRIES`` (a directory is read as a stream, never held whole).
+  Going over a bound is a clear error or a truncated result marked
+  ``truncated`` -- never an unbounded allocation.
 - Every output is at most ``FileLimits.output_bytes`` as a JSON string (the
   store's item bound less the envelope, ``sandbox_worker.api``), whatever the
   file holds: a read shows whole lines up to it, a listing whole rows.
@@ -25,8 +26,10 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -198,6 +201,23 @@ def edit_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize
     return FileResult(f"replaced {n} occurrence{'s' if n != 1 else ''} in {path}")
 
 
+def _first_names(dfd: int, count: int) -> tuple[int, list[str]]:
+    """How many entries the directory ``dfd`` has, and the first ``count``
+    names in sorted order, read as a stream (a directory of millions of
+    entries costs the worker ``count`` names of memory, not millions)."""
+    total = 0
+
+    def names() -> Iterator[str]:
+        nonlocal total
+        with os.scandir(dfd) as it:
+            for entry in it:
+                total += 1
+                yield entry.name
+
+    first = heapq.nsmallest(count, names())
+    return total, first
+
+
 def list_dir(workspace: int | str, args: dict[str, Any], lim: FileLimits | None = None,
              ) -> FileResult:
     path = check_relative(args.get("path", "."))
@@ -212,9 +232,9 @@ def list_dir(workspace: int | str, args: dict[str, Any], lim: FileLimits | None 
     room = (lim or FileLimits()).output_bytes - _MARKER_ROOM
     used = 2
     try:
-        names = sorted(os.listdir(dfd))
+        total, names = _first_names(dfd, MAX_LIST_ENTRIES)
         rows: list[str] = []
-        for name in names[:MAX_LIST_ENTRIES]:
+        for name in names:
             # A name that is not clean UTF-8 text is shown escaped (display_name).
             shown, odd = display_name(name)
             note = "  (name shown escaped: not UTF-8 or has control characters)" if odd else ""
@@ -244,9 +264,9 @@ def list_dir(workspace: int | str, args: dict[str, Any], lim: FileLimits | None 
         raise map_oserror(exc, path) from exc
     finally:
         os.close(dfd)
-    truncated = len(names) > len(rows)
+    truncated = total > len(rows)
     if truncated:
-        rows.append(f"[... {len(names) - len(rows)} more entries not shown]")
+        rows.append(f"[... {total - len(rows)} more entries not shown]")
     if not rows:
         rows.append("(empty directory)")
     return FileResult("\n".join(rows), truncated)
