@@ -237,6 +237,39 @@ async def test_nested_git_is_read_only_at_a_workers_first_call(stack: Stack,
     assert (sub / ".git").read_text() == "gitdir: ../../.git/modules/sub\n"
 
 
+async def test_a_nested_repository_cannot_be_moved_aside(stack: Stack, client: BrokerClient,
+                                                        user_ws: Path) -> None:
+    """Its .git read-only is not enough: a call moved the directory holding it
+    aside (``mv vendor/lib vendor/lib.orig``), made its own ``vendor/lib``
+    with a ``.git`` whose hook it wrote, and the user's next ``git commit``
+    in ``vendor/lib`` ran it. Two calls at once also won a race: one flipped
+    ``vendor`` for a decoy while the other's bwrap bound the real ``.git``
+    over the decoy's (8 of 60 calls wrote into the real one). The
+    directories from the workspace down to a nested ``.git`` are now mount
+    points in every T2 call, which no call can rename or remove."""
+    git = user_ws / "vendor" / "lib" / ".git"
+    (git / "hooks").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    for path, _ in _tree(user_ws):
+        os.chown(path, OWNER, OWNER)
+    attack = ("mv vendor/lib vendor/lib.orig; mv vendor v2; rm -rf vendor; "
+              "mv vendor/lib/.git vendor/lib/old; "
+              "mkdir -p vendor/lib/.git/hooks && echo 'touch /tmp/pwned' > "
+              "vendor/lib/.git/hooks/pre-commit; echo work > vendor/lib/notes; true")
+    r = await shell(client, attack, user_ws)
+    if stack.tier != "T2":  # T1 cannot bind .git read-only: recorded as such
+        assert r.result["isolation"]["git_writable"] is True
+        return
+    assert r.result["outcome"] == "ok", r.result["output"]
+    assert r.result["output"].count("Device or resource busy") >= 3, r.result["output"]
+    assert sorted(os.listdir(user_ws)) == ["vendor"]
+    assert sorted(os.listdir(user_ws / "vendor")) == ["lib"]
+    assert sorted(os.listdir(git)) == ["HEAD", "hooks"]
+    assert os.listdir(git / "hooks") == []
+    # The rest of the nested repository stays writable.
+    assert (user_ws / "vendor" / "lib" / "notes").read_text() == "work\n"
+
+
 async def test_workspace_swapped_for_a_symlink_is_refused(
         stack: Stack, client: BrokerClient) -> None:
     with searchable_dir("corral-parent-", "/tmp") as parent, \
