@@ -129,10 +129,13 @@ def read_file(workspace: int | str, args: dict[str, Any], lim: FileLimits) -> Fi
 
 
 def _check_size(content: bytes, lim: FileLimits, fsize: int) -> None:
+    _check_length(len(content), lim, fsize)
+
+
+def _check_length(length: int, lim: FileLimits, fsize: int) -> None:
     top = min(lim.write_limit_bytes, fsize)
-    if len(content) > top:
-        raise FileProblem(f"content is {len(content)} bytes; the limit is {top}",
-                          kind="too_large")
+    if length > top:
+        raise FileProblem(f"content is {length} bytes; the limit is {top}", kind="too_large")
 
 
 def write_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize: int,
@@ -189,7 +192,13 @@ def edit_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize
             raise EditMismatch(f"'old' text occurs {found} times in {path}, fewer than "
                                f"count={count}", kind="old_not_found")
         n = 1 if count is None else int(count)
-        updated = text.replace(old, new, n).encode("utf-8")
+        # The result's size before making it: a 1 MB file of "a", old "a", new
+        # 2,000 characters and count 1,000,000 asked for 2 GB, and the worker
+        # went silent building it (the broker declared it lost).
+        grow = len(new.encode("utf-8", "surrogatepass")) - len(old.encode("utf-8",
+                                                                            "surrogatepass"))
+        _check_length(len(raw) + n * grow, lim, fsize)
+        updated = text.replace(old, new, n).encode("utf-8", "surrogatepass")
         _check_size(updated, lim, fsize)
         os.lseek(fd, 0, os.SEEK_SET)
         os.ftruncate(fd, 0)

@@ -154,3 +154,27 @@ async def test_many_directories_do_not_exhaust_the_workers_fds(stack: Stack,
             assert os.stat(workspace / "d" / sub).st_uid == owner, sub
     finally:
         resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+
+
+def _peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+async def test_an_edit_is_bounded_before_it_is_made(stack: Stack, client: BrokerClient,
+                                                    workspace: Path) -> None:
+    """edit_file checked the result's size after building it: a 1 MB file of
+    "a", old "a", new 500 characters and count 1,000,000 made the worker build
+    500 MB of text and as much UTF-8 (with new 2,000 characters, 2 GB: the
+    worker went silent and the broker declared it lost). The size is now
+    computed first; the worker's peak RSS does not move."""
+    made = await shell(client, "head -c 1000000 /dev/zero | tr '\\0' a > big", workspace)
+    assert made.result["outcome"] == "ok", made.result["output"]
+    before = _peak_rss_kib(stack.worker.pid)
+    r = await call_tool(client, "edit_file", {"path": "big", "old": "a", "new": "b" * 500,
+                                              "count": 1_000_000}, workspace)
+    assert r.result["error_kind"] == "too_large", r.result["output"]
+    assert "500000000 bytes" in r.result["output"]
+    grew_mib = (_peak_rss_kib(stack.worker.pid) - before) // 1024
+    assert grew_mib < 100, f"the worker's peak RSS grew by {grew_mib} MiB"
+    assert os.stat(workspace / "big").st_size == 1_000_000
