@@ -51,7 +51,7 @@ from typing import Any, Final
 
 from sandbox_worker.sandbox import wsalias, wslease
 from sandbox_worker.sandbox.errors import WorkspaceUnusable
-from sandbox_worker.sandbox.ownership import SweepReport, normalise, release
+from sandbox_worker.sandbox.ownership import MAX_GIT_DIRS, SweepReport, normalise, release
 from sandbox_worker.sandbox.resolve import openat2
 from sandbox_worker.sandbox.workspace import (
     check_reachable,
@@ -263,7 +263,7 @@ class WorkspacePins:
         finally:
             pinned.close()
         if report is not None:
-            self._note_git(pinned.identity, report)
+            self._note_git(pinned.identity, report, pinned.git_seen)
         return report
 
     def _release(self, pinned: Pinned, *, full: bool) -> SweepReport | None:
@@ -289,8 +289,15 @@ class WorkspacePins:
                      pinned.path, report.chowned, report.stripped)
         return report
 
-    def _note_git(self, identity: Identity, report: SweepReport) -> None:
-        self._git[identity] = [g for g in report.git if g != ".git"]
+    def _note_git(self, identity: Identity, report: SweepReport, seen: list[str]) -> None:
+        found = [g for g in report.git if g != ".git"]
+        if not report.complete:
+            # The walk stopped at its bound: a repository it did not reach is
+            # still there (a call that filled the tree with entries walked
+            # first made the next calls forget it, and left it unbound).
+            found = list(dict.fromkeys([*found, *self._git.get(identity, []),
+                                        *(g for g in seen if g != ".git")]))[:MAX_GIT_DIRS]
+        self._git[identity] = found
         self._git.move_to_end(identity)
         while len(self._git) > MEMO_MAX:
             self._git.popitem(last=False)

@@ -471,3 +471,39 @@ def test_aliases_no_call_holds_are_detached_by_a_sweep() -> None:
     assert wsalias._is_mount(alias.path)  # the workspace is gone, its alias not yet
     wsalias.sweep()
     assert not wsalias._is_mount(alias.path)
+
+
+async def test_a_walk_cut_at_its_bound_forgets_no_nested_repository(
+        user_ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grant and the release walk a bounded number of entries (200 000
+    and 400 000). A call that filled the workspace with entries walked before
+    a nested repository made the release's walk stop short of it, and the
+    worker replaced what it knew of the workspace's repositories with that
+    walk's list: the next calls bound no read-only ``.git`` there. A walk cut
+    short now adds to what was known instead. (Bounds of 3 entries stand for
+    the real ones; the pins are the worker's own, on a real tree.)"""
+    from sandbox_worker.sandbox import ownership, workspace
+    from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
+    from sandbox_worker.tools.pinning import WorkspacePins
+
+    (user_ws / "vendor" / "lib" / ".git").mkdir(parents=True)
+    for i in range(20):
+        (user_ws / f"fill{i}").mkdir()
+    groups = WorkspaceGroups(920_000, 16, str(tmp_path / "groups"))
+    groups.setup()
+    pins = WorkspacePins(groups, 920_999, None, lambda uid: uid == 999)
+
+    async def bound() -> list[str]:
+        pinned = await pins.open(str(user_ws), "s-bound", None, shell=True,
+                                 git_writable=False)
+        try:
+            return [rel for _, rel in pinned.git_fds]
+        finally:
+            await pins.release(pinned)
+
+    assert await bound() == ["vendor/", "vendor/lib/", "vendor/lib/.git"]
+    monkeypatch.setattr(workspace, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(ownership, "RELEASE_MAX_ENTRIES", 3)
+    monkeypatch.setattr(ownership, "MAX_ENTRIES", 3)
+    for _ in range(2):  # the walks see 3 entries now; the repository stays bound
+        assert await bound() == ["vendor/", "vendor/lib/", "vendor/lib/.git"]
