@@ -62,6 +62,7 @@ from sandbox_worker.sandbox.acl import (
     read_acl,
     revoke_entry,
 )
+from sandbox_worker.sandbox.treewalk import entries, keep, reopen
 
 log = logging.getLogger(__name__)
 
@@ -117,20 +118,21 @@ def _give(dfd: int, name: str, fd: int, st: os.stat_result, owner: int, group: i
 
 def _walk(report: SweepReport, limit: int,
           visit: Callable[[int, os.DirEntry[str], str, Frame, list[Frame]], None],
-          first: Frame) -> None:
+          root_fd: int, first: Frame) -> None:
+    """Visit the tree of ``first`` (the root's frame) top down, at most
+    ``limit`` entries; ``visit`` pushes the directories to list next, each
+    with ``treewalk.keep`` (at most ``HELD_FDS_MAX`` fds held: the rest are
+    reopened beneath ``root_fd`` by path)."""
     stack: list[Frame] = [first]
     try:
         while stack:
             frame = stack.pop()
-            dfd, rel = frame[0], frame[1]
+            rel = frame[1]
+            dfd = reopen(root_fd, frame[0], rel)
+            if dfd is None:
+                continue  # gone, or no longer a directory
             try:
-                rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-                try:
-                    with os.scandir(rfd) as it:
-                        entries = list(it)
-                finally:
-                    os.close(rfd)
-                for entry in entries:
+                for entry in entries(dfd):  # read lazily: no further than the bound
                     if report.entries >= limit:
                         report.complete = False
                         break
@@ -144,7 +146,8 @@ def _walk(report: SweepReport, limit: int,
                 os.close(dfd)
     finally:
         for frame in stack:
-            os.close(frame[0])
+            if frame[0] >= 0:
+                os.close(frame[0])
 
 
 def release(root_fd: int, is_tool_uid: Callable[[int], bool],
@@ -174,7 +177,8 @@ def release(root_fd: int, is_tool_uid: Callable[[int], bool],
             changed, default = revoke_entry(fd, st, is_ours)
             report.revoked += changed
             if stat.S_ISDIR(st.st_mode):
-                stack.append((fd, f"{path}/", bool(st.st_mode & stat.S_ISGID), default, True))
+                stack.append((keep(fd, len(stack)), f"{path}/", bool(st.st_mode & stat.S_ISGID),
+                              default, True))
                 fd = -1
         except OSError:
             pass  # replaced meanwhile
@@ -182,7 +186,7 @@ def release(root_fd: int, is_tool_uid: Callable[[int], bool],
             if fd >= 0:
                 os.close(fd)
 
-    _walk(report, RELEASE_MAX_ENTRIES, visit,
+    _walk(report, RELEASE_MAX_ENTRIES, visit, root_fd,
           (os.dup(root_fd), "", bool(root.st_mode & stat.S_ISGID), root_default, True))
     if not report.complete:
         log.warning("workspace release stopped at %d entries", RELEASE_MAX_ENTRIES)
@@ -234,7 +238,8 @@ def normalise(root_fd: int, is_tool_uid: Callable[[int], bool],
                     grant_entry(fd, st, *grant)
             if stat.S_ISDIR(st.st_mode):
                 examine = tools or fresh(fd)
-                stack.append((fd, f"{path}/", bool(st.st_mode & stat.S_ISGID),
+                stack.append((keep(fd, len(stack)), f"{path}/",
+                              bool(st.st_mode & stat.S_ISGID),
                               _default_of(fd) if examine else None, examine))
                 fd = -1
         except OSError:
@@ -247,7 +252,7 @@ def normalise(root_fd: int, is_tool_uid: Callable[[int], bool],
     examine_root = fresh(root_fd)
     first: Frame = (os.dup(root_fd), "", bool(root.st_mode & stat.S_ISGID),
                     _default_of(root_fd) if examine_root else None, examine_root)
-    _walk(report, MAX_ENTRIES, visit, first)
+    _walk(report, MAX_ENTRIES, visit, root_fd, first)
     if not report.complete:
         log.warning("workspace sweep stopped at %d entries", MAX_ENTRIES)
     return report

@@ -56,7 +56,10 @@ class RunSpec:
     wall_s: float
     output_bytes: int
     pass_fds: Sequence[int] = ()
-    cwd: str | None = None
+    # The chain starts in "/" (each tier then enters the workspace itself): it
+    # inherited the worker's directory, which the cgroup link's shell put in
+    # PWD, so a T2 call read the worker's path in /proc/1/environ.
+    cwd: str | None = "/"
     grace_s: float = 2.0
     coalesce_s: float = 0.05
     uid: int | None = None  # the call's own uid: its processes are found by it too

@@ -160,7 +160,10 @@ def call_mounts(size: str, workspace: str, inside: str, *, workspace_fd: int | N
     ``/dev``, private size-limited ``/tmp`` and ``/dev/shm`` tmpfs, the
     workspace at ``inside`` (from the pinned fd when given; read-only with
     ``read_only``) and each ``ro_fds`` entry (a ``.git``) bound read-only over
-    it. The fds handed to bwrap are dups appended to ``pass_fds``."""
+    it; an entry whose path ends in ``/`` (a directory holding a nested
+    ``.git``, listed before it) is bound over itself as the workspace is, so
+    that it is a mount point no call can rename. The fds handed to bwrap are
+    dups appended to ``pass_fds``."""
     argv = ["--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
             "--size", size, "--tmpfs", "/dev/shm"]
     if workspace_fd is not None:
@@ -172,7 +175,11 @@ def call_mounts(size: str, workspace: str, inside: str, *, workspace_fd: int | N
     for fd, rel in ro_fds:
         dup = os.dup(fd)
         pass_fds.append(dup)
-        argv += ["--ro-bind-fd", str(dup), f"{inside}/{rel}"]
+        if rel.endswith("/"):  # a directory a nested .git is in: pinned against renames
+            argv += ["--ro-bind-fd" if read_only else "--bind-fd", str(dup),
+                     f"{inside}/{rel.rstrip('/')}"]
+        else:
+            argv += ["--ro-bind-fd", str(dup), f"{inside}/{rel}"]
     return argv
 
 

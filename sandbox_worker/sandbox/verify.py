@@ -286,7 +286,7 @@ async def run_probe(argv: list[str], env: dict[str, str], pass_fds: Sequence[int
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env=env, pass_fds=tuple(pass_fds),
-                start_new_session=True)
+                cwd="/", start_new_session=True)  # as process.run: not the worker's
             MANAGED_HEADS.add(proc.pid)
     except OSError as exc:
         return 127, "", f"{argv[0]}: {exc.strerror}", {}, ""

@@ -58,6 +58,7 @@ from sandbox_worker.sandbox.resolve import (
     RESOLVE_NO_SYMLINKS,
     openat2,
 )
+from sandbox_worker.sandbox.treewalk import entries, keep, reopen
 
 log = logging.getLogger(__name__)
 
@@ -109,49 +110,61 @@ def _grant_tree(root: int | str, sandbox_gid: int, is_ours: Callable[[int], bool
     root_fd = (os.dup(root) if isinstance(root, int) else
                os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
     try:
-        stack = [(os.dup(root_fd), "")]
-        while stack:
-            dfd, rel = stack.pop()
-            try:
-                st = os.fstat(dfd)
-                report.entries += 1
-                report.changed += grant_entry(dfd, st, sandbox_gid, is_ours)
-                # O_PATH fds cannot list; reopen this very directory for reading.
-                rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
+        # Directories to visit: an fd while few wait, else a path (treewalk.py).
+        stack: list[tuple[int, str]] = [(os.dup(root_fd), "")]
+        try:
+            while stack:
+                held, rel = stack.pop()
+                dfd = reopen(root_fd, held, rel)
+                if dfd is None:
+                    continue  # gone, or no longer a directory
                 try:
-                    names = os.listdir(rfd)
+                    _grant_dir(dfd, rel, sandbox_gid, is_ours, report, stack)
                 finally:
-                    os.close(rfd)
-                for name in names:
-                    if report.entries >= MAX_ENTRIES:
-                        report.complete = False
-                        break
-                    try:
-                        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                    except OSError:
-                        continue
-                    cst = os.fstat(fd)
-                    if name == ".git" and len(report.git) < MAX_GIT_DIRS:
-                        report.git.append(f"{rel}{name}")
-                    if stat.S_ISDIR(cst.st_mode):
-                        stack.append((fd, f"{rel}{name}/"))
-                        continue
-                    try:
-                        report.entries += 1
-                        if stat.S_ISREG(cst.st_mode) and cst.st_nlink > 1:
-                            report.skipped_links += 1
-                        else:
-                            report.changed += grant_entry(fd, cst, sandbox_gid, is_ours)
-                    finally:
-                        os.close(fd)
-            finally:
-                os.close(dfd)
+                    os.close(dfd)
+        finally:
+            for held, _ in stack:
+                if held >= 0:
+                    os.close(held)
     finally:
         os.close(root_fd)
     if not report.complete:
         log.warning("workspace %s has more than %d entries; granted only the first ones",
                     root, MAX_ENTRIES)
     return report
+
+
+def _grant_dir(dfd: int, rel: str, sandbox_gid: int, is_ours: Callable[[int], bool],
+               report: GrantReport, stack: list[tuple[int, str]]) -> None:
+    """Grant the directory ``dfd`` and its entries; push its subdirectories."""
+    st = os.fstat(dfd)
+    report.entries += 1
+    report.changed += grant_entry(dfd, st, sandbox_gid, is_ours)
+    for entry in entries(dfd):  # read lazily: no further than the bound
+        if report.entries >= MAX_ENTRIES:
+            report.complete = False
+            break
+        name = entry.name
+        try:
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError:
+            continue
+        try:
+            cst = os.fstat(fd)
+            if name == ".git" and len(report.git) < MAX_GIT_DIRS:
+                report.git.append(f"{rel}{name}")
+            if stat.S_ISDIR(cst.st_mode):
+                stack.append((keep(fd, len(stack)), f"{rel}{name}/"))
+                fd = -1
+                continue
+            report.entries += 1
+            if stat.S_ISREG(cst.st_mode) and cst.st_nlink > 1:
+                report.skipped_links += 1
+            else:
+                report.changed += grant_entry(fd, cst, sandbox_gid, is_ours)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 def validate_workspace(path: object, workspace_root: str | None) -> str:

@@ -9,8 +9,9 @@ resolved again and its parents need not be searchable by the sandbox.
 Invariants:
 - Reads are bounded by ``read_limit_bytes``; writes and edits by
   ``write_limit_bytes`` (and the call's RLIMIT_FSIZE value); listings by
-  ``MAX_LIST_ENTRIES``. Going over a bound is a clear error or a truncated
-  result marked ``truncated`` -- never an unbounded allocation.
+  ``MAX_LIST_ENTRIES`` (a directory is read as a stream, never held whole).
+  Going over a bound is a clear error or a truncated result marked
+  ``truncated`` -- never an unbounded allocation.
 - Every output is at most ``FileLimits.output_bytes`` as a JSON string (the
   store's item bound less the envelope, ``sandbox_worker.api``), whatever the
   file holds: a read shows whole lines up to it, a listing whole rows.
@@ -25,8 +26,10 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -126,10 +129,13 @@ def read_file(workspace: int | str, args: dict[str, Any], lim: FileLimits) -> Fi
 
 
 def _check_size(content: bytes, lim: FileLimits, fsize: int) -> None:
+    _check_length(len(content), lim, fsize)
+
+
+def _check_length(length: int, lim: FileLimits, fsize: int) -> None:
     top = min(lim.write_limit_bytes, fsize)
-    if len(content) > top:
-        raise FileProblem(f"content is {len(content)} bytes; the limit is {top}",
-                          kind="too_large")
+    if length > top:
+        raise FileProblem(f"content is {length} bytes; the limit is {top}", kind="too_large")
 
 
 def write_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize: int,
@@ -186,7 +192,13 @@ def edit_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize
             raise EditMismatch(f"'old' text occurs {found} times in {path}, fewer than "
                                f"count={count}", kind="old_not_found")
         n = 1 if count is None else int(count)
-        updated = text.replace(old, new, n).encode("utf-8")
+        # The result's size before making it: a 1 MB file of "a", old "a", new
+        # 2,000 characters and count 1,000,000 asked for 2 GB, and the worker
+        # went silent building it (the broker declared it lost).
+        grow = len(new.encode("utf-8", "surrogatepass")) - len(old.encode("utf-8",
+                                                                            "surrogatepass"))
+        _check_length(len(raw) + n * grow, lim, fsize)
+        updated = text.replace(old, new, n).encode("utf-8", "surrogatepass")
         _check_size(updated, lim, fsize)
         os.lseek(fd, 0, os.SEEK_SET)
         os.ftruncate(fd, 0)
@@ -196,6 +208,23 @@ def edit_file(workspace: int | str, args: dict[str, Any], lim: FileLimits, fsize
     finally:
         os.close(fd)
     return FileResult(f"replaced {n} occurrence{'s' if n != 1 else ''} in {path}")
+
+
+def _first_names(dfd: int, count: int) -> tuple[int, list[str]]:
+    """How many entries the directory ``dfd`` has, and the first ``count``
+    names in sorted order, read as a stream (a directory of millions of
+    entries costs the worker ``count`` names of memory, not millions)."""
+    total = 0
+
+    def names() -> Iterator[str]:
+        nonlocal total
+        with os.scandir(dfd) as it:
+            for entry in it:
+                total += 1
+                yield entry.name
+
+    first = heapq.nsmallest(count, names())
+    return total, first
 
 
 def list_dir(workspace: int | str, args: dict[str, Any], lim: FileLimits | None = None,
@@ -212,9 +241,9 @@ def list_dir(workspace: int | str, args: dict[str, Any], lim: FileLimits | None 
     room = (lim or FileLimits()).output_bytes - _MARKER_ROOM
     used = 2
     try:
-        names = sorted(os.listdir(dfd))
+        total, names = _first_names(dfd, MAX_LIST_ENTRIES)
         rows: list[str] = []
-        for name in names[:MAX_LIST_ENTRIES]:
+        for name in names:
             # A name that is not clean UTF-8 text is shown escaped (display_name).
             shown, odd = display_name(name)
             note = "  (name shown escaped: not UTF-8 or has control characters)" if odd else ""
@@ -244,9 +273,9 @@ def list_dir(workspace: int | str, args: dict[str, Any], lim: FileLimits | None 
         raise map_oserror(exc, path) from exc
     finally:
         os.close(dfd)
-    truncated = len(names) > len(rows)
+    truncated = total > len(rows)
     if truncated:
-        rows.append(f"[... {len(names) - len(rows)} more entries not shown]")
+        rows.append(f"[... {total - len(rows)} more entries not shown]")
     if not rows:
         rows.append("(empty directory)")
     return FileResult("\n".join(rows), truncated)

@@ -51,7 +51,7 @@ from typing import Any, Final
 
 from sandbox_worker.sandbox import wsalias, wslease
 from sandbox_worker.sandbox.errors import WorkspaceUnusable
-from sandbox_worker.sandbox.ownership import SweepReport, normalise, release
+from sandbox_worker.sandbox.ownership import MAX_GIT_DIRS, SweepReport, normalise, release
 from sandbox_worker.sandbox.resolve import openat2
 from sandbox_worker.sandbox.workspace import (
     check_reachable,
@@ -80,7 +80,10 @@ class Pinned:
     identity: Identity
     gid: int
     root_fd: int = -1  # the pinned workspace itself (``fd`` may be its alias)
-    git_fds: list[tuple[int, str]] = field(default_factory=list)  # (fd, relative path)
+    # (fd, relative path) bound read-only over the workspace at T2: each .git
+    # entry, and before them ("dir/", bound read-write over itself) the
+    # directories a nested one is in
+    git_fds: list[tuple[int, str]] = field(default_factory=list)
     git_seen: list[str] = field(default_factory=list)  # .git entries this call's grant walked
     lease_fd: int = -1  # the workspace's use file, held shared (wslease.py)
     alias: wsalias.Alias | None = None  # the way in for shell, held shared (wsalias.py)
@@ -107,16 +110,28 @@ def _identity(value: Any) -> Identity | None:
     return None
 
 
-def _open_git(fd: int, rel: str) -> int | None:
+def _open_git(fd: int, rel: str, *, directory: bool = False) -> int | None:
+    """``rel`` beneath ``fd`` (no symlink followed), if it is a directory or
+    (unless ``directory``) a regular file."""
     try:
         gfd = openat2(fd, rel, os.O_PATH | os.O_NOFOLLOW)
     except OSError:
         return None
     mode = os.fstat(gfd).st_mode
-    if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+    if stat.S_ISDIR(mode) or (stat.S_ISREG(mode) and not directory):
         return gfd
     os.close(gfd)
     return None
+
+
+def _keep(pinned: Pinned, fd: int, rel: str) -> bool:
+    """Add ``(fd, rel)`` to the call's binds unless ``rel`` is there already
+    (then ``fd`` is closed)."""
+    if any(r == rel for _, r in pinned.git_fds):
+        os.close(fd)
+        return False
+    pinned.git_fds.append((fd, rel))
+    return True
 
 
 class WorkspacePins:
@@ -175,13 +190,22 @@ class WorkspacePins:
             # The grant's walk saw this call's tree: a nested repository is bound
             # at a worker's first call of the workspace too, not only after a
             # release's walk noted it.
-            for rel in dict.fromkeys([".git", *self._git.get(identity, []),
-                                      *pinned.git_seen]):
-                gfd = _open_git(fd, rel)
-                if gfd is not None and all(r != rel for _, r in pinned.git_fds):
-                    pinned.git_fds.append((gfd, rel))
-                elif gfd is not None:
-                    os.close(gfd)
+            gits = [rel for rel in dict.fromkeys([".git", *self._git.get(identity, []),
+                                                  *pinned.git_seen])
+                    if (gfd := _open_git(fd, rel)) is not None and _keep(pinned, gfd, rel)]
+            # A nested repository's directories, from the workspace down, each
+            # bound over itself (read-write) before its .git: a mount point
+            # cannot be renamed, so no call can move the repository aside and
+            # put a directory of its own, with a .git of its own, in its place
+            # (the user's next git command there would run its hooks).
+            for rel in sorted({"/".join(g.split("/")[:i]) for g in gits
+                               for i in range(1, g.count("/") + 1)},
+                              key=lambda r: r.count("/")):
+                dfd = _open_git(fd, rel, directory=True)
+                if dfd is not None:
+                    _keep(pinned, dfd, rel + "/")
+            # The .git entries after the directories they are in.
+            pinned.git_fds.sort(key=lambda e: not e[1].endswith("/"))
         return pinned
 
     def _open(self, real: str, pinned_id: Identity | None, shell: bool) -> Pinned:
@@ -239,7 +263,7 @@ class WorkspacePins:
         finally:
             pinned.close()
         if report is not None:
-            self._note_git(pinned.identity, report)
+            self._note_git(pinned.identity, report, pinned.git_seen)
         return report
 
     def _release(self, pinned: Pinned, *, full: bool) -> SweepReport | None:
@@ -265,8 +289,15 @@ class WorkspacePins:
                      pinned.path, report.chowned, report.stripped)
         return report
 
-    def _note_git(self, identity: Identity, report: SweepReport) -> None:
-        self._git[identity] = [g for g in report.git if g != ".git"]
+    def _note_git(self, identity: Identity, report: SweepReport, seen: list[str]) -> None:
+        found = [g for g in report.git if g != ".git"]
+        if not report.complete:
+            # The walk stopped at its bound: a repository it did not reach is
+            # still there (a call that filled the tree with entries walked
+            # first made the next calls forget it, and left it unbound).
+            found = list(dict.fromkeys([*found, *self._git.get(identity, []),
+                                        *(g for g in seen if g != ".git")]))[:MAX_GIT_DIRS]
+        self._git[identity] = found
         self._git.move_to_end(identity)
         while len(self._git) > MEMO_MAX:
             self._git.popitem(last=False)

@@ -4,6 +4,8 @@ the call left, disk space back."""
 
 from __future__ import annotations
 
+import os
+import resource
 import shutil
 import uuid
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from broker.client import BrokerClient
 from tests.sandbox.conftest import (
     Stack,
+    call_tool,
     host_exists,
     needs_system_python,
     no_call_processes,
@@ -119,3 +122,59 @@ async def test_disk_fill_stops_at_file_size_limit(stack: Stack, client: BrokerCl
     # Free space is back (within what other users of this shared disk may do).
     assert shutil.disk_usage(workspace).free > free_before - 64 * MIB
     await no_call_processes(stack.uids, call_id)
+
+
+async def test_many_directories_do_not_exhaust_the_workers_fds(stack: Stack,
+                                                               client: BrokerClient,
+                                                               workspace: Path) -> None:
+    """A call makes 3,000 subdirectories in one directory (under a second).
+    The release after it and the next call's grant walk the tree; they held
+    an fd per directory still to visit, so with the worker's RLIMIT_NOFILE at
+    1,024 the walks skipped the directories past the limit (the next call
+    could not write in them: "Permission denied"; the release left them to
+    the tool uid), and any other call of the worker that needed an fd while
+    a walk held them all failed ("Too many open files"). The walks now hold
+    a bounded number of fds (sandbox/treewalk.py)."""
+    pid = stack.worker.pid
+    old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (1024, old[1]))  # the soft limit only
+    try:
+        made = await shell(client, "mkdir d && cd d && seq 3000 | xargs mkdir && ls | wc -l",
+                           workspace)
+        assert made.result["outcome"] == "ok", made.result["output"]
+        again = await shell(client, "touch d/1/x d/3000/x && echo done", workspace)
+        assert again.result["outcome"] == "ok", again.result["output"]
+        listed = await call_tool(client, "list_dir", {"path": "d"}, workspace)
+        assert listed.result["outcome"] == "ok", listed.result["output"]
+        assert listed.result["output"].splitlines()[0] == "1/"
+        assert "[... 2000 more entries not shown]" in listed.result["output"]
+        # Both releases reached every directory: all given to the workspace's owner.
+        owner = os.stat(workspace).st_uid
+        for sub in ("1", "1500", "3000", "3000/x"):
+            assert os.stat(workspace / "d" / sub).st_uid == owner, sub
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+
+
+def _peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+async def test_an_edit_is_bounded_before_it_is_made(stack: Stack, client: BrokerClient,
+                                                    workspace: Path) -> None:
+    """edit_file checked the result's size after building it: a 1 MB file of
+    "a", old "a", new 500 characters and count 1,000,000 made the worker build
+    500 MB of text and as much UTF-8 (with new 2,000 characters, 2 GB: the
+    worker went silent and the broker declared it lost). The size is now
+    computed first; the worker's peak RSS does not move."""
+    made = await shell(client, "head -c 1000000 /dev/zero | tr '\\0' a > big", workspace)
+    assert made.result["outcome"] == "ok", made.result["output"]
+    before = _peak_rss_kib(stack.worker.pid)
+    r = await call_tool(client, "edit_file", {"path": "big", "old": "a", "new": "b" * 500,
+                                              "count": 1_000_000}, workspace)
+    assert r.result["error_kind"] == "too_large", r.result["output"]
+    assert "500000000 bytes" in r.result["output"]
+    grew_mib = (_peak_rss_kib(stack.worker.pid) - before) // 1024
+    assert grew_mib < 100, f"the worker's peak RSS grew by {grew_mib} MiB"
+    assert os.stat(workspace / "big").st_size == 1_000_000

@@ -4,6 +4,7 @@ no cgroup path of the worker."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,17 @@ async def test_t2_sees_only_its_own_mounts_and_cgroup(stack: Stack, client: Brok
     assert "corral/worker-" not in res.result["output"]
     paths = {line.split(":", 2)[2] for line in cgroup.splitlines() if line.count(":") >= 2}
     assert paths == {"/"}  # the cgroup namespace hides the worker's cgroup path
+
+
+async def test_a_call_does_not_see_the_workers_directory(stack: Stack, client: BrokerClient,
+                                                        workspace: Path) -> None:
+    """The chain inherited the worker's working directory and the cgroup
+    link's shell exported it as PWD: a T2 call read the worker's path (here
+    the repository's) in /proc/1/environ. The chain now starts in "/"."""
+    worker_dir = os.readlink(f"/proc/{stack.worker.pid}/cwd")
+    assert worker_dir != "/"
+    res = await shell(client, "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; "
+                      "readlink /proc/[0-9]*/cwd; env; true", workspace)
+    assert res.result["outcome"] == "ok", res.result["output"]
+    assert "PWD=" in res.result["output"]
+    assert worker_dir not in res.result["output"]

@@ -237,6 +237,39 @@ async def test_nested_git_is_read_only_at_a_workers_first_call(stack: Stack,
     assert (sub / ".git").read_text() == "gitdir: ../../.git/modules/sub\n"
 
 
+async def test_a_nested_repository_cannot_be_moved_aside(stack: Stack, client: BrokerClient,
+                                                        user_ws: Path) -> None:
+    """Its .git read-only is not enough: a call moved the directory holding it
+    aside (``mv vendor/lib vendor/lib.orig``), made its own ``vendor/lib``
+    with a ``.git`` whose hook it wrote, and the user's next ``git commit``
+    in ``vendor/lib`` ran it. Two calls at once also won a race: one flipped
+    ``vendor`` for a decoy while the other's bwrap bound the real ``.git``
+    over the decoy's (8 of 60 calls wrote into the real one). The
+    directories from the workspace down to a nested ``.git`` are now mount
+    points in every T2 call, which no call can rename or remove."""
+    git = user_ws / "vendor" / "lib" / ".git"
+    (git / "hooks").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    for path, _ in _tree(user_ws):
+        os.chown(path, OWNER, OWNER)
+    attack = ("mv vendor/lib vendor/lib.orig; mv vendor v2; rm -rf vendor; "
+              "mv vendor/lib/.git vendor/lib/old; "
+              "mkdir -p vendor/lib/.git/hooks && echo 'touch /tmp/pwned' > "
+              "vendor/lib/.git/hooks/pre-commit; echo work > vendor/lib/notes; true")
+    r = await shell(client, attack, user_ws)
+    if stack.tier != "T2":  # T1 cannot bind .git read-only: recorded as such
+        assert r.result["isolation"]["git_writable"] is True
+        return
+    assert r.result["outcome"] == "ok", r.result["output"]
+    assert r.result["output"].count("Device or resource busy") >= 3, r.result["output"]
+    assert sorted(os.listdir(user_ws)) == ["vendor"]
+    assert sorted(os.listdir(user_ws / "vendor")) == ["lib"]
+    assert sorted(os.listdir(git)) == ["HEAD", "hooks"]
+    assert os.listdir(git / "hooks") == []
+    # The rest of the nested repository stays writable.
+    assert (user_ws / "vendor" / "lib" / "notes").read_text() == "work\n"
+
+
 async def test_workspace_swapped_for_a_symlink_is_refused(
         stack: Stack, client: BrokerClient) -> None:
     with searchable_dir("corral-parent-", "/tmp") as parent, \
@@ -438,3 +471,39 @@ def test_aliases_no_call_holds_are_detached_by_a_sweep() -> None:
     assert wsalias._is_mount(alias.path)  # the workspace is gone, its alias not yet
     wsalias.sweep()
     assert not wsalias._is_mount(alias.path)
+
+
+async def test_a_walk_cut_at_its_bound_forgets_no_nested_repository(
+        user_ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grant and the release walk a bounded number of entries (200 000
+    and 400 000). A call that filled the workspace with entries walked before
+    a nested repository made the release's walk stop short of it, and the
+    worker replaced what it knew of the workspace's repositories with that
+    walk's list: the next calls bound no read-only ``.git`` there. A walk cut
+    short now adds to what was known instead. (Bounds of 3 entries stand for
+    the real ones; the pins are the worker's own, on a real tree.)"""
+    from sandbox_worker.sandbox import ownership, workspace
+    from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
+    from sandbox_worker.tools.pinning import WorkspacePins
+
+    (user_ws / "vendor" / "lib" / ".git").mkdir(parents=True)
+    for i in range(20):
+        (user_ws / f"fill{i}").mkdir()
+    groups = WorkspaceGroups(920_000, 16, str(tmp_path / "groups"))
+    groups.setup()
+    pins = WorkspacePins(groups, 920_999, None, lambda uid: uid == 999)
+
+    async def bound() -> list[str]:
+        pinned = await pins.open(str(user_ws), "s-bound", None, shell=True,
+                                 git_writable=False)
+        try:
+            return [rel for _, rel in pinned.git_fds]
+        finally:
+            await pins.release(pinned)
+
+    assert await bound() == ["vendor/", "vendor/lib/", "vendor/lib/.git"]
+    monkeypatch.setattr(workspace, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(ownership, "RELEASE_MAX_ENTRIES", 3)
+    monkeypatch.setattr(ownership, "MAX_ENTRIES", 3)
+    for _ in range(2):  # the walks see 3 entries now; the repository stays bound
+        assert await bound() == ["vendor/", "vendor/lib/", "vendor/lib/.git"]
