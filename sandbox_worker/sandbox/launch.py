@@ -14,6 +14,8 @@ What it does, in order:
    /dev nodes); TCP bind/connect
    denied unless ``--net`` (ABI >= 4); signals and abstract unix sockets
    scoped to the sandbox (ABI >= 6).
+   (``--scope-only -- ARGV``: only the abstract-socket scope, then exec
+   ARGV: the link before bwrap on a T2 network grant.)
 3. Forks the command in a new session; the child loads the seccomp filter
    read from ``--seccomp-fd`` (deny-list, AF_UNIX-only sockets) and execs.
 4. Acts as init: reaps everything; forwards SIGTERM/SIGINT to every child;
@@ -145,6 +147,25 @@ def apply_landlock(writable: list[str], *, net: bool) -> int:
     return abi
 
 
+def scope_and_exec(command: list[str]) -> None:
+    """``--scope-only``: confine this process's abstract unix sockets to its
+    own Landlock domain (no file or network rule, ABI >= 6), then exec
+    ``command``. Put before bwrap on a T2 network grant: the call then shares
+    the host's network namespace, whose abstract sockets (an X server's, a
+    desktop bus's) it could otherwise connect to."""
+    attr = RulesetAttr(handled_access_fs=0, handled_access_net=0,
+                       scoped=SCOPE_ABSTRACT_UNIX)
+    rfd = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(24),
+                       ctypes.c_uint32(0))
+    if rfd < 0:
+        _fail("landlock_create_ruleset (scope)")
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(rfd), ctypes.c_uint32(0)) != 0:
+        _fail("landlock_restrict_self (scope)")
+    os.close(rfd)
+    os.execvp(command[0], command)
+
+
 def load_seccomp(fd: int) -> None:
     chunks = []
     while True:
@@ -187,6 +208,8 @@ def status_code(status: int) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:2] == ["--scope-only", "--"] and len(argv) > 2:
+        scope_and_exec(argv[2:])  # returns only by raising
     opts: dict[str, str] = {}
     flags: set[str] = set()
     i = 0

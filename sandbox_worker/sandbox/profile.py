@@ -6,7 +6,8 @@ Every shell call is started as one argv chain with no ``preexec_fn``::
     setpriv --reuid U --regid G --clear-groups --inh-caps=-all      U: the call's own uid
             --bounding-set=-all --no-new-privs --
     prlimit --cpu --as --nproc --fsize --nofile --core=0 --
-    T2/T2-: bwrap --unshare-all [--share-net] --unshare-user --disable-userns
+    T2/T2-: [python -I -S launch.py --scope-only --]   on a network grant
+            bwrap --unshare-all [--share-net] --unshare-user --disable-userns
                   --die-with-parent --new-session --cap-drop ALL --clearenv
                   --ro-bind /usr,/etc,/opt (+ merged-usr links) --proc /proc
                   --dev /dev --size N --tmpfs /tmp --size N --tmpfs /dev/shm
@@ -47,6 +48,7 @@ from broker import plants  # chaos plant switches
 from sandbox_worker.api import TIER_ORDER, IsolationRecord, SandboxMode, Tier, ToolLimits
 from sandbox_worker.sandbox.cgroup import WorkerCgroup
 from sandbox_worker.sandbox.images import ImageRoot
+from sandbox_worker.sandbox.launch import landlock_abi
 from sandbox_worker.sandbox.limits import DEFAULT_LIMITS, prlimit_argv
 from sandbox_worker.sandbox.overlay import Layer, mount_layer
 from sandbox_worker.sandbox.seccomp import SeccompFilters
@@ -142,11 +144,13 @@ def system_binds() -> list[str]:
     return args
 
 
-def bwrap_start(head: list[str], network: bool) -> list[str]:
-    """``head`` then bwrap with the namespaces every T2/T2- chain (host or
-    image) separates: all of them, the network shared only with ``network``,
-    no user namespaces inside, no capabilities, an empty environment."""
-    argv = [*head, "bwrap", "--unshare-all"]
+def bwrap_start(head: list[str], network: bool, scope: tuple[str, ...] = ()) -> list[str]:
+    """``head``, ``scope`` (the link confining abstract unix sockets on a
+    network grant, ``Profile.scope_link``), then bwrap with the namespaces
+    every T2/T2- chain (host or image) separates: all of them, the network
+    shared only with ``network``, no user namespaces inside, no
+    capabilities, an empty environment."""
+    argv = [*head, *scope, "bwrap", "--unshare-all"]
     if network:
         argv.append("--share-net")
     return [*argv, "--unshare-user", "--disable-userns", "--die-with-parent",
@@ -219,6 +223,9 @@ class Profile:
     extra_degraded: list[str] = field(default_factory=list)
     verified: dict[Shape, Verified] = field(default_factory=dict)
     host_ns: dict[str, str] = field(default_factory=host_namespaces)
+    # Landlock can scope abstract unix sockets (ABI >= 6): granted T2 calls get
+    # the scope link before bwrap (``scope_link``)
+    abstract_scope: bool = field(default_factory=lambda: landlock_abi() >= 6)
 
     def build(self, command: list[str], workspace: str, limits: ToolLimits, *,
               network: bool, uid: int, tmpdir: str | None = None, call_id: str = "",
@@ -259,7 +266,7 @@ class Profile:
                                      read_only=read_only, ro_fds=ro_fds, image=image,
                                      layer=layer, probe=probe)
         if self.tier in ("T2", "T2-"):
-            argv = bwrap_start(head, network)
+            argv = bwrap_start(head, network, self.scope_link(network))
             if plants.on("no_tree_kill"):  # chaos plant: the sandbox outlives its parent
                 argv.remove("--die-with-parent")
             for key, value in {**env_inside, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
@@ -331,7 +338,7 @@ class Profile:
         env = {"PATH": SANDBOX_PATH, **image.env, "HOME": image.home or "/tmp",
                "TMPDIR": "/tmp", "LANG": image.env.get("LANG", "C.UTF-8"), "TERM": "dumb",
                **{k: v for k, v in env_inside.items() if k not in ("PATH", "LANG", "TERM")}}
-        argv = bwrap_start(head, network)
+        argv = bwrap_start(head, network, self.scope_link(network))
         for key, value in env.items():
             argv += ["--setenv", key, value]
         argv += ["--bind", layer.root, "/"]
@@ -354,6 +361,17 @@ class Profile:
         shape = chain_shape(head_argv, [str(uid), str(group), call_id, workspace, cwd,
                                         size, layer.root, *map(str, pass_fds)])
         return Chain(argv, {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, pass_fds, shape)
+
+    def scope_link(self, network: bool) -> tuple[str, ...]:
+        """The chain link before bwrap on a network grant (T2/T2-): the
+        launcher in ``--scope-only`` mode, which confines abstract unix
+        sockets to the call (the shared network namespace holds the host's)
+        and execs bwrap. Empty without a grant, or when Landlock cannot scope
+        (ABI < 6: the host's abstract sockets are then reachable, as
+        docs/sandbox.md says)."""
+        if not network or not self.abstract_scope:
+            return ()
+        return (self.python, "-I", "-S", "-c", LAUNCHER_SOURCE, "--scope-only", "--")
 
     def _bwrap_seccomp(self, pass_fds: list[int]) -> list[str]:
         """bwrap's seccomp filter (an fd appended to ``pass_fds``), if there is one."""

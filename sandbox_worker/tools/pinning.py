@@ -64,6 +64,7 @@ from sandbox_worker.sandbox.wsgroups import WorkspaceGroups
 log = logging.getLogger(__name__)
 
 MEMO_MAX: Final = 10_000
+MAX_DIR_BINDS: Final = 128  # directories bound over themselves above nested .git entries
 RECOVER_MAX: Final = 1_000  # workspaces revoked at start-up (the rest at their next call)
 # Directory mtimes come from the kernel's coarse clock (and, on NFS, the
 # server's): look at directories changed a little before the call began too.
@@ -198,9 +199,12 @@ class WorkspacePins:
             # cannot be renamed, so no call can move the repository aside and
             # put a directory of its own, with a .git of its own, in its place
             # (the user's next git command there would run its hooks).
+            # Shallowest first, at most MAX_DIR_BINDS (each is an fd the worker
+            # holds for the call and a mount): a call that made 64 chains of 40
+            # directories with a .git at each end had the next call hold 2,470.
             for rel in sorted({"/".join(g.split("/")[:i]) for g in gits
                                for i in range(1, g.count("/") + 1)},
-                              key=lambda r: r.count("/")):
+                              key=lambda r: (r.count("/"), r))[:MAX_DIR_BINDS]:
                 dfd = _open_git(fd, rel, directory=True)
                 if dfd is not None:
                     _keep(pinned, dfd, rel + "/")

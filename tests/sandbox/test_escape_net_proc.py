@@ -95,6 +95,36 @@ async def test_granted_network_reaches_the_host(client: BrokerClient, workspace:
     assert "tcp" in listener.observed(5.0)
 
 
+async def test_granted_network_does_not_reach_host_abstract_sockets(
+        stack: Stack, client: BrokerClient, workspace: Path, listener: Listener) -> None:
+    """A network grant at T2 shares the host's network namespace, and with it
+    the host's abstract unix sockets (an X server's, a desktop bus's): a
+    granted call connected to a host listener on one. The chain now scopes
+    abstract sockets to the call (Landlock, ABI >= 6) before bwrap; T1 always
+    did. TCP to the host still works on the grant."""
+    needs_system_python()
+    if not stack.info.get("landlock_abi", 0) >= 6:
+        pytest.skip("Landlock cannot scope abstract unix sockets here (ABI < 6)")
+    name = f"corral-abstract-{uuid.uuid4().hex[:12]}"
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host.bind("\0" + name)
+    host.listen(4)
+    try:
+        cmd = ("python3 -c \"import socket; s = socket.socket(socket.AF_UNIX); "
+               f"s.connect('\\\\0{name}'); print('CONNECTED')\"; "
+               f"echo hello > /dev/tcp/127.0.0.1/{listener.tcp_port} && echo tcp-ok")
+        res = await shell(client, cmd, workspace, {"network": True})
+        assert res.result["isolation"]["network"] == "granted"
+        assert "CONNECTED" not in res.result["output"], res.result["output"]
+        assert "Operation not permitted" in res.result["output"], res.result["output"]
+        assert "tcp-ok" in res.result["output"], res.result["output"]
+        host.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            host.accept()
+    finally:
+        host.close()
+
+
 @pytest.fixture
 def outside_proc(stack: Stack, tmp_path: Path) -> Iterator[psutil.Process]:
     """A host process running as a uid of the per-call range, as another call's
