@@ -15,6 +15,10 @@ engine then resumes them as after a restart. ``run`` then:
   round is followed by another at once), and resumes them (``take_over``), several at
   a time.
 
+At a clean stop (SIGTERM, once the engine has stopped) ``sign_off`` releases every
+lease this supervisor holds, so the others take its sessions at their next claim
+round instead of a lease later.
+
 It also answers, for the client endpoint, where a session lives (``redirect``: its live
 owner's advertised address) and where a new one goes (``place``: the least loaded).
 
@@ -65,6 +69,8 @@ class Leased(Protocol):
 
     async def renew(self) -> list[SessionId]: ...
 
+    async def sign_off(self) -> int: ...
+
 
 def supervisor_id(home: Path, given: str | None = None) -> str:
     """This supervisor's owner id: ``given``, else stable for (host, home), so a restart
@@ -91,6 +97,25 @@ async def start(store: SessionStore, engine: Engine, tg: asyncio.TaskGroup) -> N
     leased = cast(Leased, store)
     await claim_at_start(leased)
     tg.create_task(run(leased, engine), name="leases")
+
+
+SIGN_OFF_TIMEOUT_S = 5.0  # a clean stop waits this long, at most, to release its leases
+
+
+async def sign_off(store: SessionStore) -> None:
+    """In lease mode, at a clean stop once the engine has stopped: release this
+    supervisor's leases (``PgStore.sign_off``), so the others resume its sessions at
+    their next claim round (``CLAIM_PERIOD_S``) rather than a lease later, and stop
+    placing new sessions here. Bounded; a failure only leaves the leases to lapse."""
+    if getattr(store, "owner", None) is None:
+        return
+    try:
+        async with asyncio.timeout(SIGN_OFF_TIMEOUT_S):
+            released = await cast(Leased, store).sign_off()
+    except (StoreError, TimeoutError) as exc:
+        log.warning("stopping: the leases were not released (they lapse instead): %s", exc)
+        return
+    log.info("stopping: released %d session lease(s) for the other supervisors", released)
 
 
 async def lease_status(store: SessionStore) -> dict[str, Any] | None:

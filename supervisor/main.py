@@ -303,6 +303,9 @@ async def _serve_until_stopped(ns: argparse.Namespace, store: Any, manager: Sess
             raise _Stopping
     except* _Stopping:
         pass
+    # The engine has stopped (every task of the group ended): nothing more is written
+    # for the sessions, so their leases go to the other supervisors now.
+    await leasing.sign_off(store)
 
 
 def advertised(given: str | None, bound: str) -> str:

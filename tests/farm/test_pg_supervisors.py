@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from supervisor.client import SupervisorClient
@@ -137,3 +138,78 @@ async def _says(path: Path, text: str) -> bool:
     def read() -> str:
         return path.read_text(errors="replace") if path.exists() else ""
     return text in await asyncio.to_thread(read)
+
+
+SIGNED_LEASE_S = 10.0  # long: a session moved within half of it was released, not lapsed
+
+
+async def test_a_supervisor_stopped_cleanly_hands_its_sessions_over_at_once(
+        start_farm: Callable[..., Any], workspace_root: Path, pg_server: Any,
+        procs: Procs, tmp_path: Path) -> None:
+    """SIGTERM of one of two supervisors: once it exited, the other owns its session
+    within half a lease (its leases were released, not left to lapse), serves its next
+    turn, and new sessions are no longer placed on the stopped one."""
+    url = pg_server.new_database()
+    ws = workspace_root / "ws"
+    ws.mkdir()
+    script = {"responses": [{"text": "one"}, {"text": "two"}, {"text": "three"}]}
+    extra = f'[store]\nurl = "{url}"\nlease_s = {SIGNED_LEASE_S}\n'
+    try:
+        farm = await start_farm(script, extra=extra)
+        llm = farm.farm.tree.ready_lines()["fakellm-s"]["url"]
+        home_b = tmp_path / "home-b"
+        write_home(home_b, script, extra=extra)
+        b_proc = procs.python(
+            "supervisor", "--home", str(home_b), "--broker", farm.farm.paths.broker_frontend,
+            "--listen", f"ipc://{tmp_path}/b.sock", "--route-url", f"s={llm}",
+            "--supervisor-id", "sv-b", "--log-level", "INFO", name="supervisor-b",
+            stdout=subprocess.PIPE)
+        await asyncio.to_thread(read_ready, b_proc, 90.0)
+        async with SupervisorClient(farm.endpoint) as a:
+            a_id = (await a.status())["supervisors"]["self"]
+        async with SupervisorClient(f"ipc://{tmp_path}/b.sock") as b:
+            sid = await b.create_session(workspace=str(ws))  # a tie: created on B
+            assert (await b.status())["supervisors"]["self"] == "sv-b"
+            first = await b.submit(sid, {"type": "user_input", "text": "go"})
+
+            async def first_ended() -> bool:
+                return await turn_ended((await b.history(sid))["events"], first)
+
+            await eventually(first_ended, timeout_s=60, what="the turn on supervisor B")
+        assert _owner(url, sid) == "sv-b"
+        b_proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(b_proc.wait, 30)
+        stopped_at = time.monotonic()
+        assert b_proc.returncode == 0, procs.log(b_proc)[-2000:]
+
+        async def moved() -> bool:
+            return await asyncio.to_thread(_owner, url, sid) == a_id
+
+        await eventually(moved, timeout_s=SIGNED_LEASE_S + 10,
+                         what="supervisor 1 to own the stopped supervisor's session")
+        moved_s = time.monotonic() - stopped_at
+        assert moved_s < SIGNED_LEASE_S / 2, f"taken {moved_s:.1f}s after the stop: lapsed"
+        async with SupervisorClient(farm.endpoint) as a:
+            second = await a.submit(sid, {"type": "user_input", "text": "again"})
+
+            async def second_ended() -> bool:
+                return await turn_ended((await a.history(sid))["events"], second)
+
+            await eventually(second_ended, timeout_s=60, what="the next turn on supervisor 1")
+            # Placement: supervisor 1 holds one session, the stopped one none; a new
+            # session is created here, not sent to the stopped supervisor's address.
+            async with asyncio.timeout(20):
+                other = await a.create_session(workspace=str(ws))
+        assert await asyncio.to_thread(_owner, url, other) == a_id
+    finally:
+        pg_server.drop_database(url)
+
+
+def _owner(url: str, session_id: str) -> str | None:
+    """The owner of ``session_id``'s live lease, read from PostgreSQL."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT l.owner FROM leases l JOIN sessions s ON s.sid = l.sid WHERE"
+            " s.session_id = %s AND l.expires_at > extract(epoch from clock_timestamp())",
+            (session_id,)).fetchone()
+    return None if row is None else str(row[0])

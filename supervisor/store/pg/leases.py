@@ -103,6 +103,26 @@ async def release(conn: Conn, sid: int, owner: str, epoch: int) -> None:
                        " AND owner = %s AND epoch = %s", (sid, owner, epoch))
 
 
+async def sign_off(conn: Conn, owner: str, lease_s: float, held: list[tuple[int, int]]
+                   ) -> int:
+    """A supervisor stopping cleanly: give up every lease in ``held`` (sid, epoch) at
+    once, and date its heartbeat a lease back, so other supervisors claim its sessions
+    at their next round instead of when the leases lapse, and placement no longer
+    sends new sessions to it (status still lists it, silent). Returns how many
+    leases were released (a row another owner took meanwhile is left alone)."""
+    released = 0
+    if held:
+        cur = await conn.execute(
+            "UPDATE leases l SET owner = NULL, expires_at = 0"
+            " FROM unnest(%s::bigint[], %s::bigint[]) AS h(sid, epoch)"
+            " WHERE l.sid = h.sid AND l.epoch = h.epoch AND l.owner = %s",
+            ([n for n, _ in held], [e for _, e in held], owner))
+        released = max(0, cur.rowcount)
+    await conn.execute(f"UPDATE supervisors SET heartbeat_at = {NOW} - %s"
+                       " WHERE supervisor_id = %s".encode(), (lease_s, owner))
+    return released
+
+
 async def next_lapse(conn: Conn, owner: str) -> float | None:
     """Seconds until the soonest live lease of another owner lapses (None: there is
     none): when a dead supervisor's sessions become claimable, at the earliest."""

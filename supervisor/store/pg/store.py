@@ -454,6 +454,18 @@ class PgStore(GroupCounts):
         if held is not None:
             await self._group.submit(partial(_release, held, owner))
 
+    async def sign_off(self) -> int:
+        """Stopping cleanly: release every lease held, after the writes queued before
+        (``leases.sign_off``); nothing is written for those sessions afterwards (each
+        write is fenced by the epoch released). Returns how many were released."""
+        owner = self._require_owner()
+        async with self._lease_lock:
+            held = list(self._held.values())
+            self._held.clear()
+            released: int = await self._group.submit(
+                partial(_sign_off, owner, self.lease_s, held))
+        return released
+
     async def next_lapse(self) -> float | None:
         """Seconds until the soonest live lease of another supervisor lapses, or None."""
         return await self._lease_op(partial(leases.next_lapse, owner=self._require_owner()),
@@ -634,6 +646,11 @@ async def _renew(owner: str, lease_s: float, held: dict[int, int],
 async def _reacquire(owner: str, lease_s: float, held: dict[int, int],
                      conn: Conn) -> dict[int, int]:
     return await leases.reacquire(conn, owner, lease_s, held)
+
+
+async def _sign_off(owner: str, lease_s: float, held: list[tuple[int, int]],
+                    conn: Conn) -> int:
+    return await leases.sign_off(conn, owner, lease_s, held)
 
 
 async def _release(held: tuple[int, int], owner: str, conn: Conn) -> None:
