@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object; it is "
                    "also written to bench-results/supervisors.json")
     ns = p.parse_args(argv)
+    if not 0.0 <= ns.supervisor_quota <= (os.cpu_count() or 1):
+        p.error(f"--supervisor-quota {ns.supervisor_quota}: between 0 and the host's cores")
     sessions = ns.sessions or (100 if ns.quick else 1000)
     result = run(sessions, ns.turns, ns.workers, ns.capacity, ns.supervisor_quota)
     if ns.json:
