@@ -37,6 +37,7 @@ def _scrape_while_running(proc: subprocess.Popen[bytes], procs: Procs,
 
     deadline = time.monotonic() + deadline_s
     last: dict[str, float] = {}
+    tries: list[str] = []  # what each scrape got, for the failure message
     while proc.poll() is None and time.monotonic() < deadline:
         said = re.findall(r"metrics at (http://\S+/metrics)", procs.log(proc))
         url = said[-1] if said else None
@@ -44,15 +45,22 @@ def _scrape_while_running(proc: subprocess.Popen[bytes], procs: Procs,
             try:
                 with urllib.request.urlopen(url, timeout=5) as resp:
                     text = resp.read().decode()
-            except OSError:  # the farm is stopping at the end of the run
-                pass
+            except OSError as exc:  # the farm is stopping, or the supervisor restarting
+                tries.append(f"{url}: {exc}")
             else:
-                last = {s.labels["kind"]: s.value
+                seen = {s.labels["kind"]: s.value
                         for family in text_string_to_metric_families(text)
                         for s in family.samples if s.name == FAULTS_METRIC}
+                tries.append(f"{url}: {len(seen)} kinds")
+                # The counts only grow (the harness's file); a scrape that caught the
+                # supervisor restarting keeps what an earlier one saw.
+                for kind, n in seen.items():
+                    last[kind] = max(n, last.get(kind, 0.0))
         # A scrape interval, as Prometheus would; ends at once when the run does.
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0.5)
+    if not last:
+        print("scrapes of the chaos run's metrics:", *tries[-20:], sep="\n  ")
     return last
 
 
