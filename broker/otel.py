@@ -21,6 +21,12 @@ its own span (``with_parent``: same trace id and flags, same length, so the
 payload stays the same valid msgpack and a worker of any version reads it as
 before). A tail that is not a well-formed traceparent is left untouched.
 
+A collector that is down or hangs costs no turn any time: the SDK exports in
+its own thread (each export bounded by ``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s)
+and keeps at most ``OTEL_BSP_MAX_QUEUE_SIZE`` spans (2048), dropping the
+oldest past that; ``dropped_spans()`` counts those drops
+(``corral_trace_spans_dropped_total`` in the supervisor's metrics).
+
 Invariants: nothing here is imported by a process whose traces are off
 (the ``opentelemetry`` imports are inside the functions); the exporter runs in
 the SDK's own thread and never blocks the event loop.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from typing import Any
 
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
@@ -45,20 +52,46 @@ def wanted(endpoint: str | None = None) -> bool:
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or endpoint)
 
 
+_dropped = 0
+_dropped_lock = threading.Lock()
+
+
+def dropped_spans() -> int:
+    """Spans this process's exporter queue dropped (a collector down or slow)."""
+    return _dropped
+
+
+def _processor(exporter: Any) -> Any:
+    """The SDK's ``BatchSpanProcessor``, counting the spans it drops (its queue
+    full: it then drops the oldest; the SDK logs that once per 20 s)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    class Counting(BatchSpanProcessor):
+        def on_end(self, span: Any) -> None:
+            batch = getattr(self, "_batch_processor", None)
+            queue = getattr(batch, "_queue", None)
+            if (queue is not None and span.context.trace_flags.sampled
+                    and len(queue) >= getattr(batch, "_max_queue_size", 0) > 0):
+                global _dropped
+                with _dropped_lock:
+                    _dropped += 1
+            super().on_end(span)
+
+    return Counting(exporter)
+
+
 def configure(service_name: str, endpoint: str | None = None, id_generator: Any = None) -> Any:
     """The process's ``TracerProvider`` exporting to the OTLP endpoint."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
     if endpoint and not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                          or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
     resource = Resource.create({"service.name": service_name,
                                 "service.namespace": "corral"})
     provider = TracerProvider(resource=resource, id_generator=id_generator)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(_processor(OTLPSpanExporter()))
     return provider
 
 

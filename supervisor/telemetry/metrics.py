@@ -202,6 +202,12 @@ class FarmCollector(Collector):
         self._service = Bounded(16)
         self.kind = Bounded(32)
 
+    @staticmethod
+    def dropped_spans() -> int:
+        from broker import otel  # standard library only: no SDK import
+
+        return otel.dropped_spans()
+
     def service(self, name: object) -> str:
         """The ``service`` label: ``model``, ``tool``, ``tool_pinned`` (the
         workers' own names), ``tool_image`` (the image services), never an id."""
@@ -232,6 +238,11 @@ class FarmCollector(Collector):
         if isinstance(broker, dict) and "error" not in broker:
             yield from self._broker(broker)
         yield from self._restarts()
+        dropped = CounterMetricFamily("corral_trace_spans_dropped", "Spans the "
+                                      "supervisor's trace exporter dropped, its queue "
+                                      "full (the OTLP collector down or slow).")
+        dropped.add_metric([], float(self.dropped_spans()))
+        yield dropped
 
     def _sessions(self, s: dict[str, Any]) -> Iterator[Metric]:
         g = GaugeMetricFamily("corral_sessions", "Sessions loaded in the supervisor, by "
