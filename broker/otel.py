@@ -25,7 +25,9 @@ A collector that is down or hangs costs no turn any time: the SDK exports in
 its own thread (each export bounded by ``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s)
 and keeps at most ``OTEL_BSP_MAX_QUEUE_SIZE`` spans (2048), dropping the
 oldest past that; ``dropped_spans()`` counts those drops
-(``corral_trace_spans_dropped_total`` in the supervisor's metrics).
+(``corral_trace_spans_dropped_total`` in the supervisor's metrics). A
+stopping process gives its last spans ``SHUTDOWN_S`` (``shutdown``), never
+the SDK's own wait, which a hung collector stretches past the stop grace.
 
 Invariants: nothing here is imported by a process whose traces are off
 (the ``opentelemetry`` imports are inside the functions); the exporter runs in
@@ -34,6 +36,7 @@ the SDK's own thread and never blocks the event loop.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -52,8 +55,25 @@ def wanted(endpoint: str | None = None) -> bool:
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or endpoint)
 
 
+SHUTDOWN_S = 2.0  # what a stopping process gives its last spans (its stop grace is 5-10 s)
 _dropped = 0
 _dropped_lock = threading.Lock()
+log = logging.getLogger(__name__)
+
+
+def shutdown(provider: Any, deadline_s: float = SHUTDOWN_S) -> bool:
+    """Flush and stop ``provider`` within ``deadline_s``; False when the collector
+    did not take the last spans in time (they are lost; the process goes on
+    stopping: the SDK's own wait, up to 30 s per export, would outlast the
+    process's stop grace and get it SIGKILLed)."""
+    done = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    done.start()
+    done.join(deadline_s)
+    if done.is_alive():
+        log.warning("traces: the collector did not take the last spans within %.1fs; "
+                    "stopping without them", deadline_s)
+        return False
+    return True
 
 
 def dropped_spans() -> int:
@@ -90,7 +110,9 @@ def configure(service_name: str, endpoint: str | None = None, id_generator: Any 
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
     resource = Resource.create({"service.name": service_name,
                                 "service.namespace": "corral"})
-    provider = TracerProvider(resource=resource, id_generator=id_generator)
+    # No atexit shutdown: it would wait for a hung collector again at exit.
+    provider = TracerProvider(resource=resource, id_generator=id_generator,
+                              shutdown_on_exit=False)
     provider.add_span_processor(_processor(OTLPSpanExporter()))
     return provider
 

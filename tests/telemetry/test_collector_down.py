@@ -1,9 +1,10 @@
 """A collector that accepts the export and never answers: turns go on, the
 supervisor's exporter queue stays bounded and its drops are counted in the
-metrics."""
+metrics, and every process still stops within its grace (no SIGKILL)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,7 +53,7 @@ def hanging_collector() -> Iterator[tuple[str, list[int]]]:
 
 async def test_a_hanging_collector_costs_no_turn_and_its_drops_are_counted(
         telemetry_farm: Callable[..., Any], workspace_root: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     with hanging_collector() as (url, posts):
         # The farm's children inherit these: a queue of two spans, exported at once,
         # and an export that waits for the hanging collector longer than the test.
@@ -74,3 +75,9 @@ async def test_a_hanging_collector_costs_no_turn_and_its_drops_are_counted(
         assert value(samples, "corral_turns_ended_total", reason="completed") == TURNS
         # 2 spans a turn (turn, chat) against a queue of 2 behind a hung export.
         assert value(samples, "corral_trace_spans_dropped_total") >= 2
+        # Each process's last export hangs: the stop must not wait for it past
+        # the child's grace (5-10 s), else the tree SIGKILLs it.
+        with caplog.at_level(logging.WARNING, logger="supervisor.farm.tree"):
+            await farm.farm.tree.stop()
+        killed = [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+        assert not killed, killed
