@@ -97,6 +97,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header: ``[::1]:8765`` and ``[::1]`` -> ``::1``,
+    ``localhost:8765`` -> ``localhost``."""
+    h = header.strip()
+    if h.startswith("["):
+        end = h.find("]")
+        return h[1:end] if end > 0 else ""
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
 def ensure_token(home: Path) -> str:
     """The farm's web token (HOME/web.token, 0600), made on first use."""
     path = home / TOKEN_FILE
@@ -369,7 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _allowed(self, query: dict[str, list[str]]) -> tuple[bool, dict[str, str]]:
         web = self.web
-        host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
+        host = host_name(self.headers.get("Host") or "")
         if web.token is None:
             # Loopback: the Host must name loopback too (a DNS-rebinding page
             # would send its own name).

@@ -183,3 +183,31 @@ async def test_a_pending_approval_shows_among_many_sessions(
     assert len(farm_view["sessions"]) == MAX_SESSIONS_SHOWN
     assert waiting in {s["session_id"] for s in farm_view["sessions"]}
     assert [a["session_id"] for a in farm_view["approvals"]] == [waiting]
+
+
+async def test_the_loopback_host_check_reads_every_form_of_host(tmp_path: Path) -> None:
+    """A loopback view answers a Host naming loopback in any form (an IPv6
+    literal with or without its port) and refuses any other name."""
+    import http.client
+
+    web = WebView("127.0.0.1:0", manager=_NoSessions(), snapshot=_status,  # type: ignore[arg-type]
+                  home=tmp_path, loop=asyncio.get_running_loop())
+    port = int(web.start().rstrip("/").rsplit(":", 1)[1])
+
+    def get(host: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.putrequest("GET", "/", skip_host=True)
+            conn.putheader("Host", host)
+            conn.endheaders()
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    try:
+        for host in ("127.0.0.1", f"127.0.0.1:{port}", "localhost", f"[::1]:{port}", "[::1]"):
+            assert await asyncio.to_thread(get, host) == 200, host
+        for host in ("evil.example", f"evil.example:{port}", "[::1", "127.0.0.1.evil:80"):
+            assert await asyncio.to_thread(get, host) == 403, host
+    finally:
+        await asyncio.to_thread(web.stop)
