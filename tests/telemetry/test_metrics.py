@@ -146,3 +146,28 @@ async def _tool_worker_pid(sv: SupervisorClient) -> int | None:
         if "tool" in (w.get("in_flight_services") or []):
             return int(w["info"]["pid"])
     return None
+
+
+async def test_a_restarted_supervisor_serves_metrics_and_web_on_the_same_ports(
+        telemetry_farm: Callable[..., Any]) -> None:
+    """Port 0 picks a free port once: a supervisor SIGKILLed and restarted by the
+    root binds the same one again, so the scrape job and the browser still
+    reach it."""
+    farm = await telemetry_farm(SCRIPT, workers=1, extra=(
+        '[telemetry]\nmetrics_listen = "127.0.0.1:0"\n[web]\nlisten = "127.0.0.1:0"\n'))
+    first = farm.ready()
+    assert first["metrics"].endswith("/metrics")
+    old = farm.pid("supervisor")
+    os.kill(old, signal.SIGKILL)
+
+    async def restarted() -> dict[str, Any] | None:
+        child = farm.farm.tree.children["supervisor"]
+        if child.state == "running" and child.pid not in (None, old) and child.ready:
+            return dict(child.ready)
+        return None
+
+    again = await eventually(restarted, timeout_s=60, what="the supervisor's restart")
+    assert again["metrics"] == first["metrics"]
+    assert again["web"] == first["web"]
+    samples, _ = await scrape(first["metrics"])
+    assert value(samples, "corral_process_restarts_total", role="supervisor") == 1
