@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         broker.close()
         if provider is not None:
-            provider.shutdown()  # flushes the spans not exported yet
+            otel.shutdown(provider)  # flushes the spans not exported yet, bounded
     return 0
 
 

@@ -21,6 +21,14 @@ its own span (``with_parent``: same trace id and flags, same length, so the
 payload stays the same valid msgpack and a worker of any version reads it as
 before). A tail that is not a well-formed traceparent is left untouched.
 
+A collector that is down or hangs costs no turn any time: the SDK exports in
+its own thread (each export bounded by ``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s)
+and keeps at most ``OTEL_BSP_MAX_QUEUE_SIZE`` spans (2048), dropping the
+oldest past that; ``dropped_spans()`` counts those drops
+(``corral_trace_spans_dropped_total`` in the supervisor's metrics). A
+stopping process gives its last spans ``SHUTDOWN_S`` (``shutdown``), never
+the SDK's own wait, which a hung collector stretches past the stop grace.
+
 Invariants: nothing here is imported by a process whose traces are off
 (the ``opentelemetry`` imports are inside the functions); the exporter runs in
 the SDK's own thread and never blocks the event loop.
@@ -28,8 +36,10 @@ the SDK's own thread and never blocks the event loop.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
 from typing import Any
 
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
@@ -45,20 +55,65 @@ def wanted(endpoint: str | None = None) -> bool:
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or endpoint)
 
 
+SHUTDOWN_S = 2.0  # what a stopping process gives its last spans (its stop grace is 5-10 s)
+_dropped = 0
+_dropped_lock = threading.Lock()
+log = logging.getLogger(__name__)
+
+
+def shutdown(provider: Any, deadline_s: float = SHUTDOWN_S) -> bool:
+    """Flush and stop ``provider`` within ``deadline_s``; False when the collector
+    did not take the last spans in time (they are lost; the process goes on
+    stopping: the SDK's own wait, up to 30 s per export, would outlast the
+    process's stop grace and get it SIGKILLed)."""
+    done = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    done.start()
+    done.join(deadline_s)
+    if done.is_alive():
+        log.warning("traces: the collector did not take the last spans within %.1fs; "
+                    "stopping without them", deadline_s)
+        return False
+    return True
+
+
+def dropped_spans() -> int:
+    """Spans this process's exporter queue dropped (a collector down or slow)."""
+    return _dropped
+
+
+def _processor(exporter: Any) -> Any:
+    """The SDK's ``BatchSpanProcessor``, counting the spans it drops (its queue
+    full: it then drops the oldest; the SDK logs that once per 20 s)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    class Counting(BatchSpanProcessor):
+        def on_end(self, span: Any) -> None:
+            batch = getattr(self, "_batch_processor", None)
+            queue = getattr(batch, "_queue", None)
+            if (queue is not None and span.context.trace_flags.sampled
+                    and len(queue) >= getattr(batch, "_max_queue_size", 0) > 0):
+                global _dropped
+                with _dropped_lock:
+                    _dropped += 1
+            super().on_end(span)
+
+    return Counting(exporter)
+
+
 def configure(service_name: str, endpoint: str | None = None, id_generator: Any = None) -> Any:
     """The process's ``TracerProvider`` exporting to the OTLP endpoint."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
     if endpoint and not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                          or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
     resource = Resource.create({"service.name": service_name,
                                 "service.namespace": "corral"})
-    provider = TracerProvider(resource=resource, id_generator=id_generator)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # No atexit shutdown: it would wait for a hung collector again at exit.
+    provider = TracerProvider(resource=resource, id_generator=id_generator,
+                              shutdown_on_exit=False)
+    provider.add_span_processor(_processor(OTLPSpanExporter()))
     return provider
 
 

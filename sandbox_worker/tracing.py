@@ -49,7 +49,7 @@ def install() -> None:
 def shutdown() -> None:
     global _tracer, _provider
     if _provider is not None:
-        _provider.shutdown()
+        otel.shutdown(_provider)  # bounded: a hung collector must not hold the stop
     _tracer = _provider = None
 
 

@@ -172,7 +172,7 @@ def supervisor_specs(paths: FarmPaths, sup_argv: list[str], n_supervisors: int,
             # store; the first start fails at once, so a wrong [store] url is said now.
             wait = ["--store-wait-s", str(store_wait_s)] if name in ready and store_wait_s \
                 else []
-            return [*argv, *route_args(ready), *wait]
+            return [*_same_ports(argv, ready.get(name)), *route_args(ready), *wait]
 
         # Its ready line waits until every stored session is resumed (supervisor/main.py):
         # a large store on a loaded machine needs more than the default 30 s.
@@ -180,6 +180,26 @@ def supervisor_specs(paths: FarmPaths, sup_argv: list[str], n_supervisors: int,
                                ready_timeout_s=180.0, stage=1, env=env,
                                dynamic_argv=argv_fn))
     return specs
+
+
+def _same_ports(argv: list[str], previous: dict[str, Any] | None) -> list[str]:
+    """On a restart, ``--metrics HOST:0`` / ``--web HOST:0`` become the port the
+    previous start bound (its ready line's URLs), so a scrape job or a browser
+    pointed at it still finds the restarted supervisor."""
+    out = list(argv)
+    for option, key in (("--metrics", "metrics"), ("--web", "web")):
+        url = (previous or {}).get(key)
+        if option not in out[:-1] or not isinstance(url, str):
+            continue
+        i = out.index(option) + 1
+        host, sep, port = out[i].rpartition(":")
+        try:
+            bound = urlsplit(url).port
+        except ValueError:
+            bound = None
+        if sep and port == "0" and bound:
+            out[i] = f"{host}:{bound}"
+    return out
 
 
 def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:

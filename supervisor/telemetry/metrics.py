@@ -17,7 +17,10 @@ Two sources, one registry:
 Invariants:
 - Names follow the Prometheus conventions: ``corral_`` prefix, ``_total`` for
   counters, base units (``_seconds``, tokens).
-- Every label is bounded (``labels.Bounded``): no session, turn or call id.
+- Every label is bounded (``labels.Bounded``): no session, turn, call or
+  worker id (a worker's own ``tool@ID`` service is ``tool_pinned``).
+- One sample per series: raw values that share a label value (``other``,
+  ``tool_pinned``) are summed, never exposed twice.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ MAX_OPEN_TURNS = 10_000  # turn start times kept for the duration histogram
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
 _FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _ROLE = re.compile(r"^(.*?)(-\d+)?$")
+# A worker's own tool service (``tool@<16 hex>``, MCP affinity; a new one at
+# each worker start) and an image's (``tool@img-<hex>``) are ids, not classes.
+PINNED_SERVICE = "tool_pinned"
+IMAGE_SERVICE = "tool_image"
 
 Snapshot = Callable[[], Coroutine[Any, Any, dict[str, Any]]]
 
@@ -192,8 +199,24 @@ class FarmCollector(Collector):
         # ``corral chaos`` keeps its injected faults by kind beside farm.json.
         self.chaos_json = farm_json.with_name(CHAOS_FAULTS_FILE) if farm_json else None
         self.host = Bounded(64)
-        self.service = Bounded(16)
+        self._service = Bounded(16)
         self.kind = Bounded(32)
+
+    @staticmethod
+    def dropped_spans() -> int:
+        from broker import otel  # standard library only: no SDK import
+
+        return otel.dropped_spans()
+
+    def service(self, name: object) -> str:
+        """The ``service`` label: ``model``, ``tool``, ``tool_pinned`` (the
+        workers' own names), ``tool_image`` (the image services), never an id."""
+        text = str(name)
+        if text.startswith("tool@img-"):
+            return IMAGE_SERVICE
+        if text.startswith("tool@"):
+            return PINNED_SERVICE
+        return self._service(text)
 
     def describe(self) -> list[Metric]:
         return []  # collected per scrape; no fixed description needed
@@ -215,6 +238,11 @@ class FarmCollector(Collector):
         if isinstance(broker, dict) and "error" not in broker:
             yield from self._broker(broker)
         yield from self._restarts()
+        dropped = CounterMetricFamily("corral_trace_spans_dropped", "Spans the "
+                                      "supervisor's trace exporter dropped, its queue "
+                                      "full (the OTLP collector down or slow).")
+        dropped.add_metric([], float(self.dropped_spans()))
+        yield dropped
 
     def _sessions(self, s: dict[str, Any]) -> Iterator[Metric]:
         g = GaugeMetricFamily("corral_sessions", "Sessions loaded in the supervisor, by "
@@ -260,8 +288,12 @@ class FarmCollector(Collector):
         yield slots
         queue = GaugeMetricFamily("corral_broker_queue_depth", "Requests queued in the "
                                   "broker, by service.", labels=["service"])
+        depths: dict[str, float] = {}  # several services may share a label
         for service, depth in (b.get("queues") or {}).items():
-            queue.add_metric([self.service(service)], float(depth))
+            label = self.service(service)
+            depths[label] = depths.get(label, 0.0) + float(depth or 0)
+        for label, n in sorted(depths.items()):
+            queue.add_metric([label], n)
         yield queue
         counters = b.get("counters") or {}
         for name, key, doc in (
@@ -282,8 +314,12 @@ class FarmCollector(Collector):
         yield lost
         fk = CounterMetricFamily("corral_broker_failures", "Requests the broker failed, by "
                                  "kind.", labels=["kind"])
+        by_failure: dict[str, float] = {}
         for kind, n in failures.items():
-            fk.add_metric([self.kind(kind)], float(n))
+            label = self.kind(kind)
+            by_failure[label] = by_failure.get(label, 0.0) + float(n or 0)
+        for label, n in sorted(by_failure.items()):
+            fk.add_metric([label], n)
         yield fk
         faults = CounterMetricFamily("corral_chaos_faults_injected", "Faults injected under "
                                      "corral chaos, by kind: the broker's frame faults "

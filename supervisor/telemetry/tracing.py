@@ -114,7 +114,7 @@ class SupervisorTracer:
         self._call_turn: dict[str, str] = {}
 
     def shutdown(self) -> None:
-        self.provider.shutdown()
+        otel.shutdown(self.provider)  # bounded: a hung collector must not hold the stop
 
     # ------------------------------------------------------------- events
 

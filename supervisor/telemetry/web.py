@@ -5,8 +5,11 @@ thread): the page is two static files of this package (``static/``, plain
 HTML and JS, no build step) and three read-only JSON/SSE endpoints:
 
 - ``GET /api/farm``: one snapshot (workers by host with tier, load and last
-  heartbeat; sessions with state and current turn; pending approvals; recent
-  restarts; counters for the small charts), taken on the event loop;
+  heartbeat; sessions with state and current turn, at most
+  ``MAX_SESSIONS_SHOWN``: those with a turn or a pending approval first, then
+  the most recent, and ``sessions_total``; every pending approval of the
+  loaded sessions, up to the same bound; recent restarts; counters for the
+  small charts), taken on the event loop;
 - ``GET /api/events`` (server-sent events): every committed durable event of
   every session (type, session, sequence, a clipped summary), and a ``farm``
   snapshot every ``SNAPSHOT_INTERVAL_S``;
@@ -92,6 +95,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header: ``[::1]:8765`` and ``[::1]`` -> ``::1``,
+    ``localhost:8765`` -> ``localhost``."""
+    h = header.strip()
+    if h.startswith("["):
+        end = h.find("]")
+        return h[1:end] if end > 0 else ""
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
 def ensure_token(home: Path) -> str:
@@ -186,22 +199,33 @@ class WebView:
 
     async def _snapshot(self) -> dict[str, Any]:
         status = await self.status()
-        sessions = []
-        approvals = []
-        for s in list(self.manager.sessions.values())[-MAX_SESSIONS_SHOWN:]:
+        sessions: list[dict[str, Any]] = []
+        approvals: list[dict[str, Any]] = []
+        loaded = list(self.manager.sessions.values())
+        # Bounded, and what needs an eye first: every session with a turn or a
+        # pending approval (up to the bound), then the most recent others.
+        busy = [s for s in loaded if s.driver is not None or s.state.pending_approval]
+        if len(busy) < MAX_SESSIONS_SHOWN:
+            keep = {id(s) for s in busy}
+            rest = [s for s in loaded if id(s) not in keep]
+            busy += rest[len(rest) - (MAX_SESSIONS_SHOWN - len(busy)):]
+        shown = {id(s) for s in busy[:MAX_SESSIONS_SHOWN]}
+        for s in loaded:
             st = s.state
+            if st.pending_approval and len(approvals) < MAX_SESSIONS_SHOWN:
+                pa = st.pending_approval
+                approvals.append({"session_id": s.sid, "id": pa.get("id"),
+                                  "turn_id": pa.get("turn_id"),
+                                  "calls": [c.get("name") for c in pa.get("calls", [])
+                                            if isinstance(c, dict)][:10]})
+            if id(s) not in shown:
+                continue
             turn = st.active_turn or {}
             state = "closed" if s.closed else ("busy" if s.driver is not None else "idle")
             sessions.append({"session_id": s.sid, "state": state,
                              "turn_id": turn.get("turn_id"), "phase": turn.get("phase"),
                              "route": s.route_name,
                              "last_sequence": st.next_event_sequence - 1})
-            if st.pending_approval:
-                pa = st.pending_approval
-                approvals.append({"session_id": s.sid, "id": pa.get("id"),
-                                  "turn_id": pa.get("turn_id"),
-                                  "calls": [c.get("name") for c in pa.get("calls", [])
-                                            if isinstance(c, dict)][:10]})
         farm: Any = None
         try:
             farm = json.loads((self.home / "farm.json").read_text())
@@ -210,6 +234,7 @@ class WebView:
         restarts = (farm or {}).get("restarts", [])[-RECENT_FAULTS:] \
             if isinstance(farm, dict) else []
         return {"at": time.time(), "status": status, "sessions": sessions,
+                "sessions_total": len(loaded),
                 "approvals": approvals, "restarts": restarts, "faults": list(self.faults),
                 "counters": dict(self.counters)}
 
@@ -354,7 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _allowed(self, query: dict[str, list[str]]) -> tuple[bool, dict[str, str]]:
         web = self.web
-        host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
+        host = host_name(self.headers.get("Host") or "")
         if web.token is None:
             # Loopback: the Host must name loopback too (a DNS-rebinding page
             # would send its own name).

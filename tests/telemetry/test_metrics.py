@@ -42,8 +42,12 @@ async def scrape(url: str) -> tuple[Samples, set[str]]:
     families: set[str] = set()
     for family in text_string_to_metric_families(resp.text):
         families.add(family.name)
+        assert family.documentation, f"{family.name} has no HELP"
+        assert family.type != "unknown", f"{family.name} has no TYPE"
         for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in samples, f"two samples of one series: {key}"
+            samples[key] = s.value
     return samples, families
 
 
@@ -125,7 +129,12 @@ async def test_metrics_of_a_run_with_a_worker_killed(telemetry_farm: Callable[..
     series = {n for (n, _ls) in after}
     for name in set(re.findall(r"corral_[a-z_]+", DASHBOARD)):
         assert name in series or name.removesuffix("_total") in families, name
-    # Bounded labels: no session id anywhere in a label.
+    # Bounded labels: no session id anywhere in a label, and no worker's id:
+    # each worker serves its own ``tool@ID`` (new at each start, so a worker
+    # killed and restarted would add a series) and it is counted as a class.
+    services = {v for (_n, ls) in after for k, v in ls if k == "service"}
+    assert services <= {"model", "tool", "tool_pinned", "tool_image"}, services
+    assert value(after, "corral_workers", service="tool_pinned") >= 1
     for (_name, labels) in after:
         for _k, v in labels:
             assert sid not in v
@@ -137,3 +146,28 @@ async def _tool_worker_pid(sv: SupervisorClient) -> int | None:
         if "tool" in (w.get("in_flight_services") or []):
             return int(w["info"]["pid"])
     return None
+
+
+async def test_a_restarted_supervisor_serves_metrics_and_web_on_the_same_ports(
+        telemetry_farm: Callable[..., Any]) -> None:
+    """Port 0 picks a free port once: a supervisor SIGKILLed and restarted by the
+    root binds the same one again, so the scrape job and the browser still
+    reach it."""
+    farm = await telemetry_farm(SCRIPT, workers=1, extra=(
+        '[telemetry]\nmetrics_listen = "127.0.0.1:0"\n[web]\nlisten = "127.0.0.1:0"\n'))
+    first = farm.ready()
+    assert first["metrics"].endswith("/metrics")
+    old = farm.pid("supervisor")
+    os.kill(old, signal.SIGKILL)
+
+    async def restarted() -> dict[str, Any] | None:
+        child = farm.farm.tree.children["supervisor"]
+        if child.state == "running" and child.pid not in (None, old) and child.ready:
+            return dict(child.ready)
+        return None
+
+    again = await eventually(restarted, timeout_s=60, what="the supervisor's restart")
+    assert again["metrics"] == first["metrics"]
+    assert again["web"] == first["web"]
+    samples, _ = await scrape(first["metrics"])
+    assert value(samples, "corral_process_restarts_total", role="supervisor") == 1

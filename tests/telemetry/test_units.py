@@ -220,3 +220,48 @@ def test_a_slow_web_viewer_is_closed_not_the_others(tmp_path: Path) -> None:
             assert slow not in view._streams
     finally:
         loop.close()
+
+
+def test_a_series_is_exposed_once_whatever_the_label_values() -> None:
+    """Raw values past a label's bound become ``other``, and every worker's own
+    ``tool@ID`` becomes ``tool_pinned``: the collector sums them into one
+    sample per series (Prometheus rejects a scrape's duplicate series)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from supervisor.telemetry.metrics import FarmCollector
+
+    queues = {f"svc{i}": 1 for i in range(40)} | {f"tool@{i:016x}": 2 for i in range(30)}
+    failures = {f"kind{i}": 1 for i in range(80)}
+    status = {"broker": {"queues": queues, "counters": {"failures": failures},
+                         "workers": {f"tool@{i:016x}": {"workers": [
+                             {"capacity": 4, "in_flight": 1, "info": {"host": "h"}}]}
+                             for i in range(30)}}}
+
+    async def snapshot() -> dict[str, object]:
+        return status
+
+    loop = asyncio.new_event_loop()
+    import threading
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        registry = CollectorRegistry()
+        registry.register(FarmCollector(loop, snapshot, None))
+        text = generate_latest(registry).decode()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in seen, f"two samples of one series: {key}"
+            seen[key] = s.value
+    assert seen[("corral_broker_queue_depth", (("service", "tool_pinned"),))] == 60
+    assert sum(v for (n, _), v in seen.items() if n == "corral_broker_queue_depth") == 100
+    assert sum(v for (n, _), v in seen.items() if n == "corral_broker_failures_total") == 80
+    assert seen[("corral_workers", (("host", "h"), ("service", "tool_pinned")))] == 30

@@ -147,3 +147,67 @@ async def test_a_non_loopback_address_needs_the_token(tmp_path: Path) -> None:
     again = WebView("0.0.0.0:0", manager=_NoSessions(), snapshot=_status,  # type: ignore[arg-type]
                     home=tmp_path, loop=asyncio.get_running_loop())
     assert again.token == token
+
+
+APPROVAL_SCRIPT = {"responses": [
+    {"tool_calls": [{"name": "shell", "arguments": {"command": "echo waiting"}}]}]}
+
+
+async def test_a_pending_approval_shows_among_many_sessions(
+        telemetry_farm: Callable[..., Any], workspace_root: Path) -> None:
+    """The view is bounded (MAX_SESSIONS_SHOWN) but an old session waiting for
+    an approval is still there, with its approval, after many newer ones."""
+    from supervisor.telemetry.web import MAX_SESSIONS_SHOWN
+    from tests.helpers import eventually
+
+    farm = await telemetry_farm(APPROVAL_SCRIPT, workers=1,
+                                extra='[web]\nlisten = "127.0.0.1:0"\n')
+    base = farm.ready()["web"].rstrip("/")
+    ws = workspace_root / "ws"
+    ws.mkdir()
+    async with SupervisorClient(farm.endpoint) as sv:
+        waiting = await sv.create_session(workspace=str(ws), approval="ask")
+        await sv.submit(waiting, {"type": "user_input", "text": "run it"})
+
+        async def asked() -> bool:
+            d = await sv.describe(waiting)
+            return bool((d.get("state") or d).get("pending_approval"))
+
+        await eventually(asked, timeout_s=60, what="the approval request")
+        newer = MAX_SESSIONS_SHOWN + 5
+        for _ in range(newer):
+            await sv.create_session(workspace=str(ws))
+    async with httpx.AsyncClient(timeout=30) as http:
+        farm_view = (await http.get(base + "/api/farm")).json()
+    assert farm_view["sessions_total"] == newer + 1
+    assert len(farm_view["sessions"]) == MAX_SESSIONS_SHOWN
+    assert waiting in {s["session_id"] for s in farm_view["sessions"]}
+    assert [a["session_id"] for a in farm_view["approvals"]] == [waiting]
+
+
+async def test_the_loopback_host_check_reads_every_form_of_host(tmp_path: Path) -> None:
+    """A loopback view answers a Host naming loopback in any form (an IPv6
+    literal with or without its port) and refuses any other name."""
+    import http.client
+
+    web = WebView("127.0.0.1:0", manager=_NoSessions(), snapshot=_status,  # type: ignore[arg-type]
+                  home=tmp_path, loop=asyncio.get_running_loop())
+    port = int(web.start().rstrip("/").rsplit(":", 1)[1])
+
+    def get(host: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.putrequest("GET", "/", skip_host=True)
+            conn.putheader("Host", host)
+            conn.endheaders()
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    try:
+        for host in ("127.0.0.1", f"127.0.0.1:{port}", "localhost", f"[::1]:{port}", "[::1]"):
+            assert await asyncio.to_thread(get, host) == 200, host
+        for host in ("evil.example", f"evil.example:{port}", "[::1", "127.0.0.1.evil:80"):
+            assert await asyncio.to_thread(get, host) == 403, host
+    finally:
+        await asyncio.to_thread(web.stop)

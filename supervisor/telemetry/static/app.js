@@ -133,7 +133,9 @@ async function select(sid) {
 
 function farm(f) {
   if (f.error) { $("updated").textContent = f.error; return; }
-  $("updated").textContent = "updated " + time(f.at);
+  const total = f.sessions_total || 0;
+  $("updated").textContent = "updated " + time(f.at) +
+    (total > f.sessions.length ? ` · ${f.sessions.length} of ${total} sessions shown (busy first)` : "");
   renderWorkers(f); renderSessions(f); renderApprovals(f); renderFaults(f); renderCharts(f);
 }
 
