@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus /metrics here (default: [telemetry] metrics_listen)")
     p.add_argument("--web", default=None, metavar="HOST:PORT",
                    help="serve the read-only live web view here (default: [web] listen)")
+    p.add_argument("--ports-may-move", action="store_true",
+                   help="if the --metrics or --web port is taken, serve on any free port "
+                   "instead of failing (the farm sets it on a restart, whose ports it pins "
+                   "to the first start's)")
     p.add_argument("--store-wait-s", type=float, default=0.0, metavar="S",
                    help="at start-up, wait up to S seconds for an unreachable store "
                    "(PostgreSQL) before exiting with status 2 (default 0: exit at once; "
@@ -222,7 +226,8 @@ async def serve(ns: argparse.Namespace) -> int:
                 metrics_listen=ns.metrics or cfg.metrics_listen,
                 web_listen=ns.web or cfg.web_listen,
                 tracing=telemetry.tracing_wanted(cfg.otlp_endpoint),
-                otlp_endpoint=cfg.otlp_endpoint, record_content=cfg.record_content)
+                otlp_endpoint=cfg.otlp_endpoint, record_content=cfg.record_content,
+                ports_may_move=ns.ports_may_move)
             seen = await stack.enter_async_context(telemetry.started(
                 wanted, manager=manager, snapshot=facade.status, home=home))
             server = ClientServer(facade, ns.listen, guard=guard, client_host=client_host,

@@ -199,6 +199,8 @@ def _same_ports(argv: list[str], previous: dict[str, Any] | None) -> list[str]:
             bound = None
         if sep and port == "0" and bound:
             out[i] = f"{host}:{bound}"
+            if "--ports-may-move" not in out:  # taken meanwhile: any port, not a crash loop
+                out.append("--ports-may-move")
     return out
 
 

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from supervisor.engine import calls, hooks
 from supervisor.engine.manager import SessionManager
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def split_host_port(text: str) -> tuple[str, int]:
@@ -51,6 +53,22 @@ class Wanted:
     tracing: bool = False
     otlp_endpoint: str | None = None
     record_content: bool = False
+    # A restart's ports (the farm pins HOST:0 to the port the first start bound): when
+    # another process took one meanwhile, bind any free port rather than fail the start
+    # (a failing start would be restarted into the same failure).
+    ports_may_move: bool = False
+
+
+def bind_or_move(bind: Callable[[int], T], port: int, may_move: bool, what: str) -> T:
+    """``bind(port)``; if the port is taken and ``may_move``, ``bind(0)`` (any free port)
+    with a warning. Otherwise the ``OSError`` is raised."""
+    try:
+        return bind(port)
+    except OSError as exc:
+        if not may_move or port == 0 or exc.errno != errno.EADDRINUSE:
+            raise
+        log.warning("%s: port %d is taken now; serving on another free port", what, port)
+        return bind(0)
 
 
 @contextlib.asynccontextmanager
@@ -84,7 +102,9 @@ async def started(wanted: Wanted, *, manager: SessionManager,
             metrics.registry.register(FarmCollector(loop, snapshot, home / "farm.json"))
             sinks.append(metrics)
             host, port = split_host_port(wanted.metrics_listen)
-            server, thread = start_http_server(port, host, registry=metrics.registry)
+            server, thread = bind_or_move(
+                lambda p: start_http_server(p, host, registry=metrics.registry),
+                port, wanted.ports_may_move, "metrics")
 
             def stop_metrics() -> None:
                 server.shutdown()
@@ -100,7 +120,7 @@ async def started(wanted: Wanted, *, manager: SessionManager,
             web = WebView(wanted.web_listen, manager=manager, snapshot=snapshot,
                           home=home, loop=loop)
             sinks.append(web)
-            bound["web"] = web.start()
+            bound["web"] = bind_or_move(web.start, web.port, wanted.ports_may_move, "web view")
             stops.append(web.stop)
         hub = Telemetry(sinks)
         manager.on_commit = hub.committed

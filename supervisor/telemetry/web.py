@@ -268,13 +268,14 @@ class WebView:
 
     # ------------------------------------------------------------- server
 
-    def start(self) -> str:
+    def start(self, port: int | None = None) -> str:
+        """Serve on ``port`` (default: the one configured); the URL served."""
         view = self
 
         class Handler(_Handler):
             web = view
 
-        server = ThreadingHTTPServer((self.host, self.port), Handler)
+        server = ThreadingHTTPServer((self.host, self.port if port is None else port), Handler)
         server.daemon_threads = True
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="web-view",

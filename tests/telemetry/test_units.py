@@ -265,3 +265,36 @@ def test_a_series_is_exposed_once_whatever_the_label_values() -> None:
     assert sum(v for (n, _), v in seen.items() if n == "corral_broker_queue_depth") == 100
     assert sum(v for (n, _), v in seen.items() if n == "corral_broker_failures_total") == 80
     assert seen[("corral_workers", (("host", "h"), ("service", "tool_pinned")))] == 30
+
+
+def test_a_taken_port_moves_only_when_allowed() -> None:
+    """A restart's pinned metrics/web port taken by another process meanwhile: the
+    supervisor serves on another free port (``--ports-may-move``, set by the farm on
+    restarts) instead of failing into a restart loop; otherwise the error stands."""
+    import errno
+    import socket
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    from supervisor.telemetry.setup import bind_or_move
+
+    taker = socket.socket()
+    taker.bind(("127.0.0.1", 0))
+    taker.listen()
+    taken = taker.getsockname()[1]
+    servers: list[HTTPServer] = []
+
+    def bind(port: int) -> int:
+        server = HTTPServer(("127.0.0.1", port), SimpleHTTPRequestHandler)
+        servers.append(server)
+        return int(server.server_port)
+
+    try:
+        moved = bind_or_move(bind, taken, True, "metrics")
+        assert moved not in (0, taken)
+        with pytest.raises(OSError, match="in use") as refused:
+            bind_or_move(bind, taken, False, "metrics")
+        assert refused.value.errno == errno.EADDRINUSE
+    finally:
+        taker.close()
+        for server in servers:
+            server.server_close()
