@@ -320,3 +320,25 @@ async def test_http_server_killed_mid_call(tools_farm: Farm, procs: Procs,
         fresh = await asyncio.wait_for(call(client, request(ws, "sess-httpkill", "h", other,
                                                             "add", {"n": 7})), timeout=40)
         assert fresh["output"] == "7", fresh
+
+
+async def test_idle_server_stops_without_further_requests(procs: Procs, tmp_path: Path,
+                                                          sandbox_site: str) -> None:
+    """A session's server that nobody calls again (its session ended) is stopped
+    once idle, even when no other MCP request reaches its worker: the idle check
+    ran only at MCP requests, so such a server, its uid and its workspace pin
+    lived on for as long as the worker did."""
+    from tests.engine.farm import start_farm
+
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=0)
+    farm.add_worker("tool", 4, extra=["--mcp-idle-s", "1"])
+    ws = str(new_workspace())
+    async with BrokerClient(farm.frontend) as client:
+        first = await call(client, request(ws, "sess-idle", "t", own(sandbox_site), "add",
+                                           {"n": 2}))
+        assert first["output"] == "2", first["output"]
+        uid = first["isolation"]["uid"]
+        assert uid_processes(uid), "the server runs"
+        # No MCP request comes again: the server is stopped all the same.
+        await eventually(lambda: _none(uid), timeout_s=20,
+                         what="the idle server stopped without another request")
