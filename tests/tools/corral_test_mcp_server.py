@@ -51,6 +51,21 @@ async def sleep(seconds: float) -> str:
     return "slept"
 
 
+@server.tool()
+def flood(n: int) -> str:
+    """Write n notifications the client cannot validate (a progress notification
+    without its fields) on the wire before answering: a hostile server's flood."""
+    from mcp.server import stdio
+
+    fd = stdio._claims[1].private_fd  # the wire (the SDK diverts fd 1 to stderr)
+    assert fd is not None
+    line = b'{"jsonrpc":"2.0","method":"notifications/progress","params":{}}\n'
+    data = memoryview(line * n)
+    while data:
+        data = data[os.write(fd, data):]
+    return "flooded"
+
+
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
 async def peek(seconds: float) -> str:
     """Read-only: the first call in a workspace leaves ``peeking`` and sleeps;

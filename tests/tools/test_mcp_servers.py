@@ -342,3 +342,26 @@ async def test_idle_server_stops_without_further_requests(procs: Procs, tmp_path
         # No MCP request comes again: the server is stopped all the same.
         await eventually(lambda: _none(uid), timeout_s=20,
                          what="the idle server stopped without another request")
+
+
+async def test_notification_flood_does_not_flood_the_worker_log(
+        procs: Procs, tmp_path: Path, sandbox_site: str) -> None:
+    """A server that writes 20,000 notifications the client cannot validate
+    before answering: the call answers, and the worker's log holds a bounded
+    number of lines about them (the SDK logged each one, traceback and all)."""
+    from tests.engine.farm import start_farm
+
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=0)
+    worker = farm.add_worker("tool", 4)
+    ws = str(new_workspace())
+    async with BrokerClient(farm.frontend) as client:
+        got = await call(client, request(ws, "sess-flood", "t", own(sandbox_site), "flood",
+                                         {"n": 20_000}))
+        assert got["output"] == "flooded", got["output"]
+        again = await call(client, request(ws, "sess-flood", "t", own(sandbox_site), "add",
+                                           {"n": 1}))
+        assert again["output"] == "1", again["output"]
+    log = procs.log(worker)
+    said = log.count("Failed to validate notification")
+    assert 0 < said <= 20, (said, len(log))
+    assert len(log) < 200_000, len(log)
