@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from supervisor.images.errors import DigestMismatch, ImageFormatError, LimitExceeded
+from supervisor.images.unpack import BoundedTarInfo
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -85,7 +86,8 @@ class _Container:
         if path.is_dir():
             return
         try:
-            self._tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by close()
+            self._tar = tarfile.open(path, "r:*",  # noqa: SIM115 - closed by close()
+                                     tarinfo=BoundedTarInfo)
             for m in self._tar.getmembers():
                 self._members[_norm(m.name)] = m
         except (tarfile.TarError, EOFError, OSError) as exc:

@@ -36,11 +36,34 @@ from dataclasses import dataclass
 from supervisor.images.errors import LimitExceeded, UnsafeEntry
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A tar's extended headers (pax, GNU long name/link) are read whole into memory
+# by tarfile, before any member reaches us: each is bounded here (BoundedTarInfo).
+MAX_HEADER_BYTES = 1 << 20
+_EXTENDED = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+             tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
 _CHUNK = 1 << 20
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
 
 Parts = tuple[str, ...]
+
+
+class HeaderTooLarge(tarfile.TarError):
+    """An extended header over ``MAX_HEADER_BYTES``. Not a ``tarfile.HeaderError``:
+    tarfile reads one of those past the first member as the archive's end."""
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """A ``TarInfo`` that refuses an extended header (pax, GNU long name or
+    link) over ``MAX_HEADER_BYTES`` before tarfile reads it into memory: a
+    gzip layer of a few MB held a 'long name' of gigabytes, which the
+    importer allocated whole (``tarfile.open(..., tarinfo=BoundedTarInfo)``)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED and self.size > MAX_HEADER_BYTES:
+            raise HeaderTooLarge(f"an extended header (type {self.type!r}) of {self.size} "
+                                 f"bytes, above {MAX_HEADER_BYTES}")
+        return super()._proc_member(tar)  # type: ignore[misc,no-any-return]
 
 
 @dataclass(frozen=True)

@@ -98,3 +98,104 @@ def test_absolute_symlinks_stay_inside_and_are_never_followed(tmp_path: Path) ->
     assert (root / "x").read_text() == "image file"
     assert not (root / "x").is_symlink()
     assert os.readlink(root / "usr/python") == "/usr/bin/python3"
+
+
+def _bomb_layout(path: Path, name_bytes: int, *, docker_save: bool = False) -> Path:
+    """An OCI layout (or a docker-save-like tarball, ``docker_save``) whose one
+    gzip layer is a few hundred KB and holds a GNU long-name header of
+    ``name_bytes`` bytes (zeros), then a small file."""
+    import gzip
+    import hashlib
+    import json
+    import zlib
+
+    def header(name: str, kind: bytes, size: int) -> bytes:
+        ti = tarfile.TarInfo(name)
+        ti.type, ti.size, ti.mode = kind, size, 0o644
+        return ti.tobuf(format=tarfile.GNU_FORMAT)
+
+    path.mkdir(parents=True)
+    blob_path = path / "layer.tar.gz"
+    plain_sha, blob_sha = hashlib.sha256(), hashlib.sha256()
+    comp = zlib.compressobj(6, zlib.DEFLATED, 31)  # gzip framing
+    with open(blob_path, "wb") as out:
+        def put(data: bytes) -> None:
+            plain_sha.update(data)
+            packed = comp.compress(data)
+            blob_sha.update(packed)
+            out.write(packed)
+        hdr = tarfile.TarInfo("././@LongLink")
+        hdr.type, hdr.size = tarfile.GNUTYPE_LONGNAME, name_bytes
+        put(hdr.tobuf(format=tarfile.USTAR_FORMAT))  # the raw 'L' header
+        chunk = bytes(1 << 20)
+        left = -(-name_bytes // 512) * 512
+        while left:
+            n = min(left, len(chunk))
+            put(chunk[:n])
+            left -= n
+        put(header("x", tarfile.REGTYPE, 0) + bytes(1024))
+        tail = comp.flush()
+        blob_sha.update(tail)
+        out.write(tail)
+    blob = "sha256:" + blob_sha.hexdigest()
+    config = json.dumps({"os": "linux", "architecture": __import__(
+        "tests.images.build", fromlist=["host_arch"]).host_arch(), "config": {},
+        "rootfs": {"type": "layers", "diff_ids": ["sha256:" + plain_sha.hexdigest()]}}).encode()
+    csha = "sha256:" + hashlib.sha256(config).hexdigest()
+    manifest = json.dumps({"schemaVersion": 2,
+                           "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                      "digest": csha, "size": len(config)},
+                           "layers": [{"mediaType":
+                                       "application/vnd.oci.image.layer.v1.tar+gzip",
+                                       "digest": blob, "size": blob_path.stat().st_size}]
+                           }).encode()
+    msha = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    blobs = path / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    blob_path.rename(blobs / blob.removeprefix("sha256:"))
+    (blobs / csha.removeprefix("sha256:")).write_bytes(config)
+    (blobs / msha.removeprefix("sha256:")).write_bytes(manifest)
+    (path / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (path / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": msha,
+         "size": len(manifest)}]}))
+    assert gzip  # the layer is gzip (wbits 31)
+    return path
+
+
+def _import_peak_rss(layout: Path, home: Path) -> tuple[int, str, int]:
+    """``corral image import`` in its own process: (exit code, stderr, peak RSS bytes)."""
+    import resource
+    import subprocess
+    import sys
+
+    # A wrapper process whose only child is the import: its RUSAGE_CHILDREN
+    # peak is the import's own (this process's children's may be larger).
+    wrapper = ("import resource, subprocess, sys\n"
+               "r = subprocess.run(sys.argv[1:])\n"
+               "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
+               "file=sys.stderr)\n"
+               "sys.exit(r.returncode)\n")
+    done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m",
+                           "supervisor.cli", "image", "import", str(layout), "--home",
+                           str(home)], capture_output=True, text=True, timeout=120, check=False)
+    peak = int(done.stderr.rsplit("PEAK ", 1)[1].split()[0])
+    assert resource  # (the wrapper measures)
+    return done.returncode, done.stderr, peak * 1024
+
+
+@pytest.mark.timeout(180)
+def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A gzip layer of ~0.6 MB holding a 600 MB GNU long name: tarfile read the
+    name whole into memory (the importer's peak RSS was 1.35 GiB, measured);
+    now the header is refused at its size, nothing installed."""
+    size = 600 << 20
+    layout = _bomb_layout(tmp_path / "bomb", size)
+    assert sum(p.stat().st_size for p in layout.rglob("*") if p.is_file()) < 4 << 20
+    code, err, peak = _import_peak_rss(layout, tmp_path / "home")
+    assert code != 0
+    assert "extended header" in err, err
+    assert peak < size // 2, f"peak RSS {peak} bytes"
+    store = ImageStore(tmp_path / "home")
+    assert store.list() == []
