@@ -13,6 +13,8 @@ Invariants:
   from the link's own directory; an absolute target is kept as written: it
   names a path in the image's own root once that root is ``/``, and the store
   never follows it.
+- Extended headers over ``MAX_HEADER_BYTES`` and sparse files are refused
+  before tarfile reads them into memory (``BoundedTarInfo``).
 - Device nodes and fifos are refused; setuid/setgid bits are refused unless
   ``allow_setuid``. Ownership is not kept (the importer owns every file).
 - Whiteouts follow the OCI image spec: ``.wh.NAME`` removes NAME of lower
@@ -63,7 +65,26 @@ class BoundedTarInfo(tarfile.TarInfo):
         if self.type in _EXTENDED and self.size > MAX_HEADER_BYTES:
             raise HeaderTooLarge(f"an extended header (type {self.type!r}) of {self.size} "
                                  f"bytes, above {MAX_HEADER_BYTES}")
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise _sparse()
         return super()._proc_member(tar)  # type: ignore[misc,no-any-return]
+
+    # Sparse files: tarfile keeps their maps in memory, 2.5 KB of Python
+    # objects per 512-byte block of the map, as many blocks as the layer
+    # holds; image builders write none. Refused, in every form.
+    def _proc_gnusparse_00(self, *_: object) -> None:
+        raise _sparse()
+
+    def _proc_gnusparse_01(self, *_: object) -> None:
+        raise _sparse()
+
+    def _proc_gnusparse_10(self, *_: object) -> None:
+        raise _sparse()
+
+
+def _sparse() -> HeaderTooLarge:
+    return HeaderTooLarge("a sparse file (GNU sparse formats are not supported in images: "
+                          "tarfile would hold its whole map in memory)")
 
 
 @dataclass(frozen=True)
