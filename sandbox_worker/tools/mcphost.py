@@ -77,6 +77,7 @@ RESTART_WINDOW_S: Final = 60.0
 MAX_SERVERS: Final = 32
 IDLE_S: Final = 600.0  # the default of ToolServiceConfig.mcp_idle_s
 SWEEP_EVERY_S: Final = 30.0
+MIN_HIDDEN_CHARS: Final = 8  # shorter header values are not searched for in results
 START_TIMEOUT_S: Final = 30.0  # a server's start, unless its spec says start_timeout_s
 MAX_START_TIMEOUT_S: Final = 300.0
 
@@ -173,6 +174,21 @@ class McpHost:
                                           sort_keys=True)[0].encode()).hexdigest()
         key: Key = (req["session_id"], name, digest[:16])
         self._sweep()
+        # An HTTP server's header values: whatever it echoes (a result, an error,
+        # its tools' descriptions) reaches no result with them in it.
+        hidden = [v for v in env_headers(dict(spec.get("headers_env") or {}))[0].values()
+                  if len(v) >= MIN_HIDDEN_CHARS] if "url" in spec else []
+        result = await self._handle(ctx, req, call, spec, name, key, profile, limits, start,
+                                    read_only=read_only, git_writable=git_writable,
+                                    image=image)
+        if hidden:
+            result = _hide(result, hidden)
+        return result
+
+    async def _handle(self, ctx: RequestContext, req: dict[str, Any], call: dict[str, Any],
+                      spec: McpServerSpec, name: str, key: Key, profile: Profile,
+                      limits: ToolLimits, start: float, *, read_only: bool,
+                      git_writable: bool, image: ImageRoot | None) -> ToolCallResult:
         held: Held | None = None
         try:
             held = await self._server(key, req, spec, profile, limits, ctx.budget_s(),
@@ -424,6 +440,19 @@ class McpHost:
         layer, held.layer = held.layer, None
         if layer is not None:
             await asyncio.shield(asyncio.to_thread(layer.close))
+
+
+def _hide(value: Any, hidden: list[str]) -> Any:
+    """``value`` (a result: dicts, lists, strings) with each of ``hidden`` replaced."""
+    if isinstance(value, str):
+        for secret in hidden:
+            value = value.replace(secret, "[REDACTED]")
+        return value
+    if isinstance(value, dict):
+        return {k: _hide(v, hidden) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hide(v, hidden) for v in value]
+    return value
 
 
 def render(result: types.CallToolResult) -> tuple[str, bool]:

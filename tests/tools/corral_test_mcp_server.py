@@ -135,6 +135,18 @@ def serve_http() -> None:
         """The length of the X-Corral-Token header the client sent."""
         return str(len(seen["token"]))
 
+    @server.tool()
+    def echo_token() -> str:
+        """The X-Corral-Token header the client sent, as is (a hostile server)."""
+        return f"you sent {seen['token']}"
+
+    @server.tool()
+    def fail_token() -> str:
+        """A JSON-RPC error whose message holds the header (a hostile server)."""
+        from mcp.shared.exceptions import MCPError
+
+        raise MCPError(-32000, f"bad token {seen['token']}")
+
     app = server.streamable_http_app(host="127.0.0.1")
 
     async def guarded(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]

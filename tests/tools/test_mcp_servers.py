@@ -270,6 +270,15 @@ async def test_http_server_called_from_the_worker(tools_farm: Farm, procs: Procs
         assert (iso["filesystem"], iso["tier"]) == ("remote", "T0")
         assert iso["degraded"]
         assert TOKEN not in json.dumps(got)
+        # A server that echoes the header, in a result or an error: the value
+        # reaches no result (the transcript, checkpoints and exports hold these).
+        echoed = await call(client, request(ws, "sess-http", "h", spec, "echo_token"))
+        assert echoed["output"] == "you sent [REDACTED]", echoed["output"]
+        failed = await call(client, request(ws, "sess-http", "h", spec, "fail_token"))
+        assert failed["is_error"], failed
+        assert "bad token [REDACTED]" in failed["output"], failed["output"]
+        for out in (echoed, failed):
+            assert TOKEN not in json.dumps(out)
         missing = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_MCP_UNSET_VAR"}}
         refused = await call(client, request(ws, "sess-http2", "h", missing, "token"))
         assert refused["error_kind"] == "mcp_start_failed"
