@@ -374,3 +374,31 @@ async def test_notification_flood_does_not_flood_the_worker_log(
     said = log.count("Failed to validate notification")
     assert 0 < said <= 20, (said, len(log))
     assert len(log) < 200_000, len(log)
+
+
+@pytest.mark.parametrize("tier", ["T2", "T1"])
+async def test_a_server_daemon_dies_with_its_worker(procs: Procs, tmp_path: Path,
+                                                     sandbox_site: str, tier: str) -> None:
+    """A server that leaves a double-forked daemon (its own session, SIGTERM and
+    SIGHUP ignored), then its worker SIGKILLed: nothing of the server's uid is
+    left (T2: the pid namespace; T1: the launcher's parent-death signal)."""
+    from tests.engine.farm import start_farm
+
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=0)
+    worker = farm.add_worker("tool", 4, extra=["--force-tier", tier, "--tier-min", "T1"])
+    ws = str(new_workspace())
+    async with BrokerClient(farm.frontend) as client:
+        got = await call(client, request(ws, "sess-daemon", "t", own(sandbox_site), "daemon"))
+        assert got["output"].startswith("daemon left by"), got["output"]
+        assert got["isolation"]["tier"] == tier
+        uid = got["isolation"]["uid"]
+        await eventually(lambda: _more_than(uid, 1), timeout_s=10,
+                         what="the server and its daemon run")
+    worker.kill()
+    worker.wait(timeout=10)
+    await eventually(lambda: _none(uid), timeout_s=10,
+                     what="nothing of the server's uid left after its worker's SIGKILL")
+
+
+async def _more_than(uid: int, n: int) -> bool:
+    return len(uid_processes(uid)) > n
