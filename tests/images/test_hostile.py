@@ -237,3 +237,27 @@ def test_a_sparse_file_is_refused_before_its_map_is_read(tmp_path: Path) -> None
     assert "sparse file" in err, err
     assert peak < 2 * size, f"peak RSS {peak} bytes"
     assert ImageStore(tmp_path / "home").list() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_the_layout_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A layout directory whose layer blob is a fifo with no writer (a hostile
+    directory, or a tarball extracted by hand): the import fails at once (the
+    blob reads as empty) instead of waiting at open() for a writer that never
+    comes. (A fifo with a writer is read as it is fed: test_cli.py's killed
+    import paces itself so.)"""
+    import subprocess
+    import sys
+
+    b = oci([[f("ok", b"fine")]])
+    layout = write_layout(b, tmp_path / "l")
+    layer = __import__("json").loads(b.blobs[b.manifest_digest])["layers"][0]["digest"]
+    blob = layout / "blobs" / "sha256" / layer.removeprefix("sha256:")
+    blob.unlink()
+    os.mkfifo(blob)
+    done = subprocess.run([sys.executable, "-m", "supervisor.cli", "image", "import",
+                           str(layout), "--home", str(tmp_path / "home")],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode != 0
+    assert "truncated or corrupt" in done.stderr, done.stderr
+    assert ImageStore(tmp_path / "home").list() == []
