@@ -14,7 +14,9 @@ Invariants:
 - Inline routes (``route_spec`` from ``corral run --model PROVIDER:MODEL``)
   are validated with ``sandbox_worker.api.parse_route`` rules, registered
   under their spec string and persisted in ``HOME/routes.json`` so sessions
-  using them survive a supervisor restart. They never carry a key.
+  using them survive a supervisor restart. They never carry a key, never
+  replace a route of corral.toml or another tenant's inline route, and name no
+  ``credential_env`` but the farm's routes' own (``register_route``).
 - Every answer is plain msgpack-friendly data.
 - ``export`` answers the latest checkpoint of a session: the one under export
   in the store while a turn runs (``load_loop_checkpoint``), else the newest
@@ -40,6 +42,7 @@ from typing import Any
 from broker.brokerset import BrokerSet
 from broker.client import BrokerClient
 from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
+from sandbox_worker.model.secrets import GENERIC_ENV, PROVIDER_ENV
 from supervisor import clienttools, handover, leasing
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec
@@ -272,6 +275,12 @@ class Facade:
         self.broker = broker
         self.engine_config = engine_config
         self.routes_file = home / "routes.json"
+        # The routes of corral.toml: no client's route_spec may replace one.
+        self.configured_routes = frozenset(engine_config.routes)
+        self.route_credentials = frozenset(
+            {GENERIC_ENV, *PROVIDER_ENV.values()}
+            | {str(r["credential_env"]) for r in engine_config.routes.values()
+               if r.get("credential_env")})
         self.export_dirs = export_dirs(home)
         self.farm_dirs = farm_dirs(home)
         self.home = home
@@ -288,7 +297,8 @@ class Facade:
 
     def _load_inline_routes(self) -> None:
         for name, route in self._saved_routes().items():
-            self.engine_config.routes.setdefault(name, route)
+            if name not in self.configured_routes:
+                self.engine_config.routes.setdefault(name, route)
 
     def reload_inline_routes(self) -> None:
         """Take the inline routes (``PROVIDER:MODEL``, ``script:PATH``) as the home's
@@ -296,21 +306,44 @@ class Facade:
         over from another supervisor of this home may use one registered there (a
         ``corral run --model script:PATH`` registers a new provider URL each run)."""
         for name, route in self._saved_routes().items():
-            if ":" in name:
+            if ":" in name and name not in self.configured_routes:
                 self.engine_config.routes[name] = route
 
-    def _save_route(self, name: str, route: ModelRoute) -> None:
+    def _save_route(self, name: str, route: ModelRoute, tenant: str | None) -> None:
         """Add one route to HOME/routes.json, under a lock (several supervisors of a home
-        register routes: each writing its whole set once put back another's stale URL)."""
+        register routes: each writing its whole set once put back another's stale URL).
+        A route registered by one tenant (or by clients without one) is never replaced
+        by another's: HOME/routes.owners.json names who registered each."""
+        owners_file = self.routes_file.with_name("routes.owners.json")
         with open(self.routes_file.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             saved = self._saved_routes()
+            try:
+                owners = json.loads(owners_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                owners = {}
+            if not isinstance(owners, dict):
+                owners = {}
+            if name in saved and name in owners and owners[name] != tenant \
+                    and saved[name] != route:
+                raise CallError(ErrorKind.BAD_REQUEST,
+                                f"route {name!r} is registered by another tenant; give "
+                                "your route_spec another name")
+            owners[name] = tenant
+            tmp = owners_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(owners, sort_keys=True))
+            os.replace(tmp, owners_file)
             saved[name] = route
             tmp = self.routes_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(saved, sort_keys=True))
             os.replace(tmp, self.routes_file)
 
-    def register_route(self, spec: Any) -> str:
+    def register_route(self, spec: Any, tenant: str | None = None) -> str:
+        """A client's inline route (``route_spec``), registered under its name. It may
+        not replace a route of corral.toml (every session on that route would send its
+        conversation, and the workers' key, where the client says), nor one another
+        tenant registered, and may only name a key variable corral.toml's routes use
+        (or the default ones): never another secret of the workers."""
         if not isinstance(spec, dict) or not set(spec) <= _ROUTE_KEYS:
             raise CallError(ErrorKind.BAD_REQUEST,
                             f"route_spec must be a map with keys among {sorted(_ROUTE_KEYS)}")
@@ -321,10 +354,21 @@ class Facade:
                 ("http://", "https://")):
             raise CallError(ErrorKind.BAD_REQUEST, "route_spec needs an http(s) base_url")
         name = str(spec.get("name") or f"{spec['provider']}:{spec['model']}")
+        if ":" not in name or name in self.configured_routes:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"route_spec name {name!r} must be an inline name "
+                            "(PROVIDER:MODEL or script:PATH), not a route of corral.toml; "
+                            "to use a configured route give route = NAME")
+        cred = spec.get("credential_env")
+        if cred is not None and cred not in self.route_credentials:
+            raise CallError(ErrorKind.BAD_REQUEST,
+                            f"route_spec credential_env {cred!r} is not a key variable of "
+                            "this farm's routes; use one of "
+                            f"{sorted(self.route_credentials)} or configure the route in "
+                            "corral.toml")
         route: ModelRoute = {**spec, "name": name}  # type: ignore[typeddict-item]
+        self._save_route(name, route, tenant)
         self.engine_config.routes[name] = route
-        if ":" in name:  # inline names: a configured route never changes behind the file
-            self._save_route(name, route)
         return name
 
     # -- tenancy ------------------------------------------------------------
@@ -359,7 +403,7 @@ class Facade:
                             f"allowed: {sorted(_SPEC_KEYS)}")
         spec = _outside_options(self.defaults, spec)
         if "route_spec" in spec:
-            spec["route"] = self.register_route(spec.pop("route_spec"))
+            spec["route"] = self.register_route(spec.pop("route_spec"), tenant)
         route = spec.get("route")
         if route is not None and route not in self.engine_config.routes:
             raise CallError(ErrorKind.BAD_REQUEST,
@@ -400,7 +444,7 @@ class Facade:
         await self._check_tenant(session_id, tenant)
         if op.get("type") == "set_model" and "route_spec" in op:
             op = dict(op)
-            op["route"] = self.register_route(op.pop("route_spec"))
+            op["route"] = self.register_route(op.pop("route_spec"), tenant)
         with _engine_errors(session_id):
             return str(await self.manager.submit(SessionId(session_id), op))
 

@@ -30,6 +30,7 @@ from typing import Final
 
 from broker.protocol import pack
 from sandbox_worker.api import ModelDelta
+from sandbox_worker.model.secrets import redact_value
 
 DEFAULT_FLUSH_INTERVAL_S: Final = 0.005
 DEFAULT_MAX_CHARS: Final = 16 * 1024
@@ -94,7 +95,7 @@ class DeltaRelay:
                 out = dict(delta)
                 out["arguments_delta" if delta["type"] == "tool_call_delta" else "text"] = \
                     "".join(parts)
-                await self._send(pack(out))
+                await self._send(pack(redact_value(out)))
                 self.relayed += 1
 
     async def aclose(self, *, check: bool = True) -> None:

@@ -10,6 +10,11 @@ Invariants:
 - A key value is never returned to the supervisor, never put in a failure
   message or an exception text, and never written to ``os.environ`` (so
   nothing of the model service leaks into a tool sandbox's environment).
+  A provider's output that holds one (a proxy echoing its headers, a hostile
+  endpoint) has it replaced by ``[REDACTED]`` in the call's result and in each
+  PARTIAL (``redact_value``), so it reaches no transcript, checkpoint, export,
+  event or tool argument; a key split across two PARTIALs is caught in the
+  result only.
 - Once ``install_log_redaction`` ran, every log record created in the
   process has known key values replaced by ``[REDACTED]`` in its message and
   its formatted traceback, whatever logger or handler it goes to; keys
@@ -54,6 +59,22 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+def redact_value(value: Any) -> Any:
+    """``value`` (JSON-like: dicts, lists, strings) with every known key value
+    in its strings replaced by ``REDACTED``; the same object when none holds one."""
+    if not _known:
+        return value
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        out = {k: redact_value(v) for k, v in value.items()}
+        return value if all(out[k] is value[k] for k in value) else out
+    if isinstance(value, list):
+        items = [redact_value(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    return value
 
 
 def _redact_record(record: logging.LogRecord) -> None:

@@ -54,6 +54,7 @@ from sandbox_worker.model.secrets import (
     install_log_redaction,
     load_credentials_file,
     redact,
+    redact_value,
 )
 from sandbox_worker.model.streams import Decoded
 
@@ -243,6 +244,7 @@ class ModelService:
                 async with asyncio.timeout(budget_s) as budget:
                     decoded = await self._attempt(client, req, api_key, overall, timeout, relay)
                 items, stop, usage = decoded
+                items = redact_value(items)  # a provider that echoes a key (secrets.py)
                 log.info("model call %s: %s %s ok in %.3fs (attempt %d, %d partials)",
                          ctx.request_id, route["provider"], route["model"],
                          time.monotonic() - started, attempt_no, relay.relayed)

@@ -20,6 +20,9 @@ Invariants:
   ``MAX_MESSAGE_BYTES``, ends the server with kind ``protocol`` /
   ``output_limit`` (the MCP spec forbids anything else on stdout, and a stream
   cannot be resynchronised). Nothing read is kept beyond one message.
+- What the SDK logs about a server's messages is bounded (``BoundedLog``: at
+  most ``LOG_BURST`` records of one line per ``LOG_WINDOW_S``): a server's
+  flood of messages the SDK cannot validate does not flood the worker's log.
 - stderr keeps its last ``STDERR_LINES`` lines (each clipped): what a failure
   names.
 - ``close`` (and a death) leaves no process of the server: ``process.kill_tree``
@@ -38,6 +41,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
@@ -59,6 +64,41 @@ STDERR_LINE_CHARS: Final = 400
 MAX_TOOL_PAGES: Final = 20
 MAX_TOOLS: Final = 256
 PING_GRACE_S: Final = 1.0
+LOG_BURST: Final = 10  # records of one SDK log line per window (BoundedLog)
+LOG_WINDOW_S: Final = 60.0
+
+
+class BoundedLog(logging.Filter):
+    """At most ``LOG_BURST`` records of one logger and message template per
+    ``LOG_WINDOW_S``; the first record of the next window says how many were
+    left out. The SDK logs a warning, with its traceback, for each message of
+    a server it cannot validate: 1.3 KB of log per 65-byte line, 26 MB for a
+    server's 20,000 bad notifications (measured), so a hostile server could
+    fill the worker's log as fast as it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: dict[tuple[str, str], tuple[float, int, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        start, count, dropped = self._seen.get(key, (now, 0, 0))
+        if now - start > LOG_WINDOW_S:
+            if dropped:
+                record.msg = (f"{record.msg} (and {dropped} more like it in "
+                              f"{LOG_WINDOW_S:g} s, not logged)")
+            start, count, dropped = now, 0, 0
+        if count >= LOG_BURST:
+            self._seen[key] = (start, count, dropped + 1)
+            return False
+        if len(self._seen) >= 1024 and key not in self._seen:
+            self._seen.clear()  # bounded: many templates start over
+        self._seen[key] = (start, count + 1, dropped)
+        return True
+
+
+_BOUNDED = BoundedLog()
 
 
 def _import_sdk() -> None:
@@ -67,6 +107,18 @@ def _import_sdk() -> None:
     import mcp_types  # noqa: F401
     from mcp.client import session, streamable_http  # noqa: F401
     from mcp.shared import message  # noqa: F401
+
+    # Every logger of the SDK's modules (made at their import, above) is bounded;
+    # found by module, not by name: the client session's logger is named "client".
+    loggers = [logger for name, mod in list(sys.modules.items())
+               if name.split(".")[0] in ("mcp", "mcp_types") and mod is not None
+               for logger in list(vars(mod).values()) if isinstance(logger, logging.Logger)]
+    loggers += [logger for name, logger in list(logging.Logger.manager.loggerDict.items())
+                if name.split(".")[0] in ("mcp", "mcp_types")
+                and isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        if _BOUNDED not in logger.filters:
+            logger.addFilter(_BOUNDED)
 
 
 async def load_sdk() -> None:

@@ -22,8 +22,11 @@ Invariants:
 - A server that died is started again at the next call, at most
   ``RESTARTS_MAX`` times in ``RESTART_WINDOW_S`` (OTP's restart intensity);
   past that its calls get ``mcp_restart_limit`` until the window has room.
-- At most ``MAX_SERVERS`` per worker; servers idle for ``IDLE_S`` are stopped
-  (checked at each MCP request), the least recently used first when full.
+- At most ``MAX_SERVERS`` per worker; servers idle for ``IDLE_S`` (the worker's
+  ``--mcp-idle-s``) are stopped, checked at each MCP request and by a sweeper
+  every ``SWEEP_EVERY_S`` at most (a session that ended, on a worker no other MCP
+  request reaches, leaves no server running), the least recently used first
+  when full.
 - Every failure is a ``ToolCallResult`` with ``is_error`` and an
   ``error_kind``; no MCP error crosses the wire as a broker failure.
 - ``aclose`` stops every server and waits for the background checks.
@@ -72,7 +75,9 @@ log = logging.getLogger(__name__)
 RESTARTS_MAX: Final = 3
 RESTART_WINDOW_S: Final = 60.0
 MAX_SERVERS: Final = 32
-IDLE_S: Final = 600.0
+IDLE_S: Final = 600.0  # the default of ToolServiceConfig.mcp_idle_s
+SWEEP_EVERY_S: Final = 30.0
+MIN_HIDDEN_CHARS: Final = 8  # shorter header values are not searched for in results
 START_TIMEOUT_S: Final = 30.0  # a server's start, unless its spec says start_timeout_s
 MAX_START_TIMEOUT_S: Final = 300.0
 
@@ -112,6 +117,24 @@ class McpHost:
         self._locks: dict[Key, asyncio.Lock] = {}
         self._restarts: dict[Key, deque[float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @property
+    def idle_s(self) -> float:
+        return self.service.config.mcp_idle_s
+
+    async def _sweep_loop(self) -> None:
+        """Stop idle servers even when no MCP request comes (``_sweep`` runs at
+        each request too); ends when no server is left, and the next start
+        starts it again."""
+        every = min(SWEEP_EVERY_S, max(0.1, self.idle_s / 4))
+        while self._servers:
+            await asyncio.sleep(every)
+            self._sweep()
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep_loop())
 
     def info(self) -> dict[str, Any]:
         return {"servers": len(self._servers), "pin": self.pin}
@@ -122,6 +145,10 @@ class McpHost:
         task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         held = list(self._servers.values())
         self._servers.clear()
         for h in held:
@@ -147,6 +174,21 @@ class McpHost:
                                           sort_keys=True)[0].encode()).hexdigest()
         key: Key = (req["session_id"], name, digest[:16])
         self._sweep()
+        # An HTTP server's header values: whatever it echoes (a result, an error,
+        # its tools' descriptions) reaches no result with them in it.
+        hidden = [v for v in env_headers(dict(spec.get("headers_env") or {}))[0].values()
+                  if len(v) >= MIN_HIDDEN_CHARS] if "url" in spec else []
+        result = await self._handle(ctx, req, call, spec, name, key, profile, limits, start,
+                                    read_only=read_only, git_writable=git_writable,
+                                    image=image)
+        if hidden:
+            result = _hide(result, hidden)
+        return result
+
+    async def _handle(self, ctx: RequestContext, req: dict[str, Any], call: dict[str, Any],
+                      spec: McpServerSpec, name: str, key: Key, profile: Profile,
+                      limits: ToolLimits, start: float, *, read_only: bool,
+                      git_writable: bool, image: ImageRoot | None) -> ToolCallResult:
         held: Held | None = None
         try:
             held = await self._server(key, req, spec, profile, limits, ctx.budget_s(),
@@ -220,7 +262,7 @@ class McpHost:
                       if h.conn.in_flight == 0)
         over = len(self._servers) - MAX_SERVERS + 1
         for i, (used, key) in enumerate(idle):
-            if now - used > IDLE_S or i < over:
+            if now - used > self.idle_s or i < over:
                 self._spawn(self._stop(self._servers.pop(key)))
         # The bookkeeping of servers no longer held is bounded too.
         for key in [k for k in self._locks if k not in self._servers
@@ -262,6 +304,7 @@ class McpHost:
                                      read_only=read_only, git_writable=git_writable,
                                      image=image)
             self._servers[key] = held
+            self._ensure_sweeper()
             return held
 
     async def _start(self, key: Key, req: dict[str, Any], spec: McpServerSpec,
@@ -397,6 +440,19 @@ class McpHost:
         layer, held.layer = held.layer, None
         if layer is not None:
             await asyncio.shield(asyncio.to_thread(layer.close))
+
+
+def _hide(value: Any, hidden: list[str]) -> Any:
+    """``value`` (a result: dicts, lists, strings) with each of ``hidden`` replaced."""
+    if isinstance(value, str):
+        for secret in hidden:
+            value = value.replace(secret, "[REDACTED]")
+        return value
+    if isinstance(value, dict):
+        return {k: _hide(v, hidden) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hide(v, hidden) for v in value]
+    return value
 
 
 def render(result: types.CallToolResult) -> tuple[str, bool]:

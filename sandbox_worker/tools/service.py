@@ -130,6 +130,7 @@ class ToolServiceConfig:
     group_dir: str = DEFAULT_GROUP_DIR
     workspace_root: str | None = None
     grace_s: float = 2.0
+    mcp_idle_s: float = 600.0  # an MCP server idle this long is stopped (mcphost.py)
     cgroup: bool = True
     cgroup_memory_bytes: int = 8 * GIB
     cgroup_pids: int = 2048
@@ -653,6 +654,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="output cap per stream (default 1 MiB)")
     g.add_argument("--tool-grace-s", type=float, default=2.0,
                    help="SIGTERM-to-SIGKILL grace when a call is cancelled or times out")
+    g.add_argument("--mcp-idle-s", type=float, default=600.0,
+                   help="an MCP stdio/HTTP server unused this long is stopped, whether or "
+                   "not other MCP calls come (default 600)")
     g.add_argument("--no-worker-cgroup", action="store_true",
                    help="do not create the per-worker memory/pids cgroup")
     g.add_argument("--images", default=None, metavar="DIR",
@@ -681,11 +685,13 @@ def config_from_args(ns: argparse.Namespace) -> ToolServiceConfig:
         gid_start, gid_count = parse_range(ns.workspace_gid_range)
     except ValueError as exc:
         raise SystemExit(f"--workspace-gid-range: {exc}") from exc
+    if not 0 < ns.mcp_idle_s < float("inf"):
+        raise SystemExit("--mcp-idle-s must be a number of seconds above 0")
     return ToolServiceConfig(
         tier_min=ns.tier_min, allow_unsandboxed=ns.allow_unsandboxed,
         force_tier=ns.force_tier, limits=limits, sandbox_user=ns.sandbox_user,
         sandbox_uid=ns.sandbox_uid, workspace_root=ns.workspace_root,
-        grace_s=ns.tool_grace_s, cgroup=not ns.no_worker_cgroup,
+        grace_s=ns.tool_grace_s, mcp_idle_s=ns.mcp_idle_s, cgroup=not ns.no_worker_cgroup,
         cgroup_memory_bytes=ns.cgroup_memory_bytes, cgroup_pids=ns.cgroup_pids,
         uid_range_start=uid_start, uid_range_count=uid_count,
         uid_lock_dir=ns.sandbox_uid_lock_dir, gid_range_start=gid_start,

@@ -106,6 +106,7 @@ class FarmPaths:
 
 
 PRIVATE_FILES = ("corral.db", "corral.db-wal", "corral.db-shm", "farm.json", "routes.json",
+                 "routes.owners.json",
                  "corral.toml")
 
 

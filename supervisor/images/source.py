@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import stat
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from supervisor.images.errors import DigestMismatch, ImageFormatError, LimitExceeded
+from supervisor.images.unpack import BoundedTarInfo
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -85,7 +87,8 @@ class _Container:
         if path.is_dir():
             return
         try:
-            self._tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by close()
+            self._tar = tarfile.open(path, "r:*",  # noqa: SIM115 - closed by close()
+                                     tarinfo=BoundedTarInfo)
             for m in self._tar.getmembers():
                 self._members[_norm(m.name)] = m
         except (tarfile.TarError, EOFError, OSError) as exc:
@@ -109,10 +112,20 @@ class _Container:
             raise ImageFormatError(f"{self.path}: refers to {rel!r}, outside the image")
         if self._tar is None:
             try:
-                fd = os.open(self.path / "/".join(parts), os.O_RDONLY | os.O_NOFOLLOW)
+                # O_NONBLOCK: a fifo put where a blob should be must not hang the
+                # import at open (with no writer it reads as empty: a short blob);
+                # anything but a regular file or a fifo is refused.
+                fd = os.open(self.path / "/".join(parts),
+                             os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError as exc:
                 raise ImageFormatError(f"{self.path}: cannot read {rel} ({exc.strerror}); the "
                                        "image is incomplete") from exc
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                os.close(fd)
+                raise ImageFormatError(f"{self.path}: {rel} is not a regular file (a device, "
+                                       "a socket or a directory); the image is refused")
+            os.set_blocking(fd, True)
             return os.fdopen(fd, "rb")
         name = "/".join(parts)
         for _hop in range(8):

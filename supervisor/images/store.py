@@ -47,7 +47,7 @@ from supervisor.images.errors import (
     LimitExceeded,
 )
 from supervisor.images.source import Image, ImageReader, LayerRef
-from supervisor.images.unpack import Limits, RootApplier, remove_tree_at
+from supervisor.images.unpack import BoundedTarInfo, Limits, RootApplier, remove_tree_at
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class ImageStore:
                                   if magic.startswith(b"\x1f\x8b") else buf)
                 plain = _Hashing(dec, lim.max_layer_bytes + (lim.max_layer_entries + 2) * 1536,
                                  f"{what} (unpacked)")
-                with tarfile.open(fileobj=plain, mode="r|") as tar:
+                with tarfile.open(fileobj=plain, mode="r|", tarinfo=BoundedTarInfo) as tar:
                     applier.apply(layer.label, tar, tar)
                 _drain(plain)
                 _drain(buf)

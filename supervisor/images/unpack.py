@@ -13,6 +13,8 @@ Invariants:
   from the link's own directory; an absolute target is kept as written: it
   names a path in the image's own root once that root is ``/``, and the store
   never follows it.
+- Extended headers over ``MAX_HEADER_BYTES`` and sparse files are refused
+  before tarfile reads them into memory (``BoundedTarInfo``).
 - Device nodes and fifos are refused; setuid/setgid bits are refused unless
   ``allow_setuid``. Ownership is not kept (the importer owns every file).
 - Whiteouts follow the OCI image spec: ``.wh.NAME`` removes NAME of lower
@@ -36,11 +38,53 @@ from dataclasses import dataclass
 from supervisor.images.errors import LimitExceeded, UnsafeEntry
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A tar's extended headers (pax, GNU long name/link) are read whole into memory
+# by tarfile, before any member reaches us: each is bounded here (BoundedTarInfo).
+MAX_HEADER_BYTES = 1 << 20
+_EXTENDED = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+             tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
 _CHUNK = 1 << 20
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
 
 Parts = tuple[str, ...]
+
+
+class HeaderTooLarge(tarfile.TarError):
+    """An extended header over ``MAX_HEADER_BYTES``. Not a ``tarfile.HeaderError``:
+    tarfile reads one of those past the first member as the archive's end."""
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """A ``TarInfo`` that refuses an extended header (pax, GNU long name or
+    link) over ``MAX_HEADER_BYTES`` before tarfile reads it into memory: a
+    gzip layer of a few MB held a 'long name' of gigabytes, which the
+    importer allocated whole (``tarfile.open(..., tarinfo=BoundedTarInfo)``)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED and self.size > MAX_HEADER_BYTES:
+            raise HeaderTooLarge(f"an extended header (type {self.type!r}) of {self.size} "
+                                 f"bytes, above {MAX_HEADER_BYTES}")
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise _sparse()
+        return super()._proc_member(tar)  # type: ignore[misc,no-any-return]
+
+    # Sparse files: tarfile keeps their maps in memory, 2.5 KB of Python
+    # objects per 512-byte block of the map, as many blocks as the layer
+    # holds; image builders write none. Refused, in every form.
+    def _proc_gnusparse_00(self, *_: object) -> None:
+        raise _sparse()
+
+    def _proc_gnusparse_01(self, *_: object) -> None:
+        raise _sparse()
+
+    def _proc_gnusparse_10(self, *_: object) -> None:
+        raise _sparse()
+
+
+def _sparse() -> HeaderTooLarge:
+    return HeaderTooLarge("a sparse file (GNU sparse formats are not supported in images: "
+                          "tarfile would hold its whole map in memory)")
 
 
 @dataclass(frozen=True)

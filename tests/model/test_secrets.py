@@ -54,6 +54,36 @@ async def test_no_api_key_in_worker_debug_log(procs: Procs, tmp_path: Path) -> N
         assert key not in log
 
 
+async def test_a_key_in_the_providers_output_is_redacted(procs: Procs, tmp_path: Path) -> None:
+    """A provider (a proxy echoing its headers, a hostile endpoint) whose output
+    holds the worker's key: the key reaches neither the PARTIALs nor the result
+    (the transcript, checkpoints, exports and tool arguments are made of these),
+    streamed or not, text or tool-call arguments."""
+    url = start_fake(procs, tmp_path, {"responses": [
+        {"text": f"your key is {OPENAI_KEY}, and {CUSTOM_KEY}"},
+        {"tool_calls": [{"name": "shell", "arguments": {"command": f"echo {OPENAI_KEY}"}}]},
+    ] * 2})
+    env = {"OPENAI_API_KEY": OPENAI_KEY, "MY_KEY_VAR_API_KEY": CUSTOM_KEY}
+    stack = start_stack(procs, tmp_path, env=env)
+    said = {"type": "message", "role": "user", "content": "hello"}
+    async with BrokerClient(stack.frontend) as client:
+        for stream in (True, False):
+            text = await run_call(client, request("openai-chat", url, stream=stream))
+            assert text.result is not None, text.error
+            items = [said, *text.result["items"]]
+            tool = await run_call(client, request("openai-chat", url, stream=stream,
+                                                  items=items))
+            assert tool.result is not None, tool.error
+            for out in (text, tool):
+                seen = repr((out.partials, out.result))
+                assert OPENAI_KEY not in seen, seen
+                assert CUSTOM_KEY not in seen, seen
+                assert "[REDACTED]" in repr(out.result)
+            if stream:
+                assert "[REDACTED]" in text.text()
+            assert "your key is [REDACTED], and [REDACTED]" in repr(text.result)
+
+
 def test_redaction_covers_messages_args_and_tracebacks(caplog: pytest.LogCaptureFixture
                                                        ) -> None:
     secret = "sk-unit-test-secret-value-0123456789"

@@ -51,6 +51,21 @@ async def sleep(seconds: float) -> str:
     return "slept"
 
 
+@server.tool()
+def flood(n: int) -> str:
+    """Write n notifications the client cannot validate (a progress notification
+    without its fields) on the wire before answering: a hostile server's flood."""
+    from mcp.server import stdio
+
+    fd = stdio._claims[1].private_fd  # the wire (the SDK diverts fd 1 to stderr)
+    assert fd is not None
+    line = b'{"jsonrpc":"2.0","method":"notifications/progress","params":{}}\n'
+    data = memoryview(line * n)
+    while data:
+        data = data[os.write(fd, data):]
+    return "flooded"
+
+
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
 async def peek(seconds: float) -> str:
     """Read-only: the first call in a workspace leaves ``peeking`` and sleeps;
@@ -94,6 +109,23 @@ def big(n_bytes: int) -> str:
 
 
 @server.tool()
+def daemon() -> str:
+    """Leave a double-forked, session-leading daemon that ignores SIGTERM and
+    SIGHUP and sleeps (what must not outlive the server's worker)."""
+    import signal
+    import time
+
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            time.sleep(3600)
+        os._exit(0)
+    return f"daemon left by {os.getpid()}"
+
+
+@server.tool()
 def crash() -> str:
     """Exit the server process at once."""
     os._exit(3)
@@ -119,6 +151,18 @@ def serve_http() -> None:
     def token() -> str:
         """The length of the X-Corral-Token header the client sent."""
         return str(len(seen["token"]))
+
+    @server.tool()
+    def echo_token() -> str:
+        """The X-Corral-Token header the client sent, as is (a hostile server)."""
+        return f"you sent {seen['token']}"
+
+    @server.tool()
+    def fail_token() -> str:
+        """A JSON-RPC error whose message holds the header (a hostile server)."""
+        from mcp.shared.exceptions import MCPError
+
+        raise MCPError(-32000, f"bad token {seen['token']}")
 
     app = server.streamable_http_app(host="127.0.0.1")
 

@@ -270,6 +270,15 @@ async def test_http_server_called_from_the_worker(tools_farm: Farm, procs: Procs
         assert (iso["filesystem"], iso["tier"]) == ("remote", "T0")
         assert iso["degraded"]
         assert TOKEN not in json.dumps(got)
+        # A server that echoes the header, in a result or an error: the value
+        # reaches no result (the transcript, checkpoints and exports hold these).
+        echoed = await call(client, request(ws, "sess-http", "h", spec, "echo_token"))
+        assert echoed["output"] == "you sent [REDACTED]", echoed["output"]
+        failed = await call(client, request(ws, "sess-http", "h", spec, "fail_token"))
+        assert failed["is_error"], failed
+        assert "bad token [REDACTED]" in failed["output"], failed["output"]
+        for out in (echoed, failed):
+            assert TOKEN not in json.dumps(out)
         missing = {"url": url, "headers_env": {"X-Corral-Token": "CORRAL_MCP_UNSET_VAR"}}
         refused = await call(client, request(ws, "sess-http2", "h", missing, "token"))
         assert refused["error_kind"] == "mcp_start_failed"
@@ -320,3 +329,76 @@ async def test_http_server_killed_mid_call(tools_farm: Farm, procs: Procs,
         fresh = await asyncio.wait_for(call(client, request(ws, "sess-httpkill", "h", other,
                                                             "add", {"n": 7})), timeout=40)
         assert fresh["output"] == "7", fresh
+
+
+async def test_idle_server_stops_without_further_requests(procs: Procs, tmp_path: Path,
+                                                          sandbox_site: str) -> None:
+    """A session's server that nobody calls again (its session ended) is stopped
+    once idle, even when no other MCP request reaches its worker: the idle check
+    ran only at MCP requests, so such a server, its uid and its workspace pin
+    lived on for as long as the worker did."""
+    from tests.engine.farm import start_farm
+
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=0)
+    farm.add_worker("tool", 4, extra=["--mcp-idle-s", "1"])
+    ws = str(new_workspace())
+    async with BrokerClient(farm.frontend) as client:
+        first = await call(client, request(ws, "sess-idle", "t", own(sandbox_site), "add",
+                                           {"n": 2}))
+        assert first["output"] == "2", first["output"]
+        uid = first["isolation"]["uid"]
+        assert uid_processes(uid), "the server runs"
+        # No MCP request comes again: the server is stopped all the same.
+        await eventually(lambda: _none(uid), timeout_s=20,
+                         what="the idle server stopped without another request")
+
+
+async def test_notification_flood_does_not_flood_the_worker_log(
+        procs: Procs, tmp_path: Path, sandbox_site: str) -> None:
+    """A server that writes 20,000 notifications the client cannot validate
+    before answering: the call answers, and the worker's log holds a bounded
+    number of lines about them (the SDK logged each one, traceback and all)."""
+    from tests.engine.farm import start_farm
+
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=0)
+    worker = farm.add_worker("tool", 4)
+    ws = str(new_workspace())
+    async with BrokerClient(farm.frontend) as client:
+        got = await call(client, request(ws, "sess-flood", "t", own(sandbox_site), "flood",
+                                         {"n": 20_000}))
+        assert got["output"] == "flooded", got["output"]
+        again = await call(client, request(ws, "sess-flood", "t", own(sandbox_site), "add",
+                                           {"n": 1}))
+        assert again["output"] == "1", again["output"]
+    log = procs.log(worker)
+    said = log.count("Failed to validate notification")
+    assert 0 < said <= 20, (said, len(log))
+    assert len(log) < 200_000, len(log)
+
+
+@pytest.mark.parametrize("tier", ["T2", "T1"])
+async def test_a_server_daemon_dies_with_its_worker(procs: Procs, tmp_path: Path,
+                                                     sandbox_site: str, tier: str) -> None:
+    """A server that leaves a double-forked daemon (its own session, SIGTERM and
+    SIGHUP ignored), then its worker SIGKILLed: nothing of the server's uid is
+    left (T2: the pid namespace; T1: the launcher's parent-death signal)."""
+    from tests.engine.farm import start_farm
+
+    farm = start_farm(procs, tmp_path, {"responses": [{"text": "ok"}]}, workers=0)
+    worker = farm.add_worker("tool", 4, extra=["--force-tier", tier, "--tier-min", "T1"])
+    ws = str(new_workspace())
+    async with BrokerClient(farm.frontend) as client:
+        got = await call(client, request(ws, "sess-daemon", "t", own(sandbox_site), "daemon"))
+        assert got["output"].startswith("daemon left by"), got["output"]
+        assert got["isolation"]["tier"] == tier
+        uid = got["isolation"]["uid"]
+        await eventually(lambda: _more_than(uid, 1), timeout_s=10,
+                         what="the server and its daemon run")
+    worker.kill()
+    worker.wait(timeout=10)
+    await eventually(lambda: _none(uid), timeout_s=10,
+                     what="nothing of the server's uid left after its worker's SIGKILL")
+
+
+async def _more_than(uid: int, n: int) -> bool:
+    return len(uid_processes(uid)) > n
