@@ -326,6 +326,13 @@ def test_a_malformed_script_is_one_line(homes: list[Path], workspace_root: Path)
     (b"farm = 3\n", "[farm] must be a table"),
     (b"[[hooks.pre_tool]]\ncommand = 'x'\ntimeout_s = 0\n", "timeout_s] must be above 0"),
     (b"[[hooks.pre_tol]]\ncommand = 'x'\n", "unknown hook event"),
+    # the line and the key, a typo with its likely meaning, a number out of range
+    # (liveness -1 reached the broker's argument check: exit 1 after a farm start)
+    (b"[farm]\n\nworkres = 2\n", "corral.toml, line 3: [farm] unknown key(s) ['workres'] "
+     "(did you mean 'workers'?)"),
+    (b"# heartbeats\n[farm]\nliveness = -1\n", "corral.toml, line 3: [farm.liveness] must "
+     "be at least 1, got -1"),
+    (b"[farm]\nliveness = \n", "corral.toml, line 2: not valid TOML: Invalid value"),
 ])
 def test_config_errors_are_said_in_words(tmp_path: Path, content: bytes, needle: str) -> None:
     (tmp_path / "corral.toml").write_bytes(content)
