@@ -28,11 +28,11 @@ from supervisor.cli import (
     sessions,
     storecmd,
 )
-from supervisor.cli.common import VERSION, Subparsers
+from supervisor.cli.common import VERSION, CorralParser, Subparsers
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = CorralParser(
         prog="corral",
         description="Corral: LLM agent sessions with sandboxed tools that survive crashes.",
         epilog="Start with 'corral run --workspace DIR \"PROMPT\"' (a first run writes "
@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                "'corral up --detach'. 'corral COMMAND --help' explains each command.")
     parser.add_argument("--version", action="version", version=f"corral {VERSION}",
                         help="print the version and exit")
-    parser.add_argument("--log-level", default="WARNING", help="log level (default: WARNING)")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        metavar="LEVEL", help="log level on stderr: debug, info, warning, "
+                        "error or critical (default: warning)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     lifecycle.add_parsers(sub)      # init, up, down, status
     run.add_parsers(sub)            # run

@@ -174,8 +174,8 @@ def run_turn(ns: Namespace) -> int:
     from supervisor.farm.tree import FarmError
 
     if ns.prompt is None and ns.session is None:
-        print("corral: give a PROMPT (or --session ID to attach to a session's running "
-              "turn)", file=sys.stderr)
+        _fail(ns, "usage", "give a PROMPT (or --session ID to attach to a session's "
+              "running turn)")
         return EXIT_USAGE
     try:
         try:
@@ -199,8 +199,12 @@ def run_turn(ns: Namespace) -> int:
 
 def _fail(ns: Namespace, kind: str, message: str) -> None:
     if ns.json:
-        sys.stdout.write(json.dumps({"type": "cli_error", "kind": kind,
-                                     "message": message}) + "\n")
+        # One line of the run's event stream (type cli_error), and the error document
+        # every other command prints ({"ok": false, "error": {kind, message}}).
+        sys.stdout.write(json.dumps({"type": "cli_error", "kind": kind, "message": message,
+                                     "ok": False,
+                                     "error": {"kind": kind, "message": message}},
+                                    sort_keys=True) + "\n")
         sys.stdout.flush()
     else:
         print(f"corral: {clean(message)} ({kind})", file=sys.stderr)

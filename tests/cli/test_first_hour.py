@@ -434,3 +434,40 @@ def test_fake_llm_killed_by_pid_leaves_nothing(tmp_path: Path, procs: Procs) -> 
     r = cli(None, "fake-llm", "--script", str(bad))
     assert r.returncode == 2
     assert "cannot read script" in one_line_error(r)
+
+
+def test_usage_errors_and_a_home_that_is_a_file(tmp_path: Path) -> None:
+    """With --json every failure is a JSON document, usage errors included (argparse
+    printed only its usage text); a --home (or $CORRAL_HOME) that is a file, or lies
+    under one, is refused at once (run printed a FileExistsError traceback, status said
+    to start a farm there, show to check the file's permissions)."""
+    missing = cli(None, "approve", "sess_x", "--json")
+    assert missing.returncode == 2
+    doc = json.loads(missing.stdout)
+    assert doc["ok"] is False
+    assert doc["error"]["kind"] == "usage"
+    assert "--decision" in doc["error"]["message"]
+    assert "usage: corral approve" in missing.stderr
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    status = cli(afile, "status", "--json")
+    assert status.returncode == 2
+    assert json.loads(status.stdout)["error"]["message"].endswith(
+        f"{afile} is a file; give a directory (it is made when missing)")
+    run = cli(afile / "sub", "run", "hi")
+    assert run.returncode == 2
+    assert f"{afile / 'sub'} is under {afile}, a file" in one_line_error(run)
+    env = {**NO_KEYS, "CORRAL_HOME": str(afile)}
+    assert cli(None, "sessions", env=env).returncode == 2
+
+    level = cli(None, "--log-level", "loud", "down")
+    assert level.returncode == 2
+    assert "invalid choice: 'LOUD'" in one_line_error(level)
+
+    no_prompt = cli(tmp_path / "home", "run", "--json")
+    assert no_prompt.returncode == 2
+    line = json.loads(no_prompt.stdout)
+    assert line["type"] == "cli_error"
+    assert line["ok"] is False
+    assert line["error"]["kind"] == "usage"
