@@ -25,6 +25,7 @@ from typing import Any
 
 from broker.endpoints import connect_endpoint
 from supervisor.cli.common import EXIT_OK, EXIT_USAGE, Subparsers, add_home, add_json
+from supervisor.cli.output import say_error
 
 
 def add_parsers(sub: Subparsers) -> None:
@@ -84,9 +85,8 @@ def _out(ns: Namespace, obj: dict[str, Any], text: str) -> None:
         print(text)
 
 
-def _keys_failed(exc: Exception) -> int:
-    print(f"corral keys: {exc}", file=sys.stderr)
-    return EXIT_USAGE
+def _keys_failed(ns: Namespace, exc: Exception) -> int:
+    return say_error(ns, "keys", f"keys: {exc}", EXIT_USAGE)
 
 
 def cmd_keys_new(ns: Namespace) -> int:
@@ -95,7 +95,7 @@ def cmd_keys_new(ns: Namespace) -> int:
     try:
         pub, sec = new_key(ns.name, ns.dir)
     except (KeyFileError, OSError) as exc:
-        return _keys_failed(exc)
+        return _keys_failed(ns, exc)
     _out(ns, {"public": str(pub), "secret": str(sec)},
          f"wrote {pub} (public: share it) and {sec} (secret, mode 0600: keep it)")
     return EXIT_OK
@@ -108,7 +108,7 @@ def cmd_keys_allow(ns: Namespace) -> int:
     try:
         path = allow(ns.file, ns.home, role=role, tenant=ns.tenant, name=ns.name)
     except (KeyFileError, OSError) as exc:
-        return _keys_failed(exc)
+        return _keys_failed(ns, exc)
     _out(ns, {"allowed": str(path), "role": role, "tenant": ns.tenant},
          f"allowed {path.stem} as {role}"
          + (f" of tenant {ns.tenant}" if ns.tenant else "") + f" ({path})")
@@ -121,7 +121,7 @@ def cmd_keys_init(ns: Namespace) -> int:
     try:
         fk = ensure_farm_keys(ns.home)
     except (KeyFileError, OSError) as exc:
-        return _keys_failed(exc)
+        return _keys_failed(ns, exc)
     _out(ns, {"keys": str(fk.directory), "broker": str(fk.public("broker")),
               "supervisor": str(fk.public("supervisor"))},
          f"farm keys in {fk.directory}; give workers {fk.public('broker')} and "

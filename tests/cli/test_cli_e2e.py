@@ -164,6 +164,12 @@ def test_up_status_down_with_a_restart_and_no_orphans(
     again = corral(home, "up", "--detach")
     assert again.returncode == 2
     assert "already running" in again.stderr
+    # --json: the refusal is JSON too (it was only a line on stderr)
+    again_json = corral(home, "up", "--detach", "--json")
+    assert again_json.returncode == 2
+    refusal = json.loads(again_json.stdout)["error"]
+    assert refusal["kind"] == "already_running"
+    assert f"corral down --home {home}" in refusal["message"]
 
     # A worker dies: the farm restarts it and status shows the restart.
     worker = next(c for c in on_disk["children"] if c["name"] == "worker-1")

@@ -471,3 +471,15 @@ def test_usage_errors_and_a_home_that_is_a_file(tmp_path: Path) -> None:
     assert line["type"] == "cli_error"
     assert line["ok"] is False
     assert line["error"]["kind"] == "usage"
+
+
+def test_failures_of_import_and_keys_are_json_with_json(tmp_path: Path) -> None:
+    """corral import and corral keys said their refusals only on stderr under --json."""
+    gone = cli(tmp_path / "home", "import", str(tmp_path / "missing.json"), "--json")
+    assert gone.returncode == 2
+    assert json.loads(gone.stdout)["error"]["kind"] == "cannot_read"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    keys = cli(None, "keys", "new", "k1", "--dir", str(afile / "sub"), "--json")
+    assert keys.returncode == 2
+    assert json.loads(keys.stdout)["error"]["kind"] == "keys"
