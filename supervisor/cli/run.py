@@ -69,7 +69,9 @@ def add_parsers(sub: Subparsers) -> None:
                        "terminal to ask, 130 after Ctrl-C.")
     add_home(p)
     p.add_argument("prompt", nargs="?", default=None,
-                   help="the user's message (optional with --session: attach)")
+                   help="the user's message; - reads it from stdin to its end (for long "
+                   "prompts: one argument holds at most 128 KiB), e.g. corral run - < "
+                   "task.md (optional with --session: attach)")
     p.add_argument("--session", default=None, help="continue this session")
     p.add_argument("--model", default=None,
                    help="route name from corral.toml, PROVIDER:MODEL (openai-responses, "
@@ -174,8 +176,24 @@ def run_turn(ns: Namespace) -> int:
     from supervisor.farm.tree import FarmError
 
     if ns.prompt is None and ns.session is None:
-        _fail(ns, "usage", "give a PROMPT (or --session ID to attach to a session's "
-              "running turn)")
+        _fail(ns, "usage", "give a PROMPT, - to read it from stdin, or --session ID to "
+              "attach to a session's running turn")
+        return EXIT_USAGE
+    if ns.prompt == "-":
+        problem = prompt_from_stdin(ns)
+        if problem is not None:
+            _fail(ns, "usage", problem)
+            return EXIT_USAGE
+    if ns.session is None and ns.workspace is not None and not ns.workspace.is_dir():
+        # Said before a temporary farm starts (it started, then the supervisor refused).
+        what = "is not a directory" if ns.workspace.exists() else "does not exist"
+        _fail(ns, "usage", f"workspace {ns.workspace} {what}; create it or choose another "
+              "directory")
+        return EXIT_USAGE
+    too_long = None if ns.prompt is None else prompt_too_long(ns.prompt)
+    if too_long is not None:
+        # Refused here, before a farm starts and a session is made for it.
+        _fail(ns, "usage", too_long)
         return EXIT_USAGE
     try:
         try:
@@ -195,6 +213,39 @@ def run_turn(ns: Namespace) -> int:
         _fail(ns, "timeout", f"the turn did not end within {ns.timeout_s:.0f}s; it goes on in "
               f"the farm: corral show {ns.session or 'SESSION'}")
         return EXIT_FAILED
+
+
+def prompt_from_stdin(ns: Namespace) -> str | None:
+    """``corral run -``: the prompt is stdin to its end (one trailing newline dropped);
+    approvals are then never asked at the terminal (stdin is spent). Returns what is
+    wrong with it, or None."""
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the prompt on stdin is not UTF-8 text (byte {data[exc.start]:#04x} at " \
+               f"offset {exc.start})"
+    text = text.removesuffix("\n")
+    if not text.strip():
+        return "the prompt on stdin is empty; give the text, e.g. corral run - < task.md"
+    ns.prompt, ns.stdin_spent = text, True
+    return None
+
+
+def prompt_too_long(prompt: str) -> str | None:
+    """What the farm would refuse in a prompt's size (the op's character bound, and
+    the quarter of the session's state row that queued input may use, in bytes of
+    stored JSON; docs/storage.md), said before a farm starts; None if it fits."""
+    from supervisor.engine.ops import MAX_TEXT_CHARS
+    from supervisor.store.codec import Limits
+
+    room = Limits().max_state_bytes // 4 - 512  # the entry's other fields
+    size = len(json.dumps(prompt))
+    if len(prompt) <= MAX_TEXT_CHARS and size <= room:
+        return None
+    return (f"the prompt is {size:,} bytes as stored; a session takes at most {room:,} "
+            "bytes of input at a time: put the material in a file in the workspace and "
+            "ask for it to be read")
 
 
 def _fail(ns: Namespace, kind: str, message: str) -> None:
@@ -340,7 +391,8 @@ class TurnRun:
 
         ns = self.ns
         renderer = None if ns.json else Renderer(sys.stdout)
-        interactive = sys.stdin.isatty() and not ns.json
+        interactive = (sys.stdin.isatty() and not ns.json
+                       and not getattr(ns, "stdin_spent", False))
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         asks: set[asyncio.Task[None]] = set()

@@ -483,3 +483,41 @@ def test_failures_of_import_and_keys_are_json_with_json(tmp_path: Path) -> None:
     keys = cli(None, "keys", "new", "k1", "--dir", str(afile / "sub"), "--json")
     assert keys.returncode == 2
     assert json.loads(keys.stdout)["error"]["kind"] == "keys"
+
+
+def test_a_prompt_from_stdin_and_refusals_before_any_farm(homes: list[Path],
+                                                          workspace_root: Path) -> None:
+    """'corral run -' reads the prompt from stdin (one argument holds at most 128 KiB,
+    so a long prompt had no way in: '-' itself was sent as the prompt); a prompt over
+    the turn's limit, a missing workspace and an empty stdin are refused (exit 2)
+    before a temporary farm starts (the farm started, made a session for the too-long
+    prompt and then failed it; a missing workspace cost a farm start and exit 1)."""
+    home = make_home(workspace_root, "home", [text("got it")])
+    homes.append(home)
+    ws = make_ws(workspace_root)
+    long_prompt = "word " * 40_000 + "END"  # 200 KB, over one argument's 128 KiB
+    argv = [PYTHON, "-m", "supervisor.cli", "run", "--home", str(home), "--workspace",
+            str(ws), "--json", "-"]
+    r = subprocess.run(argv, input=long_prompt + "\n", capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env=NO_KEYS)
+    assert r.returncode == 0, r.stderr
+    events = events_of(r.stdout)
+    given = [e["payload"] for e in events if e["type"] == "user_message"]
+    assert given, r.stdout[-2000:]
+    shown = str(given[0]["text"])  # an event shows a long text's head and its length
+    cut = re.search(r"\n\[\.\.\. (\d+) characters cut\]$", shown)
+    assert cut is not None, shown[-200:]
+    assert len(shown) - len(cut.group(0)) + int(cut.group(1)) == len(long_prompt)
+    assert long_prompt.startswith(shown[:cut.start()])
+
+    for stdin, args, needle in (
+            ("x" * 300_000, ("--workspace", str(ws), "-"), "bytes of input at a time"),
+            ("", ("--workspace", str(ws), "-"), "the prompt on stdin is empty"),
+            ("", ("--workspace", str(ws / "nothere"), "hi"), "nothere does not exist")):
+        refused = subprocess.run([PYTHON, "-m", "supervisor.cli", "run", "--home", str(home),
+                                  *args], input=stdin, capture_output=True, text=True,
+                                 timeout=60, cwd=REPO, env=NO_KEYS)
+        assert refused.returncode == 2, refused.stderr
+        assert needle in one_line_error(refused)
+        assert "starting a temporary one" not in refused.stderr
+    assert len(sessions(home)) == 1
