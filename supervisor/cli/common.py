@@ -71,6 +71,13 @@ class CorralParser(argparse.ArgumentParser):
     the same way (exit 2 either way; the usage text stays on stderr)."""
 
     json_errors = False  # set by ``json_errors_for`` before parsing
+    examples: tuple[str, ...] = ()  # "COMMAND LINE  # what it does", shown as written
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        if not self.examples:
+            return text
+        return text + "\nexamples:\n" + "".join(f"  {line}\n" for line in self.examples)
 
     def error(self, message: str) -> NoReturn:
         if self.json_errors:

@@ -93,7 +93,9 @@ def add_parsers(sub: Subparsers) -> None:
                    "import'); resolved to its digest now, refused now if missing")
     p.add_argument("--workers", type=workers_arg, default=None,
                    help="workers of a temporary farm (default 2)")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+    p.add_argument("--timeout-s", type=float, default=1800.0,
+                   help="stop following the turn after this many seconds (default 1800; "
+                   "exit 1, the turn goes on in the farm)")
     add_json(p)
     p.set_defaults(handler=run_turn)
 
