@@ -224,7 +224,7 @@ def cmd_down(ns: Namespace) -> int:
                          "corral interrupt SESSION", EXIT_USAGE)
     killed = stop_detached(ns.home)
     if ns.json:
-        print_json({"ok": True, "killed_after_timeout": killed})
+        print_json({"ok": True, "killed_after_timeout": killed, "was_running": True})
     else:
         print("farm stopped" + (f"; had to kill {killed}" if killed else " cleanly"))
     return EXIT_OK

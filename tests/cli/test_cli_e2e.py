@@ -201,7 +201,9 @@ def test_up_status_down_with_a_restart_and_no_orphans(
 
     down = corral(home, "down", "--json")
     assert down.returncode == 0, down.stderr
-    assert json.loads(down.stdout) == {"ok": True, "killed_after_timeout": []}
+    # the same keys as a down with nothing to stop ("was_running" was missing here)
+    assert json.loads(down.stdout) == {"ok": True, "killed_after_timeout": [],
+                                       "was_running": True}
     assert not (home / "farm.json").exists()
     assert [p for p in pids if alive(p)] == []
     assert [p.pid for p in processes_naming(home) if p.pid != run.pid] == []
