@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 from supervisor import __version__
 
@@ -104,6 +104,28 @@ def json_errors_for(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def bounded(kind: type[int] | type[float], low: float, high: float | None = None, *,
+            above: bool = False) -> Callable[[str], Any]:
+    """An option's type: a whole number (``int``) or a number (``float``) from ``low``
+    (or ``above`` it) to ``high``; argparse turns the refusal into a usage error that
+    names the option (``corral chaos --duration -5`` ran a chaos run of -5 s)."""
+    words = "a whole number" if kind is int else "a number"
+    bound = (f"above {low:g}" if above else f"at least {low:g}") + (
+        f" and at most {high:g}" if high is not None else "")
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {words}") from None
+        if (value <= low if above else value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def workers_arg(text: str) -> int:

@@ -521,3 +521,25 @@ def test_a_prompt_from_stdin_and_refusals_before_any_farm(homes: list[Path],
         assert needle in one_line_error(refused)
         assert "starting a temporary one" not in refused.stderr
     assert len(sessions(home)) == 1
+
+
+def test_chaos_and_fake_llm_refuse_out_of_range_numbers(tmp_path: Path) -> None:
+    """'corral chaos --duration -5' ran a whole chaos run, '--sessions 0' never ended
+    (it waited for sessions it did not run), and a bad --faults word was printed on
+    stdout as text under --json; now each is a usage error, JSON with --json."""
+    from supervisor.cli import build_parser
+
+    bogus = cli(None, "chaos", "--faults", "bogus", "--json", timeout_s=60)
+    assert bogus.returncode == 2
+    assert json.loads(bogus.stdout)["error"]["kind"] == "usage"
+    negative = cli(None, "chaos", "--duration", "-5", "--json", timeout_s=60)
+    assert negative.returncode == 2
+    assert "--duration: must be above 0, got -5" in json.loads(negative.stdout)["error"][
+        "message"]
+    parser = build_parser()
+    for argv in (["chaos", "--sessions", "0"], ["chaos", "--workers", "0"],
+                 ["chaos", "--frame-rate", "0.9"], ["chaos", "--fault-gap", "0"],
+                 ["fake-llm", "--script", "s.json", "--port", "70000"]):
+        with pytest.raises(SystemExit) as leaving:
+            parser.parse_args(argv)
+        assert leaving.value.code == 2, argv
