@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from broker.endpoints import connect_endpoint
-from supervisor.cli.common import EXIT_OK, EXIT_USAGE, Subparsers, add_home, add_json
+from supervisor.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_home,
+    add_json,
+    bounded,
+)
 from supervisor.cli.output import say_error
 
 
@@ -66,11 +73,13 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--key", type=Path, default=None, help="this worker's NAME.key_secret")
     p.add_argument("--services", default="tool,model", help="default: tool,model")
     p.add_argument("--tier-min", default=None, help="lowest sandbox tier to accept, e.g. T2")
-    p.add_argument("--capacity", type=int, default=4, help="requests at once (default 4)")
-    p.add_argument("--drain-s", type=float, default=5.0, help="drain time on SIGTERM")
-    p.add_argument("--heartbeat-interval-s", type=float, default=None,
+    p.add_argument("--capacity", type=bounded(int, 1, 4096), default=4,
+                   help="requests at once (default 4, at most 4096)")
+    p.add_argument("--drain-s", type=bounded(float, 0), default=5.0,
+                   help="seconds to finish the calls in flight on SIGTERM (default 5)")
+    p.add_argument("--heartbeat-interval-s", type=bounded(float, 0, above=True), default=None,
                    help="seconds between heartbeats (default: the worker's, 0.25)")
-    p.add_argument("--liveness", type=int, default=None,
+    p.add_argument("--liveness", type=bounded(int, 1), default=None,
                    help="missed heartbeats before the broker is taken as gone "
                    "(default: the worker's, 4)")
     p.add_argument("--worker-log-level", default="INFO",

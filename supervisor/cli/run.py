@@ -43,6 +43,7 @@ from supervisor.cli.common import (
     Subparsers,
     add_home,
     add_json,
+    bounded,
     workers_arg,
 )
 from supervisor.cli.lifecycle import ensure_config
@@ -93,7 +94,7 @@ def add_parsers(sub: Subparsers) -> None:
                    "import'); resolved to its digest now, refused now if missing")
     p.add_argument("--workers", type=workers_arg, default=None,
                    help="workers of a temporary farm (default 2)")
-    p.add_argument("--timeout-s", type=float, default=1800.0,
+    p.add_argument("--timeout-s", type=bounded(float, 0, above=True), default=1800.0,
                    help="stop following the turn after this many seconds (default 1800; "
                    "exit 1, the turn goes on in the farm)")
     add_json(p)

@@ -539,7 +539,12 @@ def test_chaos_and_fake_llm_refuse_out_of_range_numbers(tmp_path: Path) -> None:
     parser = build_parser()
     for argv in (["chaos", "--sessions", "0"], ["chaos", "--workers", "0"],
                  ["chaos", "--frame-rate", "0.9"], ["chaos", "--fault-gap", "0"],
-                 ["fake-llm", "--script", "s.json", "--port", "70000"]):
+                 ["fake-llm", "--script", "s.json", "--port", "70000"],
+                 # the worker said these only after its sandbox probe, with exit 0
+                 ["worker", "--broker", "ipc:///x", "--capacity", "0"],
+                 ["worker", "--broker", "ipc:///x", "--drain-s", "-1"],
+                 ["worker", "--broker", "ipc:///x", "--liveness", "0"],
+                 ["run", "--timeout-s", "-1", "hi"]):
         with pytest.raises(SystemExit) as leaving:
             parser.parse_args(argv)
         assert leaving.value.code == 2, argv
