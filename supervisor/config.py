@@ -489,8 +489,9 @@ def _load(home: Path, path: Path) -> FarmConfig:
     try:
         mcp = parse_mcp_servers(raw.get("mcp", {}))
         command_tools = parse_command_tools(raw.get("tools", {}))
-    except SpecError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    except SpecError as exc:  # "[mcp.NAME] ...": its table's line is named
+        where = re.match(r"\[([^\]]+)\]", str(exc))
+        raise ConfigError(f"{path}: {exc}", key=where.group(1) if where else None) from None
     telemetry = raw.get("telemetry", {})
     _check_keys(path, "telemetry", telemetry, {"metrics_listen", "otlp_endpoint",
                                                "record_content"})

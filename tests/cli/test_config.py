@@ -79,6 +79,8 @@ def test_sandbox_mode_and_git_writable_reach_the_session_policy(tmp_path: Path) 
     ("[sesion]\napproval = 'ask'\n", "line 1: [top level] unknown key(s) ['sesion'] "
      "(did you mean 'session'?)"),
     ("farm.workers = 'x'\n", "line 1: [farm.workers] must be an integer"),
+    ("[farm]\nworkers = 1\n[mcp.git]\ncommand = ['x']\ntransport = 'sse'\n",
+     "line 3: [mcp.git] unknown key(s) ['transport']"),
     ("[[hooks.pre_tool]]\ncommand = 'x'\n[[hooks.pre_tool]]\ncommand = 'y'\ntimeout_s = 0\n",
      "[hooks.pre_tool[1].timeout_s] must be above 0"),
 ])
