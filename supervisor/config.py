@@ -19,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
 import os
 import re
@@ -157,7 +159,15 @@ _LIMIT_KEYS = set(ToolLimits.__annotations__)
 
 
 class ConfigError(Exception):
-    """The configuration file is invalid; the message says where and how to fix it."""
+    """The configuration file is invalid; the message says where and how to fix it.
+
+    ``key`` is the dotted key at fault (``farm.liveness``), when there is one: ``load``
+    adds the line it is on to the message (``corral.toml, line 8: [farm.liveness] ...``).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -207,14 +217,60 @@ class FarmConfig:
     command_tools: dict[str, Any] = field(default_factory=dict)
 
 
-def _fail(path: Path, key: str, why: str) -> ConfigError:
-    return ConfigError(f"{path}: [{key}] {why}")
+def _fail(path: Path, key: str, why: str, at: str | None = None) -> ConfigError:
+    """The error of ``key``; ``at`` the key whose line to name, when not ``key``."""
+    return ConfigError(f"{path}: [{key}] {why}", key=at or key)
 
 
 def _check_keys(path: Path, where: str, table: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise _fail(path, where, f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        close = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        at = unknown[0] if where == "top level" else f"{where}.{unknown[0]}"
+        raise _fail(path, where, f"unknown key(s) {unknown}{hint}; allowed: "
+                    f"{sorted(allowed)}", at=at)
+
+
+def _above_zero(path: Path, where: str, table: dict[str, Any], key: str,
+                typ: type | tuple[type, ...], default: Any, least: float = 0.0) -> Any:
+    """A number that must be above 0 (``least`` 0) or at least ``least``."""
+    value = _typed(path, where, table, key, typ, default)
+    if (value <= 0) if least == 0 else (value < least):
+        bound = "above 0" if least == 0 else f"at least {least:g}"
+        raise _fail(path, f"{where}.{key}", f"must be {bound}, got {value!r}")
+    return value
+
+
+_HEADER = re.compile(r"\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY_PART = re.compile(r"""\s*(?:"[^"]*"|'[^']*'|[^.]+)""")
+_ASSIGN = re.compile(r"\s*([A-Za-z0-9_\-.\"' ]+?)\s*=")
+
+
+def _bare(dotted: str) -> list[str]:
+    """``a."b c".d`` -> ``["a", "b c", "d"]`` (quotes and blanks around parts gone)."""
+    return [part.strip().strip("\"'") for part in _KEY_PART.findall(dotted)]
+
+
+def key_line(text: str, key: str) -> int | None:
+    """The line (1-based) where the dotted ``key`` (``farm.liveness``,
+    ``hooks.pre_tool[0].timeout_s``, or a table name) is written in the TOML ``text``:
+    its assignment or its table's header; None when the file does not spell it."""
+    want = _bare(re.sub(r"\[\d+\]", "", key))
+    table: list[str] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("#"):
+            continue
+        header = _HEADER.match(line)
+        if header is not None:
+            table = _bare(header.group(1))
+            if table[:len(want)] == want:
+                return number
+            continue
+        assign = _ASSIGN.match(line)
+        if assign is not None and (table + _bare(assign.group(1)))[:len(want)] == want:
+            return number
+    return None
 
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
@@ -326,9 +382,39 @@ def parse_store_outage(path: Path, table: dict[str, Any]) -> float:
     return wait_s
 
 
+def _syntax_error(path: Path, text: str, exc: tomllib.TOMLDecodeError) -> str:
+    """``corral.toml, line 8: not valid TOML: Invalid value (at line 8, column 28):
+    'liveness = '``: the parser's words, and the line it stopped at as written."""
+    found = re.search(r"at line (\d+), column \d+", str(exc))
+    if found is None:
+        return f"{path}: not valid TOML: {exc}"
+    number = int(found.group(1))
+    lines = text.splitlines()
+    written = lines[number - 1].strip() if 0 < number <= len(lines) else ""
+    return (f"{path}, line {number}: not valid TOML: {exc}"
+            + (f": {written[:120]!r}" if written else ""))
+
+
 def load(home: Path) -> FarmConfig:
-    """Read ``home/corral.toml`` (missing file: all defaults)."""
+    """Read ``home/corral.toml`` (missing file: all defaults). A ``ConfigError`` names
+    the file, the line and the key at fault."""
     path = home / "corral.toml"
+    text = ""
+    try:
+        return _load(home, path)
+    except ConfigError as exc:
+        if exc.key is None:
+            raise
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            text = path.read_text(encoding="utf-8")
+        line = key_line(text, exc.key)
+        if line is None:
+            raise
+        message = str(exc).replace(f"{path}: ", f"{path}, line {line}: ", 1)
+        raise ConfigError(message, key=exc.key) from None
+
+
+def _load(home: Path, path: Path) -> FarmConfig:
     raw: dict[str, Any] = {}
     try:
         data = path.read_bytes()
@@ -347,7 +433,7 @@ def load(home: Path) -> FarmConfig:
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+            raise ConfigError(_syntax_error(path, text, exc)) from None
     _check_keys(path, "top level", raw, _SECTIONS)
     for section in _SECTIONS:
         if section in raw:
@@ -403,8 +489,9 @@ def load(home: Path) -> FarmConfig:
     try:
         mcp = parse_mcp_servers(raw.get("mcp", {}))
         command_tools = parse_command_tools(raw.get("tools", {}))
-    except SpecError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    except SpecError as exc:  # "[mcp.NAME] ...": its table's line is named
+        where = re.match(r"\[([^\]]+)\]", str(exc))
+        raise ConfigError(f"{path}: {exc}", key=where.group(1) if where else None) from None
     telemetry = raw.get("telemetry", {})
     _check_keys(path, "telemetry", telemetry, {"metrics_listen", "otlp_endpoint",
                                                "record_content"})
@@ -430,9 +517,9 @@ def load(home: Path) -> FarmConfig:
         workers=workers,
         mcp=mcp,
         command_tools=command_tools,
-        heartbeat_interval_s=float(_typed(path, "farm", farm, "heartbeat_interval_s",
+        heartbeat_interval_s=float(_above_zero(path, "farm", farm, "heartbeat_interval_s",
                                           (int, float), 0.25)),
-        liveness=_typed(path, "farm", farm, "liveness", int, 4),
+        liveness=_above_zero(path, "farm", farm, "liveness", int, 4, least=1),
         backend_tcp=backend_tcp,
         brokers=farm_brokers(path, farm),
         supervisors=farm_supervisors(path, _typed(path, "farm", farm, "supervisors", int, 1),
@@ -450,16 +537,17 @@ def load(home: Path) -> FarmConfig:
                            ["read_file(*)", "list_dir(*)"])),
         deny=tuple(_typed(path, "session", session, "deny", list, [])),
         ask=tuple(_typed(path, "session", session, "ask", list, [])),
-        max_model_steps=_typed(path, "session", session, "max_model_steps", int, 256),
-        turn_timeout_s=float(_typed(path, "session", session, "turn_timeout_s",
+        max_model_steps=_above_zero(path, "session", session, "max_model_steps", int, 256,
+                                    least=1),
+        turn_timeout_s=float(_above_zero(path, "session", session, "turn_timeout_s",
                                     (int, float), 1800.0)),
         approval_timeout_s=float(_typed(path, "session", session, "approval_timeout_s",
                                         (int, float), 0.0)),
-        model_call_budget_s=float(_typed(path, "session", session, "model_call_budget_s",
+        model_call_budget_s=float(_above_zero(path, "session", session, "model_call_budget_s",
                                          (int, float), 300.0)),
-        tool_call_budget_s=float(_typed(path, "session", session, "tool_call_budget_s",
+        tool_call_budget_s=float(_above_zero(path, "session", session, "tool_call_budget_s",
                                         (int, float), 600.0)),
-        compaction_threshold_tokens=_typed(path, "session", session,
+        compaction_threshold_tokens=_above_zero(path, "session", session,
                                            "compaction_threshold_tokens", int, 100_000),
         instructions=_typed(path, "session", session, "instructions", str,
                             FarmConfig.instructions),

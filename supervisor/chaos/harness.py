@@ -1346,8 +1346,12 @@ def main(ns: Any) -> int:
                         store_url=getattr(ns, "store_url", None))
     try:
         report = asyncio.run(Harness(opts).run()).as_dict()
-    except ValueError as exc:
-        print(f"corral: {exc}")
+    except ValueError as exc:  # a bad --faults word: said as every usage error is
+        if ns.json:
+            print(json.dumps({"ok": False, "error": {"kind": "usage", "message": str(exc)}},
+                             sort_keys=True))
+        else:
+            print(f"corral: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, sort_keys=True) if ns.json else render(report))
     if report["violations"]:

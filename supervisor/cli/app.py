@@ -16,7 +16,12 @@ import logging
 import os
 import sys
 
-from supervisor.cli.common import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Handler
+from supervisor.cli.common import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    Handler,
+    json_errors_for,
+)
 from supervisor.cli.parser import build_parser
 
 
@@ -31,6 +36,7 @@ def _stdout_closed() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    json_errors_for(parser, sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -33,7 +33,7 @@ from supervisor.cli.common import (
     add_home,
     add_json,
 )
-from supervisor.cli.output import print_json
+from supervisor.cli.output import print_json, say_error
 from supervisor.cli.reach import with_farm
 from supervisor.cli.render import clean
 
@@ -92,9 +92,8 @@ def cmd_export(ns: Namespace) -> int:
         os.replace(tmp, out)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        print(f"corral: cannot write {out}: {exc.strerror}; choose another --out",
-              file=sys.stderr)
-        return EXIT_FAILED
+        return say_error(ns, "cannot_write", f"cannot write {out}: {exc.strerror}; choose "
+                         "another --out", EXIT_FAILED)
     descriptor = doc["descriptor"]
     if ns.json:
         print_json({"ok": True, "path": str(out), "digest": descriptor["digest"],
@@ -243,23 +242,20 @@ def cmd_import(ns: Namespace) -> int:
     try:
         doc = json.loads(ns.file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        print(f"corral: cannot read {ns.file}: {clean(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(ns, "cannot_read", f"cannot read {ns.file}: {exc}", EXIT_USAGE)
     try:
         shared = configured_url(ns.home) is not None
     except ConfigError as exc:
-        print(f"corral: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(ns, "config", str(exc), EXIT_USAGE)
     running = running_farm(ns.home) is not None
     if running and not shared:
-        print(f"corral: stop the farm first (corral down --home {ns.home}): the supervisor "
-              "is the SQLite store's only writer", file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(ns, "farm_running", f"stop the farm first (corral down --home "
+                         f"{ns.home}): the supervisor is the SQLite store's only writer",
+                         EXIT_USAGE)
     try:
         config, binding = import_spec(ns)
     except ConfigError as exc:
-        print(f"corral: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(ns, "bad_request", str(exc), EXIT_USAGE)
 
     async def go() -> str:
         paths = FarmPaths.of(ns.home)
@@ -281,25 +277,23 @@ def cmd_import(ns: Namespace) -> int:
     try:
         session = asyncio.run(go())
     except CheckpointInvalid as exc:
-        print(f"corral: import refused: {clean(str(exc))}; see every problem with: corral verify "
-              f"{ns.file}", file=sys.stderr)
-        return EXIT_FAILED
+        return say_error(ns, "checkpoint_invalid", f"import refused: {exc}; see every "
+                         f"problem with: corral verify {ns.file}", EXIT_FAILED)
     except BindingMismatch:
-        print(f"corral: import refused: the checkpoint was made with other capabilities than "
-              f"this farm would give the session: {binding_difference(doc, binding)}. A "
-              "checkpoint never resumes under other tools or policy: import it into a farm "
-              "with the same [session]/[sandbox] settings in corral.toml, or pass the "
-              "--approval the session ran with", file=sys.stderr)
-        return EXIT_FAILED
+        return say_error(ns, "binding_mismatch", "import refused: the checkpoint was made "
+                         "with other capabilities than this farm would give the session: "
+                         f"{binding_difference(doc, binding)}. A checkpoint never resumes "
+                         "under other tools or policy: import it into a farm with the same "
+                         "[session]/[sandbox] settings in corral.toml, or pass the "
+                         "--approval the session ran with", EXIT_FAILED)
     except CallError as exc:
-        print(f"corral: import refused: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
+        return say_error(ns, exc.kind, f"import refused: {exc.message}", EXIT_FAILED)
     except StoreError as exc:
         hint = (" pass --session NEW_ID to import it under another id"
                 if getattr(exc, "kind", "") == "session_exists" else "")
-        print(clean(f"corral: import refused: {exc};{hint}" if hint else
-                    f"corral: import refused: {exc}"), file=sys.stderr)
-        return EXIT_FAILED
+        return say_error(ns, str(getattr(exc, "kind", "") or "store_error"),
+                         f"import refused: {exc};{hint}" if hint else
+                         f"import refused: {exc}", EXIT_FAILED)
     if ns.json:
         sys.stdout.write(json.dumps({"ok": True, "session_id": session}) + "\n")
     else:

@@ -19,7 +19,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from broker.plants import PLANTS
-from supervisor.cli.common import Subparsers, add_home, add_json
+from supervisor.cli.common import Subparsers, add_home, add_json, bounded
 
 
 def add_fake_llm_parser(sub: Subparsers) -> None:
@@ -30,7 +30,8 @@ def add_fake_llm_parser(sub: Subparsers) -> None:
     p.add_argument("--script", type=Path, required=True,
                    help='the script: {"responses": [...]} (docs/models.md, "The scripted '
                    'provider")')
-    p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free one)")
+    p.add_argument("--port", type=bounded(int, 0, 65535), default=0,
+                   help="port to listen on (0: any free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.set_defaults(handler=cmd_fake_llm)
 
@@ -43,8 +44,10 @@ def add_chaos_parser(sub: Subparsers) -> None:
     add_home(p)
     p.add_argument("--seed", type=int, default=1,
                    help="seed of the fault schedule; the same seed gives the same schedule")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of faults")
-    p.add_argument("--sessions", type=int, default=8, help="sessions to run (default 8)")
+    p.add_argument("--duration", type=bounded(float, 0, above=True), default=60.0,
+                   help="seconds of faults (default 60)")
+    p.add_argument("--sessions", type=bounded(int, 1, 1000), default=8,
+                   help="sessions to run (default 8)")
     p.add_argument("--faults", default="all",
                    help="comma list of fault kinds or groups (process, window, cancel, "
                    "frame, provider, store, brokers, supervisors), or 'all' (default: "
@@ -52,14 +55,15 @@ def add_chaos_parser(sub: Subparsers) -> None:
                    " Naming broker_kill_one (group brokers) runs the farm with two brokers, "
                    "supervisor_stop or pg_restart (group supervisors) with three supervisors "
                    "on PostgreSQL")
-    p.add_argument("--workers", type=int, default=3, help="sandbox workers (default 3)")
-    p.add_argument("--fault-gap", type=float, default=2.5, metavar="S",
+    p.add_argument("--workers", type=bounded(int, 1, 256), default=3,
+                   help="sandbox workers (default 3)")
+    p.add_argument("--fault-gap", type=bounded(float, 0, above=True), default=2.5, metavar="S",
                    help="minimum seconds between timed faults (gaps are S to 2S; default "
                    "2.5): every enabled kind is reached within 2 + 2*S*(kinds-1) s")
-    p.add_argument("--frame-rate", type=float, default=0.02, metavar="R",
+    p.add_argument("--frame-rate", type=bounded(float, 0, 0.5), default=0.02, metavar="R",
                    help="share of request-traffic frames the broker drops, delays or "
                    "duplicates (0-0.5, default 0.02)")
-    p.add_argument("--provider-rate", type=float, default=0.15, metavar="R",
+    p.add_argument("--provider-rate", type=bounded(float, 0, 1), default=0.15, metavar="R",
                    help="share of the script's model answers whose first attempt fails "
                    "(429, 500, hang, cut; default 0.15)")
     p.add_argument("--plant", action="append", default=[], choices=sorted(PLANTS),
@@ -71,11 +75,11 @@ def add_chaos_parser(sub: Subparsers) -> None:
                    help="serve the farm's Prometheus /metrics there during the run (port 0: "
                    "any; the URL is printed on stderr), with corral_chaos_faults_injected_"
                    "total by kind")
-    p.add_argument("--supervisors", type=int, default=None, metavar="N",
+    p.add_argument("--supervisors", type=bounded(int, 1, 8), default=None, metavar="N",
                    help="supervisors sharing the sessions on PostgreSQL (default 1 on "
                    "SQLite; 3 when a supervisor-set fault is named: supervisor_stop, "
                    "pg_restart); 2 or more run on --store-url or a throwaway cluster")
-    p.add_argument("--brokers", type=int, default=None, metavar="N",
+    p.add_argument("--brokers", type=bounded(int, 1, 4), default=None, metavar="N",
                    help="brokers (default 1; 2 when broker_kill_one is named)")
     p.add_argument("--store-url", default=None, metavar="URL",
                    help="an empty PostgreSQL database for a farm of several supervisors "

@@ -139,9 +139,9 @@ def cmd_up(ns: Namespace) -> int:
     from supervisor.farm.root import Farm, running_farm, serve_forever, start_detached
 
     if running_farm(ns.home):
-        print(f"corral: a farm is already running at {ns.home} (corral status)",
-              file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(ns, "already_running", f"a farm is already running at {ns.home} "
+                         f"(see it with: corral status --home {ns.home}; stop it with: "
+                         f"corral down --home {ns.home})", EXIT_USAGE)
     try:
         ensure_config(ns.home, _stderr if not ns.json else lambda _m: None)
         cfg = config_mod.load(ns.home)  # a bad config is said here, before detaching
@@ -224,7 +224,7 @@ def cmd_down(ns: Namespace) -> int:
                          "corral interrupt SESSION", EXIT_USAGE)
     killed = stop_detached(ns.home)
     if ns.json:
-        print_json({"ok": True, "killed_after_timeout": killed})
+        print_json({"ok": True, "killed_after_timeout": killed, "was_running": True})
     else:
         print("farm stopped" + (f"; had to kill {killed}" if killed else " cleanly"))
     return EXIT_OK

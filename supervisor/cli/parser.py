@@ -28,11 +28,11 @@ from supervisor.cli import (
     sessions,
     storecmd,
 )
-from supervisor.cli.common import VERSION, Subparsers
+from supervisor.cli.common import VERSION, CorralParser, Subparsers
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = CorralParser(
         prog="corral",
         description="Corral: LLM agent sessions with sandboxed tools that survive crashes.",
         epilog="Start with 'corral run --workspace DIR \"PROMPT\"' (a first run writes "
@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                "'corral up --detach'. 'corral COMMAND --help' explains each command.")
     parser.add_argument("--version", action="version", version=f"corral {VERSION}",
                         help="print the version and exit")
-    parser.add_argument("--log-level", default="WARNING", help="log level (default: WARNING)")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        metavar="LEVEL", help="log level on stderr: debug, info, warning, "
+                        "error or critical (default: warning)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     lifecycle.add_parsers(sub)      # init, up, down, status
     run.add_parsers(sub)            # run
@@ -54,7 +57,48 @@ def build_parser() -> argparse.ArgumentParser:
     completion.add_parsers(sub, parser)  # completion
     dev.add_chaos_parser(sub)       # chaos
     _describe(sub)
+    _examples(sub)
     return parser
+
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "init": ("corral init                       # ~/.corral/corral.toml, a working route",),
+    "up": ("corral up --detach                # start the farm in the background",
+           "corral up --detach --workers 4 --web 127.0.0.1:8765",
+           "corral up                         # in the foreground; Ctrl-C stops it"),
+    "down": ("corral down                       # stop the farm of ~/.corral",),
+    "status": ("corral status --json | jq .farm.children",),
+    "run": ('corral run --workspace ./proj "list the files"',
+            'corral run --session SID "now fix the test"     # continue a session',
+            "corral run --session SID                      # attach: follow, answer",
+            "corral run --workspace ./proj - < task.md     # the prompt from stdin",
+            'corral run --approval allow --json "..." | jq -c .type',
+            'corral run --model openai-chat:qwen2.5 --base-url http://127.0.0.1:8000/v1 "hi"'),
+    "approve": ("corral approve SID APPROVAL_ID --decision approved",),
+    "interrupt": ("corral interrupt SID",),
+    "sessions": ("corral sessions --state waiting_for_approval",
+                 "corral sessions --since 2h --json"),
+    "show": ("corral show SID", "corral show SID --json | jq -c .type"),
+    "terminate": ("corral terminate SID",),
+    "delete": ("corral delete SID --yes",),
+    "export": ("corral export SID --out sid.json && corral verify sid.json",),
+    "verify": ("corral verify sid.json",),
+    "import": ("corral import sid.json --workspace ./proj   # with the farm stopped",),
+    "image import": ("corral image import py.tar --name tools/py:3.11 --allow-setuid",),
+    "image ls": ("corral image ls --json",),
+    "image rm": ("corral image rm tools/py:3.11",),
+    "completion": ('eval "$(corral completion bash)"     # in ~/.bashrc',),
+}
+
+
+def _examples(sub: Subparsers, prefix: str = "") -> None:
+    for name, command in sub.choices.items():
+        lines = EXAMPLES.get(f"{prefix}{name}")
+        if lines and isinstance(command, CorralParser):
+            command.examples = lines
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _examples(action, f"{prefix}{name} ")
 
 
 def _describe(sub: Subparsers) -> None:

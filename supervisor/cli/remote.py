@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from broker.endpoints import connect_endpoint
-from supervisor.cli.common import EXIT_OK, EXIT_USAGE, Subparsers, add_home, add_json
+from supervisor.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_home,
+    add_json,
+    bounded,
+)
+from supervisor.cli.output import say_error
 
 
 def add_parsers(sub: Subparsers) -> None:
@@ -65,11 +73,13 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--key", type=Path, default=None, help="this worker's NAME.key_secret")
     p.add_argument("--services", default="tool,model", help="default: tool,model")
     p.add_argument("--tier-min", default=None, help="lowest sandbox tier to accept, e.g. T2")
-    p.add_argument("--capacity", type=int, default=4, help="requests at once (default 4)")
-    p.add_argument("--drain-s", type=float, default=5.0, help="drain time on SIGTERM")
-    p.add_argument("--heartbeat-interval-s", type=float, default=None,
+    p.add_argument("--capacity", type=bounded(int, 1, 4096), default=4,
+                   help="requests at once (default 4, at most 4096)")
+    p.add_argument("--drain-s", type=bounded(float, 0), default=5.0,
+                   help="seconds to finish the calls in flight on SIGTERM (default 5)")
+    p.add_argument("--heartbeat-interval-s", type=bounded(float, 0, above=True), default=None,
                    help="seconds between heartbeats (default: the worker's, 0.25)")
-    p.add_argument("--liveness", type=int, default=None,
+    p.add_argument("--liveness", type=bounded(int, 1), default=None,
                    help="missed heartbeats before the broker is taken as gone "
                    "(default: the worker's, 4)")
     p.add_argument("--worker-log-level", default="INFO",
@@ -84,9 +94,8 @@ def _out(ns: Namespace, obj: dict[str, Any], text: str) -> None:
         print(text)
 
 
-def _keys_failed(exc: Exception) -> int:
-    print(f"corral keys: {exc}", file=sys.stderr)
-    return EXIT_USAGE
+def _keys_failed(ns: Namespace, exc: Exception) -> int:
+    return say_error(ns, "keys", f"keys: {exc}", EXIT_USAGE)
 
 
 def cmd_keys_new(ns: Namespace) -> int:
@@ -95,7 +104,7 @@ def cmd_keys_new(ns: Namespace) -> int:
     try:
         pub, sec = new_key(ns.name, ns.dir)
     except (KeyFileError, OSError) as exc:
-        return _keys_failed(exc)
+        return _keys_failed(ns, exc)
     _out(ns, {"public": str(pub), "secret": str(sec)},
          f"wrote {pub} (public: share it) and {sec} (secret, mode 0600: keep it)")
     return EXIT_OK
@@ -108,7 +117,7 @@ def cmd_keys_allow(ns: Namespace) -> int:
     try:
         path = allow(ns.file, ns.home, role=role, tenant=ns.tenant, name=ns.name)
     except (KeyFileError, OSError) as exc:
-        return _keys_failed(exc)
+        return _keys_failed(ns, exc)
     _out(ns, {"allowed": str(path), "role": role, "tenant": ns.tenant},
          f"allowed {path.stem} as {role}"
          + (f" of tenant {ns.tenant}" if ns.tenant else "") + f" ({path})")
@@ -121,7 +130,7 @@ def cmd_keys_init(ns: Namespace) -> int:
     try:
         fk = ensure_farm_keys(ns.home)
     except (KeyFileError, OSError) as exc:
-        return _keys_failed(exc)
+        return _keys_failed(ns, exc)
     _out(ns, {"keys": str(fk.directory), "broker": str(fk.public("broker")),
               "supervisor": str(fk.public("supervisor"))},
          f"farm keys in {fk.directory}; give workers {fk.public('broker')} and "

@@ -43,6 +43,7 @@ from supervisor.cli.common import (
     Subparsers,
     add_home,
     add_json,
+    bounded,
     workers_arg,
 )
 from supervisor.cli.lifecycle import ensure_config
@@ -69,7 +70,9 @@ def add_parsers(sub: Subparsers) -> None:
                        "terminal to ask, 130 after Ctrl-C.")
     add_home(p)
     p.add_argument("prompt", nargs="?", default=None,
-                   help="the user's message (optional with --session: attach)")
+                   help="the user's message; - reads it from stdin to its end (for long "
+                   "prompts: one argument holds at most 128 KiB), e.g. corral run - < "
+                   "task.md (optional with --session: attach)")
     p.add_argument("--session", default=None, help="continue this session")
     p.add_argument("--model", default=None,
                    help="route name from corral.toml, PROVIDER:MODEL (openai-responses, "
@@ -91,7 +94,9 @@ def add_parsers(sub: Subparsers) -> None:
                    "import'); resolved to its digest now, refused now if missing")
     p.add_argument("--workers", type=workers_arg, default=None,
                    help="workers of a temporary farm (default 2)")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+    p.add_argument("--timeout-s", type=bounded(float, 0, above=True), default=1800.0,
+                   help="stop following the turn after this many seconds (default 1800; "
+                   "exit 1, the turn goes on in the farm)")
     add_json(p)
     p.set_defaults(handler=run_turn)
 
@@ -174,8 +179,24 @@ def run_turn(ns: Namespace) -> int:
     from supervisor.farm.tree import FarmError
 
     if ns.prompt is None and ns.session is None:
-        print("corral: give a PROMPT (or --session ID to attach to a session's running "
-              "turn)", file=sys.stderr)
+        _fail(ns, "usage", "give a PROMPT, - to read it from stdin, or --session ID to "
+              "attach to a session's running turn")
+        return EXIT_USAGE
+    if ns.prompt == "-":
+        problem = prompt_from_stdin(ns)
+        if problem is not None:
+            _fail(ns, "usage", problem)
+            return EXIT_USAGE
+    if ns.session is None and ns.workspace is not None and not ns.workspace.is_dir():
+        # Said before a temporary farm starts (it started, then the supervisor refused).
+        what = "is not a directory" if ns.workspace.exists() else "does not exist"
+        _fail(ns, "usage", f"workspace {ns.workspace} {what}; create it or choose another "
+              "directory")
+        return EXIT_USAGE
+    too_long = None if ns.prompt is None else prompt_too_long(ns.prompt)
+    if too_long is not None:
+        # Refused here, before a farm starts and a session is made for it.
+        _fail(ns, "usage", too_long)
         return EXIT_USAGE
     try:
         try:
@@ -197,10 +218,47 @@ def run_turn(ns: Namespace) -> int:
         return EXIT_FAILED
 
 
+def prompt_from_stdin(ns: Namespace) -> str | None:
+    """``corral run -``: the prompt is stdin to its end (one trailing newline dropped);
+    approvals are then never asked at the terminal (stdin is spent). Returns what is
+    wrong with it, or None."""
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the prompt on stdin is not UTF-8 text (byte {data[exc.start]:#04x} at " \
+               f"offset {exc.start})"
+    text = text.removesuffix("\n")
+    if not text.strip():
+        return "the prompt on stdin is empty; give the text, e.g. corral run - < task.md"
+    ns.prompt, ns.stdin_spent = text, True
+    return None
+
+
+def prompt_too_long(prompt: str) -> str | None:
+    """What the farm would refuse in a prompt's size (the op's character bound, and
+    the quarter of the session's state row that queued input may use, in bytes of
+    stored JSON; docs/storage.md), said before a farm starts; None if it fits."""
+    from supervisor.engine.ops import MAX_TEXT_CHARS
+    from supervisor.store.codec import Limits
+
+    room = Limits().max_state_bytes // 4 - 512  # the entry's other fields
+    size = len(json.dumps(prompt))
+    if len(prompt) <= MAX_TEXT_CHARS and size <= room:
+        return None
+    return (f"the prompt is {size:,} bytes as stored; a session takes at most {room:,} "
+            "bytes of input at a time: put the material in a file in the workspace and "
+            "ask for it to be read")
+
+
 def _fail(ns: Namespace, kind: str, message: str) -> None:
     if ns.json:
-        sys.stdout.write(json.dumps({"type": "cli_error", "kind": kind,
-                                     "message": message}) + "\n")
+        # One line of the run's event stream (type cli_error), and the error document
+        # every other command prints ({"ok": false, "error": {kind, message}}).
+        sys.stdout.write(json.dumps({"type": "cli_error", "kind": kind, "message": message,
+                                     "ok": False,
+                                     "error": {"kind": kind, "message": message}},
+                                    sort_keys=True) + "\n")
         sys.stdout.flush()
     else:
         print(f"corral: {clean(message)} ({kind})", file=sys.stderr)
@@ -336,7 +394,8 @@ class TurnRun:
 
         ns = self.ns
         renderer = None if ns.json else Renderer(sys.stdout)
-        interactive = sys.stdin.isatty() and not ns.json
+        interactive = (sys.stdin.isatty() and not ns.json
+                       and not getattr(ns, "stdin_spent", False))
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         asks: set[asyncio.Task[None]] = set()

@@ -69,6 +69,16 @@ class _Held:
     hooks: dict[str, HookFunction] = field(default_factory=dict)
 
 
+
+def check_timeout(timeout_s: float | None) -> None:
+    """A deadline is a number of seconds above 0 (or None: no bound, where allowed):
+    ``timeout_s=-1`` raised an empty ``TimeoutError`` after the turn was sent."""
+    if timeout_s is None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) \
+            or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number of seconds above 0, got {timeout_s!r}")
+
 class Corral:
     """A connection to a farm's supervisor. Use as ``async with``.
 
@@ -80,6 +90,7 @@ class Corral:
 
     def __init__(self, endpoint: str, *, curve: CurveClient | None = None,
                  timeout_s: float = 10.0, liveness_s: float = 3.0) -> None:
+        check_timeout(timeout_s)
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.liveness_s = liveness_s
@@ -321,7 +332,9 @@ class Session:
                   ) -> AsyncGenerator[Event, None]:
         """Submit ``prompt`` and yield the turn's events, ending with its
         ``TurnComplete`` or ``TurnAborted``. ``timeout_s`` bounds each wait for
-        the next event (``TimeoutError``; the turn goes on in the farm)."""
+        the next event (``TimeoutError``; the turn goes on in the farm);
+        ``ValueError`` when it is not above 0 (checked before the turn is sent)."""
+        check_timeout(timeout_s)
         after = int((await self.describe()).get("last_event_sequence", 0))
         submission = await self.submit(prompt)
         # aclosing: leaving early unsubscribes now, not when the generator is collected.
@@ -337,6 +350,7 @@ class Session:
     async def events(self, *, after_sequence: int = 0, timeout_s: float | None = None
                      ) -> AsyncGenerator[Event, None]:
         """Every event after ``after_sequence`` (history, then live), forever."""
+        check_timeout(timeout_s)
         stream = self._sv.events(self.id, after_sequence=after_sequence)
         assert isinstance(stream, AsyncGenerator)  # an async generator function's
         try:

@@ -34,6 +34,31 @@ from supervisor.sdk.corral import Corral
 
 __all__ = ["EmbeddedFarm", "FarmError"]
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _check_arguments(home: str | Path | None, workers: int, approval: str,
+                     log_level: str) -> None:
+    """``ValueError`` at construction for an argument no farm could start with (a
+    negative ``workers`` started a farm without workers; a ``home`` that is a file
+    raised ``FileExistsError`` from the start)."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 0 <= workers <= 256:
+        raise ValueError(f"workers must be a whole number from 0 (remote workers only) to "
+                         f"256, got {workers!r}")
+    if approval not in ("ask", "allow", "deny"):
+        raise ValueError(f"approval must be 'ask', 'allow' or 'deny', got {approval!r}")
+    if str(log_level).upper() not in _LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got "
+                         f"{log_level!r}")
+    if home is not None:
+        path = Path(home)
+        for above in (path, *path.parents):
+            if above.exists():
+                if not above.is_dir():
+                    raise ValueError(f"home {path} is not a directory ({above} is a file); "
+                                     "give a directory (it is made when missing)")
+                break
+
 
 def scripted_config(*, approval: str = "ask") -> str:
     """The ``corral.toml`` of a farm whose default route is ``script.json`` in its home."""
@@ -48,6 +73,7 @@ class EmbeddedFarm:
                  config: str | None = None,
                  script: Mapping[str, Any] | str | Path | None = None,
                  approval: str = "ask", log_level: str = "WARNING") -> None:
+        _check_arguments(home, workers, approval, log_level)
         self._given_home = Path(home) if home is not None else None
         self.workers = workers
         self.config = config

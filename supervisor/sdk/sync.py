@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from broker.security import CurveClient
 from supervisor.engine.hooks import HookEvent
-from supervisor.sdk.corral import Corral, Decision, HookFunction, Session
+from supervisor.sdk.corral import Corral, Decision, HookFunction, Session, check_timeout
 from supervisor.sdk.events import Event
 from supervisor.sdk.farm import EmbeddedFarm
 from supervisor.sdk.options import SessionOptions
@@ -56,6 +56,7 @@ class SyncCorral:
 
     def __init__(self, opener: Callable[[], contextlib.AbstractAsyncContextManager[Corral]],
                  *, timeout_s: float = 60.0) -> None:
+        check_timeout(timeout_s)
         self._opener = opener
         self.timeout_s = timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None

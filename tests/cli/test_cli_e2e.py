@@ -164,6 +164,12 @@ def test_up_status_down_with_a_restart_and_no_orphans(
     again = corral(home, "up", "--detach")
     assert again.returncode == 2
     assert "already running" in again.stderr
+    # --json: the refusal is JSON too (it was only a line on stderr)
+    again_json = corral(home, "up", "--detach", "--json")
+    assert again_json.returncode == 2
+    refusal = json.loads(again_json.stdout)["error"]
+    assert refusal["kind"] == "already_running"
+    assert f"corral down --home {home}" in refusal["message"]
 
     # A worker dies: the farm restarts it and status shows the restart.
     worker = next(c for c in on_disk["children"] if c["name"] == "worker-1")
@@ -195,7 +201,9 @@ def test_up_status_down_with_a_restart_and_no_orphans(
 
     down = corral(home, "down", "--json")
     assert down.returncode == 0, down.stderr
-    assert json.loads(down.stdout) == {"ok": True, "killed_after_timeout": []}
+    # the same keys as a down with nothing to stop ("was_running" was missing here)
+    assert json.loads(down.stdout) == {"ok": True, "killed_after_timeout": [],
+                                       "was_running": True}
     assert not (home / "farm.json").exists()
     assert [p for p in pids if alive(p)] == []
     assert [p.pid for p in processes_naming(home) if p.pid != run.pid] == []

@@ -66,3 +66,27 @@ def test_sandbox_mode_and_git_writable_reach_the_session_policy(tmp_path: Path) 
     (tmp_path / "corral.toml").write_text('[sandbox]\nmode = "yolo"\n')
     with pytest.raises(ConfigError, match=r"sandbox\.mode"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("[farm]\nworkers = 2\n\n[sandbox.limits]\nwall_s = -1\n",
+     "line 5: [sandbox.limits.wall_s] must not be negative"),
+    ("[session]\nturn_timeout_s = 0\n", "line 2: [session.turn_timeout_s] must be above 0"),
+    ("[farm]\nheartbeat_interval_s = -0.5\n", "line 2: [farm.heartbeat_interval_s] must be "
+     "above 0"),
+    ('[routes."my route"]\nprovider = "anthropic"\nmodl = "m"\n',
+     "line 3: [routes.my route] unknown key(s) ['modl'] (did you mean 'model'?)"),
+    ("[sesion]\napproval = 'ask'\n", "line 1: [top level] unknown key(s) ['sesion'] "
+     "(did you mean 'session'?)"),
+    ("farm.workers = 'x'\n", "line 1: [farm.workers] must be an integer"),
+    ("[farm]\nworkers = 1\n[mcp.git]\ncommand = ['x']\ntransport = 'sse'\n",
+     "line 3: [mcp.git] unknown key(s) ['transport']"),
+    ("[[hooks.pre_tool]]\ncommand = 'x'\n[[hooks.pre_tool]]\ncommand = 'y'\ntimeout_s = 0\n",
+     "[hooks.pre_tool[1].timeout_s] must be above 0"),
+])
+def test_errors_name_the_line_and_suggest(tmp_path: Path, text: str, needle: str) -> None:
+    (tmp_path / "corral.toml").write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path)
+    assert needle in str(caught.value)
+    assert str(caught.value).startswith(f"{tmp_path / 'corral.toml'}, line ")

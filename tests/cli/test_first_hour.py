@@ -326,6 +326,13 @@ def test_a_malformed_script_is_one_line(homes: list[Path], workspace_root: Path)
     (b"farm = 3\n", "[farm] must be a table"),
     (b"[[hooks.pre_tool]]\ncommand = 'x'\ntimeout_s = 0\n", "timeout_s] must be above 0"),
     (b"[[hooks.pre_tol]]\ncommand = 'x'\n", "unknown hook event"),
+    # the line and the key, a typo with its likely meaning, a number out of range
+    # (liveness -1 reached the broker's argument check: exit 1 after a farm start)
+    (b"[farm]\n\nworkres = 2\n", "corral.toml, line 3: [farm] unknown key(s) ['workres'] "
+     "(did you mean 'workers'?)"),
+    (b"# heartbeats\n[farm]\nliveness = -1\n", "corral.toml, line 3: [farm.liveness] must "
+     "be at least 1, got -1"),
+    (b"[farm]\nliveness = \n", "corral.toml, line 2: not valid TOML: Invalid value"),
 ])
 def test_config_errors_are_said_in_words(tmp_path: Path, content: bytes, needle: str) -> None:
     (tmp_path / "corral.toml").write_bytes(content)
@@ -427,3 +434,117 @@ def test_fake_llm_killed_by_pid_leaves_nothing(tmp_path: Path, procs: Procs) -> 
     r = cli(None, "fake-llm", "--script", str(bad))
     assert r.returncode == 2
     assert "cannot read script" in one_line_error(r)
+
+
+def test_usage_errors_and_a_home_that_is_a_file(tmp_path: Path) -> None:
+    """With --json every failure is a JSON document, usage errors included (argparse
+    printed only its usage text); a --home (or $CORRAL_HOME) that is a file, or lies
+    under one, is refused at once (run printed a FileExistsError traceback, status said
+    to start a farm there, show to check the file's permissions)."""
+    missing = cli(None, "approve", "sess_x", "--json")
+    assert missing.returncode == 2
+    doc = json.loads(missing.stdout)
+    assert doc["ok"] is False
+    assert doc["error"]["kind"] == "usage"
+    assert "--decision" in doc["error"]["message"]
+    assert "usage: corral approve" in missing.stderr
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    status = cli(afile, "status", "--json")
+    assert status.returncode == 2
+    assert json.loads(status.stdout)["error"]["message"].endswith(
+        f"{afile} is a file; give a directory (it is made when missing)")
+    run = cli(afile / "sub", "run", "hi")
+    assert run.returncode == 2
+    assert f"{afile / 'sub'} is under {afile}, a file" in one_line_error(run)
+    env = {**NO_KEYS, "CORRAL_HOME": str(afile)}
+    assert cli(None, "sessions", env=env).returncode == 2
+
+    level = cli(None, "--log-level", "loud", "down")
+    assert level.returncode == 2
+    assert "invalid choice: 'LOUD'" in one_line_error(level)
+
+    no_prompt = cli(tmp_path / "home", "run", "--json")
+    assert no_prompt.returncode == 2
+    line = json.loads(no_prompt.stdout)
+    assert line["type"] == "cli_error"
+    assert line["ok"] is False
+    assert line["error"]["kind"] == "usage"
+
+
+def test_failures_of_import_and_keys_are_json_with_json(tmp_path: Path) -> None:
+    """corral import and corral keys said their refusals only on stderr under --json."""
+    gone = cli(tmp_path / "home", "import", str(tmp_path / "missing.json"), "--json")
+    assert gone.returncode == 2
+    assert json.loads(gone.stdout)["error"]["kind"] == "cannot_read"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    keys = cli(None, "keys", "new", "k1", "--dir", str(afile / "sub"), "--json")
+    assert keys.returncode == 2
+    assert json.loads(keys.stdout)["error"]["kind"] == "keys"
+
+
+def test_a_prompt_from_stdin_and_refusals_before_any_farm(homes: list[Path],
+                                                          workspace_root: Path) -> None:
+    """'corral run -' reads the prompt from stdin (one argument holds at most 128 KiB,
+    so a long prompt had no way in: '-' itself was sent as the prompt); a prompt over
+    the turn's limit, a missing workspace and an empty stdin are refused (exit 2)
+    before a temporary farm starts (the farm started, made a session for the too-long
+    prompt and then failed it; a missing workspace cost a farm start and exit 1)."""
+    home = make_home(workspace_root, "home", [text("got it")])
+    homes.append(home)
+    ws = make_ws(workspace_root)
+    long_prompt = "word " * 40_000 + "END"  # 200 KB, over one argument's 128 KiB
+    argv = [PYTHON, "-m", "supervisor.cli", "run", "--home", str(home), "--workspace",
+            str(ws), "--json", "-"]
+    r = subprocess.run(argv, input=long_prompt + "\n", capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env=NO_KEYS)
+    assert r.returncode == 0, r.stderr
+    events = events_of(r.stdout)
+    given = [e["payload"] for e in events if e["type"] == "user_message"]
+    assert given, r.stdout[-2000:]
+    shown = str(given[0]["text"])  # an event shows a long text's head and its length
+    cut = re.search(r"\n\[\.\.\. (\d+) characters cut\]$", shown)
+    assert cut is not None, shown[-200:]
+    assert len(shown) - len(cut.group(0)) + int(cut.group(1)) == len(long_prompt)
+    assert long_prompt.startswith(shown[:cut.start()])
+
+    for stdin, args, needle in (
+            ("x" * 300_000, ("--workspace", str(ws), "-"), "bytes of input at a time"),
+            ("", ("--workspace", str(ws), "-"), "the prompt on stdin is empty"),
+            ("", ("--workspace", str(ws / "nothere"), "hi"), "nothere does not exist")):
+        refused = subprocess.run([PYTHON, "-m", "supervisor.cli", "run", "--home", str(home),
+                                  *args], input=stdin, capture_output=True, text=True,
+                                 timeout=60, cwd=REPO, env=NO_KEYS)
+        assert refused.returncode == 2, refused.stderr
+        assert needle in one_line_error(refused)
+        assert "starting a temporary one" not in refused.stderr
+    assert len(sessions(home)) == 1
+
+
+def test_chaos_and_fake_llm_refuse_out_of_range_numbers(tmp_path: Path) -> None:
+    """'corral chaos --duration -5' ran a whole chaos run, '--sessions 0' never ended
+    (it waited for sessions it did not run), and a bad --faults word was printed on
+    stdout as text under --json; now each is a usage error, JSON with --json."""
+    from supervisor.cli import build_parser
+
+    bogus = cli(None, "chaos", "--faults", "bogus", "--json", timeout_s=60)
+    assert bogus.returncode == 2
+    assert json.loads(bogus.stdout)["error"]["kind"] == "usage"
+    negative = cli(None, "chaos", "--duration", "-5", "--json", timeout_s=60)
+    assert negative.returncode == 2
+    assert "--duration: must be above 0, got -5" in json.loads(negative.stdout)["error"][
+        "message"]
+    parser = build_parser()
+    for argv in (["chaos", "--sessions", "0"], ["chaos", "--workers", "0"],
+                 ["chaos", "--frame-rate", "0.9"], ["chaos", "--fault-gap", "0"],
+                 ["fake-llm", "--script", "s.json", "--port", "70000"],
+                 # the worker said these only after its sandbox probe, with exit 0
+                 ["worker", "--broker", "ipc:///x", "--capacity", "0"],
+                 ["worker", "--broker", "ipc:///x", "--drain-s", "-1"],
+                 ["worker", "--broker", "ipc:///x", "--liveness", "0"],
+                 ["run", "--timeout-s", "-1", "hi"]):
+        with pytest.raises(SystemExit) as leaving:
+            parser.parse_args(argv)
+        assert leaving.value.code == 2, argv

@@ -30,3 +30,33 @@ def test_every_option_of_the_process_entry_points_has_help() -> None:
 
     assert _undocumented(supervisor_parser(), "python -m supervisor") == []
     assert _undocumented(worker_parser(), "python -m sandbox_worker") == []
+
+
+def test_every_example_in_the_help_parses() -> None:
+    """The examples at the end of ``corral COMMAND --help`` are command lines the
+    parser accepts (the part before a pipe, redirection or comment)."""
+    import re
+    import shlex
+
+    from supervisor.cli.common import CorralParser
+
+    parser = build_parser()
+    shown: list[str] = []
+
+    def collect(p: argparse.ArgumentParser) -> None:
+        if isinstance(p, CorralParser):
+            shown.extend(p.examples)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    collect(sub)
+
+    collect(parser)
+    assert len(shown) >= 20
+    for line in shown:
+        command = re.search(r"corral [^|<#)&]*", line)
+        assert command is not None, line
+        argv = shlex.split(command.group(0))[1:]
+        parsed = parser.parse_args(argv)
+        assert parsed.handler is not None, line
+    assert "examples:" in parser._subparsers._group_actions[0].choices["run"].format_help()

@@ -272,6 +272,32 @@ async def test_bad_options_and_colliding_names_are_typed_errors(farm: EmbeddedFa
         with pytest.raises(SupervisorError) as err:
             await corral.resume("sess_nope")
         assert err.value.kind == "unknown_session"
+        # A deadline that is not above 0 is a ValueError before the turn is sent (it
+        # was an empty TimeoutError after the submit, the turn running on).
+        session = await corral.create_session(SessionOptions(workspace=workspace))
+        for bad in (-1, 0, "5"):
+            with pytest.raises(ValueError, match="timeout_s must be a number of seconds"):
+                async for _ in session.run("never sent", timeout_s=bad):  # type: ignore[arg-type]
+                    pass
+        described = await session.describe()
+        assert int(described.get("queued_input", 0)) == 0
+        assert described.get("active_turn") is None
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"workers": -1}, "workers must be a whole number"),
+    ({"workers": True}, "workers must be a whole number"),
+    ({"approval": "sometimes"}, "approval must be"),
+    ({"log_level": "loud"}, "log_level must be one of"),
+    ({"home": "/etc/hostname"}, "is not a directory (/etc/hostname is a file)"),
+    ({"home": "/etc/hostname/sub"}, "is not a directory (/etc/hostname is a file)"),
+])
+def test_an_embedded_farm_refuses_bad_arguments_at_once(kwargs: dict[str, Any],
+                                                        needle: str) -> None:
+    """Before anything starts: workers=-1 started a farm with no worker; a home that
+    is a file raised FileExistsError from the farm's start."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        EmbeddedFarm(**kwargs)
 
 
 @module_loop
