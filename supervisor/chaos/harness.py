@@ -1096,6 +1096,10 @@ class Harness:
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
+                    v.extend(inv.transcript_complete(r.session_id, replay, loaded.context))
+                    v.extend(inv.usage_accounted(
+                        r.session_id, replay, dict(loaded.state.total_usage),
+                        inv.scripted_usage(self.script) if self.marker_checks else None))
                 # only answers the farm acknowledged (an answer whose every submit
                 # failed was never given)
                 v.extend(inv.approvals_kept(r.session_id, replay, {
@@ -1120,6 +1124,7 @@ class Harness:
         results = await self._exports()
         self.report.exports = len(results)
         v.extend(inv.exports_verify(results))
+        v.extend(await self._exports_match_store())
         v.extend(self._reached())
 
     def _fencing(self) -> list[inv.Violation]:
@@ -1166,6 +1171,30 @@ class Harness:
             return {"(exportcheck)": {"problems": [err.decode(errors="replace")[-500:]]}}
         result: dict[str, dict[str, Any]] = json.loads(out)
         return result
+
+    async def _exports_match_store(self) -> list[inv.Violation]:
+        """``export_matches_store``: each kept export's transcript against the store's
+        context at the position it names (the store reopened, the farm stopped)."""
+        from supervisor.store import Store
+        from supervisor.store.pg.store import PgStore
+        store: Any = (await PgStore.open(self.store_url) if self.store_url
+                      else await Store.open(self.home / "corral.db"))
+        out: list[inv.Violation] = []
+        try:
+            for path in sorted(self.keeper.dest.glob("*.json")):
+                try:
+                    doc = json.loads(path.read_text())
+                    resume = doc["content"]["logical_resume"]
+                    pos = resume["position"]
+                    stored = await store.context_at(
+                        SessionId(str(resume["session_id"])), at_batch=int(pos["at_batch"]),
+                        epoch=int(pos["epoch"]))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # unreadable or malformed: exports_verify reports it
+                out.extend(inv.export_matches_store(path.name, doc, stored))
+        finally:
+            await store.close()
+        return out
 
     def _reached(self) -> list[inv.Violation]:
         """``faults_reached``: a run at least ``coverage_s`` long injected every kind."""
