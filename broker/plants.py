@@ -42,6 +42,8 @@ PLANTS: Final[dict[str, str]] = {
     "usage_double_retry": "a model step that needed a retry counts its answer's usage "
                           "twice",
     "compaction_drops_user": "a compaction keeps every recent user message but the newest",
+    "replay_overlap": "a subscription replays from two events before the sequence the "
+                      "client asked for (the events it already has, sent again)",
     "export_drops_message": "an export's transcript leaves out the newest assistant "
                             "message (the digest covers what it holds, so it verifies)",
 }

@@ -135,6 +135,7 @@ class SessionRun:
     busy: bool = False
     role: str = "plain"  # plain | compact (small context window) | ask (approvals answered)
     client: SupervisorClient | None = None  # the collector's client (its subscription)
+    resent: int = 0  # events the supervisor sent again within one subscription
     # approval id -> what the harness answered: decision, submission ids, when
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -669,24 +670,31 @@ class Harness:
         client hit that cap after 17 minutes)."""
         async with SupervisorClient(endpoint, timeout_s=15) as sv:
             run.client = sv
-            after = 0
-            while True:
-                try:
-                    async for event in sv.events(run.session_id, after_sequence=after,
-                                                 reconnect_timeout_s=600):
-                        run.live.append((time.monotonic(), event))
-                        if event.get("sequence", 0) > 0:
-                            after = int(event["sequence"])
-                    return
-                except SupervisorError as exc:
-                    # Between owners (the old owner's lease lapsed, no one has taken
-                    # the session yet) a subscription is answered unknown_session, and
-                    # store_unavailable while PostgreSQL restarts; a client retries, from
-                    # the last sequence it saw (docs/multihost.md).
-                    if exc.kind not in RESUBSCRIBE_ENDS or self.n_supervisors < 2:
-                        raise
-                    self.report.retries_between_owners += 1
-                    await asyncio.sleep(0.2)
+            try:
+                await self._follow(sv, run)
+            finally:
+                run.resent = sv.resent_events
+
+    async def _follow(self, sv: SupervisorClient, run: SessionRun) -> None:
+        """``_collect``'s loop: the session's events from the last sequence seen."""
+        after = 0
+        while True:
+            try:
+                async for event in sv.events(run.session_id, after_sequence=after,
+                                             reconnect_timeout_s=600):
+                    run.live.append((time.monotonic(), event))
+                    if event.get("sequence", 0) > 0:
+                        after = int(event["sequence"])
+                return
+            except SupervisorError as exc:
+                # Between owners (the old owner's lease lapsed, no one has taken
+                # the session yet) a subscription is answered unknown_session, and
+                # store_unavailable while PostgreSQL restarts; a client retries, from
+                # the last sequence it saw (docs/multihost.md).
+                if exc.kind not in RESUBSCRIBE_ENDS or self.n_supervisors < 2:
+                    raise
+                self.report.retries_between_owners += 1
+                await asyncio.sleep(0.2)
 
     async def _steady(self) -> bool:
         """Wait (up to ``STEADY_WAIT_S``) until the supervisor answers and every
@@ -1114,6 +1122,13 @@ class Harness:
                 if "frame_drop" not in self.kinds:
                     v.extend(inv.silent_timeouts(r.session_id, replay))
                 v.extend(inv.replay_equals_live(r.session_id, live, replay))
+                if r.resent:
+                    v.append(inv.Violation(
+                        "replay_equals_live", r.session_id, None,
+                        f"the supervisor sent {r.resent} event(s) again within one "
+                        "subscription (at or below a sequence it had sent, or the "
+                        "after_sequence asked): the SDK client drops them, a client "
+                        "without that guard sees duplicates"))
                 self._provider_faults(live)
         finally:
             await store.close()

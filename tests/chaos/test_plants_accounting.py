@@ -14,6 +14,10 @@ the deciding fault hit; and the same kinds without a plant report nothing.
 - ``export_drops_message``: an export's transcript lacks the newest assistant
   message; its calls and outputs are intact, so it verifies (the digest covers
   what it holds); caught by ``export_matches_store``.
+- ``replay_overlap``: a subscription replays two events before the sequence the
+  client asked for; the SDK client drops them (so the live log the checker
+  kept was whole and the bug went unseen) but now counts them
+  (``SupervisorClient.resent_events``); caught by ``replay_equals_live``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import pytest
 from tests.chaos.plantrun import run_chaos
 from tests.helpers import Procs
 
-SEEDS = {"usage_double_retry": 18, "compaction_drops_user": 19, "export_drops_message": 20}
+SEEDS = {"usage_double_retry": 18, "compaction_drops_user": 19, "export_drops_message": 20,
+         "replay_overlap": 22}
 CLEAN_SEED = 21
 DURATION_S = "6"
 # plant -> (fault kinds, kinds that must have hit, the invariant that names it)
@@ -34,6 +39,8 @@ PLANTS: dict[str, tuple[str, tuple[str, ...], str]] = {
                            "usage_accounted"),
     "compaction_drops_user": ("crash_compaction", ("crash_compaction",), "transcript_complete"),
     "export_drops_message": ("crash_final_answer", (), "export_matches_store"),
+    # a crash makes every client resubscribe from the last sequence it saw
+    "replay_overlap": ("crash_final_answer", ("crash_final_answer",), "replay_equals_live"),
 }
 # the clean run: every timed kind above (3 kinds at a 1 s gap: coverage 6 s)
 ALL_KINDS = "crash_model_stream,crash_compaction,crash_final_answer,provider_500"
