@@ -1120,7 +1120,8 @@ class Harness:
                                          asked))
                     self.report.repeated_requests += inv.repeated_requests(replay)
                 if "frame_drop" not in self.kinds:
-                    v.extend(inv.silent_timeouts(r.session_id, replay))
+                    v.extend(inv.silent_timeouts(r.session_id, replay,
+                                                 models="provider_hang" not in self.kinds))
                 v.extend(inv.replay_equals_live(r.session_id, live, replay))
                 if r.resent:
                     v.append(inv.Violation(

@@ -121,18 +121,32 @@ def one_output_per_call(sid: str, items: list[dict[str, Any]]) -> list[Violation
     return out
 
 
-def silent_timeouts(sid: str, replay: list[dict[str, Any]]) -> list[Violation]:
+def silent_timeouts(sid: str, replay: list[dict[str, Any]],
+                    models: bool = False) -> list[Violation]:
     """Invariant 5 when no fault can drop a message (``frame_drop`` off): a tool
     call that ends on its deadline (error ``timeout``) lost its request or its
     answer with nothing to say so: a lost call must end ``unknown`` with
     ``worker_lost``, never be left to time out. (The workload's calls all end
-    well within the 10 s budget; a hung worker is expired by liveness.)"""
-    return [Violation("unknown_reported", sid, e["sequence"],
-                      f"tool call {e['payload'].get('call_id')} ended on its deadline "
-                      "(timeout) though no fault could drop its messages: a lost request "
-                      "left to time out")
-            for e in replay if e["type"] == "tool_call_end"
-            and ((e["payload"].get("error") or {}).get("kind") == "timeout")]
+    well within the 10 s budget; a hung worker is expired by liveness.) With
+    ``models`` (no ``provider_hang`` either: the only fault that keeps a model
+    answer past its deadline), a model step attempt that ended on its deadline
+    is one too (its retry hides it from the turn, not from the checker)."""
+    out = [Violation("unknown_reported", sid, e["sequence"],
+                     f"tool call {e['payload'].get('call_id')} ended on its deadline "
+                     "(timeout) though no fault could drop its messages: a lost request "
+                     "left to time out")
+           for e in replay if e["type"] == "tool_call_end"
+           and ((e["payload"].get("error") or {}).get("kind") == "timeout")]
+    if models:
+        out += [Violation("unknown_reported", sid, e["sequence"],
+                          f"model step {e['payload'].get('step')} of turn "
+                          f"{e['payload'].get('turn_id')} ended on its deadline (timeout) "
+                          "though no fault could drop or hold its messages: a lost "
+                          "request left to time out")
+                for e in replay if e["type"] == "model_step_completed"
+                and (((e["payload"].get("diagnostics") or {}).get("error") or {})
+                     .get("kind") == "timeout")]
+    return out
 
 
 def _marker_calls(replay: list[dict[str, Any]]) -> dict[str, int]:

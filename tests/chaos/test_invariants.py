@@ -189,6 +189,13 @@ def test_a_tool_call_on_its_deadline_without_frame_drops_is_a_lost_call() -> Non
               begin(3, 5, "d"), end(4, "d", "failed", "exit")]
     found = silent_timeouts("s", replay)
     assert [(v.invariant, v.sequence) for v in found] == [("unknown_reported", 2)]
+    # a model step attempt on its deadline (its retry hides it from the turn)
+    step = {"sequence": 5, "type": "model_step_completed",
+            "payload": {"turn_id": "t", "step": 2, "outcome": "retrying",
+                        "diagnostics": {"error": {"kind": "timeout"}}}}
+    assert len(silent_timeouts("s", [*replay, step])) == 1  # provider_hang on: not judged
+    found = silent_timeouts("s", [*replay, step], models=True)
+    assert [v.sequence for v in found] == [2, 5]
 
 
 # -- no_orphans ------------------------------------------------------------------
