@@ -85,6 +85,7 @@ from supervisor.chaos.workload import (
 from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.farm.root import Farm
 from supervisor.store import slowdisk
+from supervisor.store.errors import StoreError
 from supervisor.store.records import SessionId
 from supervisor.telemetry.labels import CHAOS_FAULTS_FILE
 
@@ -1094,7 +1095,14 @@ class Harness:
                       else await Store.open(self.home / "corral.db"))
         try:
             for r in self.report.sessions:
-                replay = [_wire(e) for e in await store.replay_events(SessionId(r.session_id))]
+                try:
+                    replay = [_wire(e)
+                              for e in await store.replay_events(SessionId(r.session_id))]
+                except StoreError as exc:  # a runaway journal must be reported, not crash
+                    v.append(inv.Violation("replay_equals_live", r.session_id, None,
+                                           f"the store's events could not be replayed: "
+                                           f"{type(exc).__name__}: {exc}"))
+                    continue
                 live = [e for _, e in r.live]
                 v.extend(inv.turn_ends_once(r.session_id, r.submissions, replay))
                 if not r.final_ok:
