@@ -39,6 +39,13 @@ PLANTS: Final[dict[str, str]] = {
     "export_digest_partial": "the export digest leaves out the run records",
     "epoch_reused": "a session's lease taken by another supervisor keeps its epoch: "
                     "the fencing token does not change with the owner",
+    "usage_double_retry": "a model step that needed a retry counts its answer's usage "
+                          "twice",
+    "compaction_drops_user": "a compaction keeps every recent user message but the newest",
+    "replay_overlap": "a subscription replays from two events before the sequence the "
+                      "client asked for (the events it already has, sent again)",
+    "export_drops_message": "an export's transcript leaves out the newest assistant "
+                            "message (the digest covers what it holds, so it verifies)",
 }
 
 

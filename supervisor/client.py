@@ -94,6 +94,12 @@ class SupervisorClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._subs: dict[int, _Subscription] = {}
+        # Per server subscription: the highest sequence it sent (at first, the
+        # after_sequence asked). An event at or below it was sent again by the server
+        # within one subscription: dropped here, but counted (``resent_events``) so a
+        # checker can tell a server that replays what it already delivered.
+        self._wire_last: dict[int, int] = {}
+        self.resent_events = 0
         self._server_id: str | None = None
         self._last_heard = time.monotonic()
         self._tg: asyncio.TaskGroup | None = None
@@ -256,12 +262,18 @@ class SupervisorClient:
                 event = msg["event"]
                 seq = event.get("sequence")
                 if isinstance(seq, int) and seq > 0:  # 0: a live-only delta
+                    sent = self._wire_last.get(msg["sub"])
+                    if sent is not None:
+                        if seq <= sent:
+                            self.resent_events += 1
+                        self._wire_last[msg["sub"]] = max(sent, seq)
                     if seq <= sub.last_sequence:
                         return  # already delivered (resubscribe overlap)
                     sub.last_sequence = seq
                 await sub.queue.put(event)
             elif "end" in msg:
                 self._subs.pop(msg["sub"], None)
+                self._wire_last.pop(msg["sub"], None)
                 await sub.queue.put({"type": "__end__", **msg["end"]})
             return
         fut = self._pending.get(msg.get("id", -1))
@@ -366,6 +378,7 @@ class SupervisorClient:
         while True:
             sub_id = next(self._ids)
             self._subs[sub_id] = sub
+            self._wire_last[sub_id] = sub.last_sequence
             try:
                 # Here, never redirected: the events come on this connection.
                 await self._call_here("subscribe", timeout_s=min(self.timeout_s, 2.0),
@@ -374,6 +387,7 @@ class SupervisorClient:
                 return sub_id
             except SupervisorUnavailable:
                 self._subs.pop(sub_id, None)
+                self._wire_last.pop(sub_id, None)
                 # A slow server may still take the subscribe after our deadline:
                 # withdraw it, or each retry would leave one behind (the server's
                 # calls start in arrival order, so this lands after it).
@@ -385,6 +399,7 @@ class SupervisorClient:
                 delay_s = min(delay_s * 2, 1.0)
             except BaseException:
                 self._subs.pop(sub_id, None)
+                self._wire_last.pop(sub_id, None)
                 raise
 
     async def events(
@@ -431,6 +446,7 @@ class SupervisorClient:
                     if kind == wire.ErrorKind.MOVED and self.follow_redirects \
                             and isinstance(address, str):
                         self._subs.pop(sub.sub_id, None)
+                        self._wire_last.pop(sub.sub_id, None)
                         sub.sub_id = None
                         async for moved in self._events_at(address, sub, reconnect_timeout_s):
                             yield moved
@@ -441,5 +457,6 @@ class SupervisorClient:
         finally:
             if sub.sub_id is not None:
                 self._subs.pop(sub.sub_id, None)
+                self._wire_last.pop(sub.sub_id, None)
                 with contextlib.suppress(SupervisorError):
                     await self.call("unsubscribe", timeout_s=1.0, sub=sub.sub_id)

@@ -85,6 +85,7 @@ from supervisor.chaos.workload import (
 from supervisor.client import SupervisorClient, SupervisorError
 from supervisor.farm.root import Farm
 from supervisor.store import slowdisk
+from supervisor.store.errors import StoreError
 from supervisor.store.records import SessionId
 from supervisor.telemetry.labels import CHAOS_FAULTS_FILE
 
@@ -135,6 +136,7 @@ class SessionRun:
     busy: bool = False
     role: str = "plain"  # plain | compact (small context window) | ask (approvals answered)
     client: SupervisorClient | None = None  # the collector's client (its subscription)
+    resent: int = 0  # events the supervisor sent again within one subscription
     # approval id -> what the harness answered: decision, submission ids, when
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -669,24 +671,31 @@ class Harness:
         client hit that cap after 17 minutes)."""
         async with SupervisorClient(endpoint, timeout_s=15) as sv:
             run.client = sv
-            after = 0
-            while True:
-                try:
-                    async for event in sv.events(run.session_id, after_sequence=after,
-                                                 reconnect_timeout_s=600):
-                        run.live.append((time.monotonic(), event))
-                        if event.get("sequence", 0) > 0:
-                            after = int(event["sequence"])
-                    return
-                except SupervisorError as exc:
-                    # Between owners (the old owner's lease lapsed, no one has taken
-                    # the session yet) a subscription is answered unknown_session, and
-                    # store_unavailable while PostgreSQL restarts; a client retries, from
-                    # the last sequence it saw (docs/multihost.md).
-                    if exc.kind not in RESUBSCRIBE_ENDS or self.n_supervisors < 2:
-                        raise
-                    self.report.retries_between_owners += 1
-                    await asyncio.sleep(0.2)
+            try:
+                await self._follow(sv, run)
+            finally:
+                run.resent = sv.resent_events
+
+    async def _follow(self, sv: SupervisorClient, run: SessionRun) -> None:
+        """``_collect``'s loop: the session's events from the last sequence seen."""
+        after = 0
+        while True:
+            try:
+                async for event in sv.events(run.session_id, after_sequence=after,
+                                             reconnect_timeout_s=600):
+                    run.live.append((time.monotonic(), event))
+                    if event.get("sequence", 0) > 0:
+                        after = int(event["sequence"])
+                return
+            except SupervisorError as exc:
+                # Between owners (the old owner's lease lapsed, no one has taken
+                # the session yet) a subscription is answered unknown_session, and
+                # store_unavailable while PostgreSQL restarts; a client retries, from
+                # the last sequence it saw (docs/multihost.md).
+                if exc.kind not in RESUBSCRIBE_ENDS or self.n_supervisors < 2:
+                    raise
+                self.report.retries_between_owners += 1
+                await asyncio.sleep(0.2)
 
     async def _steady(self) -> bool:
         """Wait (up to ``STEADY_WAIT_S``) until the supervisor answers and every
@@ -1086,7 +1095,14 @@ class Harness:
                       else await Store.open(self.home / "corral.db"))
         try:
             for r in self.report.sessions:
-                replay = [_wire(e) for e in await store.replay_events(SessionId(r.session_id))]
+                try:
+                    replay = [_wire(e)
+                              for e in await store.replay_events(SessionId(r.session_id))]
+                except StoreError as exc:  # a runaway journal must be reported, not crash
+                    v.append(inv.Violation("replay_equals_live", r.session_id, None,
+                                           f"the store's events could not be replayed: "
+                                           f"{type(exc).__name__}: {exc}"))
+                    continue
                 live = [e for _, e in r.live]
                 v.extend(inv.turn_ends_once(r.session_id, r.submissions, replay))
                 if not r.final_ok:
@@ -1096,6 +1112,10 @@ class Harness:
                 loaded = await store.load(SessionId(r.session_id))
                 if loaded is not None:
                     v.extend(inv.one_output_per_call(r.session_id, loaded.context))
+                    v.extend(inv.transcript_complete(r.session_id, replay, loaded.context))
+                    v.extend(inv.usage_accounted(
+                        r.session_id, replay, dict(loaded.state.total_usage),
+                        inv.scripted_usage(self.script) if self.marker_checks else None))
                 # only answers the farm acknowledged (an answer whose every submit
                 # failed was never given)
                 v.extend(inv.approvals_kept(r.session_id, replay, {
@@ -1108,8 +1128,16 @@ class Harness:
                                          asked))
                     self.report.repeated_requests += inv.repeated_requests(replay)
                 if "frame_drop" not in self.kinds:
-                    v.extend(inv.silent_timeouts(r.session_id, replay))
+                    v.extend(inv.silent_timeouts(r.session_id, replay,
+                                                 models="provider_hang" not in self.kinds))
                 v.extend(inv.replay_equals_live(r.session_id, live, replay))
+                if r.resent:
+                    v.append(inv.Violation(
+                        "replay_equals_live", r.session_id, None,
+                        f"the supervisor sent {r.resent} event(s) again within one "
+                        "subscription (at or below a sequence it had sent, or the "
+                        "after_sequence asked): the SDK client drops them, a client "
+                        "without that guard sees duplicates"))
                 self._provider_faults(live)
         finally:
             await store.close()
@@ -1120,6 +1148,7 @@ class Harness:
         results = await self._exports()
         self.report.exports = len(results)
         v.extend(inv.exports_verify(results))
+        v.extend(await self._exports_match_store())
         v.extend(self._reached())
 
     def _fencing(self) -> list[inv.Violation]:
@@ -1166,6 +1195,30 @@ class Harness:
             return {"(exportcheck)": {"problems": [err.decode(errors="replace")[-500:]]}}
         result: dict[str, dict[str, Any]] = json.loads(out)
         return result
+
+    async def _exports_match_store(self) -> list[inv.Violation]:
+        """``export_matches_store``: each kept export's transcript against the store's
+        context at the position it names (the store reopened, the farm stopped)."""
+        from supervisor.store import Store
+        from supervisor.store.pg.store import PgStore
+        store: Any = (await PgStore.open(self.store_url) if self.store_url
+                      else await Store.open(self.home / "corral.db"))
+        out: list[inv.Violation] = []
+        try:
+            for path in sorted(self.keeper.dest.glob("*.json")):
+                try:
+                    doc = json.loads(path.read_text())
+                    resume = doc["content"]["logical_resume"]
+                    pos = resume["position"]
+                    stored = await store.context_at(
+                        SessionId(str(resume["session_id"])), at_batch=int(pos["at_batch"]),
+                        epoch=int(pos["epoch"]))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # unreadable or malformed: exports_verify reports it
+                out.extend(inv.export_matches_store(path.name, doc, stored))
+        finally:
+            await store.close()
+        return out
 
     def _reached(self) -> list[inv.Violation]:
         """``faults_reached``: a run at least ``coverage_s`` long injected every kind."""

@@ -69,7 +69,7 @@ LiveLog = list[tuple[float, dict[str, Any]]]
 ALL_CHECKS = ("turn_ends_once", "not_wedged", "one_output_per_call", "effect_at_most_once",
               "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans",
               "recovery_accounted", "faults_reached", "approvals_kept", "compaction_once",
-              "fencing")
+              "fencing", "usage_accounted", "transcript_complete", "export_matches_store")
 # Only with several supervisors on PostgreSQL (the events record their lease there).
 LEASE_CHECKS = ("fencing",)
 # These count the scripted workload's markers on disk; a real model improvises.
@@ -121,18 +121,32 @@ def one_output_per_call(sid: str, items: list[dict[str, Any]]) -> list[Violation
     return out
 
 
-def silent_timeouts(sid: str, replay: list[dict[str, Any]]) -> list[Violation]:
+def silent_timeouts(sid: str, replay: list[dict[str, Any]],
+                    models: bool = False) -> list[Violation]:
     """Invariant 5 when no fault can drop a message (``frame_drop`` off): a tool
     call that ends on its deadline (error ``timeout``) lost its request or its
     answer with nothing to say so: a lost call must end ``unknown`` with
     ``worker_lost``, never be left to time out. (The workload's calls all end
-    well within the 10 s budget; a hung worker is expired by liveness.)"""
-    return [Violation("unknown_reported", sid, e["sequence"],
-                      f"tool call {e['payload'].get('call_id')} ended on its deadline "
-                      "(timeout) though no fault could drop its messages: a lost request "
-                      "left to time out")
-            for e in replay if e["type"] == "tool_call_end"
-            and ((e["payload"].get("error") or {}).get("kind") == "timeout")]
+    well within the 10 s budget; a hung worker is expired by liveness.) With
+    ``models`` (no ``provider_hang`` either: the only fault that keeps a model
+    answer past its deadline), a model step attempt that ended on its deadline
+    is one too (its retry hides it from the turn, not from the checker)."""
+    out = [Violation("unknown_reported", sid, e["sequence"],
+                     f"tool call {e['payload'].get('call_id')} ended on its deadline "
+                     "(timeout) though no fault could drop its messages: a lost request "
+                     "left to time out")
+           for e in replay if e["type"] == "tool_call_end"
+           and ((e["payload"].get("error") or {}).get("kind") == "timeout")]
+    if models:
+        out += [Violation("unknown_reported", sid, e["sequence"],
+                          f"model step {e['payload'].get('step')} of turn "
+                          f"{e['payload'].get('turn_id')} ended on its deadline (timeout) "
+                          "though no fault could drop or hold its messages: a lost "
+                          "request left to time out")
+                for e in replay if e["type"] == "model_step_completed"
+                and (((e["payload"].get("diagnostics") or {}).get("error") or {})
+                     .get("kind") == "timeout")]
+    return out
 
 
 def _marker_calls(replay: list[dict[str, Any]]) -> dict[str, int]:
@@ -645,3 +659,131 @@ def fencing(sid: str, rows: Sequence[tuple[int, str | None, int | None]],
                              f"event {best[2]} carries epoch {best[0]}, above the lease's "
                              f"epoch {lease[1]}"))
     return out, turns
+
+
+def _text(item: dict[str, Any]) -> str:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(p.get("text", "") for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def usage_accounted(sid: str, replay: list[dict[str, Any]], total_usage: dict[str, Any] | None,
+                    scripted: dict[str, dict[str, int]] | None) -> list[Violation]:
+    """Invariant 14 from the stored events, the stored checkpoint state and the
+    script the harness wrote. Each model step's ``token_count`` counts the usage
+    of the one answer that step took (the script says it: ``scripted`` maps an
+    answer's text to its usage; an attempt that failed or was cut counts nothing),
+    each ``token_count``'s ``total`` is the sum of every ``last`` so far, and the
+    store's ``total_usage`` is that sum at the end: a retried call counted twice,
+    a step counted again after a restart, or a total that drifts from its parts
+    is a violation."""
+    out: list[Violation] = []
+    running: Counter[str] = Counter()
+    prev: str | None = None
+    said: str | None = None  # the text of the model step being committed
+    step_text: str | None = None
+    for e in replay:
+        p, kind = e["payload"], e["type"]
+        if kind == "agent_message":
+            said = str(p.get("text", ""))
+        elif kind == "model_step_completed":
+            step_text, said = said, None
+        elif kind == "token_count":
+            last = {k: int(v) for k, v in (p.get("last") or {}).items()}
+            running.update(last)
+            total = p.get("total")
+            if isinstance(total, dict) and any(int(total.get(k, 0)) != running[k]
+                                               for k in running):
+                out.append(Violation("usage_accounted", sid, e["sequence"],
+                                     f"token_count total {total} is not the sum of the "
+                                     f"usage counted so far {dict(running)}"))
+                return out
+            want = (scripted or {}).get(step_text or "") if prev == "model_step_completed" \
+                else None
+            if want is not None and any(last.get(k) != v for k, v in want.items()):
+                out.append(Violation("usage_accounted", sid, e["sequence"],
+                                     f"the model step that answered {step_text!r} counted "
+                                     f"usage {last}; the provider reported {want} once"))
+                return out
+        prev = kind
+    if total_usage is not None and any(int(total_usage.get(k, 0)) != running[k]
+                                       for k in set(running) | set(total_usage)):
+        out.append(Violation("usage_accounted", sid, None,
+                             f"the store's total_usage {dict(total_usage)} is not the sum of "
+                             f"the token_count events {dict(running)}"))
+    return out
+
+
+def scripted_usage(script: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """An answer's text -> the usage the scripted provider reports with it."""
+    return {str(r["text"]): {k: int(v) for k, v in r["usage"].items()}
+            for r in script.get("responses", []) if r.get("text") and r.get("usage")}
+
+
+def transcript_complete(sid: str, replay: list[dict[str, Any]],
+                        context: list[dict[str, Any]]) -> list[Violation]:
+    """Invariant 15 from the stored events and the stored context: what a turn
+    reported is in the transcript the next model call is sent. A ``turn_complete``
+    with no compaction after it has its final answer (``last_agent_message``) as
+    an assistant message of the context; every ``user_message`` after the last
+    compaction, and the newest one before it (a compaction keeps the recent user
+    messages verbatim, ``compaction_keep_recent``), is a user message of the
+    context."""
+    out: list[Violation] = []
+    said = {_text(i) for i in context
+            if i.get("type") == "message" and i.get("role") == "assistant"}
+    asked = {_text(i) for i in context if i.get("type") == "message" and i.get("role") == "user"}
+    last_compacted = max((e["sequence"] for e in replay if e["type"] == "context_compacted"),
+                         default=0)
+    newest_before: dict[str, Any] | None = None
+    for e in replay:
+        p = e["payload"]
+        if e["type"] == "user_message" and e["sequence"] < last_compacted:
+            newest_before = e
+        if e["sequence"] < last_compacted:
+            continue
+        if e["type"] == "turn_complete" and p.get("last_agent_message") \
+                and str(p["last_agent_message"]) not in said:
+            out.append(Violation("transcript_complete", sid, e["sequence"],
+                                 f"turn {p.get('turn_id')} completed with the answer "
+                                 f"{p['last_agent_message']!r}, which the stored context "
+                                 "lacks"))
+        if e["type"] == "user_message" and str(p.get("text", "")) not in asked:
+            out.append(Violation("transcript_complete", sid, e["sequence"],
+                                 f"user message {p.get('text')!r} is missing from the "
+                                 "stored context"))
+    if newest_before is not None and str(newest_before["payload"].get("text", "")) not in asked:
+        out.append(Violation("transcript_complete", sid, newest_before["sequence"],
+                             f"user message {newest_before['payload'].get('text')!r}, the "
+                             f"newest before the compaction at {last_compacted}, is missing "
+                             "from the stored context (a compaction lost it)"))
+    return out
+
+
+def export_matches_store(name: str, doc: Any,
+                         stored: list[dict[str, Any]] | None) -> list[Violation]:
+    """Invariant 16 for one export: its transcript (``logical_resume.messages``) is
+    the store's context at the position it names (``position``: the epoch and the
+    batch it stands after), read from the store after the farm stopped. A digest
+    covers what the export holds, not what it should hold: an export missing its
+    last batch verifies, and only the store shows the batch it lacks."""
+    try:
+        resume = doc["content"]["logical_resume"]
+        sid, messages = str(resume["session_id"]), list(resume["messages"])
+    except (KeyError, TypeError):
+        return []  # a malformed export is exports_verify's to report
+    if stored is None:
+        return [Violation("export_matches_store", sid, None,
+                          f"{name}: the store has no context at {resume.get('position')}")]
+    if messages == stored:
+        return []
+    n = next((i for i, (a, b) in enumerate(zip(messages, stored, strict=False)) if a != b),
+             min(len(messages), len(stored)))
+    return [Violation("export_matches_store", sid, None,
+                      f"{name}: its transcript ({len(messages)} items) is not the store's "
+                      f"context at {resume.get('position')} ({len(stored)} items); they "
+                      f"differ from item {n}")]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from broker import plants  # chaos plant switches (broker/plants.py)
 from sandbox_worker.api import add_usage
 from supervisor import crashpoints
 from supervisor.engine import events as ev
@@ -124,6 +125,8 @@ async def run(turn: TurnView, a: Compact) -> CompactionDone:
     # item summarises; keeping it too would double-count model outputs).
     recent = [i for i in s.context if i.get("type") == "message" and i.get("role") == "user"
               and not (i.get("corral") or {}).get("kind")][-keep:] if keep else []
+    if recent and plants.on("compaction_drops_user"):  # chaos plant: the newest is lost
+        recent = recent[:-1]
     turn.provisional = Provisional([*head, *recent], result["usage"], a.block_id)
     crashpoints.reach("compaction")
     post = await s.hooks.run(HookEvent.POST_COMPACT, s.sid, turn.turn_id,

@@ -31,6 +31,7 @@ import asyncio
 import logging
 from typing import Any
 
+from broker import plants  # chaos plant switches (broker/plants.py)
 from broker.protocol import Failed, Failure
 from supervisor.engine import events as ev
 from supervisor.engine.ports import TurnView
@@ -90,7 +91,8 @@ async def export_boundary(turn: TurnView, call_ids: list[str]) -> None:
     binding = session_binding(s.spec)
     doc = build_checkpoint(
         session_id=s.sid, run_id=turn.turn_id, turn=len(turn.tool_rounds),
-        messages=s.context, usage={k: int(v) for k, v in turn.usage.items()},  # type: ignore[call-overload]
+        messages=_without_last_said(s.context) if plants.on("export_drops_message")  # plant
+        else s.context, usage={k: int(v) for k, v in turn.usage.items()},  # type: ignore[call-overload]
         binding=binding,
         tool_rounds=turn.tool_rounds, execution=turn.execution("running"), events=events,
         epoch=st.context_epoch, at_batch=st.next_batch_sequence - 1)
@@ -114,3 +116,11 @@ async def export_boundary(turn: TurnView, call_ids: list[str]) -> None:
                 "retryable": failure.retryable,
                 "digest": doc["descriptor"]["digest"], "turn": len(turn.tool_rounds),
                 "run_id": turn.turn_id})
+
+
+def _without_last_said(context: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chaos plant ``export_drops_message``: the context less its newest assistant
+    message (a transcript that still verifies, its calls and outputs intact)."""
+    said = [i for i, m in enumerate(context)
+            if m.get("type") == "message" and m.get("role") == "assistant"]
+    return [m for i, m in enumerate(context) if not said or i != said[-1]]

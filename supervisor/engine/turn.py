@@ -711,6 +711,8 @@ class Turn:
         pre_tool contexts, function calls) and the usage and cache bookkeeping."""
         s = self.session
         usage: Usage = result["usage"]
+        if result.get("retries") and plants.on("usage_double_retry"):  # chaos plant
+            usage = add_usage(usage, usage)
         await s.manager.observe_usage(s.route_name, usage)
         self.usage = add_usage(self.usage, usage)
         items = [i for i in result["items"] if i.get("type") != "function_call"]

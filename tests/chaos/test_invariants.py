@@ -189,6 +189,13 @@ def test_a_tool_call_on_its_deadline_without_frame_drops_is_a_lost_call() -> Non
               begin(3, 5, "d"), end(4, "d", "failed", "exit")]
     found = silent_timeouts("s", replay)
     assert [(v.invariant, v.sequence) for v in found] == [("unknown_reported", 2)]
+    # a model step attempt on its deadline (its retry hides it from the turn)
+    step = {"sequence": 5, "type": "model_step_completed",
+            "payload": {"turn_id": "t", "step": 2, "outcome": "retrying",
+                        "diagnostics": {"error": {"kind": "timeout"}}}}
+    assert len(silent_timeouts("s", [*replay, step])) == 1  # provider_hang on: not judged
+    found = silent_timeouts("s", [*replay, step], models=True)
+    assert [v.sequence for v in found] == [2, 5]
 
 
 # -- no_orphans ------------------------------------------------------------------
@@ -419,3 +426,70 @@ def test_fencing_reads_each_events_lease_from_the_disk() -> None:
     assert "no lease" in bad[0].detail
     bad, _ = inv.fencing("s", [(1, "a", 4)], ("a", 3))
     assert "above the lease's epoch 3" in bad[0].detail
+
+
+def _ev(seq: int, kind: str, **payload: Any) -> dict[str, Any]:
+    return {"sequence": seq, "type": kind, "payload": payload}
+
+
+USAGE = {"input": 40, "output": 12, "cached_input": 20}
+
+
+def _counted(u: dict[str, int]) -> dict[str, int]:
+    return {"input": u["input"], "cached_input": u["cached_input"], "cache_write_input": 0,
+            "output": u["output"], "reasoning_output": 0, "total": u["input"] + u["output"]}
+
+
+def test_usage_is_counted_once_per_answer_and_adds_up() -> None:
+    last = _counted(USAGE)
+    good = [_ev(1, "agent_message", text="step 0"), _ev(2, "model_step_completed", step=1),
+            _ev(3, "token_count", last=last, total=last)]
+    scripted = {"step 0": USAGE}
+    assert inv.usage_accounted("s", good, last, scripted) == []
+    # a retried step counted twice (the plant usage_double_retry): last != the script's
+    double = {k: 2 * v for k, v in last.items()}
+    bad = [*good[:2], _ev(3, "token_count", last=double, total=double)]
+    (v,) = inv.usage_accounted("s", bad, double, scripted)
+    assert v.invariant == "usage_accounted"
+    assert v.sequence == 3
+    # a total that drifts from its parts, and a store total that is not their sum
+    drift = [*good[:2], _ev(3, "token_count", last=last, total=double)]
+    assert [v.sequence for v in inv.usage_accounted("s", drift, last, scripted)] == [3]
+    assert [v.sequence for v in inv.usage_accounted("s", good, double, scripted)] == [None]
+
+
+def user_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def said_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": text}]}
+
+
+def test_a_completed_turn_and_its_user_messages_are_in_the_stored_context() -> None:
+    replay = [_ev(1, "user_message", text="u0"), _ev(2, "context_compacted", epoch=1),
+              _ev(3, "turn_complete", last_agent_message="done 0"),
+              _ev(4, "user_message", text="u1"),
+              _ev(5, "turn_complete", last_agent_message="done 1")]
+    context = [{"type": "compaction"}, user_item("u0"), said_item("done 0"), user_item("u1"),
+               said_item("done 1")]
+    assert inv.transcript_complete("s", replay, context) == []
+    lost = [i for i in context if i != said_item("done 1")]
+    assert [v.sequence for v in inv.transcript_complete("s", replay, lost)] == [5]
+    # a compaction that lost the newest user message before it (compaction_drops_user)
+    dropped = [i for i in context if i != user_item("u0")]
+    (v,) = inv.transcript_complete("s", replay, dropped)
+    assert v.invariant == "transcript_complete"
+    assert v.sequence == 1
+
+
+def test_an_export_is_the_stores_context_at_its_position() -> None:
+    context = [user_item("u0"), said_item("step 0")]
+    doc = {"content": {"logical_resume": {"session_id": "s", "messages": context,
+                                          "position": {"epoch": 0, "at_batch": 1}}}}
+    assert inv.export_matches_store("f.json", doc, context) == []
+    (v,) = inv.export_matches_store("f.json", doc, [*context, said_item("step 1")])
+    assert v.invariant == "export_matches_store"
+    assert "differ from item 2" in v.detail
+    assert inv.export_matches_store("f.json", doc, None)[0].invariant == "export_matches_store"
