@@ -1127,6 +1127,7 @@ class Harness:
                     v.extend(inv.effects(r.session_id, replay, count_markers(r.workspace),
                                          asked))
                     self.report.repeated_requests += inv.repeated_requests(replay)
+                    v.extend(inv.outputs_match_calls(r.session_id, replay))
                 if "frame_drop" not in self.kinds:
                     v.extend(inv.silent_timeouts(r.session_id, replay,
                                                  models="provider_hang" not in self.kinds))

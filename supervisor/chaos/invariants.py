@@ -69,11 +69,12 @@ LiveLog = list[tuple[float, dict[str, Any]]]
 ALL_CHECKS = ("turn_ends_once", "not_wedged", "one_output_per_call", "effect_at_most_once",
               "unknown_reported", "replay_equals_live", "exports_verify", "no_orphans",
               "recovery_accounted", "faults_reached", "approvals_kept", "compaction_once",
-              "fencing", "usage_accounted", "transcript_complete", "export_matches_store")
+              "fencing", "usage_accounted", "transcript_complete", "export_matches_store",
+              "outputs_match_calls")
 # Only with several supervisors on PostgreSQL (the events record their lease there).
 LEASE_CHECKS = ("fencing",)
 # These count the scripted workload's markers on disk; a real model improvises.
-MARKER_CHECKS = ("effect_at_most_once", "unknown_reported")
+MARKER_CHECKS = ("effect_at_most_once", "unknown_reported", "outputs_match_calls")
 MARKER_ARG_RE = re.compile(r"echo m-(\d+) >> effects\.log")
 MAY_HAVE_RUN = {"unknown", "timeout", "cancelled", "error", "failed", "aborted"}
 
@@ -787,3 +788,38 @@ def export_matches_store(name: str, doc: Any,
                       f"{name}: its transcript ({len(messages)} items) is not the store's "
                       f"context at {resume.get('position')} ({len(stored)} items); they "
                       f"differ from item {n}")]
+
+
+def outputs_match_calls(sid: str, replay: list[dict[str, Any]]) -> list[Violation]:
+    """Invariant 17 with the scripted workload, from the stored events: an ``ok``
+    call's output is its own call's. The workload's outputs tell their call: a
+    ``write_file`` names the path it wrote, a long ``shell`` call prints ``running
+    m-K`` for its own marker, and no other call prints either. An output handed to
+    another call of the round (results matched by position, not by call id) shows."""
+    out: list[Violation] = []
+    begun: dict[str, tuple[str, dict[str, Any]]] = {}
+    for e in replay:
+        p = e["payload"]
+        call = str(p.get("call_id"))
+        if e["type"] == "tool_call_begin":
+            args = p.get("arguments")
+            begun[call] = (str(p.get("name")), args if isinstance(args, dict) else {})
+            continue
+        if e["type"] != "tool_call_end" or p.get("outcome") != "ok" or call not in begun:
+            continue
+        name, args = begun[call]
+        output = str(p.get("output", ""))
+        running = re.search(r"echo running (m-\d+)", str(args.get("command", "")))
+        if name == "write_file":
+            want: str | None = f"to {args.get('path')}"
+        elif name == "shell" and running:
+            want = f"running {running.group(1)}"
+        else:
+            want = None
+        wrong = (want is not None and want not in output) or (
+            want is None and ("running m-" in output or "wrote " in output))
+        if wrong:
+            out.append(Violation("outputs_match_calls", sid, e["sequence"],
+                                 f"{name} call {call} ended ok with an output that is not "
+                                 f"its own: {output[:80]!r}"))
+    return out

@@ -493,3 +493,24 @@ def test_an_export_is_the_stores_context_at_its_position() -> None:
     assert v.invariant == "export_matches_store"
     assert "differ from item 2" in v.detail
     assert inv.export_matches_store("f.json", doc, None)[0].invariant == "export_matches_store"
+
+
+def test_an_ok_output_is_its_own_calls() -> None:
+    replay = [
+        _ev(1, "tool_call_begin", call_id="a", name="shell",
+            arguments={"command": "echo m-0 >> effects.log && echo running m-0 && sleep 6"}),
+        _ev(2, "tool_call_begin", call_id="b", name="write_file",
+            arguments={"path": "files/f0.txt", "content": "x"}),
+        _ev(3, "tool_call_begin", call_id="c", name="read_file",
+            arguments={"path": "effects.log"}),
+        _ev(4, "tool_call_end", call_id="b", outcome="ok", output="wrote 1 bytes to files/f0.txt"),
+        _ev(5, "tool_call_end", call_id="c", outcome="ok", output="m-0\n"),
+        _ev(6, "tool_call_end", call_id="a", outcome="ok", output="running m-0\n")]
+    assert inv.outputs_match_calls("s", replay) == []
+    # the shell's output handed to the write, the write's to the read
+    swapped = [*replay[:3],
+               _ev(4, "tool_call_end", call_id="b", outcome="ok", output="running m-0\n"),
+               _ev(5, "tool_call_end", call_id="c", outcome="ok",
+                   output="wrote 1 bytes to files/f0.txt"),
+               _ev(6, "tool_call_end", call_id="a", outcome="unknown", output="lost")]
+    assert [v.sequence for v in inv.outputs_match_calls("s", swapped)] == [4, 5]
