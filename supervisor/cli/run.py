@@ -193,6 +193,11 @@ def run_turn(ns: Namespace) -> int:
         _fail(ns, "usage", f"workspace {ns.workspace} {what}; create it or choose another "
               "directory")
         return EXIT_USAGE
+    if ns.session is not None and not known_session(ns.home, ns.session):
+        # Said before a temporary farm starts (it started, then the supervisor refused).
+        _fail(ns, "unknown_session", f"no session {ns.session!r} in {ns.home}; list them "
+              "with: corral sessions")
+        return EXIT_FAILED
     too_long = None if ns.prompt is None else prompt_too_long(ns.prompt)
     if too_long is not None:
         # Refused here, before a farm starts and a session is made for it.
@@ -233,6 +238,24 @@ def prompt_from_stdin(ns: Namespace) -> str | None:
         return "the prompt on stdin is empty; give the text, e.g. corral run - < task.md"
     ns.prompt, ns.stdin_spent = text, True
     return None
+
+
+def known_session(home: Path, session_id: str) -> bool:
+    """False only when no farm runs at ``home`` and its store surely lacks the
+    session; anything unclear (a store it cannot read here) is left to the farm."""
+    import sqlite3
+
+    from supervisor.cli.sessions import session_exists
+    from supervisor.cli.summary import StoreUnreadable
+    from supervisor.config import ConfigError
+    from supervisor.farm.root import running_farm
+
+    if running_farm(home) is not None:
+        return True
+    try:
+        return session_exists(home, session_id)
+    except (ConfigError, StoreUnreadable, OSError, sqlite3.Error):
+        return True
 
 
 def prompt_too_long(prompt: str) -> str | None:

@@ -520,6 +520,10 @@ def test_a_prompt_from_stdin_and_refusals_before_any_farm(homes: list[Path],
         assert refused.returncode == 2, refused.stderr
         assert needle in one_line_error(refused)
         assert "starting a temporary one" not in refused.stderr
+    unknown = cli(home, "run", "--session", "sess_nope", "hi")  # no farm was started
+    assert unknown.returncode == 1
+    assert "no session 'sess_nope'" in one_line_error(unknown)
+    assert "starting a temporary one" not in unknown.stderr
     assert len(sessions(home)) == 1
 
 
