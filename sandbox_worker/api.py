@@ -40,6 +40,11 @@ import re
 import stat
 from typing import Any, Final, Literal, NotRequired, TypeAlias, TypedDict
 
+# The environment variables a model route's key is read from by default (a route's
+# credential_env names another): the generic one, then the provider's own.
+GENERIC_ENV: Final = "CORRAL_API_KEY"
+PROVIDER_ENV: Final = {"openai-responses": "OPENAI_API_KEY", "openai-chat": "OPENAI_API_KEY",
+                       "anthropic": "ANTHROPIC_API_KEY"}
 SERVICE_TOOL: Final = "tool"
 SERVICE_MODEL: Final = "model"
 

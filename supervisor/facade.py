@@ -41,8 +41,7 @@ from typing import Any
 
 from broker.brokerset import BrokerSet
 from broker.client import BrokerClient
-from sandbox_worker.api import PROVIDERS, SANDBOX_MODES, ModelRoute
-from sandbox_worker.model.secrets import GENERIC_ENV, PROVIDER_ENV
+from sandbox_worker.api import GENERIC_ENV, PROVIDER_ENV, PROVIDERS, SANDBOX_MODES, ModelRoute
 from supervisor import clienttools, handover, leasing
 from supervisor import config as config_mod
 from supervisor.engine.config import EngineConfig, SessionSpec

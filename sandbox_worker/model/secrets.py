@@ -32,13 +32,10 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from sandbox_worker.api import ModelRoute
+from sandbox_worker.api import GENERIC_ENV, PROVIDER_ENV, ModelRoute
 from sandbox_worker.model.errors import AuthError
 
 REDACTED: Final = "[REDACTED]"
-GENERIC_ENV: Final = "CORRAL_API_KEY"
-PROVIDER_ENV: Final = {"openai-responses": "OPENAI_API_KEY", "openai-chat": "OPENAI_API_KEY",
-                       "anthropic": "ANTHROPIC_API_KEY"}
 # Environment names whose values are treated as secrets for redaction.
 SECRET_NAME_HINTS: Final = ("API_KEY", "_TOKEN", "SECRET", "PASSWORD")
 MIN_SECRET_CHARS: Final = 8

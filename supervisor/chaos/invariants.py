@@ -673,11 +673,13 @@ def _text(item: dict[str, Any]) -> str:
 
 
 def usage_accounted(sid: str, replay: list[dict[str, Any]], total_usage: dict[str, Any] | None,
-                    scripted: dict[str, dict[str, int]] | None) -> list[Violation]:
+                    scripted: dict[str, list[dict[str, int]]] | None) -> list[Violation]:
     """Invariant 14 from the stored events, the stored checkpoint state and the
     script the harness wrote. Each model step's ``token_count`` counts the usage
     of the one answer that step took (the script says it: ``scripted`` maps an
-    answer's text to its usage; an attempt that failed or was cut counts nothing),
+    answer's text to the usages the script gives it, several when one text is
+    answered with different usage, as the demo's script does, and then any one of
+    them will do; an attempt that failed or was cut counts nothing),
     each ``token_count``'s ``total`` is the sum of every ``last`` so far, and the
     store's ``total_usage`` is that sum at the end: a retried call counted twice,
     a step counted again after a restart, or a total that drifts from its parts
@@ -703,12 +705,14 @@ def usage_accounted(sid: str, replay: list[dict[str, Any]], total_usage: dict[st
                                      f"token_count total {total} is not the sum of the "
                                      f"usage counted so far {dict(running)}"))
                 return out
-            want = (scripted or {}).get(step_text or "") if prev == "model_step_completed" \
+            wants = (scripted or {}).get(step_text or "") if prev == "model_step_completed" \
                 else None
-            if want is not None and any(last.get(k) != v for k, v in want.items()):
+            if wants and not any(all(last.get(k) == v for k, v in want.items())
+                                 for want in wants):
+                shown = wants[0] if len(wants) == 1 else f"one of {wants}"
                 out.append(Violation("usage_accounted", sid, e["sequence"],
                                      f"the model step that answered {step_text!r} counted "
-                                     f"usage {last}; the provider reported {want} once"))
+                                     f"usage {last}; the provider reported {shown} once"))
                 return out
         prev = kind
     if total_usage is not None and any(int(total_usage.get(k, 0)) != running[k]
@@ -719,10 +723,16 @@ def usage_accounted(sid: str, replay: list[dict[str, Any]], total_usage: dict[st
     return out
 
 
-def scripted_usage(script: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """An answer's text -> the usage the scripted provider reports with it."""
-    return {str(r["text"]): {k: int(v) for k, v in r["usage"].items()}
-            for r in script.get("responses", []) if r.get("text") and r.get("usage")}
+def scripted_usage(script: dict[str, Any]) -> dict[str, list[dict[str, int]]]:
+    """An answer's text -> every usage the scripted provider reports with it."""
+    out: dict[str, list[dict[str, int]]] = {}
+    for r in script.get("responses", []):
+        if r.get("text") and r.get("usage"):
+            usage = {k: int(v) for k, v in r["usage"].items()}
+            seen = out.setdefault(str(r["text"]), [])
+            if usage not in seen:
+                seen.append(usage)
+    return out
 
 
 def transcript_complete(sid: str, replay: list[dict[str, Any]],

@@ -444,7 +444,7 @@ def test_usage_is_counted_once_per_answer_and_adds_up() -> None:
     last = _counted(USAGE)
     good = [_ev(1, "agent_message", text="step 0"), _ev(2, "model_step_completed", step=1),
             _ev(3, "token_count", last=last, total=last)]
-    scripted = {"step 0": USAGE}
+    scripted = {"step 0": [USAGE]}
     assert inv.usage_accounted("s", good, last, scripted) == []
     # a retried step counted twice (the plant usage_double_retry): last != the script's
     double = {k: 2 * v for k, v in last.items()}
@@ -456,6 +456,24 @@ def test_usage_is_counted_once_per_answer_and_adds_up() -> None:
     drift = [*good[:2], _ev(3, "token_count", last=last, total=double)]
     assert [v.sequence for v in inv.usage_accounted("s", drift, last, scripted)] == [3]
     assert [v.sequence for v in inv.usage_accounted("s", good, double, scripted)] == [None]
+
+
+def test_one_answer_text_with_several_usages_takes_any_of_them() -> None:
+    """The demo's script answers the same text with a different usage at each
+    turn: the step counted one of them once (a false positive in the demo run
+    before), and twice any of them is still caught."""
+    other = {**USAGE, "input": 50}
+    script = {"responses": [{"text": "step 0", "usage": USAGE},
+                            {"text": "step 0", "usage": other}]}
+    scripted = inv.scripted_usage(script)
+    assert scripted == {"step 0": [USAGE, other]}
+    last = _counted(other)
+    good = [_ev(1, "agent_message", text="step 0"), _ev(2, "model_step_completed", step=1),
+            _ev(3, "token_count", last=last, total=last)]
+    assert inv.usage_accounted("s", good, last, scripted) == []
+    double = {k: 2 * v for k, v in last.items()}
+    bad = [*good[:2], _ev(3, "token_count", last=double, total=double)]
+    assert [v.sequence for v in inv.usage_accounted("s", bad, double, scripted)] == [3]
 
 
 def user_item(text: str) -> dict[str, Any]:

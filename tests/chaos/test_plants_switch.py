@@ -119,9 +119,11 @@ def test_every_enabled_timed_kind_is_scheduled_within_the_coverage_bound() -> No
 
 
 def test_bad_rates_and_plant_names_are_refused_before_any_farm_starts(tmp_path: Path) -> None:
-    for args, needle in [(["--frame-rate", "0.9"], "--frame-rate must be between 0 and 0.5"),
-                         (["--provider-rate", "-1"], "--provider-rate must be between 0 and 1"),
-                         (["--fault-gap", "0"], "--fault-gap must be positive"),
+    for args, needle in [(["--frame-rate", "0.9"],
+                          "--frame-rate: must be at least 0 and at most 0.5, got 0.9"),
+                         (["--provider-rate", "-1"],
+                          "--provider-rate: must be at least 0 and at most 1, got -1"),
+                         (["--fault-gap", "0"], "--fault-gap: must be above 0, got 0"),
                          (["--plant", "nope"], "invalid choice: 'nope'")]:
         out = subprocess.run([PYTHON, "-m", "supervisor.cli", "chaos", "--home",
                               str(tmp_path / "h"), *args], cwd=REPO, env=ENV,
@@ -141,4 +143,4 @@ def test_a_workspace_left_by_an_earlier_run_is_refused(tmp_path: Path) -> None:
                           "--sessions", "1", "--duration", "1"], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, (out.stdout, out.stderr)
-    assert "is not empty: a previous run's effects would be counted" in out.stdout
+    assert "is not empty: a previous run's effects would be counted" in out.stderr
