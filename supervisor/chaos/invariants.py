@@ -63,6 +63,7 @@ from typing import Any
 import psutil
 
 from sandbox_worker.api import worker_cgroup_dirs
+from supervisor.engine.events import message_text
 
 LiveLog = list[tuple[float, dict[str, Any]]]
 
@@ -662,16 +663,6 @@ def fencing(sid: str, rows: Sequence[tuple[int, str | None, int | None]],
     return out, turns
 
 
-def _text(item: dict[str, Any]) -> str:
-    content = item.get("content")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return ""
-    return "".join(p.get("text", "") for p in content
-                   if isinstance(p, dict) and isinstance(p.get("text"), str))
-
-
 def usage_accounted(sid: str, replay: list[dict[str, Any]], total_usage: dict[str, Any] | None,
                     scripted: dict[str, list[dict[str, int]]] | None) -> list[Violation]:
     """Invariant 14 from the stored events, the stored checkpoint state and the
@@ -745,9 +736,10 @@ def transcript_complete(sid: str, replay: list[dict[str, Any]],
     messages verbatim, ``compaction_keep_recent``), is a user message of the
     context."""
     out: list[Violation] = []
-    said = {_text(i) for i in context
+    said = {message_text(i) for i in context
             if i.get("type") == "message" and i.get("role") == "assistant"}
-    asked = {_text(i) for i in context if i.get("type") == "message" and i.get("role") == "user"}
+    asked = {message_text(i) for i in context
+             if i.get("type") == "message" and i.get("role") == "user"}
     last_compacted = max((e["sequence"] for e in replay if e["type"] == "context_compacted"),
                          default=0)
     newest_before: dict[str, Any] | None = None

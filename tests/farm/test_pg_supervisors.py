@@ -44,16 +44,7 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
     stopped: int | None = None
     try:
         farm = await start_farm(script, extra=extra)
-        ready = farm.farm.tree.ready_lines()
-        llm = ready["fakellm-s"]["url"]
-        home_b = tmp_path / "home-b"
-        write_home(home_b, script, extra=extra)
-        b_proc = procs.python(
-            "supervisor", "--home", str(home_b), "--broker", farm.farm.paths.broker_frontend,
-            "--listen", f"ipc://{tmp_path}/b.sock", "--route-url", f"s={llm}",
-            "--supervisor-id", "sv-b", "--log-level", "DEBUG", name="supervisor-b",
-            stdout=subprocess.PIPE)
-        await asyncio.to_thread(read_ready, b_proc, 90.0)
+        await _start_b(farm, procs, tmp_path, script, extra, "DEBUG")
 
         # a_only: A's own publications (not followed to B when A gives the session up)
         async with SupervisorClient(farm.endpoint) as a, \
@@ -134,6 +125,22 @@ async def test_a_supervisor_paused_past_its_lease_loses_the_session_to_another(
         pg_server.drop_database(url)
 
 
+async def _start_b(farm: Any, procs: Procs, tmp_path: Path, script: dict[str, Any],
+                   extra: str, log_level: str) -> subprocess.Popen[bytes]:
+    """A second supervisor, ``sv-b``, on the farm's broker and store (a home of its
+    own, the farm's scripted provider), serving at ``ipc://TMP/b.sock``; once ready."""
+    llm = farm.farm.tree.ready_lines()["fakellm-s"]["url"]
+    home_b = tmp_path / "home-b"
+    write_home(home_b, script, extra=extra)
+    b_proc = procs.python(
+        "supervisor", "--home", str(home_b), "--broker", farm.farm.paths.broker_frontend,
+        "--listen", f"ipc://{tmp_path}/b.sock", "--route-url", f"s={llm}",
+        "--supervisor-id", "sv-b", "--log-level", log_level, name="supervisor-b",
+        stdout=subprocess.PIPE)
+    await asyncio.to_thread(read_ready, b_proc, 90.0)
+    return b_proc
+
+
 async def _says(path: Path, text: str) -> bool:
     def read() -> str:
         return path.read_text(errors="replace") if path.exists() else ""
@@ -156,15 +163,7 @@ async def test_a_supervisor_stopped_cleanly_hands_its_sessions_over_at_once(
     extra = f'[store]\nurl = "{url}"\nlease_s = {SIGNED_LEASE_S}\n'
     try:
         farm = await start_farm(script, extra=extra)
-        llm = farm.farm.tree.ready_lines()["fakellm-s"]["url"]
-        home_b = tmp_path / "home-b"
-        write_home(home_b, script, extra=extra)
-        b_proc = procs.python(
-            "supervisor", "--home", str(home_b), "--broker", farm.farm.paths.broker_frontend,
-            "--listen", f"ipc://{tmp_path}/b.sock", "--route-url", f"s={llm}",
-            "--supervisor-id", "sv-b", "--log-level", "INFO", name="supervisor-b",
-            stdout=subprocess.PIPE)
-        await asyncio.to_thread(read_ready, b_proc, 90.0)
+        b_proc = await _start_b(farm, procs, tmp_path, script, extra, "INFO")
         async with SupervisorClient(farm.endpoint) as a:
             a_id = (await a.status())["supervisors"]["self"]
         async with SupervisorClient(f"ipc://{tmp_path}/b.sock") as b:

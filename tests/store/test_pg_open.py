@@ -29,6 +29,17 @@ def _write_config(home: Path, text: str) -> None:
     (home / "corral.toml").write_text(text)
 
 
+def _supervisor_exits_2(home: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m supervisor`` on ``home`` (no broker needed: the store is opened
+    first), which must refuse to start with exit status 2."""
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "--home", str(home), "--broker",
+         f"ipc://{tmp_path}/nobroker.sock", "--listen", f"ipc://{tmp_path}/sv.sock"],
+        capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2, out.stderr[-2000:]
+    return out
+
+
 @pytest.mark.parametrize(("value", "why"), [
     ('"sqlite:///x.db"', "must start with postgresql://"),
     ('"postgresql://corral@/corral"', "names no host"),
@@ -103,11 +114,7 @@ async def test_unreachable_postgresql_names_the_url_without_the_password() -> No
 def test_a_supervisor_with_an_unreachable_store_exits_with_that_error(tmp_path: Path) -> None:
     home = tmp_path / "home"
     _write_config(home, f'[store]\nurl = "{DEAD_URL}"\n')
-    out = subprocess.run(
-        [sys.executable, "-m", "supervisor", "--home", str(home), "--broker",
-         f"ipc://{tmp_path}/nobroker.sock", "--listen", f"ipc://{tmp_path}/sv.sock"],
-        capture_output=True, text=True, timeout=50)
-    assert out.returncode == 2, out.stderr[-2000:]
+    out = _supervisor_exits_2(home, tmp_path)
     assert "cannot connect to PostgreSQL at postgresql://corral:***@127.0.0.1:1/corral" \
         in out.stderr
     assert SECRET not in out.stderr + out.stdout
@@ -174,11 +181,7 @@ def test_a_database_of_another_application_is_refused_clearly(pg_server: Any,
     try:
         home = tmp_path / "home"
         _write_config(home, f'[store]\nurl = "{url}"\n')
-        out = subprocess.run(
-            [sys.executable, "-m", "supervisor", "--home", str(home), "--broker",
-             f"ipc://{tmp_path}/nobroker.sock", "--listen", f"ipc://{tmp_path}/sv.sock"],
-            capture_output=True, text=True, timeout=60)
-        assert out.returncode == 2, out.stderr[-2000:]
+        out = _supervisor_exits_2(home, tmp_path)
         assert "Traceback" not in out.stderr, out.stderr[-2000:]
         assert "holds no Corral schema" in out.stderr
         assert "(sessions)" in out.stderr
@@ -213,11 +216,7 @@ def test_a_role_without_the_privilege_is_refused_clearly(pg_server: Any,
         weak = url.replace(f"corral:{pg_server.password}@",
                            f"{role}:{password.replace('@', '%40').replace('/', '%2F')}@")
         _write_config(home, f'[store]\nurl = "{weak}"\n')
-        out = subprocess.run(
-            [sys.executable, "-m", "supervisor", "--home", str(home), "--broker",
-             f"ipc://{tmp_path}/nobroker.sock", "--listen", f"ipc://{tmp_path}/sv.sock"],
-            capture_output=True, text=True, timeout=60)
-        assert out.returncode == 2, out.stderr[-2000:]
+        out = _supervisor_exits_2(home, tmp_path)
         assert "Traceback" not in out.stderr, out.stderr[-2000:]
         assert f"{role}:***@" in out.stderr
         assert "lacks a privilege" in out.stderr
