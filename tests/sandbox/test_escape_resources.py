@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from broker.client import BrokerClient
+from tests.helpers import eventually
 from tests.sandbox.conftest import (
     Stack,
     call_tool,
@@ -192,11 +193,17 @@ async def test_deep_nested_repositories_hold_few_worker_fds(stack: Stack, client
                        "p=$p/d; done; mkdir -p $p/.git; done; echo made", workspace)
     assert made.result["outcome"] == "ok", made.result["output"]
     before = len(os.listdir(f"/proc/{stack.worker.pid}/fd"))
-    call = asyncio.ensure_future(shell(client, "sleep 3; mv r1 r1x; echo done", workspace))
+    call = asyncio.ensure_future(shell(
+        client, "touch started; while [ ! -e go ]; do sleep 0.02; done; mv r1 r1x; echo done",
+        workspace, timeout_s=60))
     try:
-        await asyncio.sleep(1.5)  # the call's chain has started: its binds are held
+        async def running() -> bool:  # the call's command runs: its binds are held
+            return (workspace / "started").exists()
+
+        await eventually(running, timeout_s=30, what="the call to start")
         during = len(os.listdir(f"/proc/{stack.worker.pid}/fd"))
     finally:
+        (workspace / "go").touch()
         res = await call
     assert res.result["outcome"] == "ok", res.result["output"]
     assert during - before < 600, f"the worker held {during - before} more fds for the call"
