@@ -111,16 +111,16 @@ def big(n_bytes: int) -> str:
 @server.tool()
 def daemon() -> str:
     """Leave a double-forked, session-leading daemon that ignores SIGTERM and
-    SIGHUP and sleeps (what must not outlive the server's worker)."""
+    SIGHUP and waits until killed (what must not outlive the server's worker)."""
     import signal
-    import time
 
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
-            time.sleep(3600)
+            while True:  # until killed: TERM and HUP are ignored, so only KILL ends it
+                signal.pause()
         os._exit(0)
     return f"daemon left by {os.getpid()}"
 
