@@ -20,6 +20,7 @@ from tests.engine.farm import _ready, engine, start_farm, write_script
 from tests.helpers import PYTHON, Procs, eventually, kill_tree
 
 N_SESSIONS = 1000
+PROGRESS_WINDOW_S = 5.0  # after the kill, some session completes a turn within this
 
 
 # In the heavy xdist group (tests/conftest.py). It once failed only in the
@@ -94,8 +95,11 @@ async def test_a_thousand_sessions_with_a_hung_one_and_a_killed_worker(
         # turns inside the killed worker's liveness window (1 s here) and the hung
         # session holds nobody up. (Counted, not timed against a rate: the rate
         # on a shared 2-core CI machine moves with whatever else runs.)
-        in_window = sum(1 for t in done_at if killed_at <= t <= killed_at + 3.0)
-        assert in_window > 0, "no session completed a turn in the 3 s after the kill"
+        # The window: the 1 s liveness plus a margin for a loaded CI host (3 s once saw
+        # no completion with four xdist workers on 2 cores; the rest took far longer).
+        in_window = sum(1 for t in done_at if killed_at <= t <= killed_at + PROGRESS_WINDOW_S)
+        assert in_window > 0, \
+            f"no session completed a turn in the {PROGRESS_WINDOW_S:.0f} s after the kill"
         outcomes = list(done.values())
         # sessions whose call was on the killed worker complete too (a lost model call is
         # retried; a lost tool call is "unknown"); none waits on the hung session
