@@ -187,9 +187,18 @@ def test_up_status_down_with_a_restart_and_no_orphans(
                      r"\d+\.\d{3}s\)", shown.stdout)
 
     # A turn holds a sandboxed tool process when the farm goes down.
+    run_log = procs.log_dir / f"cli-{len(procs.started)}.log"
     run = spawn(procs, home, "run", "--workspace", str(ws), "--json", "go")
-    wait_until(lambda: (ws / "effects.log").exists(), timeout_s=60,
-               what="the tool call to start in the sandbox")
+    try:
+        wait_until(lambda: (ws / "effects.log").exists() or run.poll() is not None,
+                   timeout_s=60, what="the tool call to start in the sandbox")
+    finally:  # what the run and the supervisor said, if it never started (seen once)
+        if not (ws / "effects.log").exists():
+            said = run_log.read_text(errors="replace")[-3000:] if run_log.exists() else ""
+            sup = home / "logs" / "supervisor.log"
+            tail = sup.read_text(errors="replace")[-3000:] if sup.exists() else ""
+            print(f"corral run (exit {run.poll()}):\n{said}\nsupervisor.log:\n{tail}")
+    assert (ws / "effects.log").exists(), f"corral run ended first (exit {run.returncode})"
     busy = wait_until(lambda: _busy_status(home), timeout_s=30,
                       what="status to show a busy tool worker and a running turn")
     assert busy is not None
