@@ -148,6 +148,12 @@ def test_up_status_down_with_a_restart_and_no_orphans(
         homes: list[Path], workspace_root: Path, procs: Procs) -> None:
     home = make_home(workspace_root, "home", [shell("echo m-1 >> effects.log; sleep 60"),
                                               text("never")])
+    # This test is about restarts and the tool process at `down`, not liveness: a 3 s
+    # window (the default is 1 s), as the full suite's load (four xdist workers on 2
+    # cores) once made the worker silent 1.04 s right after the call's dispatch, and
+    # the call ended worker_lost before it started.
+    with open(home / "corral.toml", "a") as toml:  # the [farm] table is the last one
+        toml.write("liveness = 12\n")
     homes.append(home)
     ws = make_ws(workspace_root)
     info = _up(home, workers=2)
